@@ -1,0 +1,94 @@
+"""Shared fixtures: bus backends (real servers when configured, embedded ones always) and per-test isolation.
+
+Integration tests take the `bus_config` fixture, which runs each test once per backend:
+- `embedded`: the in-process fakeredis server and amqtt broker (always available);
+- `real`: the servers named by `TLT_TEST_REDIS_URL` and `TLT_TEST_MQTT_URL` (CI sets them); skipped when unset.
+Every test gets its own run name, so its Redis keys (`tlt:{run}:*`) and MQTT topics (`tlt/{run}/*`) are
+its own; what it wrote on the real servers is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from tlt_stream.bus.embedded import EmbeddedServers
+from tlt_stream.config import BusConfig, Config
+
+REAL_REDIS = os.environ.get("TLT_TEST_REDIS_URL")
+REAL_MQTT = os.environ.get("TLT_TEST_MQTT_URL")
+
+torch_threads = int(os.environ.get("TLT_TEST_TORCH_THREADS", "2"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@pytest.fixture(scope="session")
+def embedded() -> Iterator[EmbeddedServers]:
+    servers = EmbeddedServers()
+    servers.start_redis()
+    servers.start_mqtt()
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(params=["embedded", "real"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "real" and not (REAL_REDIS and REAL_MQTT):
+        pytest.skip("real servers not configured (set TLT_TEST_REDIS_URL and TLT_TEST_MQTT_URL)")
+    return request.param
+
+
+def make_config(redis_url: str, mqtt_url: str, **bus_overrides: object) -> Config:
+    run = f"t{uuid.uuid4().hex[:10]}"
+    bus = msgspec.convert({"redis_url": redis_url, "mqtt_url": mqtt_url, "block_ms": 200, **bus_overrides}, BusConfig)
+    return Config(run=run, bus=bus)
+
+
+@pytest.fixture
+def bus_config(backend: str, request: pytest.FixtureRequest) -> Iterator[Config]:
+    """A Config pointing at one backend, with a fresh run name; cleaned up afterwards."""
+    if backend == "real":
+        assert REAL_REDIS and REAL_MQTT
+        config = make_config(REAL_REDIS, REAL_MQTT)
+    else:
+        servers: EmbeddedServers = request.getfixturevalue("embedded")
+        assert servers.redis_url and servers.mqtt_url
+        config = make_config(servers.redis_url, servers.mqtt_url)
+    yield config
+    asyncio.run(_cleanup(config))
+
+
+async def _cleanup(config: Config) -> None:
+    import aiomqtt
+    import redis.asyncio as aioredis
+
+    from tlt_stream.bus.connect import mqtt_params
+    from tlt_stream.messages import CONTROL_KINDS
+
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    try:
+        keys = [k async for k in redis.scan_iter(match=f"tlt:{config.run}:*", count=1000)]
+        if keys:
+            await redis.delete(*keys)
+    finally:
+        await redis.aclose()
+    params = mqtt_params(config.bus.mqtt_url or "")
+    try:
+        async with aiomqtt.Client(params.host, params.port, protocol=aiomqtt.ProtocolVersion.V311) as client:
+            for kind in CONTROL_KINDS:  # an empty retained message clears the retained state
+                await client.publish(f"{config.topic_prefix}{kind}", b"", qos=1, retain=True)
+    except aiomqtt.MqttError:
+        pass

@@ -1,0 +1,310 @@
+"""The data plane against real servers: delivery, dead letters, dead consumers, backpressure, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tlt_stream.bus.consumer import StreamReader, consume
+from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer, stream_backlog, trim_acked
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.messages import PromptGroup, Tensor, WorkerState, WorkerStatus, codec_for
+
+pytestmark = [pytest.mark.redis]
+
+
+def prompt(i: int) -> PromptGroup:
+    return PromptGroup(task_id=f"task-{i}", prompt_id=f"p{i}", prompt_ids=[1, 2, i], answer=str(i), group_size=4)
+
+
+def with_bus(config: Config, **changes: object) -> Config:
+    return msgspec.structs.replace(config, bus=msgspec.structs.replace(config.bus, **changes))
+
+
+async def dead_letters(redis: aioredis.Redis, keys: Keys) -> list:
+    rows = await redis.xrange(keys.stream("dead"))
+    return [codec_for("dead").decode(fields[PAYLOAD_FIELD]) for _, fields in rows]
+
+
+async def test_produce_consume_ack(bus_config: Config) -> None:
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    sent = [prompt(i) for i in range(10)]
+    ids = await producer.send("prompts", sent)
+    got = []
+    while len(got) < 10:
+        got += await reader.read()
+    assert [d.entry_id for d in got] == ids
+    assert [d.message for d in got] == sent
+    assert all(d.deliveries == 1 for d in got)
+    assert await reader.ack([d.entry_id for d in got]) == 10
+    assert await reader.ack([d.entry_id for d in got]) == 0, "an entry is acked once"
+    assert (await redis.xpending(keys.stream("prompts"), "rollout"))["pending"] == 0
+    await redis.aclose()
+
+
+async def test_garbage_goes_to_dead_and_the_reader_goes_on(bus_config: Config) -> None:
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    key = keys.stream("prompts")
+    await producer.send("prompts", [prompt(0)])
+    await redis.xadd(key, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
+    await redis.xadd(key, {b"other": b"no payload field"})
+    await redis.xadd(key, {PAYLOAD_FIELD: msgspec.msgpack.encode({"kind": "prompt_group", "schema": 99})})
+    await producer.send("prompts", [prompt(1)])
+    got = []
+    for _ in range(5):
+        got += await reader.read(block_ms=50)
+    assert [d.message.task_id for d in got] == ["task-0", "task-1"]
+    dead = await dead_letters(redis, keys)
+    assert len(dead) == 3
+    reasons = " | ".join(d.reason for d in dead)
+    assert "MessagePack data is malformed" in reasons
+    assert "entry has no 'm' field" in reasons
+    assert "$.schema" in reasons
+    assert all(d.stream == "prompts" and d.origin == "rollout/w1" for d in dead)
+    assert int(await redis.hget(keys.dead_counts, "prompts")) == 3
+    assert (await redis.xpending(key, "rollout"))["pending"] == 2, "dead entries are acked, good ones wait"
+    await redis.aclose()
+
+
+garbage = st.one_of(
+    st.binary(max_size=200),
+    st.dictionaries(
+        st.text(max_size=8), st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.binary(max_size=8))
+    ).map(msgspec.msgpack.encode),
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("hidden"),
+            "sample_id": st.text(max_size=5),
+            "policy_version": st.integers(-3, 3),
+            "token_ids": st.lists(st.integers(-2, 5), max_size=4),
+            "hidden": st.fixed_dictionaries(
+                {
+                    "dtype": st.sampled_from(["float32", "int8", "bogus"]),
+                    "shape": st.lists(st.integers(0, 3), max_size=3),
+                    "data": st.binary(max_size=40),
+                }
+            ),
+        }
+    ).map(msgspec.msgpack.encode),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payloads=st.lists(garbage, min_size=1, max_size=8))
+def test_fuzzed_entries_never_stop_the_reader(bus_config: Config, payloads: list[bytes]) -> None:
+    async def scenario() -> None:
+        keys = Keys(f"{bus_config.run}-{os.urandom(4).hex()}")
+        redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+        reader: StreamReader = StreamReader(redis, keys, bus_config.bus, "hidden", "fuzz")
+        await reader.ensure_group()
+        for payload in payloads:
+            await redis.xadd(keys.stream("hidden"), {PAYLOAD_FIELD: payload})
+        decoded = []
+        for _ in range(len(payloads) + 1):
+            decoded += await reader.read(block_ms=10)
+        for delivery in decoded:  # whatever decodes is a valid window
+            window = delivery.message
+            assert window.hidden.shape[0] == len(window.token_ids)
+        assert len(decoded) + reader.dead == len(payloads)
+        assert len(await dead_letters(redis, keys)) == reader.dead
+        await redis.delete(*[k async for k in redis.scan_iter(match=f"{keys.prefix}*")])
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+async def test_restarted_consumer_resumes_its_own_pending_first(bus_config: Config) -> None:
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    first: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w1")
+    await first.ensure_group()
+    await producer.send("prompts", [prompt(i) for i in range(3)])
+    taken = await first.read()
+    assert len(taken) == 3  # taken, never acked: the process "restarts"
+    await producer.send("prompts", [prompt(3)])
+    again: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w1")
+    resumed = await again.read()
+    assert [d.message.task_id for d in resumed] == ["task-0", "task-1", "task-2"]
+    assert all(d.deliveries == 2 for d in resumed)
+    new = await again.read()
+    assert [d.message.task_id for d in new] == ["task-3"]
+    await redis.aclose()
+
+
+CONSUMER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, msgspec, redis.asyncio as aioredis
+    from tlt_stream.bus.consumer import StreamReader
+    from tlt_stream.bus.streams import Keys
+    from tlt_stream.config import BusConfig
+
+    async def main():
+        bus = msgspec.json.decode(sys.argv[2], type=BusConfig)
+        redis = aioredis.Redis.from_url(bus.redis_url)
+        reader = StreamReader(redis, Keys(sys.argv[1]), bus, "prompts", "doomed")
+        taken = []
+        while len(taken) < int(sys.argv[3]):
+            taken += await reader.read()
+        print("TOOK", len(taken), flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.slow
+async def test_entries_of_a_killed_consumer_are_reclaimed_nothing_lost_nothing_acked_twice(
+    bus_config: Config,
+) -> None:
+    config = with_bus(bus_config, reclaim_idle_ms=400)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    survivor: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "survivor")
+    await survivor.ensure_group()
+    await producer.send("prompts", [prompt(i) for i in range(6)])
+    victim = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER_SCRIPT, config.run, msgspec.json.encode(config.bus).decode(), "6"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(victim.stdout.readline), timeout=60)
+        assert line.strip() == "TOOK 6"
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+    await producer.send("prompts", [prompt(6)])
+    handled: list[str] = []
+    acked = 0
+    for _ in range(40):
+        batch = await survivor.read(block_ms=100)
+        handled += [d.message.task_id for d in batch]
+        acked += await survivor.ack([d.entry_id for d in batch])
+        if len(handled) >= 7:
+            break
+    assert sorted(handled) == sorted(f"task-{i}" for i in range(7))
+    assert acked == 7 and survivor.reclaimed == 6
+    assert (await redis.xpending(keys.stream("prompts"), "rollout"))["pending"] == 0
+    await redis.aclose()
+
+
+async def test_an_entry_that_keeps_failing_is_dead_lettered_after_max_deliveries(bus_config: Config) -> None:
+    config = with_bus(bus_config, reclaim_idle_ms=1, max_deliveries=3)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    await producer.send("prompts", [prompt(0)])
+    seen = []
+    for _ in range(10):  # handler "fails": never acks; reclaim hands it back until it is given up
+        await asyncio.sleep(0.01)
+        seen += await reader.read(block_ms=20)
+        if reader.dead:
+            break
+    assert [d.deliveries for d in seen] == [1, 2, 3]
+    dead = await dead_letters(redis, keys)
+    assert len(dead) == 1 and "delivered 4 times without an ack" in dead[0].reason
+    assert codec_for("prompts").decode(dead[0].payload).task_id == "task-0"
+    await redis.aclose()
+
+
+async def test_consume_loop_acks_after_handler_success_only(bus_config: Config) -> None:
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    await producer.send("prompts", [prompt(i) for i in range(8)])
+    stop = asyncio.Event()
+    handled: list[str] = []
+
+    async def handler(delivery) -> None:
+        await asyncio.sleep(0.01)
+        if delivery.message.task_id == "task-3":
+            raise RuntimeError("boom")
+        handled.append(delivery.message.task_id)
+        if len(handled) == 7:
+            stop.set()
+
+    await asyncio.wait_for(consume(reader, handler, stop, concurrency=3), timeout=30)
+    assert sorted(handled) == sorted(f"task-{i}" for i in range(8) if i != 3)
+    pending = await redis.xpending_range(keys.stream("prompts"), "rollout", "-", "+", 10)
+    assert len(pending) == 1, "the failed entry stays pending for redelivery"
+    assert reader.acked == 7
+    await redis.aclose()
+
+
+async def test_backpressure_blocks_a_producer_until_the_consumer_acks(bus_config: Config) -> None:
+    config = with_bus(bus_config, backlog_limit=5)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    states: list[tuple[str, bool]] = []
+    producer = StreamProducer(redis, keys, config.bus, on_backpressure=lambda s, w: states.append((s, w)))
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    await producer.send("prompts", [prompt(i) for i in range(5)])
+    blocked = asyncio.create_task(producer.send("prompts", [prompt(5)]))
+    await asyncio.sleep(0.5)
+    assert not blocked.done() and producer.waiting == {"prompts"} and states == [("prompts", True)]
+    assert await stream_backlog(redis, keys.stream("prompts")) == 5
+    taken = await reader.read(count=2)
+    await asyncio.sleep(0.3)
+    assert not blocked.done(), "delivered but un-acked entries still count"
+    await reader.ack([d.entry_id for d in taken])
+    await asyncio.wait_for(blocked, timeout=5)
+    assert producer.waiting == set() and states == [("prompts", True), ("prompts", False)]
+    assert await redis.xlen(keys.stream("prompts")) == 6, "nothing was dropped"
+    await redis.aclose()
+
+
+async def test_retention_durable_trims_only_acked_buffer_is_bounded(bus_config: Config) -> None:
+    config = with_bus(bus_config, hidden_maxlen=50)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    await producer.send("prompts", [prompt(i) for i in range(10)])
+    taken = await reader.read(count=6)
+    await reader.ack([d.entry_id for d in taken[:2] + taken[3:]])  # entry 2 stays pending
+    assert await trim_acked(redis, keys.stream("prompts")) == 2
+    remaining = [
+        codec_for("prompts").decode(f[PAYLOAD_FIELD]).task_id for _, f in await redis.xrange(keys.stream("prompts"))
+    ]
+    assert remaining == [f"task-{i}" for i in range(2, 10)]
+    await reader.ack([taken[2].entry_id])
+    assert await trim_acked(redis, keys.stream("prompts")) == 4, "up to the first undelivered entry"
+
+    window = Tensor.from_values([[0.0] * 4] * 2, "float32")
+    from tlt_stream.messages import HiddenWindow
+
+    for _ in range(4):
+        await producer.send(
+            "hidden", [HiddenWindow(sample_id="s", policy_version=0, token_ids=[1, 2], hidden=window)] * 100
+        )
+    assert await redis.xlen(keys.stream("hidden")) < 400, "MAXLEN ~ bounds the buffer stream"
+    await producer.send_one("stats", WorkerState(worker_id="w", state=WorkerStatus.IDLE))
+    await redis.aclose()

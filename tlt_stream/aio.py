@@ -1,0 +1,105 @@
+"""Small asyncio helpers every service shares: the stop event, interruptible sleep, and the one retry helper.
+
+Services own their tasks in one `asyncio.TaskGroup`; a SIGTERM/SIGINT sets a stop `Event` that every loop
+watches, so shutdown is "stop taking work, drain, exit" rather than cancellation in the middle of a write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+__all__ = ["Backoff", "install_stop_signals", "retry", "run", "sleep_or_stop"]
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`, waking early when `stop` is set. Returns True when stop is set."""
+    if stop.is_set():
+        return True
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=max(0.0, seconds))
+    except TimeoutError:
+        return False
+    return True
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """Set `stop` on SIGTERM and SIGINT (a second SIGINT falls through to the default: KeyboardInterrupt)."""
+    loop = asyncio.get_running_loop()
+
+    def _on_signal(sig: signal.Signals) -> None:
+        if stop.is_set() and sig == signal.SIGINT:
+            loop.remove_signal_handler(signal.SIGINT)
+        log.info("received %s: stopping", sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, _on_signal, sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or no signals on this platform
+            pass
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with full jitter: delay n is uniform in [0, min(cap, base * 2**n)]."""
+
+    base: float = 0.1
+    cap: float = 30.0
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        delay = min(self.cap, self.base * (2**self.attempt))
+        self.attempt += 1
+        return random.uniform(0.5 * delay, delay)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def retry(
+    operation: Callable[[], Awaitable[T]],
+    *,
+    retry_on: tuple[type[Exception], ...],
+    what: str,
+    max_attempts: int | None = 8,
+    base: float = 0.1,
+    cap: float = 30.0,
+    stop: asyncio.Event | None = None,
+) -> T:
+    """Run `operation`, retrying the listed errors with capped backoff; other errors propagate at once.
+
+    `max_attempts=None` retries until `stop` is set (then the last error is raised).
+    """
+    backoff = Backoff(base=base, cap=cap)
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await operation()
+        except retry_on as exc:
+            if max_attempts is not None and attempt >= max_attempts:
+                raise
+            delay = backoff.next_delay()
+            log.warning("%s failed (%s: %s); retry %d in %.1fs", what, type(exc).__name__, exc, attempt, delay)
+            if stop is None:
+                await asyncio.sleep(delay)
+            elif await sleep_or_stop(stop, delay):
+                raise
+
+
+def run(main: Awaitable[T]) -> T:
+    """Run a coroutine on uvloop when it is available (the services' entry), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.run(main)  # type: ignore[arg-type]
+    return uvloop.run(main)  # type: ignore[arg-type]

@@ -1,0 +1,119 @@
+"""The worker registry: who is alive, in what state, since when.
+
+Each worker keeps a hash `tlt:{run}:worker:{id}` (state, role, pid, host, versions, ...) that expires when
+its heartbeats stop, plus an entry in the sorted set `tlt:{run}:workers` scored by its last heartbeat, so
+the monitor can list workers without SCAN. A worker that dies simply stops refreshing: its hash expires
+after `bus.heartbeat_ttl_s` and `list_workers` prunes it from the index. Every state change is also
+written to the `stats` stream as a `WorkerState` entry: the state timeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tlt_stream.aio import sleep_or_stop
+from tlt_stream.bus.connect import REDIS_RETRYABLE
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import BusConfig
+from tlt_stream.messages import WorkerState, WorkerStatus
+
+__all__ = ["WorkerRegistry", "list_workers"]
+
+log = logging.getLogger(__name__)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class WorkerRegistry:
+    """One worker's presence: its state, refreshed by `heartbeat(stop)` running as a task."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        bus: BusConfig,
+        producer: StreamProducer,
+        worker_id: str,
+        *,
+        role: str,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.bus = bus
+        self.producer = producer
+        self.worker_id = worker_id
+        self.role = role
+        self.state: WorkerStatus | None = None
+        self.since = time.time()
+        self.info: dict[str, str] = {"pid": str(os.getpid()), "host": socket.gethostname(), "role": role}
+
+    def update_info(self, **fields: Any) -> None:
+        """Extra fields shown by the monitor (versions, batch size, ...); written with the next heartbeat."""
+        self.info.update({k: str(v) for k, v in fields.items()})
+
+    async def set_state(self, state: WorkerStatus, reason: str = "") -> None:
+        """Change state: written to the registry at once and to the `stats` timeline."""
+        if state == self.state:
+            return
+        previous, self.state, self.since = self.state, state, time.time()
+        log.info("%s: %s -> %s%s", self.worker_id, previous, state, f" ({reason})" if reason else "")
+        try:
+            await self.producer.send_one(
+                "stats", WorkerState(worker_id=self.worker_id, state=state, previous=previous, reason=reason)
+            )
+            await self.beat()
+        except REDIS_RETRYABLE as exc:
+            log.warning("%s: could not record state %s (%s); the next heartbeat will", self.worker_id, state, exc)
+
+    async def beat(self) -> None:
+        now = time.time()
+        key = self.keys.worker(self.worker_id)
+        state = self.state or WorkerStatus.LOADING
+        mapping = {**self.info, "state": str(state), "since": f"{self.since:.3f}", "heartbeat": f"{now:.3f}"}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=mapping)
+            pipe.pexpire(key, int(self.bus.heartbeat_ttl_s * 1000))
+            pipe.zadd(self.keys.workers, {self.worker_id: now})
+            await pipe.execute()
+
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        """Refresh the registry every `bus.heartbeat_s` until `stop`; then record STOPPED."""
+        while True:
+            try:
+                await self.beat()
+            except REDIS_RETRYABLE as exc:
+                log.warning("%s: heartbeat failed (%s); retrying", self.worker_id, exc)
+            if await sleep_or_stop(stop, self.bus.heartbeat_s):
+                break
+        await self.set_state(WorkerStatus.STOPPED, "shutdown")
+
+
+async def list_workers(redis: aioredis.Redis, keys: Keys, bus: BusConfig) -> list[dict[str, str]]:
+    """Live workers (heartbeat within the TTL), each as its registry hash plus `worker_id`."""
+    cutoff = time.time() - bus.heartbeat_ttl_s
+    await redis.zremrangebyscore(keys.workers, "-inf", cutoff)
+    ids = [_text(i) for i in await redis.zrange(keys.workers, 0, -1)]
+    if not ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.hgetall(keys.worker(worker_id))
+        hashes = await pipe.execute()
+    workers = []
+    for worker_id, raw in zip(ids, hashes, strict=True):
+        if not raw:  # expired between the two reads
+            continue
+        entry = {_text(k): _text(v) for k, v in raw.items()}
+        entry["worker_id"] = worker_id
+        workers.append(entry)
+    return workers

@@ -1,0 +1,86 @@
+"""The streams of the data plane, their retention, and every Redis key of a run (all under `tlt:{run}:`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tlt_stream.config import BusConfig
+
+__all__ = ["STREAMS", "Keys", "StreamSpec", "spec"]
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """How one stream is written and kept.
+
+    A durable stream is never trimmed past entries a consumer group has not acked, and its producers wait
+    when the un-acked backlog passes `bus.backlog_limit`. A buffer stream is bounded with `MAXLEN ~` and
+    may drop its oldest entries by design.
+    """
+
+    name: str
+    durable: bool
+    group: str | None
+    """The consumer group that reads it (None: read by XRANGE/XREAD only)."""
+
+    def maxlen(self, bus: BusConfig) -> int | None:
+        if self.durable:
+            return None
+        return {"hidden": bus.hidden_maxlen, "stats": bus.stats_maxlen, "dead": bus.dead_maxlen}[self.name]
+
+
+STREAMS: dict[str, StreamSpec] = {
+    s.name: s
+    for s in (
+        StreamSpec("prompts", durable=True, group="rollout"),
+        StreamSpec("samples", durable=True, group="learner"),
+        StreamSpec("hidden", durable=False, group="drafter"),
+        StreamSpec("stats", durable=False, group=None),
+        StreamSpec("dead", durable=False, group=None),
+    )
+}
+
+
+def spec(stream: str) -> StreamSpec:
+    try:
+        return STREAMS[stream]
+    except KeyError:
+        raise KeyError(f"unknown stream {stream!r}; known: {', '.join(STREAMS)}") from None
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key (and pub/sub channel) of one run."""
+
+    run: str
+
+    @property
+    def prefix(self) -> str:
+        return f"tlt:{self.run}:"
+
+    def stream(self, name: str) -> str:
+        spec(name)
+        return f"{self.prefix}stream:{name}"
+
+    def acked_channel(self, name: str) -> str:
+        """Pub/sub channel a consumer notifies after acking, to wake producers waiting on backpressure."""
+        return f"{self.prefix}acked:{name}"
+
+    @property
+    def versions(self) -> str:
+        """Hash mirroring the retained MQTT control messages (policy, drafter, sd_config)."""
+        return f"{self.prefix}versions"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set: worker id -> time of its last heartbeat."""
+        return f"{self.prefix}workers"
+
+    def worker(self, worker_id: str) -> str:
+        """Hash with one worker's state; expires when its heartbeats stop."""
+        return f"{self.prefix}worker:{worker_id}"
+
+    @property
+    def dead_counts(self) -> str:
+        """Hash: stream name -> entries ever dead-lettered from it (the dead stream itself is bounded)."""
+        return f"{self.prefix}dead_counts"

@@ -1,0 +1,121 @@
+"""The `tlt-stream` command. Parses arguments with nothing heavy imported, so `--help` answers at once;
+each subcommand imports what it needs (torch, redis, ...) only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_CONFIG = 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser, *, bus: bool = True) -> None:
+    group = parser.add_argument_group("configuration")
+    group.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    group.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="override one setting, e.g. --set bus.block_ms=500 (repeatable)",
+    )
+    group.add_argument("--run", help="run name (key and topic prefix); env TLT_RUN")
+    if bus:
+        group.add_argument("--redis-url", help="Redis URL; env TLT_REDIS_URL; default: embedded server")
+        group.add_argument("--mqtt-url", help="MQTT URL; env TLT_MQTT_URL; default: embedded broker")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from tlt_stream.doctor import doctor
+
+    return doctor(load(args), as_json=args.json, timeout=args.timeout)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from tlt_stream.config import describe
+
+    if args.action == "describe":
+        for key, default, text in describe():
+            print(f"{key} = {default!r}\n    {text}")
+        return 0
+    config = load(args)
+    print(msgspec.json.format(msgspec.json.encode(config)).decode())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tlt-stream",
+        description="Reasoning-RL training that tames the long tail: adaptive speculative decoding with an "
+        "online drafter, streamed through Redis and MQTT.",
+    )
+    from tlt_stream import __version__
+
+    parser.add_argument("--version", action="version", version=f"tlt-stream {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check Redis and MQTT: versions, streams, pending entries, workers, retained versions",
+        description="Connect to the configured (or embedded) Redis and MQTT and report what is there. Exits 1 "
+        "when something is unreachable.",
+    )
+    _add_config_args(doctor)
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each server")
+    doctor.set_defaults(handler=_cmd_doctor)
+
+    config = commands.add_parser("config", help="show the effective configuration or describe every setting")
+    config.add_argument("action", choices=["show", "describe"], help="show: effective values as JSON")
+    _add_config_args(config)
+    config.set_defaults(handler=_cmd_config)
+    return parser
+
+
+def load(args: argparse.Namespace) -> Any:
+    """The validated configuration from --config, the environment, --set and dedicated flags."""
+    from tlt_stream.config import load_config
+
+    extra: dict[tuple[str, ...], Any] = {("run",): getattr(args, "run", None)}
+    if hasattr(args, "redis_url"):
+        extra[("bus", "redis_url")] = args.redis_url
+        extra[("bus", "mqtt_url")] = args.mqtt_url
+    return load_config(args.config, overrides=args.overrides, extra=extra)
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "verbose", 0))
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    from tlt_stream.config import ConfigError
+
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"tlt-stream: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("tlt-stream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""`tlt-stream doctor`: can this run reach its servers, and what state is it in?"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+import aiomqtt
+import msgspec
+
+from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis, endpoints, mqtt_params
+from tlt_stream.bus.control import read_mirror
+from tlt_stream.bus.registry import list_workers
+from tlt_stream.bus.streams import STREAMS, Keys
+from tlt_stream.config import Config, redact_url
+from tlt_stream.messages import CONTROL_CODEC
+
+__all__ = ["doctor", "inspect_mqtt", "inspect_redis"]
+
+
+def _text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
+    keys = Keys(config.run)
+    redis = connect_redis(config.bus.redis_url or "", name="tlt-doctor")
+    report: dict[str, Any] = {"url": redact_url(config.bus.redis_url), "reachable": False}
+    try:
+        async with asyncio.timeout(timeout):
+            await redis.ping()
+            report["reachable"] = True
+            try:
+                info = await redis.info("server")
+                report["server"] = f"redis {info.get('redis_version', '?')}"
+            except Exception:  # fakeredis answers no INFO
+                report["server"] = "Redis protocol server without INFO (embedded fakeredis?)"
+            streams = {}
+            for name, stream_spec in STREAMS.items():
+                key = keys.stream(name)
+                entry: dict[str, Any] = {"length": int(await redis.xlen(key)), "groups": {}}
+                if stream_spec.group is not None and entry["length"]:
+                    try:
+                        for group in await redis.xinfo_groups(key):
+                            entry["groups"][_text(group["name"])] = {
+                                "pending": int(group["pending"]),
+                                "lag": group.get("lag"),
+                                "consumers": int(group["consumers"]),
+                            }
+                    except Exception:
+                        pass
+                streams[name] = entry
+            report["streams"] = streams
+            report["dead_counts"] = {_text(k): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
+            report["workers"] = await list_workers(redis, keys, config.bus)
+            report["versions"] = {
+                kind: msgspec.to_builtins(message) for kind, message in (await read_mirror(redis, keys)).items()
+            }
+    except (*REDIS_RETRYABLE, TimeoutError) as exc:
+        report["error"] = f"cannot reach Redis at {redact_url(config.bus.redis_url)}: {exc or type(exc).__name__}"
+    finally:
+        await redis.aclose()
+    return report
+
+
+async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:
+    params = mqtt_params(config.bus.mqtt_url or "")
+    report: dict[str, Any] = {"url": redact_url(config.bus.mqtt_url), "reachable": False, "retained": {}}
+    try:
+        async with asyncio.timeout(timeout):
+            async with aiomqtt.Client(
+                params.host,
+                params.port,
+                username=params.username,
+                password=params.password,
+                protocol=aiomqtt.ProtocolVersion.V311,
+                tls_context=params.tls_context(),
+                timeout=timeout,
+            ) as client:
+                report["reachable"] = True
+                await client.subscribe(f"{config.topic_prefix}+", qos=1)
+                await client.subscribe("$SYS/broker/version", qos=0)
+                deadline = time.monotonic() + min(1.0, timeout / 2)
+                while time.monotonic() < deadline:
+                    try:
+                        async with asyncio.timeout(deadline - time.monotonic()):
+                            message = await anext(aiter(client.messages))
+                    except TimeoutError:
+                        break
+                    topic = str(message.topic)
+                    if topic == "$SYS/broker/version":
+                        report["server"] = _text(message.payload)
+                        continue
+                    try:
+                        decoded = CONTROL_CODEC.decode(message.payload)  # type: ignore[arg-type]
+                        report["retained"][topic] = msgspec.to_builtins(decoded)
+                    except msgspec.DecodeError as exc:
+                        report["retained"][topic] = {"error": f"undecodable: {exc}"}
+    except (aiomqtt.MqttError, TimeoutError, OSError) as exc:
+        report["error"] = f"cannot reach MQTT at {redact_url(config.bus.mqtt_url)}: {exc or type(exc).__name__}"
+    return report
+
+
+def _print_human(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]tlt-stream doctor[/bold]  run [cyan]{report['run']}[/cyan]"
+        + ("  (embedded servers)" if report["embedded"] else "")
+    )
+    for name in ("redis", "mqtt"):
+        part = report[name]
+        status = "[green]ok[/green]" if part["reachable"] else "[red]unreachable[/red]"
+        console.print(f"{name:5s} {status}  {part['url']}  {part.get('server', '')}")
+        if "error" in part:
+            console.print(f"      [red]{part['error']}[/red]")
+    redis = report["redis"]
+    if redis.get("streams"):
+        table = Table("stream", "length", "group", "pending", "lag", "consumers", title="streams")
+        for name, entry in redis["streams"].items():
+            groups = entry["groups"] or {"-": {"pending": "-", "lag": "-", "consumers": "-"}}
+            for group, g in groups.items():
+                table.add_row(name, str(entry["length"]), group, str(g["pending"]), str(g["lag"]), str(g["consumers"]))
+        console.print(table)
+        console.print(f"dead letters per stream: {redis.get('dead_counts') or 'none'}")
+        console.print(f"live workers: {len(redis.get('workers', []))}")
+        for worker in redis.get("workers", []):
+            console.print(
+                f"  {worker['worker_id']}: {worker.get('state')} ({worker.get('role')}, pid {worker.get('pid')})"
+            )
+        versions = redis.get("versions") or {}
+        console.print(
+            "versions (Redis mirror): " + (", ".join(f"{k} v{v['version']}" for k, v in versions.items()) or "none")
+        )
+    retained = report["mqtt"].get("retained") or {}
+    if report["mqtt"]["reachable"]:
+        console.print(
+            "retained (MQTT): " + (", ".join(f"{k} v{v.get('version')}" for k, v in retained.items()) or "none")
+        )
+
+
+def doctor(config: Config, *, as_json: bool, timeout: float) -> int:
+    embedded = config.bus.redis_url is None or config.bus.mqtt_url is None
+    with endpoints(config) as resolved:
+
+        async def gather() -> tuple[dict[str, Any], dict[str, Any]]:
+            return await asyncio.gather(inspect_redis(resolved, timeout), inspect_mqtt(resolved, timeout))
+
+        redis_report, mqtt_report = asyncio.run(gather())
+    report = {"run": config.run, "embedded": embedded, "redis": redis_report, "mqtt": mqtt_report}
+    ok = redis_report["reachable"] and mqtt_report["reachable"]
+    report["ok"] = ok
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+    else:
+        _print_human(report)
+    if not ok:
+        for part in (redis_report, mqtt_report):
+            if "error" in part:
+                print(f"tlt-stream doctor: {part['error']}", file=sys.stderr)
+    return 0 if ok else 1

@@ -1,0 +1,431 @@
+"""Every wire schema: one tagged union of msgspec Structs per stream, msgpack-encoded.
+
+Each entry carries a `kind` tag and a `schema` version; a decoder accepts exactly the versions it knows and
+anything else fails to decode (and is dead-lettered by the reader). Tensors travel as (dtype, shape, bytes)
+and are checked for consistency while decoding, so a tensor whose bytes do not match its shape never
+reaches a handler. Timestamps come from a default factory, evaluated per message. Importing this module
+does not import torch; `Tensor.to_torch`/`from_torch` import it on first use.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Generic, Literal, TypeVar
+
+import msgspec
+import numpy as np
+from msgspec import Meta, Struct, field
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DTYPE_SIZES",
+    "CONTROL_CODEC",
+    "CONTROL_KINDS",
+    "Codec",
+    "ControlMessage",
+    "DeadLetter",
+    "DrafterVersion",
+    "HiddenWindow",
+    "LearnerStats",
+    "PolicyVersion",
+    "PromptGroup",
+    "RolloutStats",
+    "Sample",
+    "SdArmChoice",
+    "SdArmReport",
+    "SdConfigVersion",
+    "StatsEntry",
+    "Tensor",
+    "WorkerState",
+    "WorkerStatus",
+    "codec_for",
+]
+
+SCHEMA = 1
+"""The schema version every entry written by this code carries."""
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+MAX_TENSOR_DIMS = 8
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+Version = Annotated[int, Meta(ge=-1)]
+"""A policy or drafter version; -1 means none yet."""
+
+
+def _now() -> float:
+    return time.time()
+
+
+class _Entry(Struct, frozen=True, kw_only=True, tag_field="kind", forbid_unknown_fields=True):
+    schema: Literal[1] = SCHEMA
+    created_at: float = field(default_factory=_now)
+
+    @property
+    def kind(self) -> str:
+        """The entry's tag (`sample`, `policy`, ...), as written in its `kind` field on the wire."""
+        return type(self).__struct_config__.tag  # type: ignore[return-value]
+
+
+class Tensor(Struct, frozen=True, forbid_unknown_fields=True):
+    """A tensor on the wire: dtype name, shape and the raw little-endian bytes (C order)."""
+
+    dtype: str
+    shape: list[NonNegInt]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported tensor dtype {self.dtype!r}; allowed: {', '.join(DTYPE_SIZES)}")
+        if len(self.shape) > MAX_TENSOR_DIMS:
+            raise ValueError(f"tensor has {len(self.shape)} dimensions; at most {MAX_TENSOR_DIMS} allowed")
+        expected = math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        if expected != len(self.data):
+            raise ValueError(
+                f"tensor bytes do not match dtype and shape: {self.dtype}{self.shape} needs {expected} "
+                f"bytes, got {len(self.data)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> Tensor:
+        import torch
+
+        t = tensor.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"cannot send a {t.dtype} tensor; allowed: {', '.join(DTYPE_SIZES)}")
+        raw = t.reshape(-1).view(torch.uint8)
+        return cls(dtype=dtype, shape=list(t.shape), data=raw.numpy().tobytes())
+
+    @classmethod
+    def from_values(cls, values: Sequence[float] | np.ndarray, dtype: str) -> Tensor:
+        """A 1-D (or n-D, from an array) tensor of `dtype` from Python numbers or a numpy array."""
+        if dtype not in DTYPE_SIZES or dtype == "bfloat16":
+            raise ValueError(f"from_values does not support dtype {dtype!r}")
+        array = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
+        return cls(dtype=dtype, shape=list(array.shape), data=array.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        """A read-only numpy view of the bytes (bfloat16 is not representable in numpy)."""
+        if self.dtype == "bfloat16":
+            raise ValueError("bfloat16 tensors have no numpy form; use to_torch()")
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+    def to_torch(self) -> torch.Tensor:
+        """A CPU tensor viewing a private copy of the bytes (writable, independent of the message)."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+
+
+class PromptGroup(_Entry, tag="prompt_group"):
+    """One prompt to be answered G times by one rollout worker (the unit of the `prompts` stream)."""
+
+    task_id: str
+    prompt_id: str
+    prompt_ids: list[NonNegInt]
+    answer: str
+    group_size: Annotated[int, Meta(ge=1, le=4096)]
+    min_policy_version: NonNegInt = 0
+    step: NonNegInt = 0
+    prompt_text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+
+
+PromptsEntry = PromptGroup
+
+
+# ---------------------------------------------------------------------------------------------------- samples
+
+
+class Sample(_Entry, tag="sample"):
+    """One finished response with everything the learner needs (the unit of the `samples` stream).
+
+    `sample_id` is deterministic (`{task_id}/{index}`), so a sample regenerated after a worker died is
+    recognised as the same sample and applied at most once.
+    """
+
+    sample_id: str
+    task_id: str
+    prompt_id: str
+    index: NonNegInt
+    group_size: Annotated[int, Meta(ge=1, le=4096)]
+    prompt_ids: list[NonNegInt]
+    token_ids: Tensor
+    """int32 [n]: the response."""
+    logprobs: Tensor
+    """float32 [n]: behaviour log-probabilities of `token_ids` under the policy that generated them."""
+    policy_version: NonNegInt
+    drafter_version: Version
+    reward: float
+    finish_reason: Literal["eos", "length"]
+    worker_id: str
+    step: NonNegInt = 0
+    gen_seconds: Annotated[float, Meta(ge=0)] = 0.0
+    accept_length: Annotated[float, Meta(ge=0)] = 0.0
+    """Mean tokens emitted per target forward while generating this sample (1.0 without SD)."""
+
+    def __post_init__(self) -> None:
+        if self.token_ids.dtype != "int32" or len(self.token_ids.shape) != 1:
+            raise ValueError(f"token_ids must be int32 [n], got {self.token_ids.dtype}{self.token_ids.shape}")
+        if self.logprobs.dtype != "float32" or self.logprobs.shape != self.token_ids.shape:
+            raise ValueError(
+                f"logprobs must be float32 {self.token_ids.shape}, got {self.logprobs.dtype}{self.logprobs.shape}"
+            )
+        if self.index >= self.group_size:
+            raise ValueError(f"index {self.index} is outside a group of {self.group_size}")
+        ids = self.token_ids.to_numpy()
+        if ids.size and ids.min() < 0:
+            raise ValueError("token_ids must be non-negative")
+        lp = self.logprobs.to_numpy()
+        if lp.size and not (np.isfinite(lp).all() and lp.max() <= 0.0):
+            raise ValueError("logprobs must be finite values <= 0")
+
+    @property
+    def response_len(self) -> int:
+        return self.token_ids.shape[0]
+
+
+SamplesEntry = Sample
+
+
+# ---------------------------------------------------------------------------------------------------- hidden
+
+
+class HiddenWindow(_Entry, tag="hidden"):
+    """A window of target hidden states with the tokens they were computed at (drafter training data).
+
+    Row i of `hidden` is the target's final-layer hidden state at the position of `token_ids[i]`, i.e. the
+    state whose logits predicted `token_ids[i + 1]`. The first `prompt_len` rows are prompt positions
+    (context, not trained on).
+    """
+
+    sample_id: str
+    policy_version: NonNegInt
+    token_ids: list[NonNegInt]
+    hidden: Tensor
+    start: NonNegInt = 0
+    prompt_len: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if len(self.hidden.shape) != 2 or self.hidden.shape[0] != len(self.token_ids):
+            raise ValueError(
+                f"hidden must be [len(token_ids), H] = [{len(self.token_ids)}, H], got {self.hidden.shape}"
+            )
+        if self.prompt_len > len(self.token_ids):
+            raise ValueError("prompt_len exceeds the window")
+
+
+HiddenEntry = HiddenWindow
+
+
+# ---------------------------------------------------------------------------------------------------- stats
+
+
+class WorkerStatus(enum.StrEnum):
+    GENERATING = "GENERATING"
+    IDLE = "IDLE"
+    TRAINING_DRAFTER = "TRAINING_DRAFTER"
+    LOADING = "LOADING"
+    STOPPED = "STOPPED"
+
+
+class WorkerState(_Entry, tag="worker_state"):
+    """A worker changed state (the timeline of GENERATING / IDLE / TRAINING_DRAFTER / ...)."""
+
+    worker_id: str
+    state: WorkerStatus
+    previous: WorkerStatus | None = None
+    reason: str = ""
+
+
+class RolloutStats(_Entry, tag="rollout"):
+    """A rollout worker's measurements over one reporting interval."""
+
+    worker_id: str
+    policy_version: NonNegInt
+    drafter_version: Version
+    batch_size: NonNegInt
+    tokens: NonNegInt
+    seconds: Annotated[float, Meta(ge=0)]
+    target_forwards: NonNegInt = 0
+    sd_on: bool = False
+
+
+class SdArmReport(_Entry, tag="sd_arm"):
+    """Measured throughput of one speculative-decoding arm in one batch-size bucket."""
+
+    worker_id: str
+    drafter_version: Version
+    bucket: NonNegInt
+    depth: NonNegInt
+    topk: NonNegInt
+    verify: NonNegInt
+    tokens: NonNegInt
+    seconds: Annotated[float, Meta(ge=0)]
+
+
+class LearnerStats(_Entry, tag="learner"):
+    """One learner update."""
+
+    step: NonNegInt
+    policy_version: NonNegInt
+    groups: NonNegInt
+    samples: NonNegInt
+    metrics: dict[str, float] = {}
+
+
+StatsEntry = WorkerState | RolloutStats | SdArmReport | LearnerStats
+
+
+# ---------------------------------------------------------------------------------------------------- dead
+
+
+class DeadLetter(_Entry, tag="dead"):
+    """An entry that failed to decode, validate or be handled, with why and where it came from."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    origin: str
+    deliveries: NonNegInt = 0
+    payload: bytes = b""
+    """The raw entry, truncated to `payload_limit` bytes."""
+    payload_size: NonNegInt = 0
+
+
+DeadEntry = DeadLetter
+
+
+# ---------------------------------------------------------------------------------------------------- control
+# Retained MQTT messages (JSON, so `mosquitto_sub -v -t 'tlt/#'` is readable), mirrored in a Redis hash.
+
+Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class PolicyVersion(_Entry, tag="policy"):
+    """A new policy checkpoint: where it is and its sha256 (workers verify before loading)."""
+
+    version: NonNegInt
+    location: str
+    sha256: Sha256
+    step: NonNegInt = 0
+
+
+class DrafterVersion(_Entry, tag="drafter"):
+    """A new drafter checkpoint and the policy version it was trained against."""
+
+    version: NonNegInt
+    location: str
+    sha256: Sha256
+    policy_version: Version = -1
+
+
+class SdArmChoice(Struct, frozen=True, forbid_unknown_fields=True):
+    """The arm to use for running batches of at most `max_batch` rows (`enabled=False`: plain decoding)."""
+
+    max_batch: Annotated[int, Meta(ge=1)]
+    depth: NonNegInt
+    topk: NonNegInt
+    verify: NonNegInt
+    enabled: bool = True
+
+
+class SdConfigVersion(_Entry, tag="sd_config"):
+    """The speculative-decoding table aggregated across workers."""
+
+    version: NonNegInt
+    drafter_version: Version = -1
+    table: list[SdArmChoice] = []
+
+
+ControlMessage = PolicyVersion | DrafterVersion | SdConfigVersion
+CONTROL_KINDS = ("policy", "drafter", "sd_config")
+
+
+# ---------------------------------------------------------------------------------------------------- codecs
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """One reused msgpack encoder and typed decoder for one stream's union."""
+
+    def __init__(self, kind: type[T] | object) -> None:
+        self.type = kind
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(kind)  # type: ignore[arg-type]
+
+    def encode(self, message: T) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes | memoryview) -> T:
+        """Raises `msgspec.DecodeError` (malformed) or `msgspec.ValidationError` (well-formed but invalid)."""
+        return self._decoder.decode(data)
+
+
+_CODECS: dict[str, Codec] = {
+    "prompts": Codec(PromptsEntry),
+    "samples": Codec(SamplesEntry),
+    "hidden": Codec(HiddenEntry),
+    "stats": Codec(StatsEntry),
+    "dead": Codec(DeadEntry),
+}
+
+
+class JsonCodec(Generic[T]):
+    """One reused JSON encoder and typed decoder (the control plane's wire format)."""
+
+    def __init__(self, kind: type[T] | object) -> None:
+        self.type = kind
+        self._encoder = msgspec.json.Encoder()
+        self._decoder: msgspec.json.Decoder[T] = msgspec.json.Decoder(kind)  # type: ignore[arg-type]
+
+    def encode(self, message: T) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes | str) -> T:
+        return self._decoder.decode(data)
+
+
+CONTROL_CODEC: JsonCodec[ControlMessage] = JsonCodec(ControlMessage)
+
+
+def codec_for(stream: str) -> Codec:
+    """The codec of a stream by its short name (`prompts`, `samples`, `hidden`, `stats`, `dead`)."""
+    try:
+        return _CODECS[stream]
+    except KeyError:
+        raise KeyError(f"no codec for stream {stream!r}; known: {', '.join(_CODECS)}") from None
