@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DTYPE_SIZES",
     "CONTROL_CODEC",
     "CONTROL_KINDS",
+    "DTYPE_SIZES",
     "Codec",
     "ControlMessage",
     "DeadLetter",
@@ -84,11 +84,15 @@ class _Entry(Struct, frozen=True, kw_only=True, tag_field="kind", forbid_unknown
 
 
 class Tensor(Struct, frozen=True, forbid_unknown_fields=True):
-    """A tensor on the wire: dtype name, shape and the raw little-endian bytes (C order)."""
+    """A tensor on the wire: dtype name, shape and the raw little-endian bytes (C order).
+
+    Decoding is zero-copy: `data` is a read-only view into the received entry. `to_torch` makes the one
+    private copy a consumer needs.
+    """
 
     dtype: str
     shape: list[NonNegInt]
-    data: bytes
+    data: memoryview
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -115,7 +119,7 @@ class Tensor(Struct, frozen=True, forbid_unknown_fields=True):
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"cannot send a {t.dtype} tensor; allowed: {', '.join(DTYPE_SIZES)}")
         raw = t.reshape(-1).view(torch.uint8)
-        return cls(dtype=dtype, shape=list(t.shape), data=raw.numpy().tobytes())
+        return cls(dtype=dtype, shape=list(t.shape), data=memoryview(raw.numpy().tobytes()))
 
     @classmethod
     def from_values(cls, values: Sequence[float] | np.ndarray, dtype: str) -> Tensor:
@@ -123,7 +127,7 @@ class Tensor(Struct, frozen=True, forbid_unknown_fields=True):
         if dtype not in DTYPE_SIZES or dtype == "bfloat16":
             raise ValueError(f"from_values does not support dtype {dtype!r}")
         array = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
-        return cls(dtype=dtype, shape=list(array.shape), data=array.tobytes())
+        return cls(dtype=dtype, shape=list(array.shape), data=memoryview(array.tobytes()))
 
     def to_numpy(self) -> np.ndarray:
         """A read-only numpy view of the bytes (bfloat16 is not representable in numpy)."""
@@ -206,12 +210,14 @@ class Sample(_Entry, tag="sample"):
             )
         if self.index >= self.group_size:
             raise ValueError(f"index {self.index} is outside a group of {self.group_size}")
-        ids = self.token_ids.to_numpy()
-        if ids.size and ids.min() < 0:
-            raise ValueError("token_ids must be non-negative")
-        lp = self.logprobs.to_numpy()
-        if lp.size and not (np.isfinite(lp).all() and lp.max() <= 0.0):
-            raise ValueError("logprobs must be finite values <= 0")
+        if self.token_ids.shape[0]:
+            # One reduction each: min < 0 catches negative ids; a NaN or infinite logprob makes the sum
+            # non-finite, and a positive one shows in the max.
+            if self.token_ids.to_numpy().min() < 0:
+                raise ValueError("token_ids must be non-negative")
+            lp = self.logprobs.to_numpy()
+            if not (math.isfinite(float(lp.sum(dtype=np.float64))) and lp.max() <= 0.0):
+                raise ValueError("logprobs must be finite values <= 0")
 
     @property
     def response_len(self) -> int:
@@ -390,6 +396,10 @@ class Codec(Generic[T]):
 
     def encode(self, message: T) -> bytes:
         return self._encoder.encode(message)
+
+    def encode_into(self, message: T, buffer: bytearray) -> None:
+        """Encode into a reused buffer (resized to fit): no fresh allocation for large entries."""
+        self._encoder.encode_into(message, buffer)
 
     def decode(self, data: bytes | memoryview) -> T:
         """Raises `msgspec.DecodeError` (malformed) or `msgspec.ValidationError` (well-formed but invalid)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -184,17 +183,21 @@ async def test_entries_of_a_killed_consumer_are_reclaimed_nothing_lost_nothing_a
     survivor: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "survivor")
     await survivor.ensure_group()
     await producer.send("prompts", [prompt(i) for i in range(6)])
-    victim = subprocess.Popen(
-        [sys.executable, "-c", CONSUMER_SCRIPT, config.run, msgspec.json.encode(config.bus).decode(), "6"],
-        stdout=subprocess.PIPE,
-        text=True,
+    victim = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CONSUMER_SCRIPT,
+        config.run,
+        msgspec.json.encode(config.bus).decode(),
+        "6",
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
-        line = await asyncio.wait_for(asyncio.to_thread(victim.stdout.readline), timeout=60)
-        assert line.strip() == "TOOK 6"
+        line = await asyncio.wait_for(victim.stdout.readline(), timeout=60)
+        assert line.decode().strip() == "TOOK 6"
     finally:
         victim.send_signal(signal.SIGKILL)
-        victim.wait()
+        await victim.wait()
     await producer.send("prompts", [prompt(6)])
     handled: list[str] = []
     acked = 0

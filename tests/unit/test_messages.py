@@ -169,15 +169,15 @@ def test_tensor_round_trips_torch_dtypes() -> None:
 
 def test_tensor_whose_bytes_do_not_match_is_refused_on_decode() -> None:
     good = HiddenWindow(sample_id="s", policy_version=0, token_ids=[1, 2], hidden=Tensor.from_torch(torch.zeros(2, 3)))
-    raw = msgspec.to_builtins(good, builtin_types=(bytes,))
+    raw = msgspec.to_builtins(good, builtin_types=(bytes, memoryview))
     raw["hidden"]["data"] = raw["hidden"]["data"][:-4]
     with pytest.raises(msgspec.ValidationError, match="tensor bytes do not match dtype and shape"):
         codec_for("hidden").decode(msgspec.msgpack.encode(raw))
-    raw = msgspec.to_builtins(good, builtin_types=(bytes,))
+    raw = msgspec.to_builtins(good, builtin_types=(bytes, memoryview))
     raw["hidden"]["dtype"] = "complex128"
     with pytest.raises(msgspec.ValidationError, match="unsupported tensor dtype"):
         codec_for("hidden").decode(msgspec.msgpack.encode(raw))
-    raw = msgspec.to_builtins(good, builtin_types=(bytes,))
+    raw = msgspec.to_builtins(good, builtin_types=(bytes, memoryview))
     raw["token_ids"] = [1, 2, 3]
     with pytest.raises(msgspec.ValidationError, match=r"hidden must be \[len\(token_ids\), H\]"):
         codec_for("hidden").decode(msgspec.msgpack.encode(raw))
@@ -218,8 +218,8 @@ def test_sample_invariants_are_checked() -> None:
         ({"token_ids": Tensor.from_values([5, 6], "int64")}, "token_ids must be int32"),
         ({"index": 2}, "outside a group"),
     ]:
-        raw = msgspec.to_builtins(Sample(**base), builtin_types=(bytes,))
-        raw.update(msgspec.to_builtins(change, builtin_types=(bytes,)))
+        raw = msgspec.to_builtins(Sample(**base), builtin_types=(bytes, memoryview))
+        raw.update(msgspec.to_builtins(change, builtin_types=(bytes, memoryview)))
         with pytest.raises(msgspec.ValidationError, match=why):
             codec_for("samples").decode(msgspec.msgpack.encode(raw))
 

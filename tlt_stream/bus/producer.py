@@ -103,6 +103,7 @@ class StreamProducer:
         self.bus = bus
         self.on_backpressure = on_backpressure
         self._credit: dict[str, int] = {}
+        self._buffers: list[bytearray] = []
         self.waiting: set[str] = set()
         self.wait_seconds = 0.0
 
@@ -115,15 +116,21 @@ class StreamProducer:
             return []
         stream_spec = spec(stream)
         codec = codec_for(stream)
-        payloads = [codec.encode(m) for m in messages]
         key = self.keys.stream(stream)
         if stream_spec.durable:
-            await self._reserve(stream, key, len(payloads))
+            await self._reserve(stream, key, len(messages))
         maxlen = stream_spec.maxlen(self.bus)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for payload in payloads:
-                pipe.xadd(key, {PAYLOAD_FIELD: payload}, maxlen=maxlen, approximate=True)
-            ids = await pipe.execute()
+        # Encoding into pooled buffers avoids a fresh allocation (and its page faults) per large entry;
+        # a buffer returns to the pool once the pipeline has been sent.
+        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in messages]
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for message, buffer in zip(messages, buffers, strict=True):
+                    codec.encode_into(message, buffer)
+                    pipe.xadd(key, {PAYLOAD_FIELD: memoryview(buffer)}, maxlen=maxlen, approximate=True)
+                ids = await pipe.execute()
+        finally:
+            self._buffers.extend(buffers)
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
     async def send_one(self, stream: str, message: Any) -> str:

@@ -1,0 +1,30 @@
+# A fresh machine needs only python3 (3.11+). `make demo` and `make test` create .venv and install first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel for a laptop; on a GPU host use e.g. TORCH_SPEC="torch>=2.5,<2.15".
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/tlt-stream doctor
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench-quick: $(VENV)/.installed
+	$(PY) bench/bus.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
