@@ -1,0 +1,16 @@
+"""The torch runtime: a Llama/Qwen2-family decoder, its slot-addressed KV cache, and checkpoint loading."""
+
+from tlt_stream.model.cache import KVCache
+from tlt_stream.model.loader import CheckpointError, load_model, load_spec, spec_from_hf_config
+from tlt_stream.model.spec import ModelSpec
+from tlt_stream.model.transformer import Transformer
+
+__all__ = [
+    "CheckpointError",
+    "KVCache",
+    "ModelSpec",
+    "Transformer",
+    "load_model",
+    "load_spec",
+    "spec_from_hf_config",
+]

@@ -1,0 +1,219 @@
+"""Building blocks of a Llama/Qwen2 decoder layer, written for few, large operators.
+
+On CPU a small model's decode step is largely per-operator overhead, so q/k/v are one Linear, gate/up are
+one Linear, RoPE is applied to q and k together in three kernels, the MLP works in place (large fresh
+buffers cost page faults in prefill), and everything a step shares across layers (RoPE tables, write
+indices, the attention mask) is computed once into `AttentionContext`. The maths follows the Hugging Face
+reference implementations so their logits are a tight oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt_stream.model.cache import KVCache
+from tlt_stream.model.spec import ModelSpec
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """Everything one forward's layers share: RoPE factors, where new K/V go, what each query may see."""
+
+    cos: torch.Tensor
+    """`[B, T, 1, D]` cos(position * inv_freq), duplicated over both halves of the head."""
+    sin: torch.Tensor
+    """`[B, T, 1, D]` sin(position * inv_freq) with the first half negated (folds rotate_half's sign)."""
+    write_slot: torch.Tensor
+    """`[B, T]` cache slot of each new token."""
+    write_pos: torch.Tensor
+    """`[B, T]` cache storage index of each new token (`lengths[b] + spec_offset + t`)."""
+    first_slot: int
+    kv_len: int
+    """S: number of leading cache entries attention reads."""
+    mask: torch.Tensor | None
+    """`[B, 1, T, S]` additive mask (0 or -inf), or None when every query may see all S entries."""
+    is_causal: bool = False
+    """Plain causal attention over a fresh prefill (S == T)."""
+
+
+def attention_context(
+    positions: torch.Tensor,
+    cache: KVCache,
+    inv_freq: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    num_new: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
+    first_slot: int = 0,
+    spec_offset: int = 0,
+) -> AttentionContext:
+    """Build one forward's `AttentionContext`; the semantics are `Transformer.forward`'s."""
+    b, t = positions.shape
+    device = positions.device
+    u = spec_offset + t  # uncommitted entries visible to this call
+    if spec_offset < 0:
+        raise ValueError(f"spec_offset must be >= 0, got {spec_offset}")
+    if tree_mask is not None and (tree_mask.shape != (b, t, u) or tree_mask.dtype != torch.bool):
+        raise ValueError(f"tree_mask must be bool {(b, t, u)}, got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    if num_new is not None and num_new.shape != (b,):
+        raise ValueError(f"num_new must have shape {(b,)}, got {tuple(num_new.shape)}")
+    lengths = cache.lengths[first_slot : first_slot + b]  # [B]
+    lo, hi = (int(v) for v in torch.aminmax(lengths))
+    kv_len = hi + u
+    if first_slot + b > cache.max_batch or kv_len > cache.max_len:
+        raise ValueError(
+            f"forward over slots {first_slot}..{first_slot + b - 1} with {u} uncommitted tokens after up to "
+            f"{hi} cached ones exceeds the cache ({cache.max_batch} slots x {cache.max_len} entries)"
+        )
+    cos, sin = rope_tables(positions, inv_freq, dtype)
+    query = spec_offset + torch.arange(t, device=device)  # [T] uncommitted index of each new token
+    write_slot = torch.arange(first_slot, first_slot + b, device=device)[:, None].expand(b, t)
+    write_pos = lengths[:, None] + query  # [B, T]
+    plain = num_new is None and tree_mask is None
+    if plain and lo == hi and (u == 1 or (hi == 0 and spec_offset == 0)):
+        return AttentionContext(cos, sin, write_slot, write_pos, first_slot, kv_len, None, t > 1)
+    rel = torch.arange(kv_len, device=device)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
+    query = query[None, :, None]  # [1, T, 1]
+    sees = (  # [B, T, S]
+        rel <= query if tree_mask is None else tree_mask.gather(2, rel.clamp(0, u - 1).expand(b, t, kv_len))
+    )
+    if num_new is not None:
+        sees = sees & ((rel < spec_offset + num_new[:, None, None]) | (rel == query))
+    allowed = (rel < 0) | ((rel < u) & sees)  # [B, T, S]
+    mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return AttentionContext(cos, sin, write_slot, write_pos, first_slot, kv_len, mask.unsqueeze(1))
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """theta_i = base^(-2i/D) for i < D/2, in fp32 as in the reference implementation."""
+    d = spec.head_dim
+    return 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))  # [D/2]
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin for `positions [B, T]`, each `[B, T, 1, D]`."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    cos_half, sin_half = freqs.cos(), freqs.sin()
+    cos = torch.cat((cos_half, cos_half), dim=-1)
+    sin = torch.cat((-sin_half, sin_half), dim=-1)
+    return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, D/2) * sin_signed."""
+    return (x * cos).addcmul_(x.roll(x.shape[-1] // 2, dims=-1), sin)  # [B, T, heads, D]
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the slot-addressed KV cache, with a fused q/k/v projection.
+
+    Attention runs in the cache's dtype, which may be wider than the weights' (bf16 weights with an fp32
+    cache: CPU attention kernels are much faster in fp32, and the cast of K/V is exact).
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """`x [B, T, H]`; `k_cache`, `v_cache` are this layer's `[max_batch, kv_heads, max_len, D]`."""
+        b, t, _ = x.shape
+        h, hk = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * hk, self.head_dim)  # [B, T, h + 2hk, D]
+        qk = apply_rope(qkv[:, :, : h + hk], ctx.cos, ctx.sin).to(k_cache.dtype)  # [B, T, h + hk, D]
+        q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + hk :].to(k_cache.dtype)
+        k_cache.transpose(1, 2).index_put_((ctx.write_slot, ctx.write_pos), k)
+        v_cache.transpose(1, 2).index_put_((ctx.write_slot, ctx.write_pos), v)
+        rows = slice(ctx.first_slot, ctx.first_slot + b)
+        keys = k_cache[rows, :, : ctx.kv_len]  # [B, hk, S, D]
+        values = v_cache[rows, :, : ctx.kv_len]
+        if t == 1 and b > 1 and keys.dtype == torch.float32:
+            out = self._decode_attention(q, keys, values, ctx.mask)  # [B, 1, h, D]
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),  # [B, h, T, D]
+                keys,
+                values,
+                attn_mask=ctx.mask,
+                is_causal=ctx.is_causal,
+                scale=self.scale,
+                enable_gqa=h != hk,
+            ).transpose(1, 2)  # [B, T, h, D]
+        return self.o_proj(out.reshape(b, t, h * self.head_dim).to(x.dtype))
+
+    def _decode_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D) + mask) v for one query per row, the query heads of each KV group folded
+        into one matmul; on CPU in fp32 this beats SDPA's flash kernel for single-token batches."""
+        b, _, h, d = q.shape
+        hk = self.num_kv_heads
+        q = q.reshape(b, hk, h // hk, d)  # [B, hk, h/hk, D]
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale)  # [B, hk, h/hk, S]
+        if mask is not None:
+            scores.add_(mask)  # mask [B, 1, 1, S]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, values).view(b, 1, h, d)  # [B, 1, h, D]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one Linear."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [B, T, 2I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if torch.is_grad_enabled():  # training (the drafter): autograd needs the inputs intact
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no new [B, T, I] buffers
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,204 @@
+"""Load a Hugging Face Llama/Qwen2 checkpoint directory into the runtime, or refuse it in one clear line.
+
+A checkpoint this runtime would silently mis-run (scaled RoPE, sliding windows, another architecture) is
+rejected at load time with `CheckpointError`, never half-supported. Weights come only from safetensors
+(single file or sharded with an index), and q/k/v and gate/up are fused here, once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tlt_stream.model.layers import rope_inv_freq
+from tlt_stream.model.spec import ModelSpec
+from tlt_stream.model.transformer import Transformer
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory is missing, malformed, or uses features this runtime does not implement."""
+
+
+def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in cfg:
+        raise CheckpointError(f"{path}: config.json has no {key!r}")
+    return cfg[key]
+
+
+def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
+    """Accept only default RoPE, from either `rope_parameters` (transformers 5) or `rope_scaling` (4)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta", 10_000.0)
+    if params:
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            raise CheckpointError(f"{path}: per-layer RoPE parameters are not supported")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"{path}: RoPE type {rope_type!r} is not supported (only 'default')")
+        theta = params.get("rope_theta", theta)
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{path}: partial rotary embeddings are not supported")
+    return float(theta)
+
+
+def spec_from_hf_config(cfg: dict[str, Any], path: Path | str = "<config>") -> ModelSpec:
+    """Translate a Hugging Face `config.json` dict into a `ModelSpec`, or raise `CheckpointError`."""
+    path = Path(path)
+    archs = cfg.get("architectures") or []
+    known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not known:
+        raise CheckpointError(
+            f"{path}: unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    arch = known[0]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        raise CheckpointError(f"{path}: sliding-window attention is not supported")
+    hidden = int(_require(cfg, "hidden_size", path))
+    heads = int(_require(cfg, "num_attention_heads", path))
+    attention_bias = bool(cfg.get("attention_bias", False))
+    try:
+        return ModelSpec(
+            architecture=arch,
+            vocab_size=int(_require(cfg, "vocab_size", path)),
+            hidden_size=hidden,
+            intermediate_size=int(_require(cfg, "intermediate_size", path)),
+            num_layers=int(_require(cfg, "num_hidden_layers", path)),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(cfg, path),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32_768)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=arch == "llama" and attention_bias,
+            mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias", False)),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def load_spec(path: Path | str) -> ModelSpec:
+    """Read and validate `path/config.json`."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_file}: unreadable config ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object")
+    return spec_from_hf_config(cfg, path)
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed shard index ({e})") from e
+        files = {name: path / shard for name, shard in weight_map.items()}
+        for shard in set(files.values()):
+            if not shard.is_file():
+                raise CheckpointError(f"{path}: shard {shard.name} listed in the index is missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_tensors(files: dict[str, Path], names: list[str], path: Path) -> dict[str, torch.Tensor]:
+    missing = [n for n in names if n not in files]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(f"{path}: missing tensors {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(files[n], []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for n in file_names:
+                out[n] = f.get_tensor(n)
+    return out
+
+
+def _fused_state_dict(spec: ModelSpec, files: dict[str, Path], path: Path) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this runtime's names, with q/k/v and gate/up concatenated."""
+    prefix = "model."
+    names = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(spec.num_layers):
+        p = f"{prefix}layers.{i}."
+        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if spec.qkv_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        if spec.o_bias:
+            names.append(f"{p}self_attn.o_proj.bias")
+        if spec.mlp_bias:
+            names += [f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")]
+    hf = _read_tensors(files, names, path)
+    sd = {
+        "embed_tokens.weight": hf[f"{prefix}embed_tokens.weight"],
+        "norm.weight": hf[f"{prefix}norm.weight"],
+    }
+    if not spec.tie_word_embeddings:
+        sd["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(spec.num_layers):
+        p, q = f"{prefix}layers.{i}.", f"layers.{i}."
+        sd[f"{q}input_layernorm.weight"] = hf[f"{p}input_layernorm.weight"]
+        sd[f"{q}post_attention_layernorm.weight"] = hf[f"{p}post_attention_layernorm.weight"]
+        sd[f"{q}self_attn.qkv_proj.weight"] = torch.cat([hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"])
+        sd[f"{q}self_attn.o_proj.weight"] = hf[f"{p}self_attn.o_proj.weight"]
+        sd[f"{q}mlp.gate_up_proj.weight"] = torch.cat([hf[f"{p}mlp.{x}_proj.weight"] for x in ("gate", "up")])
+        sd[f"{q}mlp.down_proj.weight"] = hf[f"{p}mlp.down_proj.weight"]
+        if spec.qkv_bias:
+            sd[f"{q}self_attn.qkv_proj.bias"] = torch.cat([hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"])
+        if spec.o_bias:
+            sd[f"{q}self_attn.o_proj.bias"] = hf[f"{p}self_attn.o_proj.bias"]
+        if spec.mlp_bias:
+            sd[f"{q}mlp.gate_up_proj.bias"] = torch.cat([hf[f"{p}mlp.{x}_proj.bias"] for x in ("gate", "up")])
+            sd[f"{q}mlp.down_proj.bias"] = hf[f"{p}mlp.down_proj.bias"]
+    return sd
+
+
+def load_model(
+    path: Path | str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Load `path` (config.json + safetensors) as an eval-mode `Transformer` with `dtype` weights on `device`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    spec = load_spec(path)
+    sd = _fused_state_dict(spec, _weight_files(path), path)
+    with torch.device("meta"):
+        model = Transformer(spec)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    for name, tensor in sd.items():
+        if tensor.shape != expected[name]:
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name])}"
+            )
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, assign=True)
+    model.inv_freq = rope_inv_freq(spec).to(device)
+    return model.eval().requires_grad_(False)
