@@ -1,0 +1,151 @@
+"""The EAGLE-style drafter: one decoder layer that predicts the target's next hidden state.
+
+Input at position t+1 is `fc([embed(x_{t+1}); f_t])` (2H -> H, no bias), where f_t is the target's final-norm
+hidden state at position t (the state whose logits predicted x_{t+1}) during catch-up, or the drafter's
+own prediction while drafting ahead. One decoder layer with the first input norm dropped turns it into
+f^_{t+1}; the target's frozen LM head turns that into q(x_{t+2}). The embedding and LM head are borrowed
+from the bound target and never saved with the drafter, so a drafter checkpoint is small and always
+pairs with the current policy's head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tlt_stream.model.cache import KVCache
+from tlt_stream.model.layers import DecoderLayer, attention_context, rope_inv_freq
+from tlt_stream.model.loader import CheckpointError
+from tlt_stream.model.spec import ModelSpec
+from tlt_stream.model.transformer import Transformer
+
+__all__ = ["DRAFTER_ARCHITECTURE", "Drafter", "load_drafter", "save_drafter"]
+
+DRAFTER_ARCHITECTURE = "TltEagleDrafter"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+class Drafter(nn.Module):
+    """fc + one decoder layer; `bind(target)` lends it the target's embedding and LM head (frozen)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        layer_spec = dataclasses.replace(spec, num_layers=1)
+        self.spec = layer_spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(layer_spec)
+        self.layer.input_layernorm = nn.Identity()  # EAGLE drops the first layer's input norm
+        self.register_buffer("inv_freq", rope_inv_freq(layer_spec), persistent=False)
+        self._embed: torch.Tensor | None = None
+        self._lm_head: torch.Tensor | None = None
+
+    def bind(self, target: Transformer) -> Drafter:
+        """Borrow `target`'s embedding and LM head (frozen; shared memory, not copied)."""
+        if target.spec.hidden_size != self.spec.hidden_size or target.spec.vocab_size != self.spec.vocab_size:
+            raise CheckpointError(
+                f"drafter (hidden {self.spec.hidden_size}, vocab {self.spec.vocab_size}) does not fit the "
+                f"target (hidden {target.spec.hidden_size}, vocab {target.spec.vocab_size})"
+            )
+        self._embed = target.embed_tokens.weight.detach()
+        self._lm_head = target.lm_head_weight.detach()
+        return self
+
+    @property
+    def bound(self) -> bool:
+        return self._embed is not None
+
+    def _require_bound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._embed is None or self._lm_head is None:
+            raise RuntimeError("drafter is not bound to a target; call drafter.bind(target) first")
+        return self._embed, self._lm_head
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        w = self.fc.weight
+        return KVCache.for_model(self.spec, max_batch, max_len, dtype=w.dtype, device=w.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        *,
+        num_new: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        first_slot: int = 0,
+        spec_offset: int = 0,
+    ) -> torch.Tensor:
+        """Predict next hidden states for `tokens [B, T]` paired with `features [B, T, H]` at `positions`.
+
+        Cache semantics are the target's (`Transformer.forward`), including `spec_offset` for drafting
+        several levels ahead without committing. Returns `[B, T, H]`.
+        """
+        embed, _ = self._require_bound()
+        x = self.fc(torch.cat([F.embedding(tokens, embed), features.to(embed.dtype)], dim=-1))  # [B, T, H]
+        ctx = attention_context(
+            positions,
+            cache,
+            self.inv_freq,
+            x.dtype,
+            num_new=num_new,
+            tree_mask=tree_mask,
+            first_slot=first_slot,
+            spec_offset=spec_offset,
+        )
+        return self.layer(x, cache.k[0], cache.v[0], ctx)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        _, head = self._require_bound()
+        return F.linear(hidden, head)
+
+
+def save_drafter(drafter: Drafter, path: str | Path, *, metadata: dict[str, object] | None = None) -> Path:
+    """Write the drafter's own weights (not the borrowed embedding/head) and config to directory `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(path / WEIGHTS))
+    config = {"architectures": [DRAFTER_ARCHITECTURE], "spec": dataclasses.asdict(drafter.spec), **(metadata or {})}
+    (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path
+
+
+def load_drafter(path: str | Path, target: Transformer) -> Drafter:
+    """Load a drafter saved by `save_drafter` and bind it to `target` (dtype and device follow the target)."""
+    path = Path(path)
+    config_file, weights_file = path / CONFIG, path / WEIGHTS
+    for needed in (config_file, weights_file):
+        if not needed.is_file():
+            raise CheckpointError(f"{path}: not a drafter checkpoint ({needed.name} is missing)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file}: invalid JSON ({exc})") from None
+    if config.get("architectures") != [DRAFTER_ARCHITECTURE]:
+        raise CheckpointError(f"{path}: architectures {config.get('architectures')} is not [{DRAFTER_ARCHITECTURE!r}]")
+    try:
+        spec = ModelSpec(**config["spec"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{config_file}: invalid drafter spec ({exc})") from None
+    drafter = Drafter(spec)
+    state = load_file(str(weights_file))
+    expected = drafter.state_dict()
+    if set(state) != set(expected):
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        raise CheckpointError(f"{path}: drafter weights do not match (missing {missing}, unexpected {extra})")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+    drafter.load_state_dict(state)
+    drafter.to(device=target.device, dtype=target.dtype)
+    return drafter.bind(target).eval()

@@ -1,0 +1,195 @@
+"""Lossless acceptance of speculative drafts: which drafted tokens the target keeps, and the next token.
+
+Two proposal kinds, each exact (the emitted tokens follow the target distribution p, whatever the drafter):
+
+- **sampled chain**: draft tokens x_i ~ q_i. Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on the
+  first rejection sample from norm(max(p_i - q_i, 0)) and stop; if all d are accepted, sample a bonus
+  token from p_{d+1}.
+- **deterministic tree**: every node's children are point-mass proposals (top-k expansions). At a node,
+  try the children in order: accept child x with probability p(x) under the current residual p; on
+  rejection set p(x) = 0 and renormalise, then try the next child; when all fail (or the node is a leaf)
+  sample from the residual and stop. P(emit y) = p(y) for every y, by induction over the siblings.
+
+Greedy rows (temperature 0) use the one-hot argmax of the target: the same rules then accept a candidate
+exactly when it is the target's argmax, which makes greedy speculative output token-identical to plain
+greedy decoding. Randomness comes from caller-supplied uniforms, so the functions are pure.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DraftTree",
+    "Verdict",
+    "accept_chain",
+    "accept_tree",
+    "greedy_onehot",
+    "sample_from",
+]
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Drafted nodes per row. Node 0 is the root (the last committed token, not a candidate); nodes
+    1..N are candidates with `parents[b, i-1] < i`, ordered so that siblings appear in the order they are
+    tried (best first). A parent of -1 marks a padding node (rows with fewer drafts than the batch's
+    widest): it is never a candidate and sees only itself."""
+
+    tokens: torch.Tensor
+    """`[B, N]` candidate token of node i (at column i-1)."""
+    parents: torch.Tensor
+    """`[B, N]` parent node index of node i, in 0..i-1."""
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @functools.cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """`[B, N+1, N+1]` bool: entry (i, j) is True when node j is node i or one of its ancestors.
+
+        Computed as I + P + P^2 + ... with P the parent matrix, one batched matmul per tree level.
+        """
+        b, n = self.tokens.shape
+        device = self.tokens.device
+        step = torch.zeros(b, n + 1, n + 1, device=device)  # step[i, parent(i)] = 1
+        has_parent = self.parents >= 0
+        rows = torch.arange(1, n + 1, device=device).expand(b, n)
+        step[
+            torch.arange(b, device=device)[:, None].expand(b, n)[has_parent], rows[has_parent], self.parents[has_parent]
+        ] = 1.0
+        reach = torch.eye(n + 1, device=device).expand(b, n + 1, n + 1)
+        mask = reach > 0
+        while True:
+            reach = torch.bmm(reach, step)
+            found = reach > 0
+            if not bool(found.any()):
+                return mask
+            mask = mask | found
+
+    @functools.cached_property
+    def depths(self) -> torch.Tensor:
+        """`[B, N+1]` depth of every node (root 0, its children 1; padding nodes 0)."""
+        return self.ancestor_mask.sum(dim=-1) - 1
+
+    @functools.cached_property
+    def children(self) -> torch.Tensor:
+        """`[B, N+1, K]` children of each node (root included) in try order, padded with -1."""
+        b, n = self.tokens.shape
+        device = self.tokens.device
+        node = torch.arange(1, n + 1, device=device).expand(b, n)
+        is_child = self.parents[:, None, :] == torch.arange(n + 1, device=device)[None, :, None]  # [B, N+1, N]
+        k = max(1, int(is_child.sum(-1).max()))
+        # Stable order: children keep node order; non-children sort last.
+        key = torch.where(is_child, node[:, None, :], torch.full_like(node[:, None, :], n + 1))
+        order = key.sort(dim=-1, stable=True).values[..., :k]  # [B, N+1, K]
+        return torch.where(order <= n, order, torch.full_like(order, -1))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one verification, per row."""
+
+    path: torch.Tensor
+    """`[B, A]` accepted node indices in order (padded with 0 past `count`)."""
+    count: torch.Tensor
+    """`[B]` number of accepted drafted tokens."""
+    next_token: torch.Tensor
+    """`[B]` the token sampled after the accepted path (residual sample or bonus)."""
+    next_from: torch.Tensor
+    """`[B]` node whose target distribution `next_token` was drawn from (the last accepted node, or 0)."""
+
+
+def greedy_onehot(logits: torch.Tensor) -> torch.Tensor:
+    """The point-mass target distribution of greedy decoding: one-hot argmax of `logits [..., V]`."""
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from unnormalised non-negative `weights [B, V]` with `uniforms [B]` in [0, 1)."""
+    cdf = weights.double().cumsum(dim=-1)  # [B, V]
+    x = uniforms.to(cdf)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
+
+
+def accept_tree(p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, residual_u: torch.Tensor) -> Verdict:
+    """Walk the tree from the root, accepting point-mass candidates by the residual rule.
+
+    `p [B, N+1, V]`: the target's distribution at the root (index 0) and at every node (probabilities at
+    the sampling temperature; one-hot for greedy rows). `sibling_u [B, N+1, K]` and `residual_u [B]` are
+    independent uniforms in [0, 1).
+    """
+    b, n1, _ = p.shape
+    device = p.device
+    rows = torch.arange(b, device=device)
+    children = tree.children  # [B, N+1, K]
+    k = children.shape[-1]
+    tokens = torch.cat([torch.zeros(b, 1, dtype=tree.tokens.dtype, device=device), tree.tokens], dim=1)
+    current = torch.zeros(b, dtype=torch.long, device=device)
+    alive = torch.ones(b, dtype=torch.bool, device=device)
+    path = torch.zeros(b, n1, dtype=torch.long, device=device)
+    count = torch.zeros(b, dtype=torch.long, device=device)
+    next_token = torch.zeros(b, dtype=torch.long, device=device)
+    next_from = torch.zeros(b, dtype=torch.long, device=device)
+    while bool(alive.any()):
+        kids = children[rows, current]  # [B, K]
+        valid = (kids >= 0) & alive[:, None]
+        p_here = p[rows, current]  # [B, V]
+        kid_tokens = tokens.gather(1, kids.clamp(min=0))  # [B, K]
+        c = p_here.gather(1, kid_tokens).float() * valid  # [B, K] p(x_j)
+        before = c.cumsum(dim=1) - c  # mass of the siblings tried before x_j
+        u = sibling_u[rows, current, :k]
+        accept = valid & (u * (1.0 - before) < c)  # u < p(x_j) / (1 - sum_{i<j} p(x_i))
+        took = accept.any(dim=1)
+        first = accept.int().argmax(dim=1)
+        chosen = kids.gather(1, first[:, None]).squeeze(1)
+        moving = alive & took
+        path[rows[moving], count[moving]] = chosen[moving]
+        count = count + moving.long()
+        stopping = alive & ~took
+        if bool(stopping.any()):
+            here = p_here[stopping].float()
+            tried = torch.zeros_like(here).scatter_add_(1, kid_tokens[stopping], valid[stopping].float()) > 0
+            residual = here.masked_fill(tried, 0.0)  # p with every tried candidate removed
+            empty = residual.sum(dim=1, keepdim=True) <= 0  # numerically exhausted: fall back to p
+            residual = torch.where(empty, here, residual)
+            next_token[stopping] = sample_from(residual, residual_u[stopping])
+            next_from[stopping] = current[stopping]
+        current = torch.where(moving, chosen, current)
+        alive = moving
+    width = max(1, int(count.max()))
+    return Verdict(path[:, :width], count, next_token, next_from)
+
+
+def accept_chain(
+    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, accept_u: torch.Tensor, residual_u: torch.Tensor
+) -> Verdict:
+    """Speculative sampling for a chain of tokens drawn from the drafter.
+
+    `p [B, d+1, V]` target probabilities at the root and after each draft token; `q [B, d, V]` the drafter
+    distributions the draft tokens `draft [B, d]` were sampled from; `accept_u [B, d]`, `residual_u [B]`
+    uniforms in [0, 1). Node i of the returned path is draft position i (1-based).
+    """
+    b, d = draft.shape
+    device = p.device
+    rows = torch.arange(b, device=device)
+    p_x = p[:, :d].gather(2, draft[..., None]).squeeze(-1).float()  # [B, d]
+    q_x = q.gather(2, draft[..., None]).squeeze(-1).float()
+    ok = accept_u * q_x < p_x  # u < p(x)/q(x), i.e. accept with probability min(1, p/q)
+    count = ok.long().cumprod(dim=1).sum(dim=1)  # [B] accepted prefix length
+    at = count.clamp(max=d)  # position of the next token's distribution
+    p_next = p[rows, at].float()  # [B, V]
+    rejected = count < d
+    q_next = q[rows, count.clamp(max=d - 1)].float()
+    residual = torch.where(rejected[:, None], (p_next - q_next).clamp_(min=0.0), p_next)
+    empty = residual.sum(dim=1, keepdim=True) <= 0
+    residual = torch.where(empty, p_next, residual)
+    next_token = sample_from(residual, residual_u)
+    path = torch.arange(1, d + 1, device=device).expand(b, d).clone()
+    path = torch.where(torch.arange(d, device=device)[None, :] < count[:, None], path, torch.zeros_like(path))
+    return Verdict(path, count, next_token, at)

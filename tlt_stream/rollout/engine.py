@@ -1,0 +1,294 @@
+"""Generation with continuous batching over the slot-addressed KV cache, plain or speculative.
+
+A step admits waiting requests and prefills them as one padded batch, then runs one decode step for every
+running row; finished rows leave at once and the tail rows move into their slots. Each algorithmic step is
+its own method (`_prefill`, `_decode_step`, `_speculative_step`, `_emit`, `_finish`). With a proposer and
+an SD arm set (`engine.arm`, changeable between any two steps), a step verifies a draft tree instead of
+decoding one token; every committed (token, hidden state) pair reaches the proposer either way, so SD can
+be switched on or off mid-sequence without disturbing in-flight rows.
+
+Every request has its own seeded `torch.Generator`, drawn from once per emitted token, so a request's
+sampled output does not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+from collections.abc import Hashable, Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt_stream.model.transformer import Transformer
+from tlt_stream.rollout.proposers import Proposer, SdArm
+from tlt_stream.rollout.sampling import sample
+from tlt_stream.rollout.scheduler import FinishReason, Scheduler, Sequence
+from tlt_stream.rollout.speculative import verify_round
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """One finished request."""
+
+    request_id: Hashable
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """Generated tokens, including the EOS token when `finish_reason == "eos"`."""
+    logprobs: list[float]
+    """Behaviour log-probability of each generated token (see `sampling` for temperature 0)."""
+    finish_reason: FinishReason
+    hidden: torch.Tensor | None = None
+    """`[n, H]` final-norm hidden states when requested: `hidden[i]` is the state whose logits produced
+    `token_ids[i]`, i.e. the state at input position `len(prompt_ids) - 1 + i` (input token
+    `prompt_ids[-1]` for i = 0, else `token_ids[i - 1]`)."""
+    accept_lengths: list[int] = field(default_factory=list)
+    """Tokens emitted by each speculative round of this request (empty when SD never ran for it)."""
+
+
+class GenerationEngine:
+    """Continuous-batching generation on a `Transformer` with at most `max_batch` rows of `max_len` tokens."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        max_batch: int,
+        max_len: int,
+        *,
+        max_prefill_tokens: int | None = None,
+        cache_dtype: torch.dtype | None = None,
+        proposer: Proposer | None = None,
+        arm: SdArm | None = None,
+        max_draft_nodes: int = 64,
+    ) -> None:
+        """`cache_dtype` defaults to the weights' dtype; fp32 with bf16 weights speeds up CPU attention.
+
+        With a `proposer`, steps are speculative whenever `arm` is set; caches get `max_draft_nodes + 1`
+        entries of headroom for the uncommitted drafts (arms may verify at most that many nodes).
+        """
+        self.model = model
+        self.max_len = max_len
+        self.scheduler = Scheduler(max_batch, max_prefill_tokens)
+        self.proposer = proposer
+        self.max_draft_nodes = max_draft_nodes
+        headroom = max_draft_nodes + 1 if proposer is not None else 0
+        self.cache = model.new_cache(max_batch, max_len + headroom, dtype=cache_dtype)
+        if proposer is not None:
+            proposer.allocate(max_batch, max_len + headroom)
+        self.arm = arm
+        self.rounds = 0
+        self.plain_steps = 0
+        self._generators: dict[Hashable, torch.Generator | None] = {}
+        self._hidden: dict[Hashable, list[torch.Tensor]] = {}
+        self._accepts: dict[Hashable, list[int]] = {}
+        self._ids = itertools.count()
+        self._ones = torch.ones(max_batch, dtype=torch.long, device=model.device)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_idle
+
+    @property
+    def arm(self) -> SdArm | None:
+        """The SD arm the next steps use (None: plain decoding)."""
+        return self._arm
+
+    @arm.setter
+    def arm(self, arm: SdArm | None) -> None:
+        if arm is not None:
+            if self.proposer is None:
+                raise ValueError("an SD arm needs a proposer (a drafter or the n-gram proposer)")
+            if max(arm.verify, arm.depth) > self.max_draft_nodes:
+                raise ValueError(f"arm {arm.label} drafts more than max_draft_nodes={self.max_draft_nodes}")
+        self._arm = arm
+
+    def add_request(
+        self,
+        prompt_ids: SequenceOf[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        eos_ids: Iterable[int] = (),
+        request_id: Hashable | None = None,
+        *,
+        return_hidden: bool = False,
+    ) -> Hashable:
+        """Queue a request and return its id (a fresh int when `request_id` is None).
+
+        `seed` fixes the sampling stream (random when None; unused at temperature 0). Requires
+        `len(prompt_ids) + max_new_tokens <= max_len`.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        rid = next(self._ids) if request_id is None else request_id
+        vocab = self.model.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"request {rid!r}: prompt token ids must lie in [0, {vocab})")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"request {rid!r}: temperature must be finite and >= 0, got {temperature}")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
+                f"exceeds max_len ({self.max_len})"
+            )
+        seq = Sequence(rid, prompt, max_new_tokens, frozenset(eos_ids), float(temperature), seed)
+        self.scheduler.add(seq)
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=self.model.device)
+            generator.manual_seed(secrets.randbits(63) if seed is None else seed)
+        self._generators[rid] = generator
+        self._accepts[rid] = []
+        if return_hidden:
+            self._hidden[rid] = []
+        return rid
+
+    def step(self) -> list[GenerationResult]:
+        """Admit and prefill new requests, decode one token for every running row; return what finished."""
+        finished: list[GenerationResult] = []
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+            finished += self._finish()
+        if self.scheduler.running:
+            if self._arm is not None:
+                self._speculative_step(self.scheduler.running, self._arm)
+            else:
+                self._decode_step(self.scheduler.running)
+            finished += self._finish()
+        return finished
+
+    def generate(
+        self,
+        prompts: SequenceOf[SequenceOf[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        eos_ids: Iterable[int] = (),
+        *,
+        return_hidden: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (prompt i seeded with `seed + i`) and return results in input order."""
+        if self.has_unfinished:
+            raise RuntimeError("generate() needs an idle engine; drive add_request/step instead")
+        eos = frozenset(eos_ids)
+        ids = [
+            self.add_request(
+                p,
+                max_new_tokens,
+                temperature,
+                None if seed is None else seed + i,
+                eos,
+                return_hidden=return_hidden,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        done: dict[Hashable, GenerationResult] = {}
+        while self.has_unfinished:
+            for result in self.step():
+                done[result.request_id] = result
+        return [done[i] for i in ids]
+
+    @torch.inference_mode()
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Run the prompts of `seqs` (contiguous slots) as one right-padded batch; emit their first tokens."""
+        first = seqs[0].slot
+        assert first is not None
+        lens = [s.num_prompt_tokens for s in seqs]
+        t = max(lens)
+        device = self.model.device
+        ids = torch.zeros(len(seqs), t, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : lens[b]] = torch.tensor(s.prompt_ids)
+        num_new = torch.tensor(lens, device=device)  # [B]
+        self.cache.lengths[first : first + len(seqs)] = 0
+        positions = torch.arange(t, device=device).expand(len(seqs), t)
+        hidden = self.model(
+            ids.to(device),
+            positions,
+            self.cache,
+            num_new=None if min(lens) == t else num_new,
+            first_slot=first,
+        )  # [B, T, H]
+        self.cache.advance(num_new, first_slot=first)
+        last = hidden[torch.arange(len(seqs), device=device), num_new - 1]  # [B, H]
+        self._emit(seqs, last)
+        if self.proposer is not None:
+            for b, s in enumerate(seqs):
+                assert s.slot is not None
+                self.proposer.reset_slot(s.slot)
+                if not s.is_finished:  # pairs (x_{t+1}, h_t) over the prompt and the first token
+                    self.proposer.observe(s.slot, s.prompt_ids[1:] + s.token_ids, hidden[b, : lens[b]])
+
+    @torch.inference_mode()
+    def _decode_step(self, seqs: list[Sequence]) -> None:
+        """Feed each running row its last token (slots 0..B-1) and emit one token per row."""
+        b = len(seqs)
+        device = self.model.device
+        ids = torch.tensor([s.last_token for s in seqs], device=device)[:, None]  # [B, 1]
+        positions = self.cache.lengths[:b, None].clone()  # [B, 1]
+        hidden = self.model(ids, positions, self.cache)  # [B, 1, H]
+        self.cache.advance(self._ones[:b])
+        self._emit(seqs, hidden[:, 0])
+        self.plain_steps += 1
+        if self.proposer is not None:
+            for row, s in enumerate(seqs):
+                if not s.is_finished:
+                    self.proposer.observe(row, s.token_ids[-1:], hidden[row])
+
+    @torch.inference_mode()
+    def _speculative_step(self, seqs: list[Sequence], arm: SdArm) -> None:
+        """Draft with the proposer, verify in one target forward, emit each row's accepted tokens."""
+        assert self.proposer is not None
+        b = len(seqs)
+        temperatures = torch.tensor([s.temperature for s in seqs])
+        generators = [self._generators[s.request_id] for s in seqs]
+        proposal = self.proposer.propose(b, arm, temperatures, generators)
+        last = torch.tensor([s.last_token for s in seqs])
+        outcome = verify_round(self.model, self.cache, proposal, last, temperatures, generators)
+        self.rounds += 1
+        for row, s in enumerate(seqs):
+            emitted = 0
+            for token, logprob in zip(outcome.tokens[row], outcome.logprobs[row], strict=True):
+                emitted += 1
+                if s.append(token, logprob):
+                    break
+            self._accepts[s.request_id].append(emitted)
+            kept = self._hidden.get(s.request_id)
+            if kept is not None:
+                kept.extend(outcome.hidden[row, :emitted].clone().unbind(0))
+            if not s.is_finished:
+                self.proposer.observe(row, outcome.tokens[row], outcome.hidden[row, :emitted])
+
+    def _emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """Sample one token per row from `hidden [B, H]` and append it (with its logprob) to each sequence."""
+        logits = self.model.logits(hidden)  # [B, V]
+        temperatures = torch.tensor([s.temperature for s in seqs])
+        tokens, logprobs = sample(logits, temperatures, [self._generators[s.request_id] for s in seqs])
+        keep = [b for b, s in enumerate(seqs) if s.request_id in self._hidden]
+        if keep:
+            kept = hidden[torch.tensor(keep, device=hidden.device)]  # [K, H], a fresh tensor
+            for row, b in enumerate(keep):
+                self._hidden[seqs[b].request_id].append(kept[row])
+        for s, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            s.append(token, logprob)
+
+    def _finish(self) -> list[GenerationResult]:
+        """Retire finished sequences, mirror the scheduler's slot moves in the cache, build the results."""
+        finished, moves = self.scheduler.retire()
+        for move in moves:
+            self.cache.move_slot(move.src, move.dst)
+            if self.proposer is not None:
+                self.proposer.move_slot(move.src, move.dst)
+        results = []
+        for s in finished:
+            assert s.finish_reason is not None
+            self._generators.pop(s.request_id)
+            rows = self._hidden.pop(s.request_id, None)
+            hidden = torch.stack(rows) if rows is not None else None
+            accepts = self._accepts.pop(s.request_id)
+            results.append(
+                GenerationResult(s.request_id, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason, hidden, accepts)
+            )
+        return results
