@@ -1,10 +1,15 @@
 """Bus throughput: the project's stream layer vs bare redis-py, in one run against the same Redis.
 
 Produces and consumes 256 KiB hidden-state windows (the `hidden` buffer stream) and small sample entries
-(the durable `samples` stream, with backpressure accounting) through `StreamProducer` / `StreamReader`,
-then the same operations with bare redis-py calls (pipelined XADD of pre-encoded bytes; XREADGROUP + XACK
-without decoding). Rounds alternate between the two so machine noise hits both; medians are reported.
-Also measures encode / decode (+ tensor view) cost per message. Prints one JSON object.
+(the durable `samples` stream, with backpressure accounting) three ways:
+- `project`: `StreamProducer.send` / `StreamReader.read` + `ack` (encode, decode + validate, hidden windows
+  turned into torch tensors);
+- `bare`: the same messages with bare redis-py calls (pipelined XADD, XREADGROUP + XACK) doing the same
+  msgspec encode and decode (+ torch tensor) a user of redis-py would: the ratio project/bare isolates
+  what the layer adds (pipelining, bookkeeping, reclaim/dead-letter checks, ack notifications);
+- `raw`: bare redis-py moving pre-encoded bytes and never decoding them: the ceiling of the transport.
+Rounds rotate the order so machine noise hits all three; medians are reported. Also measures encode /
+decode (+ tensor copy) cost per message. Prints one JSON object.
 
     python bench/bus.py [--quick] [--redis-url redis://127.0.0.1:6379/0]
 """
@@ -24,6 +29,7 @@ import uuid
 
 import redis.asyncio as aioredis
 import torch
+from redis.utils import HIREDIS_AVAILABLE
 
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
@@ -85,30 +91,43 @@ async def project_round(redis: aioredis.Redis, bus: BusConfig, stream: str, mess
     return produce, consume
 
 
-async def bare_round(redis: aioredis.Redis, bus: BusConfig, stream: str, messages: list) -> tuple[float, float]:
+async def bare_round(
+    redis: aioredis.Redis, bus: BusConfig, stream: str, messages: list, *, codec_work: bool = True
+) -> tuple[float, float]:
     key = f"bench-bare-{uuid.uuid4().hex[:8]}"
     codec = codec_for(stream)
-    payloads = [codec.encode(m) for m in messages]  # encoding is not part of the bare baseline
+    pre = None if codec_work else [codec.encode(m) for m in messages]
     maxlen = bus.hidden_maxlen if stream == "hidden" else None
     await redis.xgroup_create(key, "bench", id="0", mkstream=True)
     t0 = time.perf_counter()
-    for start in range(0, len(payloads), BATCH):
+    for start in range(0, len(messages), BATCH):
+        batch = messages[start : start + BATCH]
+        payloads = [codec.encode(m) for m in batch] if pre is None else pre[start : start + BATCH]
         async with redis.pipeline(transaction=False) as pipe:
-            for payload in payloads[start : start + BATCH]:
+            for payload in payloads:
                 pipe.xadd(key, {PAYLOAD_FIELD: payload}, maxlen=maxlen, approximate=True)
             await pipe.execute()
     produce = time.perf_counter() - t0
     t0 = time.perf_counter()
     seen = 0
-    while seen < len(payloads):
+    while seen < len(messages):
         reply = await redis.xreadgroup("bench", "bench", {key: ">"}, count=BATCH, block=1000)
         entries = reply[0][1] if reply else []
+        if codec_work:
+            for _, fields in entries:
+                message = codec.decode(fields[PAYLOAD_FIELD])
+                if stream == "hidden":
+                    message.hidden.to_torch()
         if entries:
             await redis.xack(key, "bench", *[entry_id for entry_id, _ in entries])
         seen += len(entries)
     consume = time.perf_counter() - t0
     await redis.delete(key)
     return produce, consume
+
+
+async def raw_round(redis: aioredis.Redis, bus: BusConfig, stream: str, messages: list) -> tuple[float, float]:
+    return await bare_round(redis, bus, stream, messages, codec_work=False)
 
 
 def codec_costs(messages: dict[str, object]) -> dict[str, dict[str, float]]:
@@ -141,13 +160,13 @@ async def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {}
     for name, (stream, messages) in workloads.items():
         nbytes = sum(len(codec_for(stream).encode(m)) for m in messages)
-        timings: dict[str, list[tuple[float, float]]] = {"project": [], "bare": []}
+        runners = {"project": project_round, "bare": bare_round, "raw": raw_round}
+        timings: dict[str, list[tuple[float, float]]] = {who: [] for who in runners}
         for r in range(rounds):
             print(f"{name}: round {r + 1}/{rounds}", file=sys.stderr)
-            order = ("project", "bare") if r % 2 == 0 else ("bare", "project")
+            order = list(runners)[r % 3 :] + list(runners)[: r % 3]
             for who in order:
-                fn = project_round if who == "project" else bare_round
-                timings[who].append(await fn(redis, bus, stream, messages))
+                timings[who].append(await runners[who](redis, bus, stream, messages))
         entry: dict[str, object] = {"messages": len(messages), "mean_entry_bytes": nbytes / len(messages)}
         for who, rows in timings.items():
             produce = statistics.median(p for p, _ in rows)
@@ -158,15 +177,18 @@ async def run(args: argparse.Namespace) -> dict:
                 "consume_msg_s": len(messages) / consume,
                 "consume_MiB_s": nbytes / consume / 2**20,
             }
-        project, bare = entry["project"], entry["bare"]
+        project, bare, raw = entry["project"], entry["bare"], entry["raw"]
         entry["ratio_produce"] = project["produce_msg_s"] / bare["produce_msg_s"]  # type: ignore[index]
         entry["ratio_consume"] = project["consume_msg_s"] / bare["consume_msg_s"]  # type: ignore[index]
+        entry["ratio_produce_vs_raw"] = project["produce_msg_s"] / raw["produce_msg_s"]  # type: ignore[index]
+        entry["ratio_consume_vs_raw"] = project["consume_msg_s"] / raw["consume_msg_s"]  # type: ignore[index]
         results[name] = entry
     await redis.aclose()
     return {
         "benchmark": "bus",
         "quick": args.quick,
         "redis": f"redis {info.get('redis_version')} at {args.redis_url}",
+        "hiredis": HIREDIS_AVAILABLE,
         "batch": BATCH,
         "rounds": rounds,
         "workloads": results,

@@ -5,7 +5,11 @@ Two figures decide whether the runtime and speculative decoding pay on a machine
   (same weights, same token count: EOS off, `min_new_tokens` forced), ratios measured in one run with the
   two interleaved per repetition so background load hits both alike;
 - the verify-cost curve: time of one target forward (+ LM head) over k new tokens per row after a committed
-  context, relative to k = 1; speculative decoding pays where verifying k tokens costs far less than k steps.
+  context, relative to k = 1; speculative decoding pays where verifying k tokens costs far less than k steps;
+- the speculative path's own overhead: at batch 1 with an oracle drafter (it always proposes the target's
+  greedy continuation, so every round accepts all d drafts plus the bonus token), decode tokens/s relative
+  to the ideal (tokens per round / (measured propose time + measured verify forward over d+1 tokens)).
+The full run also decodes with a long context (768-token prompts), where transformers' growing cache costs.
 
 Models are randomly initialised Qwen2 configurations (~25M and ~3M parameters). Prints progress to stderr
 and one JSON object to stdout. `--quick` finishes in under a minute on 2 cores. Run from the repository
@@ -61,6 +65,11 @@ def parse_args() -> argparse.Namespace:
     args.verify_k = [1, 2, 4, 8, 16, 32]
     args.verify_reps = 5 if quick else 15
     args.verify_context = 256
+    args.long_prompt_len = None if quick else 768
+    args.long_new_tokens = 256
+    args.long_batches = [8, 32]
+    args.sd_depths = [2, 4] if quick else [2, 4, 8]
+    args.sd_new_tokens = 48 if quick else 160
     return args
 
 
@@ -103,11 +112,11 @@ def bench_decode(torch, hf, ours, size: str, dtype: str, args) -> list[dict[str,
     return rows
 
 
-def decode_one(torch, hf, ours, b: int, args) -> dict[str, Any]:
+def decode_one(torch, hf, ours, b: int, args, p: int | None = None, n: int | None = None) -> dict[str, Any]:
     """Greedy tokens/s of our engine and of transformers' generate at batch `b`, interleaved per rep."""
     from tlt_stream.rollout.engine import GenerationEngine
 
-    p, n = args.prompt_len, args.new_tokens
+    p, n = p or args.prompt_len, n or args.new_tokens
     gen = torch.Generator().manual_seed(args.seed + b)
     prompts = torch.randint(0, VOCAB, (b, p), generator=gen)
     engine = GenerationEngine(ours, max_batch=b, max_len=p + n, cache_dtype=torch.float32)
@@ -192,6 +201,72 @@ def bench_verify(torch, ours, size: str, dtype: str, args) -> list[dict[str, Any
     return rows
 
 
+def bench_sd_overhead(torch, ours, size: str, args) -> list[dict[str, Any]]:
+    """Batch-1 speculative decoding with an oracle drafter vs the ideal its measured costs imply."""
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import OracleProposer, SdArm
+
+    p, n = args.prompt_len, args.sd_new_tokens
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, VOCAB, (p,), generator=gen).tolist()
+    plain = GenerationEngine(ours, 1, p + n, cache_dtype=torch.float32)
+    reference = plain.generate([prompt], n)[0].token_ids
+    prefill_s = statistics.median(timed(plain.generate, [prompt], 1) for _ in range(args.reps))
+    plain_s = statistics.median(timed(plain.generate, [prompt], n) for _ in range(args.reps)) - prefill_s
+    rows = []
+    for depth in args.sd_depths:
+        arm = SdArm(depth, 1, depth)
+        proposer = OracleProposer({tuple(prompt[1:]): reference}, VOCAB)
+        engine = GenerationEngine(ours, 1, p + n, cache_dtype=torch.float32, proposer=proposer, arm=arm)
+        walls, outputs = [], None
+        for _ in range(args.reps + 1):
+            rounds_before = engine.rounds
+            t0 = time.perf_counter()
+            outputs = engine.generate([prompt], n)
+            walls.append(time.perf_counter() - t0)
+            rounds = engine.rounds - rounds_before
+        assert outputs is not None and outputs[0].token_ids == reference, "SD changed the greedy output"
+        sd_s = statistics.median(walls[1:]) - prefill_s
+        per_round = (n - 1) / rounds
+        # Ideal: the measured propose and verify costs per round, nothing else.
+        cache = ours.new_cache(1, p + n + depth + 2, dtype=torch.float32)
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.lengths.fill_(p + n // 2)
+        call = (
+            ours,
+            torch.randint(0, VOCAB, (1, depth + 1), generator=gen),
+            (p + n // 2 + torch.arange(depth + 1))[None],
+            cache,
+            torch.ones(depth + 1, depth + 1, dtype=torch.bool).tril()[None],
+        )
+        with torch.inference_mode():
+            verify_forward(*call)
+            verify_s = statistics.median(timed(verify_forward, *call) for _ in range(args.verify_reps))
+        proposer.reset_slot(0)
+        proposer.observe(0, prompt[1:] + reference[: n // 2])
+        propose_s = statistics.median(
+            timed(proposer.propose, 1, arm, torch.zeros(1), [None]) for _ in range(args.verify_reps)
+        )
+        ideal_tok_s = per_round / (propose_s + verify_s)
+        actual_tok_s = (n - 1) / sd_s
+        row = {
+            "model": size,
+            "depth": depth,
+            "tokens_per_round": round(per_round, 2),
+            "plain_decode_tok_s": round((n - 1) / plain_s, 1),
+            "sd_decode_tok_s": round(actual_tok_s, 1),
+            "speedup_vs_plain": round(actual_tok_s * plain_s / (n - 1), 3),
+            "verify_ms": round(verify_s * 1e3, 3),
+            "propose_ms": round(propose_s * 1e3, 3),
+            "ideal_tok_s": round(ideal_tok_s, 1),
+            "fraction_of_ideal": round(actual_tok_s / ideal_tok_s, 3),
+        }
+        log(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
 def decode_forward(fwd, ids, cache) -> None:
     fwd(ids, cache.lengths[: ids.shape[0], None].clone(), cache)
 
@@ -252,6 +327,8 @@ def main() -> None:
         "models": {},
         "decode": [],
         "verify": [],
+        "sd_overhead": [],
+        "decode_long": [],
     }
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,12 +348,26 @@ def main() -> None:
                 result["decode"] += bench_decode(torch, hf, ours, size, dtype, args)
                 log(f"{size} {dtype}: verify-cost curve")
                 result["verify"] += bench_verify(torch, ours, size, dtype, args)
+                if dtype == "float32":
+                    log(f"{size}: speculative-path overhead (oracle drafter, batch 1)")
+                    result["sd_overhead"] += bench_sd_overhead(torch, ours, size, args)
+                    if args.long_prompt_len:
+                        for b in args.long_batches:
+                            log(f"{size}: long-context decode b={b}")
+                            row = decode_one(torch, hf, ours, b, args, args.long_prompt_len, args.long_new_tokens)
+                            row = {"model": size, "dtype": dtype, "batch": b, **row}
+                            log(json.dumps(row))
+                            result["decode_long"].append(row)
                 if args.compile and dtype == "float32":
                     result.setdefault("compile", []).append(bench_compile(torch, ours, size, args))
     ratios = [r["ratio_vs_best_hf"] for r in result["decode"]]
     hf_fp32 = {(r["model"], r["batch"]): r["hf_dynamic_tok_s"] for r in result["decode"] if r["dtype"] == "float32"}
     result["summary"] = {
         "min_ratio_vs_best_hf_same_dtype": min(ratios),
+        "sd_fraction_of_ideal": {f"{r['model']}/d{r['depth']}": r["fraction_of_ideal"] for r in result["sd_overhead"]},
+        "long_context_ratio_vs_best_hf": {
+            f"{r['model']}/b{r['batch']}": r["ratio_vs_best_hf"] for r in result["decode_long"]
+        },
         "ratio_vs_best_hf_same_dtype_at_batch_32": {
             f"{r['model']}/{r['dtype']}": r["ratio_vs_best_hf"] for r in result["decode"] if r["batch"] == 32
         },

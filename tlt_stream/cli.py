@@ -50,6 +50,45 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tlt_stream.generate import GenerateOptions, InputError, run_generate
+    from tlt_stream.model import CheckpointError
+
+    sd = args.sd or ("on" if args.drafter else "off")
+    if sd == "on" and not args.drafter:
+        print("tlt-stream generate: --sd on needs --drafter DIR or --drafter ngram", file=sys.stderr)
+        return EXIT_CONFIG
+    options = GenerateOptions(
+        model=Path(args.model),
+        input=Path(args.input),
+        output=Path(args.output),
+        drafter=args.drafter if sd == "on" else None,
+        depth=args.depth,
+        topk=args.topk,
+        verify=args.verify,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+    )
+    try:
+        run_generate(options)
+    except (InputError, CheckpointError, ValueError) as exc:
+        print(f"tlt-stream generate: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tlt-stream",
@@ -71,6 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
     doctor.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each server")
     doctor.set_defaults(handler=_cmd_doctor)
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate from a JSONL file of prompts with the rollout engine (plain or speculative)",
+        description='Rows {"prompt_ids": [...]} or {"prompt": "..."} in; rows {token_ids, logprobs, '
+        "finish_reason, accept_lengths} out, in input order.",
+    )
+    gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory (Llama/Qwen2)")
+    gen.add_argument("--drafter", help="drafter checkpoint directory, or 'ngram' for prompt lookup")
+    gen.add_argument("--sd", choices=["off", "on"], help="speculative decoding (default: on with --drafter)")
+    gen.add_argument("--depth", type=_positive, default=4, help="draft depth (levels)")
+    gen.add_argument("--topk", type=_positive, default=1, help="children per drafted node (1: a chain)")
+    gen.add_argument("--verify", type=_positive, help="nodes verified per round (default depth x topk)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
+    gen.add_argument("--max-new-tokens", type=_positive, default=256)
+    gen.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
+    gen.add_argument("--batch-size", type=_positive, default=32, help="rows decoded together at most")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--input", required=True, help="JSONL prompts")
+    gen.add_argument("--output", required=True, help="JSONL results")
+    gen.add_argument("-v", "--verbose", action="count", default=0)
+    gen.set_defaults(handler=_cmd_generate)
 
     config = commands.add_parser("config", help="show the effective configuration or describe every setting")
     config.add_argument("action", choices=["show", "describe"], help="show: effective values as JSON")

@@ -2,8 +2,8 @@
 sampled output follows the target distribution exactly, and reported logprobs are the target's.
 
 Proposers under test: the EAGLE drafter (random, i.e. bad, weights; chain and tree arms), the n-gram
-proposer, and `ScriptedProposer`, a test proposer that knows the reference greedy continuation and hides
-the right token among wrong siblings at every level, so deep acceptance and KV compaction are exercised.
+proposer, and `OracleProposer`, which knows the reference greedy continuation and hides the right token
+among wrong siblings at every level, so deep acceptance and KV compaction are exercised.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tlt_stream.drafter.model import Drafter, load_drafter, save_drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.acceptance import DraftTree
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, Proposal, SdArm
+from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, OracleProposer, Proposal, SdArm
 
 VOCAB = 41
 EOS = 0
@@ -50,56 +50,6 @@ def prompts(seed: int = 0) -> list[list[int]]:
     out = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
     out[3] = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive: n-gram lookups hit
     return out
-
-
-class ScriptedProposer:
-    """Knows each request's reference greedy continuation (keyed by prompt[1:]) and proposes trees with
-    the right token at a random sibling position among wrong ones on every level."""
-
-    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
-        self.references = references
-        self.history: dict[int, list[int]] = {}
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def allocate(self, max_batch: int, max_len: int) -> None:
-        pass
-
-    def reset_slot(self, slot: int) -> None:
-        self.history[slot] = []
-
-    def move_slot(self, src: int, dst: int) -> None:
-        self.history[dst] = self.history.pop(src)
-
-    def observe(self, slot: int, tokens: list[int], features: torch.Tensor) -> None:
-        assert features.shape[0] == len(tokens)
-        self.history[slot].extend(tokens)
-
-    def propose(self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list) -> Proposal:
-        rows_tokens, rows_parents = [], []
-        for slot in range(batch):
-            seen = self.history[slot]
-            reference = next(ref for key, ref in self.references.items() if seen[: len(key)] == list(key))
-            done = len(seen) - len(next(k for k in self.references if seen[: len(k)] == list(k)))
-            tokens, parents, parent = [], [], 0
-            for level in range(arm.depth):
-                right = reference[done + level] if done + level < len(reference) else 1
-                wrong = [int(t) for t in torch.randint(1, VOCAB, (arm.topk - 1,), generator=self.rng) if t != right]
-                siblings = [*wrong]
-                siblings.insert(int(torch.randint(0, len(wrong) + 1, (), generator=self.rng)), right)
-                first = len(tokens) + 1
-                for token in siblings:
-                    tokens.append(token)
-                    parents.append(parent)
-                parent = first + siblings.index(right)
-            rows_tokens.append(tokens[: arm.verify])
-            rows_parents.append(parents[: arm.verify])
-        width = max(len(t) for t in rows_tokens)
-        tok = torch.zeros(batch, width, dtype=torch.long)
-        par = torch.full((batch, width), -1, dtype=torch.long)
-        for b, (t, p) in enumerate(zip(rows_tokens, rows_parents, strict=True)):
-            tok[b, : len(t)] = torch.tensor(t)
-            par[b, : len(p)] = torch.tensor(p)
-        return Proposal(DraftTree(tok, par))
 
 
 def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
@@ -142,7 +92,7 @@ def test_greedy_speculative_equals_plain_and_transformers(models, proposer_kind:
     elif proposer_kind == "ngram":
         proposer = NgramProposer()
     else:
-        proposer = ScriptedProposer({tuple(p[1:]): r for p, r in zip(ps, reference, strict=True)})
+        proposer = OracleProposer({tuple(p[1:]): r for p, r in zip(ps, reference, strict=True)}, VOCAB)
     engine = GenerationEngine(model, 3, 64, proposer=proposer, arm=arm)
     results = engine.generate(ps, 24, eos_ids=[EOS])
     assert [r.token_ids for r in results] == reference

@@ -44,6 +44,33 @@ class DraftTree:
     parents: torch.Tensor
     """`[B, N]` parent node index of node i, in 0..i-1."""
 
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> DraftTree:
+        """A chain per row (node i's parent is node i-1) whose first `lengths[b]` nodes are real; the
+        structure is known, so depths and the ancestor mask are built directly."""
+        b, n = tokens.shape
+        device = tokens.device
+        node = torch.arange(n + 1, device=device)
+        limit = lengths.to(device)[:, None] if lengths is not None else torch.full((b, 1), n, device=device)
+        real = node[None, :] <= limit  # [B, N+1], root included
+        parents = torch.where(real[:, 1:], node[None, :-1], torch.full_like(node[None, :-1], -1)).expand(b, n)
+        tree = cls(tokens, parents.contiguous())
+        causal = node[None, :, None] >= node[None, None, :]  # [1, N+1, N+1]
+        mask = (causal & real[:, :, None] & real[:, None, :]) | torch.eye(n + 1, dtype=torch.bool, device=device)
+        tree.__dict__["ancestor_mask"] = mask
+        tree.__dict__["depths"] = torch.where(real, node[None, :], torch.zeros_like(node[None, :]))
+        tree.__dict__["chain_lengths"] = real[:, 1:].sum(dim=1)
+        return tree
+
+    @functools.cached_property
+    def chain_lengths(self) -> torch.Tensor | None:
+        """`[B]` real nodes per row when every row is a chain (padding only at its end), else None."""
+        n = self.num_nodes
+        expected = torch.arange(n, device=self.parents.device)[None, :]
+        real = self.parents >= 0
+        is_chain = bool(((self.parents == expected) | ~real).all()) and bool((real[:, :-1] >= real[:, 1:]).all())
+        return real.sum(dim=1) if is_chain else None
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
@@ -167,29 +194,40 @@ def accept_tree(p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, resid
 
 
 def accept_chain(
-    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, accept_u: torch.Tensor, residual_u: torch.Tensor
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft: torch.Tensor,
+    accept_u: torch.Tensor,
+    residual_u: torch.Tensor,
+    lengths: torch.Tensor | None = None,
 ) -> Verdict:
-    """Speculative sampling for a chain of tokens drawn from the drafter.
+    """Speculative sampling for a chain of drafted tokens, fully vectorised.
 
     `p [B, d+1, V]` target probabilities at the root and after each draft token; `q [B, d, V]` the drafter
-    distributions the draft tokens `draft [B, d]` were sampled from; `accept_u [B, d]`, `residual_u [B]`
-    uniforms in [0, 1). Node i of the returned path is draft position i (1-based).
+    distributions the draft tokens `draft [B, d]` were sampled from, or None for point-mass proposals
+    (then acceptance is u < p(x) and the residual is p without x: the tree rule for one child per node);
+    `lengths [B]` the real drafts per row (the rest is padding, never accepted); `accept_u [B, d]`,
+    `residual_u [B]` uniforms in [0, 1). Node i of the returned path is draft position i (1-based).
     """
     b, d = draft.shape
     device = p.device
     rows = torch.arange(b, device=device)
+    positions = torch.arange(d, device=device)[None, :]
+    valid = positions < (lengths[:, None] if lengths is not None else d)  # [B, d]
     p_x = p[:, :d].gather(2, draft[..., None]).squeeze(-1).float()  # [B, d]
-    q_x = q.gather(2, draft[..., None]).squeeze(-1).float()
-    ok = accept_u * q_x < p_x  # u < p(x)/q(x), i.e. accept with probability min(1, p/q)
+    q_x = q.gather(2, draft[..., None]).squeeze(-1).float() if q is not None else torch.ones_like(p_x)
+    ok = (accept_u * q_x < p_x) & valid  # u < p(x)/q(x), i.e. accept with probability min(1, p/q)
     count = ok.long().cumprod(dim=1).sum(dim=1)  # [B] accepted prefix length
-    at = count.clamp(max=d)  # position of the next token's distribution
-    p_next = p[rows, at].float()  # [B, V]
-    rejected = count < d
-    q_next = q[rows, count.clamp(max=d - 1)].float()
+    p_next = p[rows, count].float()  # [B, V] distribution after the accepted prefix
+    rejected = count < valid.sum(dim=1)  # stopped at a real draft (else: bonus token)
+    at = count.clamp(max=d - 1)
+    if q is not None:
+        q_next = q[rows, at].float()
+    else:
+        q_next = torch.zeros_like(p_next).scatter_(1, draft[rows, at][:, None], 1.0)
     residual = torch.where(rejected[:, None], (p_next - q_next).clamp_(min=0.0), p_next)
     empty = residual.sum(dim=1, keepdim=True) <= 0
     residual = torch.where(empty, p_next, residual)
     next_token = sample_from(residual, residual_u)
-    path = torch.arange(1, d + 1, device=device).expand(b, d).clone()
-    path = torch.where(torch.arange(d, device=device)[None, :] < count[:, None], path, torch.zeros_like(path))
-    return Verdict(path, count, next_token, at)
+    path = torch.where(positions < count[:, None], positions + 1, torch.zeros_like(positions)).expand(b, d)
+    return Verdict(path, count, next_token, count)

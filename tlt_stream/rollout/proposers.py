@@ -25,7 +25,7 @@ from tlt_stream.drafter.model import Drafter, load_drafter
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import DraftTree
 
-__all__ = ["EagleProposer", "NgramProposer", "Proposal", "Proposer", "SdArm", "build_proposer"]
+__all__ = ["EagleProposer", "NgramProposer", "OracleProposer", "Proposal", "Proposer", "SdArm", "build_proposer"]
 
 
 @dataclass(frozen=True, order=True)
@@ -188,9 +188,7 @@ class EagleProposer:
                 x[:, None], hidden[:, None], (base + 1 + level)[:, None], self.cache, spec_offset=level
             )[:, 0]
             logits = self.drafter.logits(hidden)
-        n = len(tokens)
-        parents = torch.arange(n, device=device).expand(b, n)
-        return Proposal(DraftTree(torch.stack(tokens, 1), parents.clone()), torch.stack(qs, 1))
+        return Proposal(DraftTree.chain(torch.stack(tokens, 1)), torch.stack(qs, 1))
 
     def _tree(self, hidden: torch.Tensor, logits: torch.Tensor, arm: SdArm, temperatures: torch.Tensor) -> Proposal:
         b = hidden.shape[0]
@@ -320,8 +318,67 @@ class NgramProposer:
         rows = [self.lookup(b, depth) for b in range(batch)]
         width = max(1, max(len(r) for r in rows))
         tokens = torch.zeros(batch, width, dtype=torch.long)
-        parents = torch.full((batch, width), -1, dtype=torch.long)
         for b, row in enumerate(rows):
             tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-            parents[b, : len(row)] = torch.arange(len(row))
-        return Proposal(DraftTree(tokens, parents))
+        return Proposal(DraftTree.chain(tokens, torch.tensor([len(r) for r in rows])))
+
+
+class OracleProposer:
+    """Proposes known continuations: the right token at every level, optionally hidden among `topk - 1`
+    random wrong siblings. For tests (deep acceptance, KV compaction) and for measuring the speculative
+    path's own overhead (an always-right drafter bounds what SD can gain). `references` maps a prompt
+    without its first token to the target's greedy continuation."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, seed: int = 0) -> None:
+        self.references = references
+        self.vocab_size = vocab_size
+        self.history: dict[int, list[int]] = {}
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def allocate(self, max_batch: int, max_len: int) -> None:
+        """Nothing to allocate."""
+
+    def reset_slot(self, slot: int) -> None:
+        self.history[slot] = []
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.history[dst] = self.history.pop(src)
+
+    def observe(self, slot: int, tokens: list[int], features: torch.Tensor | None = None) -> None:
+        self.history[slot].extend(tokens)
+
+    def _continuation(self, slot: int) -> list[int]:
+        seen = self.history[slot]
+        for key, reference in self.references.items():
+            if seen[: len(key)] == list(key):
+                return reference[len(seen) - len(key) :]
+        raise KeyError(f"slot {slot}: no reference continuation for this prompt")
+
+    def propose(
+        self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> Proposal:
+        rows: list[tuple[list[int], list[int]]] = []
+        for slot in range(batch):
+            upcoming = self._continuation(slot)  # what follows the last emitted token (the root)
+            tokens: list[int] = []
+            parents: list[int] = []
+            parent = 0
+            for level in range(arm.depth):
+                right = upcoming[level] if level < len(upcoming) else 0
+                wrong = [int(t) for t in torch.randint(0, self.vocab_size, (arm.topk - 1,), generator=self.rng)]
+                siblings = [t for t in wrong if t != right]
+                siblings.insert(int(torch.randint(0, len(siblings) + 1, (), generator=self.rng)), right)
+                first = len(tokens) + 1
+                tokens += siblings
+                parents += [parent] * len(siblings)
+                parent = first + siblings.index(right)
+            rows.append((tokens[: arm.verify], parents[: arm.verify]))
+        width = max(len(t) for t, _ in rows)
+        tok = torch.zeros(batch, width, dtype=torch.long)
+        par = torch.full((batch, width), -1, dtype=torch.long)
+        for b, (t, q) in enumerate(rows):
+            tok[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            par[b, : len(q)] = torch.tensor(q, dtype=torch.long)
+        if arm.topk == 1:
+            return Proposal(DraftTree.chain(tok, torch.tensor([len(t) for t, _ in rows])))
+        return Proposal(DraftTree(tok, par))

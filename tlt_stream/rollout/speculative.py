@@ -48,6 +48,59 @@ def _uniforms(generators: list[torch.Generator | None], greedy: list[bool], shap
     return torch.stack(rows)
 
 
+def _greedy_chain(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> Verdict:
+    """Greedy rows, chain drafts: accept while a draft equals the target's argmax; then the argmax.
+
+    The same outcome as the general rule with one-hot targets, without building [B, N+1, V] distributions.
+    """
+    b, n = tokens.shape
+    device = logits.device
+    argmax = logits.argmax(dim=-1)  # [B, N+1]
+    positions = torch.arange(n, device=device)[None, :]
+    ok = (tokens == argmax[:, :n]) & (positions < lengths[:, None])
+    count = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+    path = torch.where(positions < count[:, None], positions + 1, torch.zeros_like(positions)).expand(b, n)
+    return Verdict(path, count, argmax.gather(1, count[:, None]).squeeze(1), count)
+
+
+def _accept(
+    logits: torch.Tensor,
+    proposal: Proposal,
+    temperatures: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> Verdict:
+    """Apply the lossless acceptance rule that fits the proposal (see `acceptance`)."""
+    tree = proposal.tree
+    b, n = tree.tokens.shape
+    device = logits.device
+    chain = tree.chain_lengths
+    greedy = temperatures <= 0
+    greedy_rows = greedy.tolist()
+    if all(greedy_rows) and chain is not None:
+        return _greedy_chain(logits, tree.tokens.to(device), chain.to(device))
+    vocab = logits.shape[-1]
+    logp = target_logprobs(logits.reshape(b * (n + 1), vocab), temperatures.repeat_interleave(n + 1))
+    p = logp.view(b, n + 1, vocab).exp()
+    if any(greedy_rows):
+        p = torch.where(greedy.to(device)[:, None, None], greedy_onehot(logits), p)
+    if proposal.q is not None or chain is not None:  # chains: the vectorised rule (q None: point masses)
+        return accept_chain(
+            p,
+            proposal.q.to(device) if proposal.q is not None else None,
+            tree.tokens.to(device),
+            _uniforms(generators, greedy_rows, (n,)).to(device),
+            _uniforms(generators, greedy_rows, ()).to(device),
+            lengths=None if chain is None else chain.to(device),
+        )
+    k = tree.children.shape[-1]
+    return accept_tree(
+        p,
+        tree,
+        _uniforms(generators, greedy_rows, (n + 1, k)).to(device),
+        _uniforms(generators, greedy_rows, ()).to(device),
+    )
+
+
 @torch.inference_mode()
 def verify_round(
     model: Transformer,
@@ -61,46 +114,29 @@ def verify_round(
     tree = proposal.tree
     b, n = tree.tokens.shape
     device = model.device
-    ids = torch.cat([last_tokens.to(device)[:, None], tree.tokens.to(device)], dim=1)  # [B, N+1]
+    tokens = tree.tokens.to(device)
+    ids = torch.cat([last_tokens.to(device)[:, None], tokens], dim=1)  # [B, N+1]
     positions = cache.lengths[:b, None] + tree.depths.to(device)  # [B, N+1]
     hidden = model(ids, positions, cache, tree_mask=tree.ancestor_mask.to(device))  # [B, N+1, H]
     logits = model.logits(hidden).float()  # [B, N+1, V]
-    vocab = logits.shape[-1]
     temps = temperatures.to(device)
-    logp = target_logprobs(logits.reshape(b * (n + 1), vocab), temps.repeat_interleave(n + 1)).view(b, n + 1, vocab)
-    greedy = temps <= 0
-    p = torch.where(greedy[:, None, None], greedy_onehot(logits), logp.exp())  # target distributions
-    greedy_rows = greedy.tolist()
-    verdict: Verdict
-    if proposal.q is not None:
-        verdict = accept_chain(
-            p,
-            proposal.q.to(device),
-            tree.tokens.to(device),
-            _uniforms(generators, greedy_rows, (n,)).to(device),
-            _uniforms(generators, greedy_rows, ()).to(device),
-        )
-    else:
-        k = tree.children.shape[-1]
-        verdict = accept_tree(
-            p,
-            tree,
-            _uniforms(generators, greedy_rows, (n + 1, k)).to(device),
-            _uniforms(generators, greedy_rows, ()).to(device),
-        )
+    verdict = _accept(logits, proposal, temps, generators)
     count = verdict.count  # [B]
-    rows = torch.arange(b, device=device)
-    # Commit the root and the accepted nodes: node indices are offsets after the committed entries.
-    src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), verdict.path], dim=1)  # [B, A+1]
-    cache.compact(b, src, count + 1)
-    # Emitted token j came from the distribution at sources[j]: the root, then each accepted node.
-    sources = src  # [B, A+1]
-    path_tokens = tree.tokens.to(device).gather(1, (verdict.path - 1).clamp(min=0))  # [B, A]
-    emitted = torch.cat([path_tokens, torch.zeros(b, 1, dtype=torch.long, device=device)], dim=1)
-    emitted.scatter_(1, count[:, None], verdict.next_token[:, None])  # next token right after the path
-    lp = logp[rows[:, None], sources, emitted]  # [B, A+1]
-    source_hidden = hidden[rows[:, None], sources]  # [B, A+1, H]
+    # Commit the root and the accepted nodes (node indices are offsets after the committed entries). A
+    # chain's accepted prefix already sits right after the root, so committing it is just advancing.
+    sources = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), verdict.path], dim=1)  # [B, A+1]
+    if tree.chain_lengths is not None:
+        cache.advance(count + 1)
+    else:
+        cache.compact(b, sources, count + 1)
+    # Emitted token j was drawn from the distribution at sources[j]: the root, then each accepted node.
+    emitted = torch.cat([tokens.gather(1, (verdict.path - 1).clamp(min=0)), verdict.next_token[:, None]], dim=1)
+    emitted.scatter_(1, count[:, None], verdict.next_token[:, None])  # the next token right after the path
+    rows = torch.arange(b, device=device)[:, None]
+    t = torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]  # temperature-0 rows report T = 1
+    lse = torch.logsumexp(logits / t[..., None], dim=-1)  # [B, N+1]
+    lp = logits[rows, sources, emitted] / t - lse.gather(1, sources)  # log softmax(logits / T) at the token
     counts = (count + 1).tolist()
-    tokens = [row[:c] for row, c in zip(emitted.tolist(), counts, strict=True)]
-    logprobs = [row[:c] for row, c in zip(lp.tolist(), counts, strict=True)]
-    return RoundOutcome(tokens, logprobs, source_hidden, n)
+    out_tokens = [row[:c] for row, c in zip(emitted.tolist(), counts, strict=True)]
+    out_logprobs = [row[:c] for row, c in zip(lp.tolist(), counts, strict=True)]
+    return RoundOutcome(out_tokens, out_logprobs, hidden[rows, sources], n)

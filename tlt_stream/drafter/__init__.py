@@ -1,0 +1,1 @@
+"""The EAGLE-style drafter: model, checkpoints (and, later, its online training)."""

@@ -1,0 +1,173 @@
+"""`tlt-stream generate`: batch generation from a JSONL file with the rollout engine (plain or speculative).
+
+Input rows are `{"prompt_ids": [...]}` or `{"prompt": "..."}` (tokenised with the checkpoint's tokenizer);
+output rows, in input order, are `{"token_ids", "logprobs", "finish_reason", "accept_lengths"}`. A bad row
+stops the command before any generation with one line naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["InputError", "read_prompts", "run_generate"]
+
+
+class InputError(Exception):
+    """An input row is malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    model: Path
+    input: Path
+    output: Path
+    drafter: str | None = None
+    depth: int = 4
+    topk: int = 1
+    verify: int | None = None
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    seed: int = 0
+    batch_size: int = 32
+    dtype: str = "float32"
+
+
+def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
+    """Token ids of every input row, validated."""
+    tokenizer = None
+    prompts: list[list[int]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{where}: expected an object with 'prompt_ids' or 'prompt'")
+        if "prompt_ids" in row:
+            ids = row["prompt_ids"]
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
+                raise InputError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InputError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            prompts.append(ids)
+        elif "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"]:
+                raise InputError(f"{where}: 'prompt' must be a non-empty string")
+            if tokenizer is None:
+                tokenizer = _tokenizer(tokenizer_dir, where)
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise InputError(f"{where}: the prompt tokenises to nothing")
+            prompts.append(list(ids))
+        else:
+            raise InputError(f"{where}: expected 'prompt_ids' or 'prompt', got keys {sorted(row)}")
+    if not prompts:
+        raise InputError(f"{path}: no prompts")
+    return prompts
+
+
+def _tokenizer(directory: Path, where: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise InputError(
+            f"{where}: a text prompt needs the checkpoint's tokenizer, which failed to load ({exc})"
+        ) from None
+
+
+def eos_ids(model_dir: Path) -> list[int]:
+    for name in ("generation_config.json", "config.json"):
+        file = model_dir / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if value is not None:
+                return [value] if isinstance(value, int) else list(value)
+    return []
+
+
+def _generate_with_progress(engine: Any, prompts: list[list[int]], opts: GenerateOptions, eos: list[int]) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    ids = [
+        engine.add_request(p, opts.max_new_tokens, opts.temperature, opts.seed + i, eos) for i, p in enumerate(prompts)
+    ]
+    done: dict[Any, Any] = {}
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=_stderr_console()) as progress:
+        task = progress.add_task("generate", total=len(ids))
+        while engine.has_unfinished:
+            for result in engine.step():
+                done[result.request_id] = result
+                progress.advance(task)
+    return [done[i] for i in ids]
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def run_generate(opts: GenerateOptions) -> dict[str, Any]:
+    import torch
+
+    from tlt_stream.model import load_model
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import SdArm, build_proposer
+
+    model = load_model(opts.model, dtype=getattr(torch, opts.dtype))
+    prompts = read_prompts(opts.input, opts.model, model.spec.vocab_size)
+    max_len = max(len(p) for p in prompts) + opts.max_new_tokens
+    proposer = None
+    arm = None
+    if opts.drafter is not None:
+        arm = SdArm(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
+        proposer = build_proposer(opts.drafter, model)
+    engine = GenerationEngine(
+        model, opts.batch_size, max_len, proposer=proposer, arm=arm, max_draft_nodes=max(64, arm.verify if arm else 0)
+    )
+    start = time.perf_counter()
+    results = _generate_with_progress(engine, prompts, opts, eos_ids(opts.model))
+    seconds = time.perf_counter() - start
+    opts.output.parent.mkdir(parents=True, exist_ok=True)
+    with opts.output.open("w") as out:
+        for r in results:
+            row = {
+                "token_ids": r.token_ids,
+                "logprobs": r.logprobs,
+                "finish_reason": r.finish_reason,
+                "accept_lengths": r.accept_lengths,
+            }
+            out.write(json.dumps(row) + "\n")
+    tokens = sum(len(r.token_ids) for r in results)
+    rounds = sum(len(r.accept_lengths) for r in results)
+    summary = {
+        "prompts": len(results),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "sd": arm.label if arm else "off",
+        "mean_accept_length": round(sum(sum(r.accept_lengths) for r in results) / rounds, 3) if rounds else None,
+        "output": str(opts.output),
+    }
+    print(json.dumps(summary), file=sys.stderr)
+    return summary

@@ -1,0 +1,1 @@
+"""The tiny default world: a long-tailed reasoning task, its tokenizer, and the bootstrap."""
