@@ -38,7 +38,7 @@ DEAD_PAYLOAD_LIMIT = 64 * 1024
 """Bytes of a dead entry's raw payload kept in its dead letter."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Delivery(Generic[T]):
     """One decoded entry handed to the caller; ack it by `entry_id` once handled."""
 
@@ -114,6 +114,8 @@ class StreamReader(Generic[T]):
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
         self._group_ready = False
+        self._durable = spec(stream).durable
+        self._channel = keys.acked_channel(stream)
         self.dead = 0
         self.acked = 0
         self.reclaimed = 0
@@ -258,16 +260,23 @@ class StreamReader(Generic[T]):
         await self._dead(delivery.entry_id, reason, payload, delivery.deliveries)
 
     async def ack(self, entry_ids: list[str]) -> int:
-        """Ack handled entries; on a durable stream also wake producers waiting on backpressure."""
+        """Ack handled entries; on a durable stream also wake producers waiting on backpressure (one round
+        trip either way: the durable case is one small Lua script)."""
         if not entry_ids:
             return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.key, self.group, *entry_ids)
-            if spec(self.stream).durable:
-                pipe.publish(self.keys.acked_channel(self.stream), len(entry_ids))
-            acked = (await pipe.execute())[0]
+        if self._durable:
+            acked = await self.redis.eval(_ACK_AND_NOTIFY, 2, self.key, self._channel, self.group, *entry_ids)
+        else:
+            acked = await self.redis.xack(self.key, self.group, *entry_ids)
         self.acked += int(acked)
         return int(acked)
+
+
+_ACK_AND_NOTIFY = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+if acked > 0 then redis.call('PUBLISH', KEYS[2], acked) end
+return acked
+"""
 
 
 async def consume(
