@@ -82,6 +82,61 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from tlt_stream.progress import PhaseProgress
+    from tlt_stream.tasks.bootstrap import bootstrap
+
+    torch.set_num_threads(args.threads)
+    with PhaseProgress() as progress:
+        record = bootstrap(args.out, seed=args.seed, size=args.size, progress=progress)
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from tlt_stream.model import CheckpointError
+    from tlt_stream.progress import PhaseProgress
+    from tlt_stream.tasks.evaluate import evaluate
+
+    torch.set_num_threads(args.threads)
+    try:
+        with PhaseProgress() as progress:
+            report = evaluate(
+                args.model,
+                drafter=args.drafter,
+                n=args.n,
+                temperature=args.temperature,
+                seed=args.seed,
+                batch_size=args.batch_size,
+                depth=args.depth,
+                topk=args.topk,
+                progress=lambda done, total: progress("eval", done, total, {}),
+            )
+    except CheckpointError as exc:
+        print(f"tlt-stream eval: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(report))
+    else:
+        length = report["length"]
+        print(f"accuracy {report['accuracy']:.1%} on {report['prompts']} held-out prompts (T={report['temperature']})")
+        print(
+            f"response length p50 {length['p50']:.0f}  p90 {length['p90']:.0f}  p99 {length['p99']:.0f}  "
+            f"max {length['max']}  (max/median {length['max_over_median']:.1f}x)"
+        )
+        if "mean_accept_length" in report:
+            print(f"mean acceptance length {report['mean_accept_length']:.2f} ({report['arm']})")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -132,6 +187,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", required=True, help="JSONL results")
     gen.add_argument("-v", "--verbose", action="count", default=0)
     gen.set_defaults(handler=_cmd_generate)
+
+    boot = commands.add_parser(
+        "bootstrap",
+        help="build the tiny world: a warmed-up policy (DIR/policy) and drafter (DIR/drafter)",
+        description="Supervised warm-up of a small policy on the running-sum task, then an offline warm-up of "
+        "the drafter on the policy's own generations. Deterministic for a seed; skipped when DIR already "
+        "holds a matching result.",
+    )
+    boot.add_argument("--out", required=True, help="directory to build in")
+    boot.add_argument("--seed", type=int, default=0)
+    boot.add_argument("--size", choices=["small", "default"], default="default")
+    boot.add_argument("--threads", type=_positive, default=2, help="torch threads")
+    boot.add_argument("-v", "--verbose", action="count", default=0)
+    boot.set_defaults(handler=_cmd_bootstrap)
+
+    ev = commands.add_parser(
+        "eval",
+        help="accuracy and response lengths on held-out prompts (and acceptance length with a drafter)",
+    )
+    ev.add_argument("--model", required=True, help="policy checkpoint directory")
+    ev.add_argument("--drafter", help="drafter checkpoint directory, or 'ngram'")
+    ev.add_argument("--n", type=_positive, default=200, help="held-out prompts")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--batch-size", type=_positive, default=32)
+    ev.add_argument("--depth", type=_positive, default=4)
+    ev.add_argument("--topk", type=_positive, default=1)
+    ev.add_argument("--threads", type=_positive, default=2)
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument("-v", "--verbose", action="count", default=0)
+    ev.set_defaults(handler=_cmd_eval)
 
     config = commands.add_parser("config", help="show the effective configuration or describe every setting")
     config.add_argument("action", choices=["show", "describe"], help="show: effective values as JSON")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tlt_stream.model.cache import KVCache
-from tlt_stream.model.layers import DecoderLayer, attention_context, rope_inv_freq
+from tlt_stream.model.layers import DecoderLayer, attention_context, rope_inv_freq, rope_tables
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
@@ -101,6 +101,16 @@ class Drafter(nn.Module):
             spec_offset=spec_offset,
         )
         return self.layer(x, cache.k[0], cache.v[0], ctx)
+
+    def dense(
+        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Cache-free forward for training: `tokens [B, T]`, `features [B, T, H]`, `positions [B, T]`,
+        `mask [B, 1, T, T]` bool (block-diagonal causal for packed windows). Returns `[B, T, H]`."""
+        embed, _ = self._require_bound()
+        x = self.fc(torch.cat([F.embedding(tokens, embed), features.to(embed.dtype)], dim=-1))
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
+        return self.layer.dense(x, cos, sin, mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         _, head = self._require_bound()

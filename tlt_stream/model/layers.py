@@ -170,6 +170,26 @@ class Attention(nn.Module):
             ).transpose(1, 2)  # [B, T, h, D]
         return self.o_proj(out.reshape(b, t, h * self.head_dim).to(x.dtype))
 
+    def dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Cache-free self-attention among the T tokens of `x [B, T, H]` (training: autograd-friendly).
+
+        `mask [B, 1, T, T]` bool (True: may attend), e.g. block-diagonal causal for packed sequences.
+        """
+        b, t, _ = x.shape
+        h, hk = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * hk, self.head_dim)
+        qk = apply_rope(qkv[:, :, : h + hk], cos, sin)
+        q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + hk :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=h != hk,
+        ).transpose(1, 2)  # [B, T, h, D]
+        return self.o_proj(out.reshape(b, t, h * self.head_dim))
+
     def _decode_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
@@ -216,4 +236,9 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The same block without a KV cache (see `Attention.dense`)."""
+        x = x + self.self_attn.dense(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

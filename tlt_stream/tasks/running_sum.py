@@ -1,18 +1,19 @@
-"""The tiny default world's task: add a list of single-digit numbers, step by step, in words.
+"""The tiny default world's task: add up named single-digit numbers, step by step, in words.
 
-    Q: 3+5+8+2=?
-    A: Start with 3.
-    Add 5: 3+5=8.
-    Add 8: 8+8=16.
-    Add 2: 16+2=18.
+    Q: a=3, b=5, c=8, d=2. Add them up.
+    A: Start with a=3.
+    Add b=5: 3+5=8.
+    Add c=8: 8+8=16.
+    Add d=2: 16+2=18.
     The answer is 18.
 
-Each step restates the running total and the next term (formulaic text a drafter can predict: copies from
-the prompt and the line above) around the one piece of real computation, the new total. A small model can
-master it: every step is a single-digit addition to a number it has just written. The number of terms is
-heavy-tailed (P(n) ~ n^-1.8 on 2..48), so in a batch of prompts the longest solution is ~10x the median:
-a real long tail. Problems are split into train and held-out sets by a hash of the prompt, so the two
-never overlap whatever their sizes.
+Each step names the next term (the next letter: predictable), copies its value from the prompt (a lookup
+by name, which attention does well), restates the running total from the line above, and then does the
+one piece of real computation: the new total. A small model can master it, since every step is a
+single-digit addition to a number it has just written, and a drafter can predict most of the text. The
+number of terms is heavy-tailed (P(n) ~ n^-1.8 on 2..48), so in a batch of prompts the longest solution
+is ~10x the median: a real long tail. Problems are split into train and held-out sets by a hash of the
+prompt, so the two never overlap whatever their sizes.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import string
 from dataclasses import dataclass
 
 __all__ = ["ANSWER_RE", "Problem", "RunningSumTask", "reward"]
 
 ANSWER_RE = re.compile(r"The answer is (-?\d+)\.")
+NAMES = string.ascii_lowercase + string.ascii_uppercase
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,10 @@ class RunningSumTask:
     heldout_percent: int = 10
 
     def __post_init__(self) -> None:
-        if not 2 <= self.min_terms <= self.max_terms:
-            raise ValueError(f"need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if not 2 <= self.min_terms <= self.max_terms <= len(NAMES):
+            raise ValueError(
+                f"need 2 <= min_terms <= max_terms <= {len(NAMES)}, got {self.min_terms}, {self.max_terms}"
+            )
         if not 0 < self.heldout_percent < 100:
             raise ValueError("heldout_percent must be in 1..99")
 
@@ -65,12 +70,13 @@ class RunningSumTask:
         return [n**-self.tail_exponent for n in range(self.min_terms, self.max_terms + 1)]
 
     def make(self, terms: tuple[int, ...]) -> Problem:
-        prompt = "Q: " + "+".join(str(t) for t in terms) + "=?\nA:"
+        named = [f"{NAMES[i]}={t}" for i, t in enumerate(terms)]
+        prompt = "Q: " + ", ".join(named) + ". Add them up.\nA:"
         total = terms[0]
-        lines = [f" Start with {total}."]
-        for term in terms[1:]:
+        lines = [f" Start with {named[0]}."]
+        for name, term in zip(named[1:], terms[1:], strict=True):
             new = total + term
-            lines.append(f"Add {term}: {total}+{term}={new}.")
+            lines.append(f"Add {name}: {total}+{term}={new}.")
             total = new
         lines.append(f"The answer is {total}.")
         return Problem(prompt, "\n".join(lines), str(total), terms)

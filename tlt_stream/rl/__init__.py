@@ -1,0 +1,1 @@
+"""RL pieces: datasets, rewards (and, later, GRPO math and the learner core)."""

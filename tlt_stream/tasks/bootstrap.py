@@ -1,0 +1,252 @@
+"""`tlt-stream bootstrap`: build the tiny world from nothing: a policy that is right sometimes, and a drafter.
+
+1. Supervised warm-up of a small Qwen2-config policy on worked running-sum solutions (transformers'
+   implementation, AdamW, warmup + cosine), saved as a Hugging Face checkpoint with the tokenizer in
+   `DIR/policy`. The budget is set so held-out pass@1 lands in the range that leaves room for RL.
+2. Offline warm-up of the EAGLE drafter on the policy's *own* generations: sample responses to training
+   prompts with the rollout engine, take the target's hidden states over prompt + response, train with
+   the unrolled EAGLE loss, save to `DIR/drafter`.
+Everything is seeded and deterministic for a seed and thread count. `DIR/bootstrap.json` records what was
+built; a second call with the same settings finds it and does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_stream.tasks.running_sum import Problem, RunningSumTask
+from tlt_stream.tasks.tokenizer import build_tokenizer
+
+__all__ = ["SIZES", "BootstrapSettings", "bootstrap"]
+
+BOOTSTRAP_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BootstrapSettings:
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    sft_steps: int
+    sft_batch_tokens: int
+    sft_lr: float
+    drafter_samples: int
+    drafter_steps: int
+    drafter_lr: float
+    max_len: int = 1280
+
+
+SIZES: dict[str, BootstrapSettings] = {
+    "small": BootstrapSettings(
+        hidden_size=96,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=256,
+        sft_steps=60,
+        sft_batch_tokens=4096,
+        sft_lr=3e-3,
+        drafter_samples=32,
+        drafter_steps=30,
+        drafter_lr=2e-3,
+    ),
+    "default": BootstrapSettings(
+        hidden_size=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=768,
+        sft_steps=700,
+        sft_batch_tokens=8192,
+        sft_lr=2e-3,
+        drafter_samples=256,
+        drafter_steps=300,
+        drafter_lr=1e-3,
+    ),
+}
+
+
+Progress = Callable[[str, int, int, dict[str, float]], None]
+"""progress(phase, done, total, metrics): called as work advances (the CLI draws bars from it)."""
+
+
+def _silent(phase: str, done: int, total: int, metrics: dict[str, float]) -> None:
+    return None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sft_batches(
+    task: RunningSumTask, tokenizer: Any, seed: int, batch_tokens: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask, labels) batches of training problems, bucketed by length so padding is
+    small; labels cover the solution and EOS only."""
+    rng = random.Random(f"sft/{seed}")
+    eos = tokenizer.eos_token_id
+    pool: list[tuple[list[int], int]] = []
+    while True:
+        while len(pool) < 256:
+            problem = task.random_problem(rng)
+            if task.is_heldout(problem):
+                continue
+            prompt = _encode(tokenizer, problem.prompt)
+            pool.append((prompt + _encode(tokenizer, problem.solution) + [eos], len(prompt)))
+        pool.sort(key=lambda item: len(item[0]))
+        start = rng.randrange(len(pool))
+        longest = len(pool[start][0])
+        count = max(1, batch_tokens // longest)
+        chosen = pool[max(0, start - count + 1) : start + 1]
+        del pool[max(0, start - count + 1) : start + 1]
+        width = max(len(ids) for ids, _ in chosen)
+        ids = torch.zeros(len(chosen), width, dtype=torch.long)
+        attention = torch.zeros(len(chosen), width, dtype=torch.long)
+        labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+        for i, (seq, prompt_len) in enumerate(chosen):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
+            labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
+        yield ids, attention, labels
+
+
+def _lr(step: int, total: int, base: float, warmup: int = 30) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_policy(settings: BootstrapSettings, seed: int, out: Path, progress: Progress) -> dict[str, float]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden_size,
+        intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.kv_heads,
+        max_position_embeddings=settings.max_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10_000.0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    data = sft_batches(RunningSumTask(), tokenizer, seed, settings.sft_batch_tokens)
+    model.train()
+    smoothed = None
+    for step in range(settings.sft_steps):
+        ids, attention, labels = next(data)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, settings.sft_steps, settings.sft_lr)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        smoothed = float(loss) if smoothed is None else 0.95 * smoothed + 0.05 * float(loss)
+        progress("policy", step + 1, settings.sft_steps, {"loss": smoothed})
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return {"sft_loss": smoothed or float("nan")}
+
+
+def drafter_windows(policy_dir: Path, settings: BootstrapSettings, seed: int, progress: Progress) -> list:
+    """The policy's own sampled responses to training prompts, with its hidden states over each sequence."""
+    from tlt_stream.drafter.train import Window
+    from tlt_stream.model import load_model
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    model = load_model(policy_dir)
+    tokenizer = build_tokenizer()
+    task = RunningSumTask()
+    problems = task.problems(settings.drafter_samples, seed + 1, heldout=False)
+    prompts = [_encode(tokenizer, p.prompt) for p in problems]
+    engine = GenerationEngine(model, 32, settings.max_len)
+    budget = settings.max_len - max(len(p) for p in prompts)
+    ids = [engine.add_request(p, budget, 1.0, seed + i, [tokenizer.eos_token_id]) for i, p in enumerate(prompts)]
+    results: dict[Any, Any] = {}
+    while engine.has_unfinished:
+        for r in engine.step():
+            results[r.request_id] = r
+            progress("drafter data", len(results), len(ids), {})
+    windows = []
+    with torch.inference_mode():
+        for rid in ids:
+            r = results[rid]
+            sequence = r.prompt_ids + r.token_ids
+            cache = model.new_cache(1, len(sequence))
+            hidden = model(torch.tensor([sequence]), torch.arange(len(sequence))[None], cache)[0]
+            windows.append(Window(torch.tensor(sequence), hidden.clone(), len(r.prompt_ids)))
+    return windows
+
+
+def train_drafter(
+    policy_dir: Path, windows: list, settings: BootstrapSettings, seed: int, out: Path, progress: Progress
+) -> dict[str, float]:
+    from tlt_stream.drafter.model import Drafter, save_drafter
+    from tlt_stream.drafter.train import DrafterTrainer, batches
+    from tlt_stream.model import load_model
+
+    target = load_model(policy_dir)
+    torch.manual_seed(seed)
+    drafter = Drafter(target.spec).bind(target)
+    trainer = DrafterTrainer(drafter, lr=settings.drafter_lr, total_steps=settings.drafter_steps, unroll=3)
+    stream = batches(windows, row_tokens=512, rows_per_batch=4, seed=seed)
+    stats: dict[str, float] = {}
+    for step in range(settings.drafter_steps):
+        stats = trainer.step(next(stream))
+        progress("drafter", step + 1, settings.drafter_steps, {"loss": stats["loss"], "top1": stats["top1_1"]})
+    drafter.eval()
+    save_drafter(drafter, out, metadata={"policy_version": 0, "trained_steps": settings.drafter_steps})
+    return {k: v for k, v in stats.items() if k.startswith(("loss", "top1"))}
+
+
+def bootstrap(out: str | Path, *, seed: int = 0, size: str = "default", progress: Progress = _silent) -> dict:
+    """Build (or find) the tiny world in `out`; returns what `out/bootstrap.json` records."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    out = Path(out)
+    settings = SIZES[size]
+    wanted = {"version": BOOTSTRAP_VERSION, "seed": seed, "size": size, "settings": asdict(settings)}
+    marker = out / "bootstrap.json"
+    if marker.is_file():
+        found = json.loads(marker.read_text())
+        if (
+            all(found.get(k) == v for k, v in wanted.items())
+            and (out / "policy").is_dir()
+            and (out / "drafter").is_dir()
+        ):
+            return found
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    record: dict[str, Any] = dict(wanted)
+    record["policy"] = train_policy(settings, seed, out / "policy", progress)
+    record["policy_seconds"] = round(time.perf_counter() - started, 1)
+    windows = drafter_windows(out / "policy", settings, seed, progress)
+    record["drafter"] = train_drafter(out / "policy", windows, settings, seed, out / "drafter", progress)
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    marker.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def problems_for_eval(count: int, seed: int) -> list[Problem]:
+    return RunningSumTask().problems(count, seed, heldout=True)
