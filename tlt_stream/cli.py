@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot = commands.add_parser(
         "bootstrap",
         help="build the tiny world: a warmed-up policy (DIR/policy) and drafter (DIR/drafter)",
-        description="Supervised warm-up of a small policy on the running-sum task, then an offline warm-up of "
+        description="Supervised warm-up of a small policy on the repeated-addition task, then an offline warm-up of "
         "the drafter on the policy's own generations. Deterministic for a seed; skipped when DIR already "
         "holds a matching result.",
     )

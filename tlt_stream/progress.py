@@ -1,11 +1,14 @@
 """Progress bars for long work: one rich bar per phase, fed by `progress(phase, done, total, metrics)`.
 
-Bars go to stderr and vanish when not on a terminal (CI logs stay clean); the callback signature is
-plain, so library code reports progress without importing rich.
+Bars go to stderr. When stderr is not a terminal (a cluster job's log, nohup, CI), each phase instead
+prints one plain line per tenth of its work, so a log still shows how far a job got. The callback
+signature is plain, so library code reports progress without importing rich.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +31,9 @@ class PhaseProgress:
             disable=not console.is_terminal,
         )
         self._tasks: dict[str, Any] = {}
+        self._plain = not console.is_terminal
+        self._logged: dict[str, int] = {}
+        self._started = time.perf_counter()
 
     def __enter__(self) -> PhaseProgress:
         self._progress.__enter__()
@@ -42,4 +48,10 @@ class PhaseProgress:
         if phase not in self._tasks:
             self._tasks[phase] = self._progress.add_task(phase, total=total, metrics="")
         text = "  ".join(f"{k} {v:.3g}" for k, v in metrics.items())
+        if self._plain:
+            tenth = (10 * done) // max(1, total)
+            if tenth > self._logged.get(phase, -1):
+                self._logged[phase] = tenth
+                elapsed = time.perf_counter() - self._started
+                print(f"{phase}: {done}/{total} ({elapsed:.0f}s) {text}".rstrip(), file=sys.stderr, flush=True)
         self._progress.update(self._tasks[phase], completed=done, total=total, metrics=text)

@@ -11,7 +11,7 @@ import pytest
 
 from tlt_stream.rl.datasets import DatasetError, load_examples
 from tlt_stream.rl.rewards import last_boxed, math_reward
-from tlt_stream.tasks.running_sum import RunningSumTask, reward
+from tlt_stream.tasks.repeated_add import RepeatedAddTask, reward, step_text
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -90,8 +90,8 @@ def test_last_boxed_balances_braces() -> None:
     assert last_boxed("nothing") is None
 
 
-def test_running_sum_task_is_deterministic_long_tailed_and_exact() -> None:
-    task = RunningSumTask()
+def test_repeated_add_task_is_deterministic_long_tailed_and_exact() -> None:
+    task = RepeatedAddTask()
     a, b = task.problems(400, 7, heldout=False), task.problems(400, 7, heldout=False)
     assert [p.prompt for p in a] == [p.prompt for p in b]
     assert [p.prompt for p in task.problems(400, 8, heldout=False)] != [p.prompt for p in a]
@@ -100,10 +100,38 @@ def test_running_sum_task_is_deterministic_long_tailed_and_exact() -> None:
     lengths = sorted(len(p.solution) for p in a)
     median, longest = lengths[len(lengths) // 2], lengths[-1]
     assert longest >= 8 * median, (median, longest)
+    for problem in a[:50]:
+        assert reward(problem.solution, problem.answer) == 1.0
+        assert int(problem.answer) == problem.start + problem.increment * problem.steps
+        assert problem.solution.count("\n") == problem.steps
     problem = a[0]
-    assert reward(problem.solution, problem.answer) == 1.0
-    assert (
-        reward(problem.solution.replace(f"The answer is {problem.answer}.", "The answer is 0."), problem.answer) == 0.0
-    )
+    wrong = problem.solution.replace(f"The answer is {problem.answer}.", f"The answer is {int(problem.answer) + 1}.")
+    assert reward(wrong, problem.answer) == 0.0
     assert reward("no answer", problem.answer) == 0.0
-    assert int(problem.answer) == sum(problem.terms)
+    assert reward(problem.solution + " The answer is 0.", problem.answer) == 1.0, "the first stated answer counts"
+
+
+@pytest.mark.parametrize(
+    ("total", "term", "text"),
+    [
+        (17, 8, "7+8=15, carry 1, 1+1=2"),
+        (41, 8, "1+8=9"),
+        (3, 7, "3+7=10, carry 1"),
+        (199, 1, "9+1=10, carry 1, 19+1=20"),
+    ],
+)
+def test_step_text_writes_single_digit_work_with_carries(total: int, term: int, text: str) -> None:
+    assert step_text(total, term) == text
+
+
+def test_repeated_add_worked_solution_is_arithmetically_consistent() -> None:
+    problem = RepeatedAddTask().make(start=96, increment=7, steps=3)
+    assert problem.prompt == "Q: Start at 96 and add 7, 3 times.\nA:"
+    assert problem.solution == (
+        " Step 1/3: 96+7: 6+7=13, carry 1, 9+1=10, total 103.\n"
+        "Step 2/3: 103+7: 3+7=10, carry 1, 10+1=11, total 110.\n"
+        "Step 3/3: 110+7: 0+7=7, total 117.\n"
+        "The answer is 117."
+    )
+    with pytest.raises(ValueError, match="bad problem"):
+        RepeatedAddTask().make(start=1, increment=0, steps=2)

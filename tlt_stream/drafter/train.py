@@ -14,6 +14,7 @@ positions reset per window, so nothing attends across samples.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -194,7 +195,8 @@ class DrafterTrainer:
         return stats
 
     def state_dict(self) -> dict[str, object]:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count}
+        """A snapshot (deep copy): later steps do not change it, so it can be written out asynchronously."""
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()), "step": self.step_count}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]

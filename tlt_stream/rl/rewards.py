@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tlt_stream.tasks.running_sum import reward as running_sum_reward
+from tlt_stream.tasks.repeated_add import reward as repeated_add_reward
 
 __all__ = ["REWARDS", "RewardFn", "last_boxed", "math_reward"]
 
@@ -49,4 +49,4 @@ def math_reward(response: str, answer: str) -> float:
         return 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"running_sum": running_sum_reward, "math": math_reward}
+REWARDS: dict[str, RewardFn] = {"repeated_add": repeated_add_reward, "math": math_reward}

@@ -1,6 +1,6 @@
 """`tlt-stream bootstrap`: build the tiny world from nothing: a policy that is right sometimes, and a drafter.
 
-1. Supervised warm-up of a small Qwen2-config policy on worked running-sum solutions (transformers'
+1. Supervised warm-up of a small Llama-config policy on worked repeated-addition solutions (transformers'
    implementation, AdamW, warmup + cosine), saved as a Hugging Face checkpoint with the tokenizer in
    `DIR/policy`. The budget is set so held-out pass@1 lands in the range that leaves room for RL.
 2. Offline warm-up of the EAGLE drafter on the policy's *own* generations: sample responses to training
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from tlt_stream.tasks.running_sum import Problem, RunningSumTask
+from tlt_stream.tasks.repeated_add import Problem, RepeatedAddTask
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 __all__ = ["SIZES", "BootstrapSettings", "bootstrap"]
 
-BOOTSTRAP_VERSION = 1
+BOOTSTRAP_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class BootstrapSettings:
     drafter_samples: int
     drafter_steps: int
     drafter_lr: float
-    max_len: int = 1280
+    max_len: int = 1408
 
 
 SIZES: dict[str, BootstrapSettings] = {
@@ -62,17 +62,17 @@ SIZES: dict[str, BootstrapSettings] = {
         drafter_lr=2e-3,
     ),
     "default": BootstrapSettings(
-        hidden_size=256,
+        hidden_size=128,
         layers=4,
         heads=4,
         kv_heads=2,
-        intermediate_size=768,
-        sft_steps=700,
-        sft_batch_tokens=8192,
-        sft_lr=2e-3,
+        intermediate_size=384,
+        sft_steps=2000,
+        sft_batch_tokens=1024,
+        sft_lr=3e-3,
         drafter_samples=256,
-        drafter_steps=300,
-        drafter_lr=1e-3,
+        drafter_steps=400,
+        drafter_lr=2e-3,
     ),
 }
 
@@ -89,36 +89,41 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def sft_batches(
-    task: RunningSumTask, tokenizer: Any, seed: int, batch_tokens: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(input_ids, attention_mask, labels) batches of training problems, bucketed by length so padding is
-    small; labels cover the solution and EOS only."""
+def sft_batches(task: Any, tokenizer: Any, seed: int, batch_tokens: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """(input_ids, attention_mask, labels) batches of training problems; labels cover the solution and EOS.
+
+    Problems are drawn in chunks from the task distribution, sorted by length and cut into batches of
+    about `batch_tokens` tokens (little padding), and every batch of a chunk is used, in shuffled order,
+    so long and short problems are trained on in their true proportions.
+    """
     rng = random.Random(f"sft/{seed}")
     eos = tokenizer.eos_token_id
-    pool: list[tuple[list[int], int]] = []
     while True:
-        while len(pool) < 256:
+        chunk: list[tuple[list[int], int]] = []
+        while len(chunk) < 512:
             problem = task.random_problem(rng)
             if task.is_heldout(problem):
                 continue
             prompt = _encode(tokenizer, problem.prompt)
-            pool.append((prompt + _encode(tokenizer, problem.solution) + [eos], len(prompt)))
-        pool.sort(key=lambda item: len(item[0]))
-        start = rng.randrange(len(pool))
-        longest = len(pool[start][0])
-        count = max(1, batch_tokens // longest)
-        chosen = pool[max(0, start - count + 1) : start + 1]
-        del pool[max(0, start - count + 1) : start + 1]
-        width = max(len(ids) for ids, _ in chosen)
-        ids = torch.zeros(len(chosen), width, dtype=torch.long)
-        attention = torch.zeros(len(chosen), width, dtype=torch.long)
-        labels = torch.full((len(chosen), width), -100, dtype=torch.long)
-        for i, (seq, prompt_len) in enumerate(chosen):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attention[i, : len(seq)] = 1
-            labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
-        yield ids, attention, labels
+            chunk.append((prompt + _encode(tokenizer, problem.solution) + [eos], len(prompt)))
+        chunk.sort(key=lambda item: len(item[0]))
+        groups: list[list[tuple[list[int], int]]] = []
+        while chunk:
+            longest = len(chunk[-1][0])
+            count = max(1, batch_tokens // longest)
+            groups.append(chunk[-count:])
+            del chunk[-count:]
+        rng.shuffle(groups)
+        for group in groups:
+            width = max(len(ids) for ids, _ in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            attention = torch.zeros(len(group), width, dtype=torch.long)
+            labels = torch.full((len(group), width), -100, dtype=torch.long)
+            for i, (seq, prompt_len) in enumerate(group):
+                ids[i, : len(seq)] = torch.tensor(seq)
+                attention[i, : len(seq)] = 1
+                labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
+            yield ids, attention, labels
 
 
 def _lr(step: int, total: int, base: float, warmup: int = 30) -> float:
@@ -129,10 +134,10 @@ def _lr(step: int, total: int, base: float, warmup: int = 30) -> float:
 
 
 def train_policy(settings: BootstrapSettings, seed: int, out: Path, progress: Progress) -> dict[str, float]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
         intermediate_size=settings.intermediate_size,
@@ -147,9 +152,9 @@ def train_policy(settings: BootstrapSettings, seed: int, out: Path, progress: Pr
         rope_theta=10_000.0,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr, betas=(0.9, 0.98), weight_decay=0.01)
-    data = sft_batches(RunningSumTask(), tokenizer, seed, settings.sft_batch_tokens)
+    data = sft_batches(RepeatedAddTask(), tokenizer, seed, settings.sft_batch_tokens)
     model.train()
     smoothed = None
     for step in range(settings.sft_steps):
@@ -161,7 +166,8 @@ def train_policy(settings: BootstrapSettings, seed: int, out: Path, progress: Pr
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        smoothed = float(loss) if smoothed is None else 0.95 * smoothed + 0.05 * float(loss)
+        value = loss.item()
+        smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
         progress("policy", step + 1, settings.sft_steps, {"loss": smoothed})
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
@@ -177,7 +183,7 @@ def drafter_windows(policy_dir: Path, settings: BootstrapSettings, seed: int, pr
 
     model = load_model(policy_dir)
     tokenizer = build_tokenizer()
-    task = RunningSumTask()
+    task = RepeatedAddTask()
     problems = task.problems(settings.drafter_samples, seed + 1, heldout=False)
     prompts = [_encode(tokenizer, p.prompt) for p in problems]
     engine = GenerationEngine(model, 32, settings.max_len)
@@ -249,4 +255,4 @@ def bootstrap(out: str | Path, *, seed: int = 0, size: str = "default", progress
 
 
 def problems_for_eval(count: int, seed: int) -> list[Problem]:
-    return RunningSumTask().problems(count, seed, heldout=True)
+    return RepeatedAddTask().problems(count, seed, heldout=True)

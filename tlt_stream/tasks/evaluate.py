@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tlt_stream.tasks.running_sum import RunningSumTask, reward
+from tlt_stream.tasks.repeated_add import RepeatedAddTask, reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 __all__ = ["evaluate", "percentile"]
@@ -42,7 +42,7 @@ def evaluate(
     model_dir = Path(model_dir)
     model = load_model(model_dir)
     tokenizer = build_tokenizer()
-    problems = RunningSumTask().problems(n, seed, heldout=True)
+    problems = RepeatedAddTask().problems(n, seed, heldout=True)
     prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
     max_len = model.spec.max_position_embeddings
     budget = min(max_len - max(len(p) for p in prompts), 1200)

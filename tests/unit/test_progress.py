@@ -1,0 +1,20 @@
+"""Progress off a terminal: one plain line per tenth of each phase, so job logs show how far work got."""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt_stream.progress import PhaseProgress
+
+
+def test_plain_progress_logs_each_tenth_of_each_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    with PhaseProgress() as progress:
+        for done in range(1, 201):
+            progress("policy", done, 200, {"loss": 1.0 / done})
+        for done in range(1, 4):
+            progress("drafter", done, 3, {})
+    lines = capsys.readouterr().err.splitlines()
+    policy = [line for line in lines if line.startswith("policy:")]
+    assert len(policy) == 11, policy  # the first step, then every tenth
+    assert policy[-1].startswith("policy: 200/200") and "loss 0.005" in policy[-1]
+    assert [line.split()[1] for line in lines if line.startswith("drafter:")] == ["1/3", "2/3", "3/3"]
