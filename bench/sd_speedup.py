@@ -1,0 +1,289 @@
+"""Speculative decoding on a policy that has learned something: the bootstrapped policy and its drafter.
+
+For batch sizes 1..32, in one run: plain decoding tokens/s and SD tokens/s for a small sweep of arms
+(chains and trees), with the mean acceptance length (tokens emitted per target forward) per arm; the best
+arm per batch and the crossover batch size above which SD loses. Prompts are long held-out problems and
+every row generates the same number of tokens, so the batch stays full for the whole measurement. At
+batch 1 it also times transformers' own prompt-lookup decoding on the same policy (the peer a user would
+reach for), and the per-call costs (target forward for 1 and k tokens, one drafter step) and the ceiling
+they imply at the measured acceptance. Prints progress to stderr and one JSON object to stdout.
+
+    python -m bench.sd_speedup [--quick] [--world DIR] [--temperature 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARMS_FULL = [(2, 1, 2), (4, 1, 4), (6, 1, 6), (8, 1, 8), (4, 2, 8), (6, 2, 12), (6, 4, 16), (8, 4, 24)]
+ARMS_QUICK = [(4, 1, 4), (6, 1, 6), (6, 2, 12)]
+
+
+def log(message: str) -> None:
+    print(f"[sd_speedup] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer batches, arms and tokens (under a minute)")
+    p.add_argument("--world", default="artifacts/world", help="bootstrap directory (built if missing)")
+    p.add_argument("--size", default="default", choices=["small", "default"], help="bootstrap size if building")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL rollouts use 1.0)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
+    args.arms = ARMS_QUICK if args.quick else ARMS_FULL
+    args.new_tokens = 96 if args.quick else 256
+    args.reps = 1 if args.quick else 3
+    return args
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.model import load_model
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, SdArm
+    from tlt_stream.tasks.bootstrap import bootstrap
+    from tlt_stream.tasks.evaluate import evaluate
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    torch.set_num_threads(args.threads)
+    world = Path(args.world)
+    log(f"world {world} (bootstrapping if needed)")
+    record = bootstrap(world, seed=args.seed, size=args.size)
+    policy = load_model(world / "policy")
+    drafter = load_drafter(world / "drafter", policy)
+    tokenizer = build_tokenizer()
+    task = RepeatedAddTask()
+    long_problems = [p for p in task.problems(2000, args.seed + 7, heldout=True) if p.steps >= 12]
+    prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in long_problems]
+    n = args.new_tokens
+    max_len = max(len(p) for p in prompts) + n
+
+    def run(batch: int, arm: tuple[int, int, int] | None, proposer_kind: str = "eagle") -> dict[str, Any]:
+        proposer = None
+        if arm is not None:
+            proposer = EagleProposer(drafter) if proposer_kind == "eagle" else NgramProposer()
+        engine = GenerationEngine(
+            policy, batch, max_len, proposer=proposer, arm=SdArm(*arm) if arm else None, max_draft_nodes=32
+        )
+        walls = []
+        accepts: list[int] = []
+        tokens = 0
+        for rep in range(args.reps):
+            chosen = prompts[rep * batch : (rep + 1) * batch] or prompts[:batch]
+            wall, results = timed(engine.generate, chosen, n, args.temperature, seed=args.seed + rep)  # no EOS stop
+            walls.append(wall)
+            tokens = sum(len(r.token_ids) for r in results)
+            accepts += [a for r in results for a in r.accept_lengths]
+        return {
+            "tok_s": tokens / statistics.median(walls),
+            "mean_accept_length": statistics.fmean(accepts) if accepts else 1.0,
+        }
+
+    results: dict[str, Any] = {"batches": {}}
+    for batch in args.batches:
+        log(f"batch {batch}: plain")
+        plain = run(batch, None)
+        entry: dict[str, Any] = {"plain_tok_s": round(plain["tok_s"], 1), "arms": {}}
+        for arm in args.arms:
+            measured = run(batch, arm)
+            label = SdArm(*arm).label
+            entry["arms"][label] = {
+                "tok_s": round(measured["tok_s"], 1),
+                "speedup": round(measured["tok_s"] / plain["tok_s"], 3),
+                "mean_accept_length": round(measured["mean_accept_length"], 3),
+            }
+            log(f"batch {batch}: {label} {entry['arms'][label]}")
+        best = max(entry["arms"], key=lambda k: entry["arms"][k]["speedup"])
+        entry["best_arm"] = best
+        entry["best_speedup"] = entry["arms"][best]["speedup"]
+        if batch == 1:
+            ngram = run(1, (6, 1, 6), "ngram")
+            entry["ngram_d6_speedup"] = round(ngram["tok_s"] / plain["tok_s"], 3)
+        results["batches"][str(batch)] = entry
+
+    # The crossover: the smallest batch from which SD loses at every larger batch measured (one noisy
+    # point below 1.0 between two wins is not a crossover).
+    losing = [b for b in args.batches if results["batches"][str(b)]["best_speedup"] < 1.0]
+    results["batches_where_sd_loses"] = losing
+    crossover = None
+    for b in reversed(args.batches):
+        if b not in losing:
+            break
+        crossover = b
+    results["crossover_batch"] = crossover
+    results["speedup_at_batch_1"] = results["batches"]["1"]["best_speedup"]
+
+    log("per-call costs at batch 1")
+    results["costs_ms"], results["ceiling"] = per_call_costs(torch, policy, drafter, prompts[0], results, args)
+    log("transformers prompt lookup at batch 1")
+    results["hf_prompt_lookup"] = hf_prompt_lookup(torch, world, prompts[:2], n)
+    log("rollout share of a synchronous RL step")
+    results["rl_step"] = rl_step_share(torch, world, policy, tokenizer, task, args)
+    log("long tail and accuracy of the policy")
+    report = evaluate(world / "policy", n=100 if args.quick else 300, temperature=1.0, seed=args.seed)
+    results["policy"] = {
+        "accuracy_T1": report["accuracy"],
+        "length": report["length"],
+        "truncated": report["truncated"],
+    }
+    results.update(
+        benchmark="sd_speedup",
+        quick=args.quick,
+        temperature=args.temperature,
+        new_tokens=n,
+        world={"dir": str(world), "size": record["size"], "seed": record["seed"]},
+        goal={"speedup_at_batch_1": 2.0, "aim": 2.5},
+        machine={"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
+    )
+    print(json.dumps(results))
+
+
+def per_call_costs(torch, policy, drafter, prompt: list[int], results: dict, args) -> tuple[dict, dict]:
+    """Median times of the pieces of a round at batch 1, and the speedup ceiling they imply."""
+    context = len(prompt) + args.new_tokens // 2
+    reps = 30
+
+    def forward(k: int) -> float:
+        cache = policy.new_cache(1, context + k + 1)
+        cache.lengths.fill_(context)
+        ids = torch.zeros(1, k, dtype=torch.long)
+        positions = (context + torch.arange(k))[None]
+        mask = torch.ones(k, k, dtype=torch.bool).tril()[None]
+        with torch.inference_mode():
+            policy.logits(policy(ids, positions, cache, tree_mask=mask))
+            return statistics.median(
+                timed(lambda: policy.logits(policy(ids, positions, cache, tree_mask=mask)))[0] for _ in range(reps)
+            )
+
+    def drafter_step() -> float:
+        cache = drafter.new_cache(1, context + 4)
+        cache.lengths.fill_(context)
+        token = torch.zeros(1, 1, dtype=torch.long)
+        feature = torch.zeros(1, 1, policy.spec.hidden_size)
+        positions = torch.full((1, 1), context)
+        with torch.inference_mode():
+            return statistics.median(
+                timed(lambda: drafter.logits(drafter(token, feature, positions, cache)))[0] for _ in range(reps)
+            )
+
+    best = results["batches"]["1"]["best_arm"]
+    arm = results["batches"]["1"]["arms"][best]
+    depth = int(best.split("k")[0][1:])
+    verify = int(best.split("v")[1])
+    costs = {"target_1": forward(1) * 1e3, f"target_{verify + 1}": forward(verify + 1) * 1e3}
+    costs["drafter_step"] = drafter_step() * 1e3
+    plain_step = costs["target_1"]
+    round_ideal = costs[f"target_{verify + 1}"] + depth * costs["drafter_step"]
+    measured_round = arm["mean_accept_length"] / (arm["tok_s"] / 1e3)  # ms per round at the measured rate
+    costs["rest_of_round"] = max(0.0, measured_round - round_ideal)
+    ceiling = {
+        "arm": best,
+        "mean_accept_length": arm["mean_accept_length"],
+        "speedup_ceiling": arm["mean_accept_length"] * plain_step / round_ideal,
+        "speedup_measured": arm["speedup"],
+    }
+    return {k: round(v, 3) for k, v in costs.items()}, ceiling
+
+
+def rl_step_share(torch, world: Path, policy, tokenizer, task, args) -> dict[str, Any]:
+    """Rollout's share of one synchronous GRPO-shaped step with the default settings.
+
+    Rollout: 8 training prompts x 8 samples at T=1 with EOS stops, plain decoding at batch 64 (the batch
+    waits for its longest sample, as in a synchronous step). Training: one policy-gradient forward +
+    backward + AdamW step of the transformers model over exactly those sequences (micro-batches of about
+    8k tokens), which is what the learner does per step.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    group, prompts_per_step = 8, 2 if args.quick else 8
+    problems = task.problems(prompts_per_step, args.seed + 11, heldout=False)
+    prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems for _ in range(group)]
+    budget = policy.spec.max_position_embeddings - max(len(p) for p in prompts)
+    engine = GenerationEngine(policy, len(prompts), policy.spec.max_position_embeddings)
+    rollout_s, results = timed(engine.generate, prompts, budget, 1.0, seed=args.seed, eos_ids=[tokenizer.eos_token_id])
+    sequences = [r.prompt_ids + r.token_ids for r in results]
+    hf = AutoModelForCausalLM.from_pretrained(world / "policy")
+    hf.train()
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-6)
+    advantages = torch.randn(len(sequences))
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        while order:
+            width = len(sequences[order[-1]])
+            take = [order.pop() for _ in range(min(len(order), max(1, 8192 // width)))]
+            ids = torch.zeros(len(take), width, dtype=torch.long)
+            attention = torch.zeros(len(take), width, dtype=torch.long)
+            mask = torch.zeros(len(take), width)
+            for row, i in enumerate(take):
+                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+                attention[row, : len(sequences[i])] = 1
+                mask[row, len(results[i].prompt_ids) : len(sequences[i])] = 1
+            logp = torch.log_softmax(hf(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
+            token_logp = logp.gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+            loss = -(token_logp.sum(1) * advantages[take]).sum() / mask.sum()
+            loss.backward()
+        optimizer.step()
+
+    train_s, _ = timed(train_step)
+    lengths = [len(r.token_ids) for r in results]
+    return {
+        "samples": len(prompts),
+        "response_tokens": sum(lengths),
+        "max_over_median_length": round(max(lengths) / max(1.0, statistics.median(lengths)), 2),
+        "rollout_s": round(rollout_s, 2),
+        "train_s": round(train_s, 2),
+        "rollout_share": round(rollout_s / (rollout_s + train_s), 3),
+    }
+
+
+def hf_prompt_lookup(torch, world: Path, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(world / "policy").eval()
+    out: dict[str, Any] = {}
+    for name, extra in (("plain", {}), ("prompt_lookup_10", {"prompt_lookup_num_tokens": 10})):
+        walls = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                wall, _ = timed(
+                    hf.generate,
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    **extra,
+                )
+            walls.append(wall)
+        out[f"{name}_tok_s"] = round(n / statistics.median(walls), 1)
+    out["speedup"] = round(out["prompt_lookup_10_tok_s"] / out["plain_tok_s"], 3)
+    return out
+
+
+if __name__ == "__main__":
+    main()
