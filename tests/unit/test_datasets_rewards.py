@@ -41,6 +41,20 @@ def test_verl_style_parquet_with_chat_messages(tmp_path: Path) -> None:
     assert example.prompt == "user: What is 3*4?\nassistant:"
 
 
+def test_chat_messages_use_the_tokenizers_chat_template_when_it_has_one(tmp_path: Path) -> None:
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": 4}])
+    (example,) = load_examples(path, tokenizer=tokenizer)
+    assert example.prompt == "<|user|>2+2?\n<|assistant|>"
+    assert example.answer == "4"
+
+
 @pytest.mark.parametrize(
     ("rows", "kwargs", "message"),
     [

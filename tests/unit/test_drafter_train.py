@@ -48,7 +48,7 @@ def test_packed_loss_equals_the_windows_one_by_one(target: Transformer) -> None:
         (single,) = pack_windows([w], row_tokens=16)
         loss, _ = eagle_loss(drafter, single, unroll=3)
         n = float(single.loss_mask.sum())
-        total += float(loss) * n
+        total += loss.item() * n
         count += n
     assert abs(float(loss_packed) - total / count) < 1e-5
 

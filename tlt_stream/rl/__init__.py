@@ -1,1 +1,1 @@
-"""RL pieces: datasets, rewards (and, later, GRPO math and the learner core)."""
+"""RL pieces: datasets, rewards, GRPO math (advantages, clipped token-mean loss); the learner core comes next."""
