@@ -50,7 +50,7 @@ def test_packed_loss_equals_the_windows_one_by_one(target: Transformer) -> None:
         n = float(single.loss_mask.sum())
         total += loss.item() * n
         count += n
-    assert abs(float(loss_packed) - total / count) < 1e-5
+    assert abs(loss_packed.item() - total / count) < 1e-5
 
 
 def test_positions_reset_and_attention_stays_within_a_window(target: Transformer) -> None:
