@@ -1,0 +1,171 @@
+"""One GRPO update over complete groups: the learner's compute, free of streams and processes.
+
+`LearnerCore.step(groups)` turns the groups' samples into padded micro-batches of about
+`micro_batch_tokens` tokens, recomputes the policy's log-probabilities of the response tokens (logits
+divided by the rollout temperature, as the behaviour logprobs were), and accumulates the clipped
+token-mean GRPO loss (`grpo.py`) with every micro-batch normalised by the *step's* response-token count,
+so the update is the full-batch update whatever the micro-batch size. Then gradient clipping and one
+AdamW step. Groups whose rewards are all equal carry no signal (their advantages are exactly 0); they are
+left out of the batch and counted. The service around it (`services/learner.py`) owns reading, acking,
+checkpointing and publishing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tlt_stream.rl.groups import ReadyGroup
+from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
+
+__all__ = ["LearnerCore", "LearnerSettings"]
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    lr: float = 2e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each step (0 disables clipping)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens per forward/backward; the update does not depend on it, only memory and speed do."""
+    clip_low: float = 0.2
+    """PPO ratio lower clip: 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO ratio upper clip: 1 + clip_high (DAPO clip-higher)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen reference (0: no reference is kept)."""
+    temperature: float = 1.0
+    """The rollout sampling temperature; logits are divided by it so ratios compare like with like."""
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); False keeps only the centring (Dr. GRPO)."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and self.micro_batch_tokens > 0 and self.temperature > 0 and self.max_grad_norm >= 0):
+            raise ValueError("need lr > 0, micro_batch_tokens > 0, temperature > 0 and max_grad_norm >= 0")
+
+    @property
+    def loss_config(self) -> GrpoLossConfig:
+        return GrpoLossConfig(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef)
+
+
+class LearnerCore:
+    """The policy (a transformers causal LM), its optimizer and, with a KL term, a frozen reference."""
+
+    def __init__(self, model: Any, settings: LearnerSettings, *, reference: Any = None) -> None:
+        if settings.kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a frozen reference model")
+        self.model = model
+        self.settings = settings
+        self.reference = reference
+        if reference is not None:
+            reference.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999)
+        )
+        self.updates = 0
+
+    def step(self, groups: list[ReadyGroup]) -> dict[str, float]:
+        """One update over `groups`; returns its metrics (rewards, lengths, loss statistics, timings)."""
+        started = time.perf_counter()
+        samples = [s for g in groups for s in g.samples]
+        if not samples:
+            raise ValueError("a learner step needs at least one group")
+        if any(not s.prompt_ids for s in samples):
+            raise ValueError("every sample needs at least one prompt token (the first response token's context)")
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+        advantages, degenerate = group_advantages(rewards, group_ids, scale=self.settings.scale_advantages)
+        lengths = [s.response_len for s in samples]
+        metrics: dict[str, float] = {
+            "groups": float(len(groups)),
+            "samples": float(len(samples)),
+            "reward_mean": float(rewards.mean()),
+            "accuracy": float((rewards > 0).double().mean()),
+            "response_len_mean": statistics.fmean(lengths),
+            "response_len_max": float(max(lengths)),
+            "degenerate_groups": float(len({int(g) for g, d in zip(group_ids, degenerate, strict=True) if d})),
+            "truncated": float(sum(s.finish_reason == "length" for s in samples)),
+        }
+        used = [i for i in range(len(samples)) if not degenerate[i] and samples[i].response_len > 0]
+        total = sum(samples[i].response_len for i in used)
+        metrics["trained_tokens"] = float(total)
+        if not used:  # nothing to learn from: no update, and no optimizer step that would decay weights
+            metrics.update(loss=0.0, clip_fraction=0.0, approx_kl_old=0.0, kl_ref=0.0, grad_norm=0.0, updated=0.0)
+            metrics["learn_seconds"] = time.perf_counter() - started
+            return metrics
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
+        for batch in self._micro_batches(samples, advantages, used):
+            logprobs = self._logprobs(self.model, batch)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.reference, batch)
+            loss, stats = grpo_loss(
+                logprobs,
+                batch["old"],
+                batch["advantages"],
+                batch["mask"],
+                config=self.settings.loss_config,
+                ref_logprobs=ref,
+                total_tokens=total,
+            )
+            loss.backward()
+            sums["loss"] += stats["loss"]
+            for key in ("clip_fraction", "approx_kl_old", "kl_ref"):
+                sums[key] += stats[key] * stats["tokens"] / total  # token-weighted means over the step
+        if self.settings.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])
+            )
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); the update was not applied")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.updates += 1
+        metrics.update(sums, grad_norm=grad_norm, updated=1.0, learn_seconds=time.perf_counter() - started)
+        return metrics
+
+    def _micro_batches(self, samples: list, advantages: torch.Tensor, used: list[int]):
+        """Right-padded batches of prompt + response, longest first, about `micro_batch_tokens` each."""
+        order = sorted(used, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_len, reverse=True)
+        while order:
+            width = len(samples[order[0]].prompt_ids) + samples[order[0]].response_len
+            count = max(1, self.settings.micro_batch_tokens // width)
+            take, order = order[:count], order[count:]
+            ids = torch.zeros(len(take), width, dtype=torch.long)
+            attention = torch.zeros(len(take), width, dtype=torch.long)
+            # Response token j of row b sits at position p + j and is predicted by the logits at p + j - 1,
+            # so old logprobs and the mask live on the shifted grid [B, width - 1].
+            old = torch.zeros(len(take), width - 1)
+            mask = torch.zeros(len(take), width - 1, dtype=torch.bool)
+            for row, i in enumerate(take):
+                s = samples[i]
+                p, n = len(s.prompt_ids), s.response_len
+                ids[row, :p] = torch.tensor(s.prompt_ids)
+                ids[row, p : p + n] = s.token_ids.to_torch().long()
+                attention[row, : p + n] = 1
+                old[row, p - 1 : p - 1 + n] = s.logprobs.to_torch()
+                mask[row, p - 1 : p - 1 + n] = True
+            yield {"ids": ids, "attention": attention, "old": old, "mask": mask, "advantages": advantages[take]}
+
+    def _logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits[:, :-1]  # [B, W-1, V]
+        if self.settings.temperature != 1.0:
+            logits = logits / self.settings.temperature
+        return token_logprobs(logits, batch["ids"][:, 1:])
