@@ -1,0 +1,235 @@
+"""Learner checkpoints: exact round trips, policy hashing, crash safety at the rename and the pointer, pruning."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from tlt_stream.model import load_model
+from tlt_stream.rl.checkpoint import (
+    ChecksumMismatch,
+    latest_checkpoint,
+    policy_sha256,
+    restore_checkpoint,
+    save_checkpoint,
+    verify_policy,
+)
+from tlt_stream.tasks.tokenizer import build_tokenizer
+
+VOCAB = 32
+
+
+class SimulatedCrash(BaseException):
+    """Stands for SIGKILL: not an Exception, so no cleanup handler runs."""
+
+
+def make_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+    )
+    return LlamaForCausalLM(config)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))  # [B, T]
+    optimizer.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def trained(seed: int = 0) -> tuple[LlamaForCausalLM, torch.optim.Optimizer]:
+    model = make_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, optimizer, seed=100)
+    return model, optimizer
+
+
+def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
+    return save_checkpoint(root, step=step, model=model, optimizer=optimizer, ledger=[f"s{step}"], **kwargs)
+
+
+def test_round_trip_restores_weights_optimizer_rng_ledger_and_loads_everywhere(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt_state = copy.deepcopy(optimizer.state_dict())
+    torch.manual_seed(7)
+    random.seed(7)
+    extra = {"policy_version": 3, "lr": 0.01}
+    info = save_checkpoint(
+        tmp_path,
+        step=1,
+        model=model,
+        optimizer=optimizer,
+        ledger=["b", "a", "a"],
+        extra=extra,
+        tokenizer=build_tokenizer(),
+    )
+    next_torch, next_python = torch.rand(4), random.random()
+    train_step(model, optimizer, seed=101)
+    after_step = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.rand(3), random.random()
+
+    fresh = make_model(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert latest_checkpoint(tmp_path) == info
+    ledger, meta = restore_checkpoint(info, model=fresh, optimizer=fresh_opt)
+    assert ledger == {"a", "b"} and meta["extra"] == extra and meta["step"] == 1
+    assert (info.path / "ledger.json").read_text() == '["a", "b"]'
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in weights.items())
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    restored = fresh_opt.state_dict()
+    assert restored["param_groups"] == opt_state["param_groups"]
+    for idx, state in opt_state["state"].items():
+        assert all(torch.equal(restored["state"][idx][name], t) for name, t in state.items())
+    assert torch.equal(torch.rand(4), next_torch) and random.random() == next_python
+
+    assert (info.policy_dir / "tokenizer.json").is_file()
+    ids = torch.tensor([[1, 5, 9, 30, 2]])  # [1, T]
+    hf = AutoModelForCausalLM.from_pretrained(info.policy_dir).eval()
+    runtime = load_model(info.policy_dir)
+    with torch.no_grad():
+        expected = fresh(ids).logits[0]  # [T, V]
+        hidden = runtime(ids, torch.arange(ids.shape[1]).unsqueeze(0), runtime.new_cache(1, 8))  # [1, T, H]
+        torch.testing.assert_close(hf(ids).logits[0], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(runtime.logits(hidden)[0], expected, atol=1e-5, rtol=0)
+
+    train_step(fresh, fresh_opt, seed=101)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in after_step.items())
+
+
+def test_policy_sha256_is_stable_and_catches_one_flipped_byte(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    a = save(tmp_path / "a", 1, model, optimizer)
+    b = save(tmp_path / "b", 5, model, optimizer)
+    assert a.policy_sha256 == b.policy_sha256 == policy_sha256(b.policy_dir)
+    verify_policy(a.policy_dir, a.policy_sha256.upper())
+
+    weights = b.policy_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert policy_sha256(b.policy_dir) != b.policy_sha256
+    with pytest.raises(ChecksumMismatch, match=str(b.policy_dir)) as err:
+        verify_policy(b.policy_dir, b.policy_sha256)
+    assert "\n" not in str(err.value) and b.policy_sha256[:12] in str(err.value)
+    with pytest.raises(ChecksumMismatch):
+        restore_checkpoint(b, model=make_model(seed=1))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        verify_policy(tmp_path / "nowhere", a.policy_sha256)
+
+
+def test_policy_sha256_ignores_mtime_and_location_but_not_name_content_boundaries(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    (one / "sub").mkdir(parents=True)
+    (one / "a").write_bytes(b"bc")
+    (one / "sub" / "x").write_bytes(b"")
+    digest = policy_sha256(one)
+    os.utime(one / "a", (0, 0))
+    assert policy_sha256(shutil.move(one, tmp_path / "elsewhere")) == digest
+    (two / "sub").mkdir(parents=True)
+    (two / "ab").write_bytes(b"c")
+    (two / "sub" / "x").write_bytes(b"")
+    assert policy_sha256(two) != digest
+
+
+def test_crash_before_rename_keeps_previous_and_clean_removes_leftover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = trained()
+    first = save(tmp_path, 1, model, optimizer)
+
+    def crash(*args: object) -> None:
+        raise SimulatedCrash
+
+    monkeypatch.setattr(os, "rename", crash)
+    with pytest.raises(SimulatedCrash):
+        save(tmp_path, 2, model, optimizer)
+    monkeypatch.undo()
+    leftovers = list(tmp_path.glob(".tmp-*"))
+    assert len(leftovers) == 1 and (leftovers[0] / "meta.json").is_file()
+    assert (tmp_path / "LATEST").read_text().strip() == "step-00000001"
+    assert latest_checkpoint(tmp_path) == first
+    assert latest_checkpoint(tmp_path, clean=True) == first
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert save(tmp_path, 2, model, optimizer).step == 2
+
+
+def test_crash_between_rename_and_pointer_keeps_previous_then_resaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = trained()
+    first = save(tmp_path, 1, model, optimizer)
+
+    def crash(*args: object) -> None:
+        raise SimulatedCrash
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(SimulatedCrash):
+        save(tmp_path, 2, model, optimizer)
+    monkeypatch.undo()
+    assert (tmp_path / "step-00000002" / "meta.json").is_file()
+    assert latest_checkpoint(tmp_path, clean=True) == first
+    assert not list(tmp_path.glob(".tmp-*"))
+    second = save(tmp_path, 2, model, optimizer)
+    assert latest_checkpoint(tmp_path) == second
+
+
+def test_fallback_when_pointer_is_broken_and_incomplete_dirs_are_ignored(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    first = save(tmp_path, 1, model, optimizer)
+    second = save(tmp_path, 2, model, optimizer)
+    shutil.rmtree(second.path)
+    assert latest_checkpoint(tmp_path) == first
+    incomplete = tmp_path / "step-00000009"
+    shutil.copytree(first.path, incomplete)
+    (incomplete / "meta.json").unlink()
+    (tmp_path / "LATEST").write_text("step-00000009\n")
+    assert latest_checkpoint(tmp_path) == first
+    (tmp_path / "LATEST").write_text("../../etc\n")
+    assert latest_checkpoint(tmp_path) == first
+    (tmp_path / "LATEST").unlink()
+    assert latest_checkpoint(tmp_path) == first
+
+
+def test_pruning_and_refusals(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
+    model, optimizer = trained()
+    for step in (1, 2, 3, 5):
+        info = save(tmp_path, step, model, optimizer, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000003", "step-00000005"]
+    assert latest_checkpoint(tmp_path) == info
+    with pytest.raises(ValueError, match="already exists"):
+        save(tmp_path, 5, model, optimizer)
+    with pytest.raises(ValueError, match="lower than"):
+        save(tmp_path, 4, model, optimizer)
+    with pytest.raises(ValueError, match="keep"):
+        save(tmp_path, 6, model, optimizer, keep=0)
+    with pytest.raises(ValueError, match="JSON"):
+        save(tmp_path, 6, model, optimizer, extra={"bad": object()})
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_restore_refuses_weights_that_do_not_fit_the_model(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    info = save(tmp_path, 1, model, optimizer)
+    untied = make_model(seed=1)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
+        restore_checkpoint(info, model=untied, restore_rng=False)
