@@ -97,6 +97,15 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_learner(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlt_stream.rl.learner_service import serve_learner
+
+    torch.set_num_threads(args.threads)
+    return serve_learner(load(args), args)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     import json
 
@@ -218,6 +227,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.add_argument("-v", "--verbose", action="count", default=0)
     ev.set_defaults(handler=_cmd_eval)
+
+    learn = commands.add_parser(
+        "learner",
+        help="the GRPO learner service: consume samples, update, checkpoint, publish policy versions",
+        description="Consumes the run's `samples` stream, assembles complete groups, applies one GRPO update "
+        "per --groups-per-step groups, checkpoints to RUN_DIR/checkpoints (resuming from there after a "
+        "restart) and publishes each new policy version on MQTT and in the Redis mirror.",
+    )
+    learn.add_argument("--run-dir", required=True, help="checkpoints, metrics.jsonl")
+    learn.add_argument("--policy", required=True, help="initial policy checkpoint (used when RUN_DIR has none)")
+    learn.add_argument("--groups-per-step", type=_positive, default=8)
+    learn.add_argument("--max-staleness", type=int, default=0, help="0: on-policy (synchronous semantics)")
+    learn.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate")
+    learn.add_argument("--max-updates", type=_positive, help="stop after this many updates (default: run on)")
+    learn.add_argument("--threads", type=_positive, default=1, help="torch threads")
+    _add_config_args(learn)
+    learn.set_defaults(handler=_cmd_learner)
 
     config = commands.add_parser("config", help="show the effective configuration or describe every setting")
     config.add_argument("action", choices=["show", "describe"], help="show: effective values as JSON")

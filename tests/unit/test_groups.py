@@ -47,9 +47,10 @@ def test_redelivered_samples_count_once_before_and_after_their_update() -> None:
     assert assembler.offer(sample("a", 0, size=2), "9-0", 0).status == "duplicate"  # still waiting
     group = assembler.offer(sample("a", 1, size=2), "1-1", 0).group
     assert group is not None
+    assert assembler.offer(sample("a", 0, size=2), "9-2", 0).status == "duplicate"  # handed out, not yet applied
     assembler.consume(group)
     assert assembler.offer(sample("a", 1, size=2), "9-1", 0).status == "duplicate"  # already applied
-    assert assembler.duplicates == 2 and assembler.open_groups == 0
+    assert assembler.duplicates == 3 and assembler.open_groups == 0
 
 
 def test_a_restarted_learner_skips_what_its_checkpointed_ledger_holds() -> None:

@@ -5,8 +5,9 @@ stream redelivers what was read but not acked). GRPO needs whole groups: the G r
 task. The assembler keeps incomplete groups by task id and hands out a group when all G distinct indices
 are in. Exactly-once effect rests on two rules the learner follows:
 
-- a sample id in the *ledger* (the ids every applied update consumed, saved with each checkpoint) or
-  already waiting in an open group is a duplicate: it is acked and otherwise ignored;
+- a sample id in the *ledger* (the ids every applied update consumed, saved with each checkpoint), in a
+  group handed out but not yet applied, or already waiting in an open group is a duplicate: it is acked
+  and otherwise ignored;
 - stream entries are acked only after the update that used them is checkpointed, so a crash between
   reading and checkpointing loses nothing (redelivery) and one between checkpointing and acking
   double-counts nothing (the ledger).
@@ -78,6 +79,7 @@ class GroupAssembler:
         self.ledger: set[str] = set(consumed)
         self._open: dict[str, _Open] = {}
         self._dropped_tasks: set[str] = set()
+        self._issued: set[str] = set()  # ids of groups handed out as ready, not yet consumed
         self.duplicates = 0
         self.dropped_groups = 0
         self.dropped_samples = 0
@@ -92,7 +94,7 @@ class GroupAssembler:
 
     def offer(self, sample: Sample, entry_id: str, learner_version: int) -> Offer:
         """Take one sample read from the stream at `entry_id`; see `Offer` for what the caller does next."""
-        if sample.sample_id in self.ledger:
+        if sample.sample_id in self.ledger or sample.sample_id in self._issued:
             self.duplicates += 1
             return Offer("duplicate")
         if sample.task_id in self._dropped_tasks:  # a late member of a group already dropped as stale
@@ -118,6 +120,7 @@ class GroupAssembler:
             return Offer("waiting")
         del self._open[sample.task_id]
         ready = _ready(sample.task_id, group)
+        self._issued.update(ready.sample_ids)
         return Offer("ready", ready)
 
     def evict_stale(self, learner_version: int) -> list[ReadyGroup]:
@@ -129,9 +132,17 @@ class GroupAssembler:
         ]
         return [self._drop(task_id) for task_id in stale]
 
+    def drop(self, group: ReadyGroup) -> None:
+        """Drop a complete group the caller held too long (stale now): counted, and its ids join the ledger."""
+        self._dropped_tasks.add(group.task_id)
+        self.dropped_groups += 1
+        self.dropped_samples += len(group.samples)
+        self.consume(group)
+
     def consume(self, group: ReadyGroup) -> None:
         """Record that an update applied `group` (or that it was dropped): its ids join the ledger."""
         self.ledger.update(group.sample_ids)
+        self._issued.difference_update(group.sample_ids)
 
     def _drop(self, task_id: str) -> ReadyGroup:
         group = _ready(task_id, self._open.pop(task_id))

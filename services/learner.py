@@ -1,0 +1,13 @@
+"""Entry point of the learner service: `python services/learner.py --run-dir RUN --policy DIR [...]`.
+
+The same as `tlt-stream learner`; see `--help`. One learner per run: it owns the policy version.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tlt_stream.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["learner", *sys.argv[1:]]))

@@ -1,0 +1,153 @@
+"""The learner service over real streams: updates are checkpointed, acked and published; nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tlt_stream.bus.control import ControlPlane, read_mirror
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.messages import Sample, Tensor, codec_for
+from tlt_stream.rl.checkpoint import policy_sha256
+from tlt_stream.rl.learner import LearnerSettings
+from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
+from tlt_stream.tasks.tokenizer import build_tokenizer
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
+
+
+@pytest.fixture
+def init_policy(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    out = tmp_path / "init"
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def sample(task: str, index: int, reward: float, version: int = 0) -> Sample:
+    tokens = [10 + index, 11, 12, 2]
+    return Sample(
+        sample_id=f"{task}/{index}",
+        task_id=task,
+        prompt_id=task,
+        index=index,
+        group_size=2,
+        prompt_ids=[5, 6, 7],
+        token_ids=Tensor.from_values(tokens, "int32"),
+        logprobs=Tensor.from_values([-4.6] * len(tokens), "float32"),
+        policy_version=version,
+        drafter_version=-1,
+        reward=reward,
+        finish_reason="eos",
+        worker_id="w0",
+    )
+
+
+@contextlib.asynccontextmanager
+async def service(config: Config, run_dir: Path, init_policy: Path) -> AsyncIterator[LearnerService]:
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    control = ControlPlane(config, redis, role="learner", owns=["policy"])
+    stop = asyncio.Event()
+    plane = asyncio.create_task(control.run(stop))
+    settings = LearnerRunSettings(groups_per_step=2, max_staleness=1, learner=LearnerSettings(lr=1e-2))
+    try:
+        async with asyncio.timeout(20):
+            await control.connected.wait()
+        yield LearnerService(config, redis, control, run_dir=run_dir, init_policy=init_policy, settings=settings)
+    finally:
+        stop.set()
+        await asyncio.wait_for(plane, timeout=15)
+        await redis.aclose()
+
+
+async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    async with service(bus_config, run_dir, init_policy) as learner:
+        assert (await learner.start()).version == 0
+        messages = [sample(t, i, float(i == 0)) for t in ("a", "b", "c", "d") for i in (0, 1)]
+        await producer.send("samples", [*messages[:3], messages[0], *messages[3:]])  # "a/0" delivered twice
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=2)
+        assert learner.version == 2
+        assert learner.assembler.ledger == {m.sample_id for m in messages}
+        assert learner.assembler.duplicates == 1
+        mirror = await read_mirror(redis, keys)
+        published = mirror["policy"]
+        assert published.version == 2
+        assert published.sha256 == policy_sha256(published.location)
+        pending = await redis.xpending(keys.stream("samples"), "learner")
+        assert pending["pending"] == 0, "every entry the updates used (and the duplicate) is acked"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["version"] for line in lines] == [1, 2] and lines[0]["groups"] == 2.0
+    stats = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
+    assert [s.policy_version for s in stats if s.kind == "learner"] == [1, 2]
+
+    # A restarted learner resumes at version 2 with the same ledger; a late redelivery changes nothing.
+    async with service(bus_config, run_dir, init_policy) as again:
+        assert (await again.start()).version == 2
+        assert again.assembler.ledger == {m.sample_id for m in messages}
+        await producer.send("samples", [messages[5]])
+        async with asyncio.timeout(30):
+            while again.assembler.duplicates < 1:
+                stop = asyncio.Event()
+                task = asyncio.create_task(again.run(stop))
+                await asyncio.sleep(0.5)
+                stop.set()
+                await task
+        assert again.version == 2
+        assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    await redis.aclose()
+
+
+async def test_the_learner_entrypoint_runs_as_its_own_process(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    import os
+    import sys
+
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    await producer.send("samples", [sample("a", 0, 1.0), sample("a", 1, 0.0)])
+    env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).parents[2] / "services" / "learner.py"),
+        *("--run", bus_config.run, "--run-dir", str(tmp_path / "run"), "--policy", str(init_policy)),
+        *("--groups-per-step", "1", "--max-updates", "1"),
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(120):
+        _, stderr = await process.communicate()
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    assert "stopped at policy version 1" in stderr.decode()
+    assert (await read_mirror(redis, keys))["policy"].version == 1
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    await redis.aclose()
