@@ -106,6 +106,21 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     return serve_learner(load(args), args)
 
 
+def _cmd_rollout_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlt_stream.rl.rollout_service import serve_rollout_worker
+
+    torch.set_num_threads(args.threads)
+    return serve_rollout_worker(load(args), args)
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from tlt_stream.rl.policy_service import serve_policy
+
+    return serve_policy(load(args), args)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     import json
 
@@ -244,6 +259,31 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--threads", type=_positive, default=1, help="torch threads")
     _add_config_args(learn)
     learn.set_defaults(handler=_cmd_learner)
+
+    worker = commands.add_parser(
+        "rollout-worker",
+        help="a rollout worker: generate prompt groups on the newest verified policy, stream scored samples",
+    )
+    worker.add_argument("--worker-id", help="default: rollout-HOST-PID")
+    worker.add_argument("--max-batch", type=_positive, default=64, help="rows decoded together")
+    worker.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per row")
+    worker.add_argument("--temperature", type=float, default=1.0)
+    worker.add_argument("--reward", default="repeated_add", help="reward function (repeated_add, math)")
+    worker.add_argument("--max-tasks", type=_positive, help="stop after this many tasks (default: run on)")
+    worker.add_argument("--threads", type=_positive, default=1, help="torch threads")
+    _add_config_args(worker)
+    worker.set_defaults(handler=_cmd_rollout_worker)
+
+    policy = commands.add_parser(
+        "policy", help="the policy service: dispatch prompt groups step by step inside the staleness window"
+    )
+    policy.add_argument("--prompts-per-step", type=_positive, default=8)
+    policy.add_argument("--group-size", type=_positive, default=8, help="samples per prompt (GRPO's G)")
+    policy.add_argument("--max-staleness", type=int, default=0)
+    policy.add_argument("--steps", type=_positive, help="dispatch this many steps in all (default: run on)")
+    policy.add_argument("--seed", type=int, default=0)
+    _add_config_args(policy)
+    policy.set_defaults(handler=_cmd_policy)
 
     config = commands.add_parser("config", help="show the effective configuration or describe every setting")
     config.add_argument("action", choices=["show", "describe"], help="show: effective values as JSON")

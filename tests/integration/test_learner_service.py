@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.producer import StreamProducer
@@ -21,28 +19,8 @@ from tlt_stream.messages import Sample, Tensor, codec_for
 from tlt_stream.rl.checkpoint import policy_sha256
 from tlt_stream.rl.learner import LearnerSettings
 from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
-from tlt_stream.tasks.tokenizer import build_tokenizer
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
-
-
-@pytest.fixture
-def init_policy(tmp_path: Path) -> Path:
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    out = tmp_path / "init"
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def sample(task: str, index: int, reward: float, version: int = 0) -> Sample:

@@ -234,9 +234,7 @@ class LearnerService:
 
 def serve_learner(config: Config, args: Any) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
-    from tlt_stream.aio import install_stop_signals
-    from tlt_stream.aio import run as run_loop
-    from tlt_stream.bus.connect import connect_redis, endpoints
+    from tlt_stream.rl.serve import serve
 
     if args.max_staleness < 0:
         print("tlt-stream learner: --max-staleness must be >= 0", file=sys.stderr)
@@ -247,30 +245,13 @@ def serve_learner(config: Config, args: Any) -> int:
         learner=LearnerSettings(lr=args.lr),
     )
 
-    async def main(config: Config) -> int:
-        assert config.bus.redis_url is not None
-        redis = connect_redis(config.bus.redis_url, name="learner")
-        control = ControlPlane(config, redis, role="learner", owns=["policy"])
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        plane = asyncio.create_task(control.run(stop))
-        try:
-            service = LearnerService(
-                config, redis, control, run_dir=args.run_dir, init_policy=args.policy, settings=settings
-            )
-            message = await service.start()
-            print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
-            await service.run(stop, max_updates=args.max_updates)
-            print(f"learner: stopped at policy version {service.version}", file=sys.stderr)
-        finally:
-            stop.set()
-            await plane
-            await redis.aclose()
-        return 0
+    async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
+        service = LearnerService(
+            config, redis, control, run_dir=args.run_dir, init_policy=args.policy, settings=settings
+        )
+        message = await service.start()
+        print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
+        await service.run(stop, max_updates=args.max_updates)
+        print(f"learner: stopped at policy version {service.version}", file=sys.stderr)
 
-    try:
-        with endpoints(config) as resolved:
-            return run_loop(main(resolved))
-    except FileNotFoundError as exc:
-        print(f"tlt-stream learner: {exc}", file=sys.stderr)
-        return 2
+    return serve(config, "learner", ["policy"], body)

@@ -1,0 +1,10 @@
+"""Entry point: `python services/rollout_worker.py [...]`, the same as `tlt-stream rollout-worker`; see `--help`."""
+
+from __future__ import annotations
+
+import sys
+
+from tlt_stream.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["rollout-worker", *sys.argv[1:]]))

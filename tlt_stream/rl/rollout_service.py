@@ -1,0 +1,287 @@
+"""A rollout worker: prompt groups in, scored samples out, on the newest verified policy.
+
+The worker reads `PromptGroup` tasks through the `rollout` consumer group and runs their G requests
+through one continuously batched `GenerationEngine`, so groups overlap and a slot freed by a short
+response is refilled at once. Each finished response is scored with the task's reward and, when all G
+responses of a task are done, the G samples go to `samples` in one pipeline and only then is the task
+acked: a worker that dies mid-group leaves the task pending, another worker reclaims it, and the
+deterministic sample ids (`{task_id}/{index}`) let the learner discard anything sent twice.
+
+Policy versions: the worker loads the retained `PolicyVersion` after checking its sha256 (a mismatch is
+refused, logged and reported as a `WorkerState` reason; the old weights stay in use). A newer version is
+loaded between engine steps once the requests in flight have finished (every sample comes from exactly
+one policy version, the one it reports). A task whose `min_policy_version` is ahead of the loaded
+policy waits until that version arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.registry import WorkerRegistry
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.messages import PolicyVersion, PromptGroup, RolloutStats, Sample, Tensor, WorkerStatus
+from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
+
+__all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    max_batch: int = 64
+    """Rows the engine decodes together (requests of several groups share them)."""
+    max_len: int = 1408
+    """Prompt + response tokens per row; responses stop at EOS or when they reach it."""
+    temperature: float = 1.0
+    """Sampling temperature (RL rollouts sample at 1.0)."""
+    steps_per_hop: int = 8
+    """Engine steps run per trip to the worker thread (fewer trips, a little more latency)."""
+
+
+@dataclass
+class _Task:
+    delivery: Delivery[PromptGroup]
+    policy_version: int
+    started: float
+    samples: dict[int, Sample] = field(default_factory=dict)
+
+
+class RolloutWorker:
+    """One rollout worker process (run as many as there are devices)."""
+
+    def __init__(
+        self,
+        config: Config,
+        redis: aioredis.Redis,
+        control: ControlPlane,
+        *,
+        worker_id: str,
+        reward: Callable[[str, str], float],
+        settings: RolloutSettings = RolloutSettings(),
+    ) -> None:
+        self.config = config
+        self.redis = redis
+        self.control = control
+        self.worker_id = worker_id
+        self.reward = reward
+        self.settings = settings
+        self.keys = Keys(config.run)
+        self.reader = StreamReader(redis, self.keys, config.bus, "prompts", worker_id)
+        self.producer = StreamProducer(redis, self.keys, config.bus)
+        self.registry = WorkerRegistry(redis, self.keys, config.bus, self.producer, worker_id, role="rollout")
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.policy: PolicyVersion | None = None
+        self.refused: set[int] = set()
+        self.tasks: dict[str, _Task] = {}
+        self.waiting: list[Delivery[PromptGroup]] = []
+        self.samples_sent = 0
+        self.tasks_done = 0
+        self._tokens = 0
+        self._seconds = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.policy.version if self.policy is not None else -1
+
+    async def run(self, stop: asyncio.Event, *, max_tasks: int | None = None) -> None:
+        """Generate until `stop` is set (or `max_tasks` tasks were completed by this call)."""
+        heartbeat = asyncio.create_task(self.registry.heartbeat(stop))
+        try:
+            await self.registry.set_state(WorkerStatus.LOADING, "waiting for a policy version")
+            while self.policy is None and not stop.is_set():
+                await self._maybe_load()
+                if self.policy is None:
+                    await asyncio.sleep(0.2)
+            done_before = self.tasks_done
+            while not stop.is_set() and (max_tasks is None or self.tasks_done - done_before < max_tasks):
+                if not self.tasks:
+                    await self._maybe_load()
+                await self._admit()
+                if self.engine.has_unfinished:
+                    if self.registry.state != WorkerStatus.GENERATING:
+                        await self.registry.set_state(WorkerStatus.GENERATING)
+                    await self._generate()
+                elif not self.waiting and self.registry.state != WorkerStatus.IDLE:
+                    await self.registry.set_state(WorkerStatus.IDLE)
+        finally:
+            await self.registry.set_state(WorkerStatus.STOPPED)
+            heartbeat.cancel()
+
+    async def _maybe_load(self) -> None:
+        """Load the announced policy if it is newer than ours (only ever called with nothing in flight)."""
+        announced = self.control.current.get("policy")
+        if not isinstance(announced, PolicyVersion) or announced.version <= self.version:
+            return
+        if announced.version in self.refused:
+            return
+        await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
+        try:
+            await asyncio.to_thread(self._load, announced)
+        except (ChecksumMismatch, FileNotFoundError) as exc:
+            self.refused.add(announced.version)
+            log.error("refused policy version %d: %s", announced.version, exc)
+            await self.registry.set_state(WorkerStatus.LOADING, f"refused policy version {announced.version}: {exc}")
+            return
+        log.info("loaded policy version %d", announced.version)
+
+    def _load(self, announced: PolicyVersion) -> None:
+        from transformers import AutoTokenizer
+
+        from tlt_stream.model import load_model
+        from tlt_stream.rollout.engine import GenerationEngine
+
+        verify_policy(announced.location, announced.sha256)
+        model = load_model(announced.location)
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
+        self.engine = GenerationEngine(model, self.settings.max_batch, self.settings.max_len)
+        self.policy = announced
+
+    def _newer_policy_announced(self) -> bool:
+        announced = self.control.current.get("policy")
+        return (
+            isinstance(announced, PolicyVersion)
+            and announced.version > self.version
+            and announced.version not in self.refused
+        )
+
+    async def _admit(self) -> None:
+        """Take new tasks while the engine has room; tasks ahead of our policy wait for it. Once a newer
+        policy is announced nothing new starts, so the tasks in flight drain and the worker can load it."""
+        if self._newer_policy_announced() and self.tasks:
+            return
+        free = self.settings.max_batch * 2 - sum(
+            t.delivery.message.group_size - len(t.samples) for t in self.tasks.values()
+        )
+        if free <= 0:
+            return
+        busy = self.engine.has_unfinished
+        deliveries = await self.reader.read(count=1, block_ms=1 if busy else None)
+        self.waiting += deliveries
+        ready = [d for d in self.waiting if d.message.min_policy_version <= self.version]
+        self.waiting = [d for d in self.waiting if d.message.min_policy_version > self.version]
+        for delivery in ready:
+            self._start(delivery)
+
+    def _start(self, delivery: Delivery[PromptGroup]) -> None:
+        group = delivery.message
+        if group.task_id in self.tasks:  # the same task redelivered while we still work on it
+            return
+        budget = self.settings.max_len - len(group.prompt_ids)
+        if budget < 1:
+            raise ValueError(f"task {group.task_id}: prompt of {len(group.prompt_ids)} tokens leaves no room")
+        eos = [self.tokenizer.eos_token_id]
+        for index in range(group.group_size):
+            seed = int(hashlib.sha1(f"{group.task_id}/{index}".encode()).hexdigest()[:12], 16)
+            self.engine.add_request(
+                group.prompt_ids, budget, self.settings.temperature, seed, eos, request_id=(group.task_id, index)
+            )
+        self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())
+
+    async def _generate(self) -> None:
+        started = time.perf_counter()
+        finished, tokens = await asyncio.to_thread(self._steps)
+        seconds = time.perf_counter() - started
+        complete = []
+        for result in finished:
+            task_id, index = result.request_id
+            task = self.tasks[task_id]
+            group = task.delivery.message
+            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            task.samples[index] = Sample(
+                sample_id=f"{task_id}/{index}",
+                task_id=task_id,
+                prompt_id=group.prompt_id,
+                index=index,
+                group_size=group.group_size,
+                prompt_ids=group.prompt_ids,
+                token_ids=Tensor.from_values(result.token_ids, "int32"),
+                logprobs=Tensor.from_values(result.logprobs, "float32"),
+                policy_version=task.policy_version,
+                drafter_version=-1,
+                reward=float(self.reward(text, group.answer)),
+                finish_reason=result.finish_reason,
+                worker_id=self.worker_id,
+                step=group.step,
+                gen_seconds=time.perf_counter() - task.started,
+                accept_length=1.0,
+            )
+            if len(task.samples) == group.group_size:
+                complete.append(task)
+        self._tokens += tokens
+        self._seconds += seconds
+        for task in complete:
+            samples = [task.samples[i] for i in range(task.delivery.message.group_size)]
+            await self.producer.send("samples", samples)
+            await self.reader.ack([task.delivery.entry_id])
+            del self.tasks[task.delivery.message.task_id]
+            self.samples_sent += len(samples)
+            self.tasks_done += 1
+        if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
+            await self.producer.send_one(
+                "stats",
+                RolloutStats(
+                    worker_id=self.worker_id,
+                    policy_version=self.version,
+                    drafter_version=-1,
+                    batch_size=self.engine.scheduler.num_running,
+                    tokens=self._tokens,
+                    seconds=self._seconds,
+                ),
+            )
+            self._tokens, self._seconds = 0, 0.0
+
+    def _steps(self) -> tuple[list[Any], int]:
+        finished: list[Any] = []
+        tokens = 0
+        for _ in range(self.settings.steps_per_hop):
+            if not self.engine.has_unfinished:
+                break
+            tokens += self.engine.scheduler.num_running + self.engine.scheduler.num_waiting
+            finished += self.engine.step()
+            if finished:
+                break
+        return finished, tokens
+
+
+def serve_rollout_worker(config: Config, args: Any) -> int:
+    """`tlt-stream rollout-worker` / `services/rollout_worker.py`: generate until SIGTERM/SIGINT."""
+    import os
+    import socket
+
+    from tlt_stream.rl.rewards import REWARDS
+    from tlt_stream.rl.serve import serve
+
+    if args.reward not in REWARDS:
+        print(
+            f"tlt-stream rollout-worker: unknown reward {args.reward!r}; choose {', '.join(REWARDS)}", file=sys.stderr
+        )
+        return 2
+    worker_id = args.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
+    settings = RolloutSettings(max_batch=args.max_batch, max_len=args.max_len, temperature=args.temperature)
+
+    async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
+        worker = RolloutWorker(
+            config, redis, control, worker_id=worker_id, reward=REWARDS[args.reward], settings=settings
+        )
+        print(f"{worker_id}: waiting for a policy version", file=sys.stderr)
+        await worker.run(stop, max_tasks=args.max_tasks)
+        print(f"{worker_id}: stopped after {worker.tasks_done} tasks ({worker.samples_sent} samples)", file=sys.stderr)
+
+    return serve(config, "rollout", [], body)

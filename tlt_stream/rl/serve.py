@@ -1,0 +1,50 @@
+"""The scaffolding every service entry point shares: endpoints, Redis, the control plane, stop signals.
+
+`serve(config, role, owns, body)` resolves the endpoints (embedded servers when no URL is configured),
+connects Redis, runs the control plane as a task, installs SIGTERM/SIGINT handlers that set the stop event,
+and awaits `body(config, redis, control, stop)` on uvloop. Errors a user can fix (a missing checkpoint
+directory, a bad argument) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.config import Config
+
+__all__ = ["Body", "serve"]
+
+Body = Callable[[Config, aioredis.Redis, ControlPlane, asyncio.Event], Awaitable[None]]
+
+
+def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
+    from tlt_stream.aio import install_stop_signals
+    from tlt_stream.aio import run as run_loop
+    from tlt_stream.bus.connect import connect_redis, endpoints
+
+    async def main(config: Config) -> None:
+        assert config.bus.redis_url is not None
+        redis = connect_redis(config.bus.redis_url, name=role)
+        control = ControlPlane(config, redis, role=role, owns=owns)
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        plane = asyncio.create_task(control.run(stop))
+        try:
+            await body(config, redis, control, stop)
+        finally:
+            stop.set()
+            await plane
+            await redis.aclose()
+
+    try:
+        with endpoints(config) as resolved:
+            run_loop(main(resolved))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"tlt-stream {role}: {exc}", file=sys.stderr)
+        return 2
+    return 0
