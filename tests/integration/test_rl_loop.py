@@ -136,3 +136,57 @@ async def test_the_three_services_run_as_separate_processes(
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+async def test_a_worker_refuses_a_corrupted_policy_and_keeps_generating_with_the_old_one(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    from tlt_stream.messages import PolicyVersion, WorkerState
+
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    learner_plane = ControlPlane(bus_config, redis, role="learner", owns=["policy"])
+    worker_plane = ControlPlane(bus_config, redis, role="rollout")
+    stop = asyncio.Event()
+    planes = [asyncio.create_task(p.run(stop)) for p in (learner_plane, worker_plane)]
+    settings = RolloutSettings(max_batch=4, max_len=96)
+    worker = RolloutWorker(bus_config, redis, worker_plane, worker_id="w0", reward=reward, settings=settings)
+    running = None
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(learner_plane.connected.wait(), worker_plane.connected.wait())
+        learner = LearnerService(bus_config, redis, learner_plane, run_dir=tmp_path / "run", init_policy=init_policy)
+        good = await learner.start()
+        running = asyncio.create_task(worker.run(stop, max_tasks=1))
+        async with asyncio.timeout(30):
+            while worker.version < 0:  # noqa: ASYNC110 - the worker exposes no event for "loaded"; poll it briefly
+                await asyncio.sleep(0.05)
+        assert await learner_plane.publish(
+            PolicyVersion(version=1, location=good.location, sha256="0" * 64, step=1)  # bytes do not match
+        )
+        async with asyncio.timeout(20):
+            await worker_plane.wait_for("policy", 1)
+        dispatcher = PolicyService(
+            bus_config,
+            redis,
+            learner_plane,
+            RepeatedAddSource(build_tokenizer()),
+            prompts_per_step=1,
+            group_size=2,
+            max_staleness=1,
+        )
+        await dispatcher.dispatch(0)
+        async with asyncio.timeout(60):
+            await running
+        assert worker.version == 0 and worker.refused == {1}
+        timeline = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
+        reasons = [m.reason for m in timeline if isinstance(m, WorkerState)]
+        assert any("refused policy version 1, kept 0" in r and "sha256" in r for r in reasons), reasons
+        samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
+        assert [s.policy_version for s in samples] == [0, 0]
+    finally:
+        stop.set()
+        if running is not None:
+            await asyncio.wait_for(running, timeout=30)
+        await asyncio.gather(*planes)
+        await redis.aclose()

@@ -136,8 +136,13 @@ class RolloutWorker:
         except (ChecksumMismatch, FileNotFoundError) as exc:
             self.refused.add(announced.version)
             log.error("refused policy version %d: %s", announced.version, exc)
-            await self.registry.set_state(WorkerStatus.LOADING, f"refused policy version {announced.version}: {exc}")
+            self.registry.update_info(refused_policy=f"{announced.version}: {exc}")
+            if self.policy is not None:  # keep generating with the version we have, and say why
+                await self.registry.set_state(
+                    WorkerStatus.IDLE, f"refused policy version {announced.version}, kept {self.version}: {exc}"
+                )
             return
+        self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
 
     def _load(self, announced: PolicyVersion) -> None:
@@ -174,6 +179,8 @@ class RolloutWorker:
         busy = self.engine.has_unfinished
         deliveries = await self.reader.read(count=1, block_ms=1 if busy else None)
         self.waiting += deliveries
+        if self._newer_policy_announced():  # announced while we read: load it before starting anything
+            return
         ready = [d for d in self.waiting if d.message.min_policy_version <= self.version]
         self.waiting = [d for d in self.waiting if d.message.min_policy_version > self.version]
         for delivery in ready:
