@@ -133,7 +133,7 @@ class GroupAssembler:
         return [self._drop(task_id) for task_id in stale]
 
     def drop(self, group: ReadyGroup) -> None:
-        """Drop a complete group the caller held too long (stale now): counted, and its ids join the ledger."""
+        """Drop a group as stale: counted, its ids join the ledger, and later members of its task are dropped too."""
         self._dropped_tasks.add(group.task_id)
         self.dropped_groups += 1
         self.dropped_samples += len(group.samples)
@@ -146,10 +146,7 @@ class GroupAssembler:
 
     def _drop(self, task_id: str) -> ReadyGroup:
         group = _ready(task_id, self._open.pop(task_id))
-        self._dropped_tasks.add(task_id)
-        self.dropped_groups += 1
-        self.dropped_samples += len(group.samples)
-        self.consume(group)
+        self.drop(group)
         return group
 
 

@@ -125,10 +125,8 @@ class RolloutWorker:
 
     async def _maybe_load(self) -> None:
         """Load the announced policy if it is newer than ours (only ever called with nothing in flight)."""
-        announced = self.control.current.get("policy")
-        if not isinstance(announced, PolicyVersion) or announced.version <= self.version:
-            return
-        if announced.version in self.refused:
+        announced = self._loadable_policy()
+        if announced is None:
             return
         await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
         try:
@@ -158,18 +156,17 @@ class RolloutWorker:
         self.engine = GenerationEngine(model, self.settings.max_batch, self.settings.max_len)
         self.policy = announced
 
-    def _newer_policy_announced(self) -> bool:
+    def _loadable_policy(self) -> PolicyVersion | None:
+        """The announced policy version when it is newer than ours and not one we refused, else None."""
         announced = self.control.current.get("policy")
-        return (
-            isinstance(announced, PolicyVersion)
-            and announced.version > self.version
-            and announced.version not in self.refused
-        )
+        if not isinstance(announced, PolicyVersion) or announced.version <= self.version:
+            return None
+        return None if announced.version in self.refused else announced
 
     async def _admit(self) -> None:
         """Take new tasks while the engine has room; tasks ahead of our policy wait for it. Once a newer
         policy is announced nothing new starts, so the tasks in flight drain and the worker can load it."""
-        if self._newer_policy_announced() and self.tasks:
+        if self._loadable_policy() is not None and self.tasks:
             return
         free = self.settings.max_batch * 2 - sum(
             t.delivery.message.group_size - len(t.samples) for t in self.tasks.values()
@@ -179,7 +176,7 @@ class RolloutWorker:
         busy = self.engine.has_unfinished
         deliveries = await self.reader.read(count=1, block_ms=1 if busy else None)
         self.waiting += deliveries
-        if self._newer_policy_announced():  # announced while we read: load it before starting anything
+        if self._loadable_policy() is not None:  # announced while we read: load it before starting anything
             return
         ready = [d for d in self.waiting if d.message.min_policy_version <= self.version]
         self.waiting = [d for d in self.waiting if d.message.min_policy_version > self.version]
