@@ -269,6 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per row")
     worker.add_argument("--temperature", type=float, default=1.0)
     worker.add_argument("--reward", default="repeated_add", help="reward function (repeated_add, math)")
+    worker.add_argument(
+        "--drafter", help='speculative decoding: a drafter checkpoint directory or "ngram" (default: off)'
+    )
+    worker.add_argument(
+        "--sd-arm", type=_arm, default=(4, 1, 4), help="DEPTH,TOPK,VERIFY of the SD arm (default 4,1,4)"
+    )
+    worker.add_argument(
+        "--no-hidden", action="store_true", help="do not stream hidden-state windows (no drafter training data)"
+    )
     worker.add_argument("--max-tasks", type=_positive, help="stop after this many tasks (default: run on)")
     worker.add_argument("--threads", type=_positive, default=1, help="torch threads")
     _add_config_args(worker)
@@ -290,6 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(config)
     config.set_defaults(handler=_cmd_config)
     return parser
+
+
+def _arm(text: str) -> tuple[int, int, int]:
+    try:
+        depth, topk, verify = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DEPTH,TOPK,VERIFY (three integers), got {text!r}") from None
+    if min(depth, topk, verify) < 1 or verify > depth * topk * topk:
+        raise argparse.ArgumentTypeError(f"need DEPTH, TOPK, VERIFY >= 1 and VERIFY <= DEPTH*TOPK^2, got {text!r}")
+    return depth, topk, verify
 
 
 def load(args: argparse.Namespace) -> Any:

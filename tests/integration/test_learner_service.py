@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -129,3 +129,113 @@ async def test_the_learner_entrypoint_runs_as_its_own_process(
     assert (await read_mirror(redis, keys))["policy"].version == 1
     assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
     await redis.aclose()
+
+
+async def test_a_learner_process_killed_between_updates_resumes_with_the_same_ledger(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """SIGKILL after update 1 while group "b" is half read (pending); a restart applies "b" once, as update 2."""
+    import os
+    import signal
+    import sys
+
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    keys = Keys(bus_config.run)
+    stream = keys.stream("samples")
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
+    processes: list[asyncio.subprocess.Process] = []
+    logs: list[Path] = []
+
+    async def start(*extra: str) -> asyncio.subprocess.Process:
+        logs.append(tmp_path / f"learner-{len(logs)}.log")
+        with logs[-1].open("wb") as log_file:  # a file, not a pipe: nobody drains the killed process's stderr
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(Path(__file__).parents[2] / "services" / "learner.py"),
+                *("--run", bus_config.run, "--run-dir", str(run_dir), "--policy", str(init_policy)),
+                *("--groups-per-step", "1", *extra),
+                env=env,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=log_file,
+            )
+        processes.append(process)
+        return process
+
+    def metrics_versions() -> list[int]:
+        path = run_dir / "metrics.jsonl"
+        complete = path.read_text().split("\n")[:-1] if path.exists() else []  # a torn last line is not a line
+        return [json.loads(line)["version"] for line in complete]
+
+    async def mirrored_version() -> int:
+        policy = (await read_mirror(redis, keys)).get("policy")
+        return policy.version if policy is not None else -1
+
+    async def pending_ids() -> list[str]:
+        rows = await redis.xpending_range(stream, "learner", min="-", max="+", count=100)
+        return [r["message_id"].decode() if isinstance(r["message_id"], bytes) else r["message_id"] for r in rows]
+
+    async def until(process: asyncio.subprocess.Process, what: str, condition: Callable[[], Awaitable[bool]]) -> None:
+        while not await condition():
+            assert process.returncode is None, (
+                f"learner exited ({process.returncode}) before {what}: " + logs[-1].read_text()[-2000:]
+            )
+            await asyncio.sleep(0.1)
+
+    def checkpointed() -> tuple[int, set[str]]:
+        found = latest_checkpoint(run_dir / "checkpoints")
+        assert found is not None
+        ledger, _ = restore_checkpoint(found, restore_rng=False)  # verifies the policy sha256 too
+        return found.step, ledger
+
+    a0, a1 = sample("a", 0, 1.0), sample("a", 1, 0.0)
+    b0, b1 = sample("b", 0, 1.0, version=1), sample("b", 1, 0.0, version=1)  # generated on policy version 1
+    try:
+        await producer.send("samples", [a0, a1])
+        first = await start()
+
+        async def updated_once() -> bool:  # metrics.jsonl is the update's last write: all of update 1 is done
+            return metrics_versions() == [1] and await mirrored_version() == 1 and await pending_ids() == []
+
+        async with asyncio.timeout(90):
+            await until(first, "update 1", updated_once)
+
+        # A redelivered "a/0", then half of group "b": the learner acks the duplicate and holds "b/0" un-acked.
+        _, b0_entry = await producer.send("samples", [a0, b0])
+
+        async def holding_b0() -> bool:  # delivered in order, so "a/0" was read (and acked) before "b/0"
+            return await pending_ids() == [b0_entry]
+
+        async with asyncio.timeout(30):
+            await until(first, "it read b/0", holding_b0)
+        first.kill()
+        assert await first.wait() == -signal.SIGKILL
+        assert checkpointed() == (1, {"a/0", "a/1"})
+        assert await pending_ids() == [b0_entry], "the dead consumer still holds b/0"
+
+        # Another late copy of an applied sample, the rest of "b"; the restart exits on its own after one update.
+        await producer.send("samples", [a1, b1])
+        second = await start("--max-updates", "1")
+        async with asyncio.timeout(120):
+            returncode = await second.wait()
+        log_text = logs[-1].read_text()
+        assert returncode == 0, log_text[-2000:]
+        assert "stopped at policy version 2" in log_text
+
+        assert checkpointed() == (2, {"a/0", "a/1", "b/0", "b/1"}), "nothing lost, nothing counted twice"
+        assert metrics_versions() == [1, 2], "each version applied (and logged) exactly once"
+        stats = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
+        assert [s.policy_version for s in stats if s.kind == "learner"] == [1, 2]
+        assert (await redis.xpending(stream, "learner"))["pending"] == 0, "b/0's redelivery and both copies acked"
+        published = (await read_mirror(redis, keys))["policy"]
+        assert published.version == 2
+        assert published.sha256 == policy_sha256(published.location)
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        await redis.aclose()

@@ -13,7 +13,6 @@ checkpointing and publishing.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
+from tlt_stream.rl.metrics import length_summary
 
 __all__ = ["LearnerCore", "LearnerSettings"]
 
@@ -83,14 +83,12 @@ class LearnerCore:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
         advantages, degenerate = group_advantages(rewards, group_ids, scale=self.settings.scale_advantages)
-        lengths = [s.response_len for s in samples]
         metrics: dict[str, float] = {
             "groups": float(len(groups)),
             "samples": float(len(samples)),
             "reward_mean": float(rewards.mean()),
             "accuracy": float((rewards > 0).double().mean()),
-            "response_len_mean": statistics.fmean(lengths),
-            "response_len_max": float(max(lengths)),
+            **length_summary(samples),
             "degenerate_groups": float(len({int(g) for g, d in zip(group_ids, degenerate, strict=True) if d})),
             "truncated": float(sum(s.finish_reason == "length" for s in samples)),
         }

@@ -7,7 +7,9 @@ loop keeps heartbeating), then, in this order:
 1. saves a checkpoint (weights, optimizer, RNG and the ledger of every sample id applied so far);
 2. acks the stream entries the update consumed;
 3. publishes the new `PolicyVersion` (retained MQTT + Redis mirror) with the checkpoint's sha256;
-4. writes `LearnerStats` to `stats` and one JSON line to `{run_dir}/metrics.jsonl`.
+4. writes `LearnerStats` to `stats` and one JSON line to `{run_dir}/metrics.jsonl`: reward and accuracy,
+   the response-length distribution, the step's rollout span, tail phase and tokens/s (`metrics.py`), the
+   time spent learning, checkpointing and waiting for groups, and the staleness histogram.
 
 A crash before 1 loses nothing (the entries are still pending and come back); a crash between 1 and 2
 applies nothing twice (the restored ledger recognises the redelivered samples). On start the service
@@ -37,6 +39,7 @@ from tlt_stream.messages import LearnerStats, PolicyVersion
 from tlt_stream.rl.checkpoint import CheckpointInfo, latest_checkpoint, restore_checkpoint, save_checkpoint
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+from tlt_stream.rl.metrics import rollout_timing, staleness_histogram
 
 __all__ = ["LearnerRunSettings", "LearnerService", "serve_learner"]
 
@@ -87,6 +90,7 @@ class LearnerService:
         self.version = -1
         self.checkpoint: CheckpointInfo | None = None
         self.ready: list[ReadyGroup] = []
+        self._idle_since = time.perf_counter()
 
     @property
     def checkpoints(self) -> Path:
@@ -96,7 +100,9 @@ class LearnerService:
         """Resume from the newest checkpoint (or create checkpoint 0) and publish the current version."""
         await asyncio.to_thread(self._load)
         assert self.checkpoint is not None
-        return await self._publish(self.checkpoint)
+        message = await self._publish(self.checkpoint)
+        self._idle_since = time.perf_counter()
+        return message
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -171,18 +177,28 @@ class LearnerService:
     async def _update(self, groups: list[ReadyGroup]) -> dict[str, float]:
         assert self.core is not None
         started = time.perf_counter()
+        wait = started - self._idle_since  # since the last update (or start): waiting for complete groups
         staleness = [g.staleness(self.version) for g in groups]
+        samples = [s for g in groups for s in g.samples]
         metrics = await asyncio.to_thread(self.core.step, groups)
         for group in groups:
             self.assembler.consume(group)
         self.version += 1
+        histogram = staleness_histogram(staleness)
         metrics.update(
+            **rollout_timing(samples),
+            wait_seconds=wait,
             staleness_max=float(max(staleness)),
             staleness_mean=sum(staleness) / len(staleness),
             dropped_groups=float(self.assembler.dropped_groups),
             duplicates=float(self.assembler.duplicates),
+            **{f"staleness_{k}": float(v) for k, v in histogram.items()},
         )
+        if metrics["learn_seconds"] > 0:
+            metrics["learn_tokens_per_s"] = metrics["trained_tokens"] / metrics["learn_seconds"]
+        saving = time.perf_counter()
         self.checkpoint = await asyncio.to_thread(self._save, {"metrics": metrics})
+        metrics["checkpoint_seconds"] = time.perf_counter() - saving
         await self.reader.ack([entry for g in groups for entry in g.entry_ids])
         await self._publish(self.checkpoint)
         # Groups assembled under the old version that the new one has left behind: drop them visibly.
@@ -203,20 +219,32 @@ class LearnerService:
                 step=self.version,
                 policy_version=self.version,
                 groups=len(groups),
-                samples=sum(len(g.samples) for g in groups),
+                samples=len(samples),
                 metrics=metrics,
             ),
         )
+        line = {
+            "version": self.version,
+            "time": time.time(),
+            **metrics,
+            "staleness_hist": histogram,
+            "response_lens": [s.response_len for s in samples],
+        }
         with (self.run_dir / "metrics.jsonl").open("a") as out:
-            out.write(json.dumps({"version": self.version, "time": time.time(), **metrics}) + "\n")
+            out.write(json.dumps(line) + "\n")
         log.info(
-            "version %d: reward %.3f over %d groups (%d degenerate), %.1fs",
+            "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
+            "waited %.1fs",
             self.version,
             metrics["reward_mean"],
             len(groups),
             int(metrics["degenerate_groups"]),
-            metrics["update_seconds"],
+            metrics["rollout_seconds"],
+            metrics["tail_seconds"],
+            metrics["learn_seconds"],
+            wait,
         )
+        self._idle_since = time.perf_counter()
         return metrics
 
     def describe(self) -> dict[str, Any]:

@@ -33,8 +33,9 @@ from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.messages import PolicyVersion, PromptGroup, RolloutStats, Sample, Tensor, WorkerStatus
+from tlt_stream.messages import HiddenWindow, PolicyVersion, PromptGroup, RolloutStats, Sample, WorkerStatus
 from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
+from tlt_stream.rl.samples import hidden_window, make_sample
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -51,6 +52,19 @@ class RolloutSettings:
     """Sampling temperature (RL rollouts sample at 1.0)."""
     steps_per_hop: int = 8
     """Engine steps run per trip to the worker thread (fewer trips, a little more latency)."""
+    drafter: str | None = None
+    """Speculative decoding: a drafter checkpoint directory, "ngram" for prompt lookup, or None (off)."""
+    sd_arm: tuple[int, int, int] = (4, 1, 4)
+    """(draft depth, top-k, tokens to verify) when speculative decoding is on."""
+    stream_hidden: bool = True
+    """Stream each sample's hidden-state window to `hidden` (the drafter's training data)."""
+    hidden_dtype: str = "bfloat16"
+    """Wire dtype of the streamed hidden states."""
+
+    @property
+    def drafter_version(self) -> int:
+        """The drafter version samples report: 0 for the warm-up drafter, -1 without a trained one."""
+        return 0 if self.drafter not in (None, "ngram") else -1
 
 
 @dataclass
@@ -93,6 +107,7 @@ class RolloutWorker:
         self.samples_sent = 0
         self.tasks_done = 0
         self._tokens = 0
+        self._forwards = 0
         self._seconds = 0.0
 
     @property
@@ -148,12 +163,20 @@ class RolloutWorker:
 
         from tlt_stream.model import load_model
         from tlt_stream.rollout.engine import GenerationEngine
+        from tlt_stream.rollout.proposers import SdArm, build_proposer
 
         verify_policy(announced.location, announced.sha256)
         model = load_model(announced.location)
         if self.tokenizer is None:
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
-        self.engine = GenerationEngine(model, self.settings.max_batch, self.settings.max_len)
+        proposer, arm, nodes = None, None, 64
+        if self.settings.drafter is not None:  # the drafter binds to this policy's embedding and LM head
+            proposer = build_proposer(self.settings.drafter, model)
+            arm = SdArm(*self.settings.sd_arm)
+            nodes = max(nodes, arm.verify, arm.depth)
+        self.engine = GenerationEngine(
+            model, self.settings.max_batch, self.settings.max_len, proposer=proposer, arm=arm, max_draft_nodes=nodes
+        )
         self.policy = announced
 
     def _loadable_policy(self) -> PolicyVersion | None:
@@ -194,41 +217,48 @@ class RolloutWorker:
         for index in range(group.group_size):
             seed = int(hashlib.sha1(f"{group.task_id}/{index}".encode()).hexdigest()[:12], 16)
             self.engine.add_request(
-                group.prompt_ids, budget, self.settings.temperature, seed, eos, request_id=(group.task_id, index)
+                group.prompt_ids,
+                budget,
+                self.settings.temperature,
+                seed,
+                eos,
+                request_id=(group.task_id, index),
+                return_hidden=self.settings.stream_hidden,
             )
         self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())
 
     async def _generate(self) -> None:
         started = time.perf_counter()
-        finished, tokens = await asyncio.to_thread(self._steps)
+        finished, tokens, forwards = await asyncio.to_thread(self._steps)
         seconds = time.perf_counter() - started
         complete = []
+        windows: list[HiddenWindow] = []
         for result in finished:
             task_id, index = result.request_id
             task = self.tasks[task_id]
             group = task.delivery.message
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            task.samples[index] = Sample(
-                sample_id=f"{task_id}/{index}",
-                task_id=task_id,
-                prompt_id=group.prompt_id,
-                index=index,
-                group_size=group.group_size,
-                prompt_ids=group.prompt_ids,
-                token_ids=Tensor.from_values(result.token_ids, "int32"),
-                logprobs=Tensor.from_values(result.logprobs, "float32"),
+            sample = make_sample(
+                result,
+                group,
+                index,
+                reward=self.reward(text, group.answer),
                 policy_version=task.policy_version,
-                drafter_version=-1,
-                reward=float(self.reward(text, group.answer)),
-                finish_reason=result.finish_reason,
+                drafter_version=self.settings.drafter_version,
                 worker_id=self.worker_id,
-                step=group.step,
                 gen_seconds=time.perf_counter() - task.started,
-                accept_length=1.0,
             )
+            task.samples[index] = sample
+            if self.settings.stream_hidden and result.token_ids:
+                windows.append(
+                    hidden_window(result, sample.sample_id, task.policy_version, dtype=self.settings.hidden_dtype)
+                )
             if len(task.samples) == group.group_size:
                 complete.append(task)
+        if windows:  # a lossy, bounded buffer: never waits on the drafter trainer
+            await self.producer.send("hidden", windows)
         self._tokens += tokens
+        self._forwards += forwards
         self._seconds += seconds
         for task in complete:
             samples = [task.samples[i] for i in range(task.delivery.message.group_size)]
@@ -243,25 +273,28 @@ class RolloutWorker:
                 RolloutStats(
                     worker_id=self.worker_id,
                     policy_version=self.version,
-                    drafter_version=-1,
+                    drafter_version=self.settings.drafter_version,
                     batch_size=self.engine.scheduler.num_running,
                     tokens=self._tokens,
                     seconds=self._seconds,
+                    target_forwards=self._forwards,
+                    sd_on=self.engine.arm is not None,
                 ),
             )
-            self._tokens, self._seconds = 0, 0.0
+            self._tokens, self._forwards, self._seconds = 0, 0, 0.0
 
-    def _steps(self) -> tuple[list[Any], int]:
+    def _steps(self) -> tuple[list[Any], int, int]:
+        """Up to `steps_per_hop` engine steps (fewer once something finishes): finished, tokens, forwards."""
         finished: list[Any] = []
-        tokens = 0
+        engine = self.engine
+        tokens, forwards = engine.tokens_generated, engine.rounds + engine.plain_steps
         for _ in range(self.settings.steps_per_hop):
-            if not self.engine.has_unfinished:
+            if not engine.has_unfinished:
                 break
-            tokens += self.engine.scheduler.num_running + self.engine.scheduler.num_waiting
-            finished += self.engine.step()
+            finished += engine.step()
             if finished:
                 break
-        return finished, tokens
+        return finished, engine.tokens_generated - tokens, engine.rounds + engine.plain_steps - forwards
 
 
 def serve_rollout_worker(config: Config, args: Any) -> int:
@@ -278,7 +311,14 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         )
         return 2
     worker_id = args.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
-    settings = RolloutSettings(max_batch=args.max_batch, max_len=args.max_len, temperature=args.temperature)
+    settings = RolloutSettings(
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        temperature=args.temperature,
+        drafter=args.drafter,
+        sd_arm=args.sd_arm,
+        stream_hidden=not args.no_hidden,
+    )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
         worker = RolloutWorker(

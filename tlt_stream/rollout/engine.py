@@ -46,6 +46,10 @@ class GenerationResult:
     `prompt_ids[-1]` for i = 0, else `token_ids[i - 1]`)."""
     accept_lengths: list[int] = field(default_factory=list)
     """Tokens emitted by each speculative round of this request (empty when SD never ran for it)."""
+    prompt_hidden: torch.Tensor | None = None
+    """`[len(prompt_ids) - 1, H]` when hidden states were requested: the states at the prompt positions
+    before the last one (whose state is `hidden[0]`), so `cat(prompt_hidden, hidden)` covers every input
+    position `0 .. len(prompt_ids) + len(token_ids) - 2`."""
 
 
 class GenerationEngine:
@@ -79,9 +83,14 @@ class GenerationEngine:
             proposer.allocate(max_batch, max_len + headroom)
         self.arm = arm
         self.rounds = 0
+        """Speculative rounds run (one target forward each)."""
         self.plain_steps = 0
+        """Plain decode steps run (one target forward each)."""
+        self.tokens_generated = 0
+        """Tokens emitted over all requests so far (a throughput counter)."""
         self._generators: dict[Hashable, torch.Generator | None] = {}
         self._hidden: dict[Hashable, list[torch.Tensor]] = {}
+        self._prompt_hidden: dict[Hashable, torch.Tensor] = {}
         self._accepts: dict[Hashable, list[int]] = {}
         self._ids = itertools.count()
         self._ones = torch.ones(max_batch, dtype=torch.long, device=model.device)
@@ -213,6 +222,9 @@ class GenerationEngine:
         )  # [B, T, H]
         self.cache.advance(num_new, first_slot=first)
         last = hidden[torch.arange(len(seqs), device=device), num_new - 1]  # [B, H]
+        for b, s in enumerate(seqs):
+            if s.request_id in self._hidden:
+                self._prompt_hidden[s.request_id] = hidden[b, : lens[b] - 1].clone()
         self._emit(seqs, last)
         if self.proposer is not None:
             for b, s in enumerate(seqs):
@@ -254,6 +266,7 @@ class GenerationEngine:
                 emitted += 1
                 if s.append(token, logprob):
                     break
+            self.tokens_generated += emitted
             self._accepts[s.request_id].append(emitted)
             kept = self._hidden.get(s.request_id)
             if kept is not None:
@@ -273,6 +286,7 @@ class GenerationEngine:
                 self._hidden[seqs[b].request_id].append(kept[row])
         for s, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
             s.append(token, logprob)
+        self.tokens_generated += len(seqs)
 
     def _finish(self) -> list[GenerationResult]:
         """Retire finished sequences, mirror the scheduler's slot moves in the cache, build the results."""
@@ -289,6 +303,15 @@ class GenerationEngine:
             hidden = torch.stack(rows) if rows is not None else None
             accepts = self._accepts.pop(s.request_id)
             results.append(
-                GenerationResult(s.request_id, s.prompt_ids, s.token_ids, s.logprobs, s.finish_reason, hidden, accepts)
+                GenerationResult(
+                    s.request_id,
+                    s.prompt_ids,
+                    s.token_ids,
+                    s.logprobs,
+                    s.finish_reason,
+                    hidden,
+                    accepts,
+                    self._prompt_hidden.pop(s.request_id, None),
+                )
             )
         return results
