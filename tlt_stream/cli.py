@@ -97,6 +97,110 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from tlt_stream.aio import install_stop_signals
+    from tlt_stream.launch import RunPlan, evaluate_version, run_plan
+    from tlt_stream.progress import PhaseProgress
+    from tlt_stream.report import write_report
+    from tlt_stream.tasks.bootstrap import bootstrap
+
+    config = load(args)
+    out = Path(args.out or f"runs/{config.run}-{time.strftime('%Y%m%d-%H%M%S')}")
+    world = Path(args.world)
+    if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+        print(f"tlt-stream run: {out} already holds checkpoints; choose a new --out", file=sys.stderr)
+        return EXIT_CONFIG
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    with PhaseProgress() as progress:
+        if not (world / "policy").is_dir():
+            print(
+                f"tlt-stream run: no policy in {world}; bootstrapping the tiny world (a few minutes)", file=sys.stderr
+            )
+            bootstrap(world, progress=progress)
+        plan = RunPlan(
+            world=world,
+            run_dir=out,
+            steps=args.steps,
+            workers=args.workers,
+            prompts_per_step=args.prompts_per_step,
+            group_size=args.group_size,
+            max_staleness=args.max_staleness,
+            lr=args.lr,
+            seed=args.seed,
+            sd=args.sd,
+            max_len=args.max_len,
+            cores=cores,
+        )
+        print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
+        if args.eval and not (out / "eval.jsonl").exists():
+            row = evaluate_version(out.mkdir(parents=True, exist_ok=True) or out, 0, world / "policy", n=args.eval,
+                                   seed=args.seed, threads=cores)  # fmt: skip
+            print(f"held-out accuracy before training: {row['accuracy']:.3f} ({args.eval} prompts)", file=sys.stderr)
+        started = time.perf_counter()
+
+        def on_step(rows: list[dict]) -> None:
+            for row in rows:
+                progress(
+                    "train",
+                    row["version"],
+                    plan.steps,
+                    {
+                        "reward": row["reward_mean"],
+                        "len_p50": row.get("response_len_p50", 0.0),
+                        "rollout_tok/s": row.get("rollout_tokens_per_s", 0.0),
+                        "learn_s": row["learn_seconds"],
+                        "wait_s": row.get("wait_seconds", 0.0),
+                    },
+                )
+
+        async def main() -> int:
+            stop = asyncio.Event()
+            install_stop_signals(stop)
+            code = await run_plan(plan, config, on_step=on_step, stop=stop)
+            if code == 130:
+                print("tlt-stream run: stopped; every service was shut down, checkpoints are intact", file=sys.stderr)
+            return code
+
+        try:
+            code = asyncio.run(main())
+        except (RuntimeError, FileNotFoundError, ValueError) as exc:
+            print(f"tlt-stream run: {exc}", file=sys.stderr)
+            return 1
+    seconds = time.perf_counter() - started
+    if code == 0 and args.eval:
+        from tlt_stream.rl.checkpoint import latest_checkpoint
+
+        final = latest_checkpoint(out / "checkpoints")
+        assert final is not None
+        row = evaluate_version(out, final.step, final.policy_dir, n=args.eval, seed=args.seed, threads=cores)
+        print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
+    page = write_report(out)
+    print(
+        f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; report: {page}", file=sys.stderr
+    )
+    return code
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from tlt_stream.report import write_report
+
+    try:
+        page = write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"tlt-stream report: {exc}", file=sys.stderr)
+        return 1
+    print(page)
+    return 0
+
+
 def _cmd_learner(args: argparse.Namespace) -> int:
     import torch
 
@@ -242,6 +346,33 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.add_argument("-v", "--verbose", action="count", default=0)
     ev.set_defaults(handler=_cmd_eval)
+
+    run = commands.add_parser(
+        "run",
+        help="the whole system on this machine: policy service, rollout workers and learner as processes",
+        description="Bootstraps the tiny world if needed, starts (embedded or configured) Redis and MQTT, the "
+        "policy service, N rollout workers and the learner as separate processes, shows progress, evaluates "
+        "held-out accuracy before and after, and leaves metrics, checkpoints, logs and plots in --out.",
+    )
+    run.add_argument("--steps", type=_positive, default=60, help="policy updates to run")
+    run.add_argument("--workers", type=_positive, default=1, help="rollout worker processes")
+    run.add_argument("--out", help="run directory (default runs/RUN-TIMESTAMP)")
+    run.add_argument("--world", default="artifacts/world", help="tiny world directory (built when missing)")
+    run.add_argument("--prompts-per-step", type=_positive, default=16)
+    run.add_argument("--group-size", type=_positive, default=8)
+    run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
+    run.add_argument("--lr", type=float, default=1e-4)
+    run.add_argument("--sd", choices=["off", "eagle", "ngram"], default="off", help="speculative decoding in rollouts")
+    run.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per rollout row")
+    run.add_argument("--eval", type=int, default=256, help="held-out prompts evaluated before and after (0: skip)")
+    run.add_argument("--seed", type=int, default=0)
+    _add_config_args(run)
+    run.set_defaults(handler=_cmd_run)
+
+    rep = commands.add_parser("report", help="plots and an HTML page for a run directory")
+    rep.add_argument("run_dir", help="a run directory written by `tlt-stream run` or the learner")
+    rep.add_argument("-v", "--verbose", action="count", default=0)
+    rep.set_defaults(handler=_cmd_report)
 
     learn = commands.add_parser(
         "learner",

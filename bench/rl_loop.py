@@ -1,0 +1,197 @@
+"""The RL loop over the streams, measured: per-step time breakdown on- and off-policy, and how much the
+policy learns in a fixed wall-clock budget.
+
+Every figure comes from a real run: the policy service, rollout worker(s) and learner as separate processes
+(`tlt_stream.launch`, the same path as `tlt-stream run`), every sample through Redis, every policy version
+through MQTT. Per-step figures are what the learner wrote to `metrics.jsonl` (rollout span and tail phase
+from the samples' own timestamps, learn/checkpoint/wait times from the learner); step wall time is the gap
+between consecutive policy versions. Medians over the steps after the first (which includes start-up).
+
+    python bench/rl_loop.py --quick          # < 2 minutes: 4 steps each at max_staleness 0 and 1
+    python bench/rl_loop.py                  # breakdown (12 steps each) + the 15-minute learning run
+    python bench/rl_loop.py --skip-breakdown --learn-minutes 15
+
+Prints one JSON object; run directories (with reward curves) stay under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--out", default=str(ROOT / "artifacts" / "bench-rl"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=12, help="steps per breakdown run")
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=None, help="learner lr (default: tlt-stream run's)")
+    p.add_argument("--learn-minutes", type=float, default=15.0, help="wall budget of the learning run (0: skip)")
+    p.add_argument("--learn-staleness", type=int, default=0)
+    p.add_argument("--eval", type=int, default=512, help="held-out prompts per evaluation")
+    p.add_argument("--skip-breakdown", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def log(message: str) -> None:
+    print(f"[rl_loop] {message}", file=sys.stderr, flush=True)
+
+
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 3) if values else float("nan")
+
+
+def breakdown(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median per-step figures over `rows` (learner steps), skipping the first (start-up)."""
+    steady = rows[1:] if len(rows) > 1 else rows
+    walls = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
+    histogram: dict[str, int] = {}
+    for row in rows:
+        for lag, count in row.get("staleness_hist", {}).items():
+            histogram[lag] = histogram.get(lag, 0) + count
+    return {
+        "steps": len(rows),
+        "step_wall_s": median(walls),
+        "rollout_span_s": median([r["rollout_seconds"] for r in steady]),
+        "tail_phase_s": median([r["tail_seconds"] for r in steady]),
+        "tail_share_of_rollout": median([r["tail_share"] for r in steady]),
+        "learn_s": median([r["learn_seconds"] for r in steady]),
+        "checkpoint_s": median([r["checkpoint_seconds"] for r in steady]),
+        "learner_wait_s": median([r["wait_seconds"] for r in steady]),
+        "rollout_tokens_per_s": median([r["rollout_tokens_per_s"] for r in steady]),
+        "response_len_p50": median([r["response_len_p50"] for r in steady]),
+        "response_len_max_over_median": median([r["response_len_max_over_median"] for r in steady]),
+        "reward_mean": median([r["reward_mean"] for r in rows]),
+        "staleness_histogram": histogram,
+    }
+
+
+async def one_run(plan, config, *, budget_s: float | None = None) -> tuple[int, float]:
+    from tlt_stream.launch import run_plan
+
+    stop = asyncio.Event()
+    timer = asyncio.get_running_loop().call_later(budget_s, stop.set) if budget_s else None
+    started = time.perf_counter()
+    try:
+        code = await run_plan(
+            plan,
+            config,
+            stop=stop,
+            on_step=lambda rows: log(f"  step {rows[-1]['version']}: reward {rows[-1]['reward_mean']:.3f}"),
+        )
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return code, time.perf_counter() - started
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from tlt_stream.config import load_config
+    from tlt_stream.launch import RunPlan, evaluate_version
+    from tlt_stream.report import load_metrics, write_report
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    world, out = Path(args.world), Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    if not (world / "policy").is_dir():
+        sys.exit(f"{world}/policy not found: run `tlt-stream bootstrap --out {world}` first")
+    config = load_config(None, environ=os.environ)
+    steps = 4 if args.quick else args.steps
+    extra = {"lr": args.lr} if args.lr is not None else {}
+    result: dict[str, Any] = {
+        "bench": "rl_loop",
+        "quick": args.quick,
+        "cores": cores,
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "redis": "configured" if config.bus.redis_url else "embedded",
+    }
+
+    if not args.skip_breakdown:
+        result["breakdown"] = {}
+        for staleness in (0, 1):
+            run_dir = out / f"staleness{staleness}"
+            log(f"breakdown run, max_staleness={staleness}, {steps} steps -> {run_dir}")
+            plan = RunPlan(
+                world=world,
+                run_dir=run_dir,
+                steps=steps,
+                prompts_per_step=args.prompts_per_step,
+                group_size=args.group_size,
+                max_staleness=staleness,
+                seed=args.seed,
+                cores=cores,
+                **extra,
+            )
+            code, seconds = asyncio.run(one_run(plan, config))
+            assert code == 0
+            figures = breakdown(load_metrics(run_dir))
+            figures["run_wall_s"] = round(seconds, 1)
+            result["breakdown"][f"max_staleness_{staleness}"] = figures
+            write_report(run_dir)
+        on, off = (result["breakdown"][f"max_staleness_{k}"]["step_wall_s"] for k in (0, 1))
+        result["breakdown"]["step_time_ratio_staleness1_over_0"] = round(off / on, 3)
+
+    minutes = 1.0 if args.quick and args.learn_minutes == 15.0 else args.learn_minutes
+    if minutes > 0:
+        run_dir = out / "learn"
+        n = 64 if args.quick else args.eval
+        plan = RunPlan(
+            world=world,
+            run_dir=run_dir,
+            steps=100_000,
+            prompts_per_step=args.prompts_per_step,
+            group_size=args.group_size,
+            max_staleness=args.learn_staleness,
+            seed=args.seed,
+            cores=cores,
+            **extra,
+        )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        before = evaluate_version(run_dir, 0, world / "policy", n=n, seed=args.seed + 1, threads=cores)
+        log(f"learning run for {minutes:g} min -> {run_dir} (held-out accuracy before: {before['accuracy']:.3f})")
+        code, seconds = asyncio.run(one_run(plan, config, budget_s=minutes * 60))
+        final = latest_checkpoint(run_dir / "checkpoints")
+        assert final is not None
+        after = evaluate_version(run_dir, final.step, final.policy_dir, n=n, seed=args.seed + 1, threads=cores)
+        rows = load_metrics(run_dir)
+        page = write_report(run_dir)
+        result["learning"] = {
+            "budget_minutes": minutes,
+            "wall_s": round(seconds, 1),
+            "steps": final.step,
+            "lr": plan.lr,
+            "max_staleness": plan.max_staleness,
+            "heldout_prompts": n,
+            "heldout_accuracy_before": before["accuracy"],
+            "heldout_accuracy_after": after["accuracy"],
+            "gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
+            "goal_points": 15.0,
+            "train_reward_first10": median([r["reward_mean"] for r in rows[:10]]),
+            "train_reward_last10": median([r["reward_mean"] for r in rows[-10:]]),
+            "reward_curve": str(page.parent / "reward.png"),
+        }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

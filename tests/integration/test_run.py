@@ -1,0 +1,124 @@
+"""`tlt-stream run` end to end: every service as its own process, a finished run dir, no orphan processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.control import read_mirror
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.launch import RunPlan, service_commands, thread_split
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
+
+
+def world_from(init_policy: Path, tmp_path: Path) -> Path:
+    world = tmp_path / "world"
+    shutil.copytree(init_policy, world / "policy")
+    return world
+
+
+def run_command(config: Config, world: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        *(sys.executable, "-m", "tlt_stream.cli", "run", "--run", config.run),
+        *("--world", str(world), "--out", str(out), "--prompts-per-step", "2", "--group-size", "2"),
+        *("--max-len", "64", "--eval", "4", *extra),
+    ]
+
+
+def env_for(config: Config) -> dict[str, str]:
+    assert config.bus.redis_url and config.bus.mqtt_url
+    return {**os.environ, "TLT_REDIS_URL": config.bus.redis_url, "TLT_MQTT_URL": config.bus.mqtt_url}
+
+
+def service_pids(run: str) -> list[int]:
+    """PIDs of live processes started for run `run` (their command lines carry `--run RUN`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"services." in b" ".join(argv) and run.encode() in argv:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    world, out = world_from(init_policy, tmp_path), tmp_path / "run"
+    process = await asyncio.create_subprocess_exec(
+        *run_command(bus_config, world, out, "--steps", "2"), env=env_for(bus_config), stderr=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(240):
+        _, stderr = await process.communicate()
+    log = stderr.decode()
+    assert process.returncode == 0, log[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2]
+    for key in ("reward_mean", "accuracy", "response_len_p90", "rollout_seconds", "tail_seconds", "learn_seconds",
+                "wait_seconds", "rollout_tokens_per_s", "staleness_hist"):  # fmt: skip
+        assert key in rows[-1], key
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    for name in ("report.html", "reward.png", "lengths.png", "time.png"):
+        assert (out / "report" / name).stat().st_size > 0, name
+    assert {p.name for p in (out / "logs").iterdir()} == {"policy.log", "rollout-0.log", "learner.log"}
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    try:
+        assert (await read_mirror(redis, Keys(bus_config.run)))["policy"].version == 2
+    finally:
+        await redis.aclose()
+    assert service_pids(bus_config.run) == [], "every service process was stopped"
+
+
+async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    world, out = world_from(init_policy, tmp_path), tmp_path / "run"
+    process = await asyncio.create_subprocess_exec(
+        *run_command(bus_config, world, out, "--steps", "1000"), env=env_for(bus_config), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        async with asyncio.timeout(180):
+            while not (out / "metrics.jsonl").exists():  # noqa: ASYNC110 (a file, not an event)
+                await asyncio.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        async with asyncio.timeout(90):
+            _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert process.returncode == 130, stderr.decode()[-3000:]
+    assert "every service was shut down" in stderr.decode()
+    assert service_pids(bus_config.run) == []
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(out / "checkpoints")
+    assert found is not None and found.step >= 1
+
+
+def test_the_plan_gives_each_process_its_threads_and_the_learner_the_step_count(tmp_path: Path) -> None:
+    (tmp_path / "policy").mkdir()
+    plan = RunPlan(world=tmp_path, run_dir=tmp_path / "run", steps=5, workers=2, max_staleness=1, cores=8)
+    commands = {c.name: c.argv for c in service_commands(plan, Config(run="r1"))}
+    assert list(commands) == ["policy", "rollout-0", "rollout-1", "learner"]
+    learner = commands["learner"]
+    assert learner[learner.index("--max-updates") + 1] == "5" and learner[learner.index("--threads") + 1] == "2"
+    assert commands["rollout-1"][commands["rollout-1"].index("--threads") + 1] == "3"
+    assert all(argv[argv.index("--run") + 1] == "r1" for argv in commands.values())
+    assert thread_split(2, 1, 0) == (2, 2), "on-policy: rollout and learning alternate, each gets the machine"
+    assert thread_split(2, 1, 1) == (1, 1)
+    with pytest.raises(FileNotFoundError, match="bootstrap"):
+        RunPlan(world=tmp_path / "nowhere", run_dir=tmp_path / "run")
