@@ -134,6 +134,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             max_staleness=args.max_staleness,
             lr=args.lr,
+            warmup_steps=args.warmup_steps,
             seed=args.seed,
             sd=args.sd,
             max_len=args.max_len,
@@ -361,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts-per-step", type=_positive, default=16)
     run.add_argument("--group-size", type=_positive, default=8)
     run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
-    run.add_argument("--lr", type=float, default=1e-4)
+    run.add_argument("--lr", type=float, default=2e-4, help="learner AdamW learning rate")
+    run.add_argument("--warmup-steps", type=int, default=20, help="learner learning-rate warmup (updates)")
     run.add_argument("--sd", choices=["off", "eagle", "ngram"], default="off", help="speculative decoding in rollouts")
     run.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per rollout row")
     run.add_argument("--eval", type=int, default=256, help="held-out prompts evaluated before and after (0: skip)")
@@ -386,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--groups-per-step", type=_positive, default=8)
     learn.add_argument("--max-staleness", type=int, default=0, help="0: on-policy (synchronous semantics)")
     learn.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate")
+    learn.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warmup (updates)")
     learn.add_argument("--max-updates", type=_positive, help="stop after this many updates (default: run on)")
     learn.add_argument("--threads", type=_positive, default=1, help="torch threads")
     _add_config_args(learn)

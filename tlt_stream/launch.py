@@ -38,7 +38,8 @@ class RunPlan:
     prompts_per_step: int = 16
     group_size: int = 8
     max_staleness: int = 0
-    lr: float = 1e-4
+    lr: float = 2e-4
+    warmup_steps: int = 20
     seed: int = 0
     sd: str = "off"
     """Rollout speculative decoding: "off", "eagle" (the world's drafter) or "ngram"."""
@@ -110,7 +111,8 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                 *common,
                 *("--run-dir", str(plan.run_dir), "--policy", str(plan.world / "policy")),
                 *("--groups-per-step", str(plan.prompts_per_step), "--max-staleness", str(plan.max_staleness)),
-                *("--lr", str(plan.lr), "--max-updates", str(plan.steps), "--threads", str(learner_threads)),
+                *("--lr", str(plan.lr), "--warmup-steps", str(plan.warmup_steps)),
+                *("--max-updates", str(plan.steps), "--threads", str(learner_threads)),
             ],
         )
     )

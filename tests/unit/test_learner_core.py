@@ -74,6 +74,22 @@ def test_updates_raise_rewarded_responses_and_lower_the_others() -> None:
     assert core.updates == 5
 
 
+def test_warmup_ramps_the_learning_rate_from_the_update_count_so_a_resumed_learner_continues_it() -> None:
+    settings = LearnerSettings(lr=1e-3, warmup_steps=4)
+    assert [settings.lr_at(u) for u in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert LearnerSettings(lr=1e-3).lr_at(0) == 1e-3
+    with pytest.raises(ValueError, match="warmup_steps"):
+        LearnerSettings(warmup_steps=-1)
+    model = tiny_model(6)
+    core = LearnerCore(model, settings)
+    group = make_group(model, "t", [GOOD, BAD], [1.0, 0.0])
+    assert [core.step([group])["lr"] for _ in range(2)] == pytest.approx([2.5e-4, 5e-4])
+    resumed = LearnerCore(copy.deepcopy(model), settings)
+    resumed.updates = 2  # what the service restores from the checkpoint's version
+    assert resumed.step([group])["lr"] == pytest.approx(7.5e-4)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(7.5e-4)
+
+
 def test_behaviour_logprobs_from_the_same_weights_give_ratio_one() -> None:
     model = tiny_model(1)
     core = LearnerCore(model, LearnerSettings(lr=1e-3))
@@ -90,7 +106,7 @@ def test_the_update_does_not_depend_on_the_micro_batch_size() -> None:
     results = []
     for micro in (1, 64):
         model = copy.deepcopy(base)
-        core = LearnerCore(model, LearnerSettings(micro_batch_tokens=micro, max_grad_norm=0.0))
+        core = LearnerCore(model, LearnerSettings(lr=1.0, micro_batch_tokens=micro, max_grad_norm=0.0))
         # Plain SGD makes the step proportional to the gradient: Adam's first step is ~lr * sign(g) and
         # would amplify float rounding in near-zero gradients into visible differences.
         core.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)

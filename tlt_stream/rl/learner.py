@@ -46,10 +46,23 @@ class LearnerSettings:
     """The rollout sampling temperature; logits are divided by it so ratios compare like with like."""
     scale_advantages: bool = True
     """Divide group-centred rewards by the group's std (GRPO); False keeps only the centring (Dr. GRPO)."""
+    warmup_steps: int = 0
+    """The learning rate ramps linearly from lr / warmup_steps to lr over the first updates. A fresh Adam
+    makes sign-like steps of size lr on every parameter until its second moments have seen a few noisy
+    gradients; on a small policy those first steps alone can undo what supervised training taught."""
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and self.micro_batch_tokens > 0 and self.temperature > 0 and self.max_grad_norm >= 0):
             raise ValueError("need lr > 0, micro_batch_tokens > 0, temperature > 0 and max_grad_norm >= 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of update number `update` (0-based), a pure function so a resumed learner
+        continues the schedule from its checkpoint's version."""
+        if self.warmup_steps == 0:
+            return self.lr
+        return self.lr * min(1.0, (update + 1) / self.warmup_steps)
 
     @property
     def loss_config(self) -> GrpoLossConfig:
@@ -132,11 +145,14 @@ class LearnerCore:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); the update was not applied")
+        lr = self.settings.lr_at(self.updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.updates += 1
-        metrics.update(sums, grad_norm=grad_norm, updated=1.0, learn_seconds=time.perf_counter() - started)
+        metrics.update(sums, grad_norm=grad_norm, lr=lr, updated=1.0, learn_seconds=time.perf_counter() - started)
         return metrics
 
     def _micro_batches(self, samples: list, advantages: torch.Tensor, used: list[int]):

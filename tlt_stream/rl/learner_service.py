@@ -121,6 +121,7 @@ class LearnerService:
             ledger, _ = restore_checkpoint(found, optimizer=self.core.optimizer)
             self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
             self.version, self.checkpoint = found.step, found
+            self.core.updates = found.step  # the learning-rate schedule continues where it stopped
             log.info("resumed from %s (version %d, %d samples in the ledger)", found.path, found.step, len(ledger))
         else:
             self.version = 0
@@ -264,13 +265,13 @@ def serve_learner(config: Config, args: Any) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
     from tlt_stream.rl.serve import serve
 
-    if args.max_staleness < 0:
-        print("tlt-stream learner: --max-staleness must be >= 0", file=sys.stderr)
+    if args.max_staleness < 0 or args.warmup_steps < 0:
+        print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)
         return 2
     settings = LearnerRunSettings(
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
-        learner=LearnerSettings(lr=args.lr),
+        learner=LearnerSettings(lr=args.lr, warmup_steps=args.warmup_steps),
     )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
