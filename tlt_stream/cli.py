@@ -137,6 +137,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             warmup_steps=args.warmup_steps,
             seed=args.seed,
             sd=args.sd,
+            train_drafter=not args.no_drafter_training,
             max_len=args.max_len,
             cores=cores,
         )
@@ -365,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=2e-4, help="learner AdamW learning rate")
     run.add_argument("--warmup-steps", type=int, default=20, help="learner learning-rate warmup (updates)")
     run.add_argument("--sd", choices=["off", "eagle", "ngram"], default="off", help="speculative decoding in rollouts")
+    run.add_argument(
+        "--no-drafter-training",
+        action="store_true",
+        help="with --sd eagle: keep the warm-up drafter (no online training)",
+    )
     run.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per rollout row")
     run.add_argument("--eval", type=int, default=256, help="held-out prompts evaluated before and after (0: skip)")
     run.add_argument("--seed", type=int, default=0)
@@ -411,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--no-hidden", action="store_true", help="do not stream hidden-state windows (no drafter training data)"
+    )
+    worker.add_argument(
+        "--train-drafter",
+        metavar="STATE_DIR",
+        help="train the drafter online in idle time, keeping training states in STATE_DIR (shared by the "
+        "run's workers); needs --drafter DIR",
     )
     worker.add_argument("--max-tasks", type=_positive, help="stop after this many tasks (default: run on)")
     worker.add_argument("--threads", type=_positive, default=1, help="torch threads")

@@ -43,6 +43,8 @@ class RunPlan:
     seed: int = 0
     sd: str = "off"
     """Rollout speculative decoding: "off", "eagle" (the world's drafter) or "ngram"."""
+    train_drafter: bool = True
+    """With `sd="eagle"`: train the drafter online in the workers' idle time."""
     max_batch: int = 128
     max_len: int = 1408
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
@@ -88,6 +90,8 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
         )
     ]
     drafter = {"off": [], "ngram": ["--drafter", "ngram"], "eagle": ["--drafter", str(plan.world / "drafter")]}
+    if plan.sd == "eagle" and plan.train_drafter:
+        drafter["eagle"] += ["--train-drafter", str(plan.run_dir / "drafter-states")]
     for i in range(plan.workers):
         commands.append(
             ServiceCommand(

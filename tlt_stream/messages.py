@@ -29,6 +29,7 @@ __all__ = [
     "Codec",
     "ControlMessage",
     "DeadLetter",
+    "DrafterStats",
     "DrafterVersion",
     "HiddenWindow",
     "LearnerStats",
@@ -313,7 +314,35 @@ class LearnerStats(_Entry, tag="learner"):
     metrics: dict[str, float] = {}
 
 
-StatsEntry = WorkerState | RolloutStats | SdArmReport | LearnerStats
+class DrafterStats(_Entry, tag="drafter_train"):
+    """One drafter-training slice on an idle worker, and whether its drafter was adopted."""
+
+    worker_id: str
+    fence: NonNegInt
+    """The lease's fencing token the slice trained under."""
+    policy_version: Version
+    """The policy version whose embedding, LM head and hidden states the slice trained against."""
+    step: NonNegInt
+    """The trainer's step count after the slice (it survives preemption and changes of holder)."""
+    steps: NonNegInt
+    seconds: Annotated[float, Meta(ge=0)]
+    loss: float
+    end: str
+    """Why the slice ended: preempted, time, steps or no_data."""
+    windows: NonNegInt = 0
+    """Windows in the training buffer."""
+    preempt_latency_s: Annotated[float, Meta(ge=0)] = 0.0
+    """From new work arriving to the slice returning (0 when not preempted)."""
+    accept_new: float = 0.0
+    """Held-out acceptance (expected draft tokens accepted per verification) of the slice's drafter."""
+    accept_current: float = 0.0
+    """The same for the drafter in use when the slice ended."""
+    adopted: bool = False
+    drafter_version: Version = -1
+    """The version published for this slice's drafter (-1: not published)."""
+
+
+StatsEntry = WorkerState | RolloutStats | SdArmReport | LearnerStats | DrafterStats
 
 
 # ---------------------------------------------------------------------------------------------------- dead

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -33,8 +34,17 @@ from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.messages import HiddenWindow, PolicyVersion, PromptGroup, RolloutStats, Sample, WorkerStatus
+from tlt_stream.messages import (
+    DrafterVersion,
+    HiddenWindow,
+    PolicyVersion,
+    PromptGroup,
+    RolloutStats,
+    Sample,
+    WorkerStatus,
+)
 from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
+from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.samples import hidden_window, make_sample
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
@@ -60,11 +70,16 @@ class RolloutSettings:
     """Stream each sample's hidden-state window to `hidden` (the drafter's training data)."""
     hidden_dtype: str = "bfloat16"
     """Wire dtype of the streamed hidden states."""
+    drafter_training: DrafterTrainingSettings | None = None
+    """Train the drafter online in idle time (needs an EAGLE `drafter` to start from)."""
+
+    def __post_init__(self) -> None:
+        if self.drafter_training is not None and self.drafter in (None, "ngram"):
+            raise ValueError("online drafter training needs a drafter checkpoint to start from (--drafter DIR)")
 
     @property
-    def drafter_version(self) -> int:
-        """The drafter version samples report: 0 for the warm-up drafter, -1 without a trained one."""
-        return 0 if self.drafter not in (None, "ngram") else -1
+    def eagle(self) -> bool:
+        return self.drafter not in (None, "ngram")
 
 
 @dataclass
@@ -109,6 +124,30 @@ class RolloutWorker:
         self._tokens = 0
         self._forwards = 0
         self._seconds = 0.0
+        self.drafter: DrafterVersion | None = None
+        """The announced drafter version in use (None: the warm-up drafter given by `settings.drafter`)."""
+        self.drafter_swaps = 0
+        self.idle_trainer: IdleDrafterTrainer | None = None
+        if settings.drafter_training is not None:
+            assert settings.drafter is not None
+            self.idle_trainer = IdleDrafterTrainer(
+                config,
+                redis,
+                control,
+                self.registry,
+                self.producer,
+                self.reader,
+                worker_id=worker_id,
+                settings=settings.drafter_training,
+                initial_drafter=settings.drafter,
+            )
+
+    @property
+    def drafter_version(self) -> int:
+        """The drafter version samples report: an announced version, 0 for the warm-up drafter, -1 without."""
+        if self.drafter is not None:
+            return self.drafter.version
+        return 0 if self.settings.eagle else -1
 
     @property
     def version(self) -> int:
@@ -127,16 +166,59 @@ class RolloutWorker:
             while not stop.is_set() and (max_tasks is None or self.tasks_done - done_before < max_tasks):
                 if not self.tasks:
                     await self._maybe_load()
+                await self._maybe_swap_drafter()
                 await self._admit()
                 if self.engine.has_unfinished:
                     if self.registry.state != WorkerStatus.GENERATING:
                         await self.registry.set_state(WorkerStatus.GENERATING)
                     await self._generate()
-                elif not self.waiting and self.registry.state != WorkerStatus.IDLE:
-                    await self.registry.set_state(WorkerStatus.IDLE)
+                elif not any(d.message.min_policy_version <= self.version for d in self.waiting):
+                    # No work we can start: our tasks are done while others run the tail, or the tasks
+                    # we hold wait for the next policy version. Idle time: train the drafter if we may.
+                    if self.registry.state not in (WorkerStatus.IDLE, WorkerStatus.TRAINING_DRAFTER):
+                        await self.registry.set_state(WorkerStatus.IDLE)
+                    if self.idle_trainer is not None and self._loadable_policy() is None:
+                        await self._train_while_idle(stop)
         finally:
             await self.registry.set_state(WorkerStatus.STOPPED)
             heartbeat.cancel()
+
+    async def _train_while_idle(self, stop: asyncio.Event) -> None:
+        assert self.idle_trainer is not None
+        try:
+            await self.idle_trainer.run_idle(self.engine, self.version, self.waiting, stop)
+        except Exception:  # training is an extra: a failure there must never stop generation
+            log.exception("%s: drafter training failed; generating on", self.worker_id)
+            await asyncio.sleep(1.0)
+        if self.registry.state == WorkerStatus.TRAINING_DRAFTER:
+            await self.registry.set_state(WorkerStatus.IDLE)
+
+    async def _maybe_swap_drafter(self) -> None:
+        """Swap a newly announced drafter into the engine between decode steps (in-flight rows go on)."""
+        announced = self.control.current.get("drafter")
+        if not isinstance(announced, DrafterVersion) or not self.settings.eagle or self.engine is None:
+            return
+        if announced.version <= self.drafter_version:
+            return
+        from tlt_stream.drafter.model import load_drafter
+
+        def load() -> Any:
+            verify_policy(announced.location, announced.sha256)
+            return load_drafter(announced.location, self.engine.model)
+
+        try:
+            fresh = await asyncio.to_thread(load)
+        except (ChecksumMismatch, FileNotFoundError, ValueError) as exc:
+            log.error("refused drafter version %d: %s", announced.version, exc)
+            self.registry.update_info(refused_drafter=f"{announced.version}: {exc}")
+            self.drafter = announced  # do not retry the same version on every step
+            return
+        if self.engine.proposer is not None:
+            self.engine.proposer.drafter.load_state_dict(fresh.state_dict())
+        self.drafter = announced
+        self.drafter_swaps += 1
+        self.registry.update_info(drafter_version=announced.version)
+        log.info("%s: swapped in drafter version %d", self.worker_id, announced.version)
 
     async def _maybe_load(self) -> None:
         """Load the announced policy if it is newer than ours (only ever called with nothing in flight)."""
@@ -171,7 +253,8 @@ class RolloutWorker:
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
         proposer, arm, nodes = None, None, 64
         if self.settings.drafter is not None:  # the drafter binds to this policy's embedding and LM head
-            proposer = build_proposer(self.settings.drafter, model)
+            source = self.drafter.location if self.drafter is not None else self.settings.drafter
+            proposer = build_proposer(source, model)
             arm = SdArm(*self.settings.sd_arm)
             nodes = max(nodes, arm.verify, arm.depth)
         self.engine = GenerationEngine(
@@ -196,7 +279,7 @@ class RolloutWorker:
         )
         if free <= 0:
             return
-        busy = self.engine.has_unfinished
+        busy = self.engine.has_unfinished or bool(self.waiting)
         deliveries = await self.reader.read(count=1, block_ms=1 if busy else None)
         self.waiting += deliveries
         if self._loadable_policy() is not None:  # announced while we read: load it before starting anything
@@ -244,7 +327,7 @@ class RolloutWorker:
                 index,
                 reward=self.reward(text, group.answer),
                 policy_version=task.policy_version,
-                drafter_version=self.settings.drafter_version,
+                drafter_version=self.drafter_version,
                 worker_id=self.worker_id,
                 gen_seconds=time.perf_counter() - task.started,
             )
@@ -273,7 +356,7 @@ class RolloutWorker:
                 RolloutStats(
                     worker_id=self.worker_id,
                     policy_version=self.version,
-                    drafter_version=self.settings.drafter_version,
+                    drafter_version=self.drafter_version,
                     batch_size=self.engine.scheduler.num_running,
                     tokens=self._tokens,
                     seconds=self._seconds,
@@ -305,6 +388,12 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
     from tlt_stream.rl.rewards import REWARDS
     from tlt_stream.rl.serve import serve
 
+    if args.train_drafter and args.drafter in (None, "ngram"):
+        print(
+            "tlt-stream rollout-worker: --train-drafter needs --drafter DIR (the drafter to start from)",
+            file=sys.stderr,
+        )
+        return 2
     if args.reward not in REWARDS:
         print(
             f"tlt-stream rollout-worker: unknown reward {args.reward!r}; choose {', '.join(REWARDS)}", file=sys.stderr
@@ -318,6 +407,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         drafter=args.drafter,
         sd_arm=args.sd_arm,
         stream_hidden=not args.no_hidden,
+        drafter_training=DrafterTrainingSettings(state_dir=Path(args.train_drafter)) if args.train_drafter else None,
     )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
@@ -328,4 +418,4 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         await worker.run(stop, max_tasks=args.max_tasks)
         print(f"{worker_id}: stopped after {worker.tasks_done} tasks ({worker.samples_sent} samples)", file=sys.stderr)
 
-    return serve(config, "rollout", [], body)
+    return serve(config, "rollout", ["drafter"] if args.train_drafter else [], body)

@@ -1,0 +1,212 @@
+"""The adaptive drafter in the RL loop: idle workers train it, publish it behind the guard rail, and every
+worker hot-swaps it; the training state survives preemption and a change of lease holder."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from tlt_stream.bus.control import ControlPlane, read_mirror
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.drafter.model import Drafter, save_drafter
+from tlt_stream.drafter.online import OnlineTrainingConfig
+from tlt_stream.messages import DrafterStats, codec_for
+from tlt_stream.model import load_model
+from tlt_stream.rl.drafter_worker import DrafterTrainingSettings
+from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
+from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
+from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
+from tlt_stream.tasks.repeated_add import reward
+from tlt_stream.tasks.tokenizer import build_tokenizer
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
+
+PROMPTS, GROUP = 2, 2
+
+
+@pytest.fixture
+def init_drafter(init_policy: Path, tmp_path: Path) -> Path:
+    torch.manual_seed(1)
+    return save_drafter(Drafter(load_model(init_policy).spec), tmp_path / "drafter0")
+
+
+def training_settings(tmp_path: Path) -> DrafterTrainingSettings:
+    return DrafterTrainingSettings(
+        state_dir=tmp_path / "states",
+        slice_seconds=0.3,
+        min_windows=2,
+        holdout_percent=25,
+        tolerance=10.0,  # random drafters: acceptance is noise, adopt every slice
+        lease_ttl_ms=5000,
+        training=OnlineTrainingConfig(batch_pairs=64, row_tokens=64),
+    )
+
+
+@contextlib.asynccontextmanager
+async def planes(config: Config, roles: dict[str, list[str]]) -> AsyncIterator[dict[str, ControlPlane]]:
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    made = {role: ControlPlane(config, redis, role=role, owns=owns) for role, owns in roles.items()}
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(p.run(stop)) for p in made.values()]
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(p.connected.wait() for p in made.values()))
+        yield made
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await redis.aclose()
+
+
+async def stats_of(redis: aioredis.Redis, keys: Keys, kind: type) -> list:
+    entries = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
+    return [e for e in entries if isinstance(e, kind)]
+
+
+async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group_trains_once(
+    bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
+) -> None:
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    roles = {"learner": ["policy"], "policy": [], "rollout": ["drafter"]}
+    async with planes(bus_config, roles) as control:
+        learner = LearnerService(
+            bus_config,
+            redis,
+            control["learner"],
+            run_dir=tmp_path / "run",
+            init_policy=init_policy,
+            settings=LearnerRunSettings(groups_per_step=PROMPTS),
+        )
+        worker = RolloutWorker(
+            bus_config,
+            redis,
+            control["rollout"],
+            worker_id="w0",
+            reward=reward,
+            settings=RolloutSettings(
+                max_batch=4, max_len=64, drafter=str(init_drafter), drafter_training=training_settings(tmp_path)
+            ),
+        )
+
+        def dispatcher(total: int) -> PolicyService:
+            return PolicyService(
+                bus_config,
+                redis,
+                control["policy"],
+                RepeatedAddSource(build_tokenizer(), seed=3),
+                prompts_per_step=PROMPTS,
+                group_size=GROUP,
+                total_steps=total,
+            )
+
+        stop = asyncio.Event()
+        await learner.start()
+        generating = asyncio.create_task(worker.run(stop))
+        try:
+            # Two RL steps; then the worker is idle, takes the lease and trains until a drafter is published.
+            async with asyncio.timeout(120):
+                await asyncio.gather(learner.run(asyncio.Event(), max_updates=2), dispatcher(2).run(asyncio.Event()))
+                while control["policy"].version("drafter") < 1:
+                    assert not generating.done(), generating.exception()
+                    await asyncio.sleep(0.2)
+            # A third step: its prompts preempt training; the worker swaps the new drafter in and generates.
+            async with asyncio.timeout(120):
+                await asyncio.gather(learner.run(asyncio.Event(), max_updates=1), dispatcher(3).run(asyncio.Event()))
+        finally:
+            stop.set()
+            async with asyncio.timeout(30):
+                await asyncio.gather(generating, return_exceptions=True)
+
+        assert learner.version == 3 and learner.assembler.duplicates == 0 and learner.assembler.dropped_groups == 0
+        assert len(learner.assembler.ledger) == 3 * PROMPTS * GROUP, "every dispatched group trained exactly once"
+        published = (await read_mirror(redis, keys))["drafter"]
+        assert published.version >= 1 and published.location.startswith(str(tmp_path / "states"))
+        assert worker.drafter_swaps >= 1
+        samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
+        assert {s.drafter_version for s in samples if s.step < 2} == {0}, "steps 0-1 ran on the warm-up drafter"
+        assert all(s.drafter_version >= 1 for s in samples if s.step == 2), "step 2 ran on an online drafter"
+        slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
+        assert slices and all(s.worker_id == "w0" and s.steps > 0 for s in slices)
+        assert [s.step for s in slices] == sorted(s.step for s in slices), "the step count only grows"
+        assert any(s.adopted and s.drafter_version >= 1 for s in slices)
+        assert any(s.end == "preempted" and s.preempt_latency_s > 0 for s in slices), "step 2's prompts preempted"
+        assert worker.idle_trainer is not None and worker.idle_trainer.training_seconds > 0
+        assert worker.idle_trainer.training_seconds <= worker.idle_trainer.idle_seconds
+    await redis.aclose()
+
+
+async def test_a_new_lease_holder_continues_from_the_committed_state(
+    bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
+) -> None:
+    """Worker a trains and commits under the lease; worker b takes the lease next and resumes at a's step
+    with a's optimizer moments, not from scratch."""
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    settings = training_settings(tmp_path)
+    async with planes(bus_config, {"a": ["drafter"], "b": ["drafter"]}) as control:
+        workers = {
+            name: RolloutWorker(
+                bus_config,
+                redis,
+                control[name],
+                worker_id=name,
+                reward=reward,
+                settings=RolloutSettings(max_batch=2, max_len=64, drafter=str(init_drafter), drafter_training=settings),
+            )
+            for name in ("a", "b")
+        }
+        engine_model = load_model(init_policy)
+        from tlt_stream.rollout.engine import GenerationEngine
+        from tlt_stream.rollout.proposers import SdArm, build_proposer
+
+        engine = GenerationEngine(
+            engine_model, 2, 64, proposer=build_proposer(str(init_drafter), engine_model), arm=SdArm(2, 1, 2)
+        )
+        # Hidden windows for training, from real generations of the policy.
+        from tlt_stream.bus.producer import StreamProducer
+        from tlt_stream.rl.samples import hidden_window
+
+        results = engine.generate([[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2, 24, 1.0, seed=0, return_hidden=True)
+        windows = [hidden_window(r, f"t/{i}", 0) for i, r in enumerate(results * 4)]
+        await StreamProducer(redis, keys, bus_config.bus).send("hidden", windows)
+
+        async def idle_until_a_slice(name: str) -> None:
+            trainer = workers[name].idle_trainer
+            assert trainer is not None
+            before = trainer.slices
+            stop = asyncio.Event()
+            task = asyncio.create_task(trainer.run_idle(engine, 0, [], stop))
+            async with asyncio.timeout(60):
+                while trainer.slices == before:  # noqa: ASYNC110 (polling a counter, not an event)
+                    await asyncio.sleep(0.05)
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+        await idle_until_a_slice("a")
+        a = workers["a"].idle_trainer
+        assert a is not None and a.trainer.step_count > 0
+        committed = a.trainer.step_count
+        moments = {k: v.clone() for k, v in a.trainer.optimizer.state_dict()["state"][0].items()}
+        # b takes the lease next (with fresh windows: a consumed the first ones); it must start from a's
+        # committed state, then train on from there.
+        await StreamProducer(redis, keys, bus_config.bus).send("hidden", windows)
+        b = workers["b"].idle_trainer
+        assert b is not None and b.trainer is None
+        b.settings = DrafterTrainingSettings(**{**settings.__dict__, "slice_seconds": 0.01})
+        await idle_until_a_slice("b")
+        slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
+        by_b = [s for s in slices if s.worker_id == "b"]
+        assert by_b and by_b[0].step == committed + by_b[0].steps, "b resumed at a's step count"
+        assert by_b[0].fence > [s for s in slices if s.worker_id == "a"][-1].fence
+        # b's AdamW moments continue a's: their step counter carries a's steps plus b's own.
+        restored = b.trainer.optimizer.state_dict()["state"][0]
+        assert float(moments["step"]) == committed and float(restored["step"]) == b.trainer.step_count
+    await redis.aclose()

@@ -1,0 +1,295 @@
+"""The adaptive drafter on a rollout worker: train it in idle time, publish it, hot-swap it.
+
+TLT's first half (DESIGN section 6). A worker with no generation work (its tasks done while the long tail
+runs elsewhere, or waiting for the next policy version) is IDLE; it tries to take the drafter-training
+lease (`drafter/lease.py`). The holder, in state TRAINING_DRAFTER:
+
+1. drains new hidden-state windows from `hidden` (group `drafter`) into its window buffer, holding back a
+   fixed share (by a hash of the sample id) as the guard rail's evaluation set;
+2. restores the newest training state the lease record points to (weights, AdamW moments, step count,
+   batch generator) unless it already holds it, bound to the embedding and LM head of its own policy;
+3. trains one slice in a worker thread; a task watching `prompts` sets a flag the slice checks before
+   every step, so new work preempts training within one step;
+4. saves the state atomically under a new name and commits it with a fenced write (a holder that lost the
+   lease cannot commit over a newer one);
+5. measures held-out acceptance of the new drafter and of the one in use; only if the new one is not worse
+   does it publish a `DrafterVersion` (MQTT retained + Redis mirror, forward-only);
+6. reports a `DrafterStats` entry to `stats`, and releases the lease when work arrives, so another idle
+   worker can continue from the committed state.
+
+Every worker swaps a newly announced drafter into its engine between decode steps (`swap_drafter`): the
+weights change in place, in-flight sequences keep going (speculative decoding is lossless whatever the
+drafter proposes), and samples report the drafter version they were generated with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.registry import WorkerRegistry
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.drafter.lease import DrafterLease, LeaseGrant
+from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
+from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
+
+__all__ = ["DrafterTrainingSettings", "IdleDrafterTrainer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DrafterTrainingSettings:
+    state_dir: Path
+    """Where training states go (shared by every worker of the run: a volume on a cluster)."""
+    slice_seconds: float = 3.0
+    """Longest training slice before the state is committed and the drafter evaluated."""
+    min_windows: int = 16
+    """Windows the buffer must hold before training starts."""
+    holdout_percent: int = 10
+    """Share of windows (by sample id) held back to evaluate drafters, never trained on."""
+    holdout_max: int = 64
+    """Newest held-back windows kept for evaluation."""
+    accept_depth: int = 4
+    """Chain depth of the held-out acceptance measurement."""
+    tolerance: float = 0.0
+    """A new drafter is adopted when its held-out acceptance >= the current one's - tolerance."""
+    lease_ttl_ms: int = 15_000
+    recent_tokens: int = 60_000
+    reservoir_tokens: int = 60_000
+    training: OnlineTrainingConfig = field(default_factory=OnlineTrainingConfig)
+
+    def __post_init__(self) -> None:
+        if self.slice_seconds <= 0 or self.min_windows < 1 or not 0 < self.holdout_percent < 100:
+            raise ValueError("need slice_seconds > 0, min_windows >= 1 and holdout_percent in 1..99")
+
+
+def _held_out(sample_id: str, percent: int) -> bool:
+    return int(hashlib.sha1(sample_id.encode()).hexdigest()[:8], 16) % 100 < percent
+
+
+class IdleDrafterTrainer:
+    """Owned by one rollout worker; `run_idle` uses the worker's idle time, `swap_drafter` its engine."""
+
+    def __init__(
+        self,
+        config: Config,
+        redis: Any,
+        control: ControlPlane,
+        registry: WorkerRegistry,
+        producer: StreamProducer,
+        prompts: StreamReader,
+        *,
+        worker_id: str,
+        settings: DrafterTrainingSettings,
+        initial_drafter: str,
+    ) -> None:
+        self.control = control
+        self.registry = registry
+        self.producer = producer
+        self.prompts = prompts
+        self.worker_id = worker_id
+        self.settings = settings
+        self.keys = Keys(config.run)
+        self.lease = DrafterLease(redis, self.keys, ttl_ms=settings.lease_ttl_ms)
+        self.hidden = StreamReader(redis, self.keys, config.bus, "hidden", worker_id)
+        self.buffer = WindowBuffer(
+            recent_tokens=settings.recent_tokens,
+            reservoir_tokens=settings.reservoir_tokens,
+            seed=hash(worker_id) % 2**31,
+        )
+        self.holdout: list[Any] = []
+        self.initial_drafter = initial_drafter
+        self.trainer: Any = None
+        self.trainer_policy = -1
+        self.record: dict[str, str] | None = None
+        """The newest committed training state (from the lease record): state, step, policy_version."""
+        self.idle_seconds = 0.0
+        self.training_seconds = 0.0
+        self.slices = 0
+
+    # ------------------------------------------------------------------------------------------ idle time
+
+    async def run_idle(
+        self, engine: Any, policy_version: int, waiting: list[Delivery[PromptGroup]], stop: asyncio.Event
+    ) -> None:
+        """Spend idle time training under the lease until work arrives (appended to `waiting`), a newer
+        policy is announced, or `stop` is set."""
+        started = time.monotonic()
+        try:
+            grant = await self.lease.acquire(self.worker_id)
+            if grant is None:  # another worker trains; wait for work as an ordinary idle worker would
+                waiting += await self.prompts.read(count=1, block_ms=500)
+                return
+            try:
+                await self._hold(grant, engine, policy_version, waiting, stop)
+            finally:
+                await self.lease.release(grant)
+        finally:
+            self.idle_seconds += time.monotonic() - started
+
+    async def _hold(
+        self,
+        grant: LeaseGrant,
+        engine: Any,
+        policy_version: int,
+        waiting: list[Delivery[PromptGroup]],
+        stop: asyncio.Event,
+    ) -> None:
+        preempt = threading.Event()
+        arrived: list[float] = []
+        lost = asyncio.Event()
+
+        async def watch_prompts() -> None:
+            while not preempt.is_set():
+                found = await self.prompts.read(count=1, block_ms=200)
+                if found:
+                    waiting.extend(found)
+                newer = self.control.version("policy") > policy_version
+                if found or newer or stop.is_set():
+                    arrived.append(time.monotonic())
+                    preempt.set()
+
+        async def keep_lease() -> None:
+            if not await self.lease.keep_alive(grant, lost):
+                preempt.set()  # lost the lease: stop training, commit nothing
+
+        committed = await self.lease.record()
+        if committed is not None:
+            self.record = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in committed.fields.items()}
+        async with asyncio.TaskGroup() as tasks:
+            watcher = tasks.create_task(watch_prompts())
+            keeper = tasks.create_task(keep_lease())
+            try:
+                await self.registry.set_state(WorkerStatus.TRAINING_DRAFTER, f"lease fence {grant.fence}")
+                while not preempt.is_set():
+                    await self._drain_hidden()
+                    if len(self.buffer) < self.settings.min_windows:
+                        await asyncio.sleep(0.2)
+                        continue
+                    await asyncio.to_thread(self._prepare, engine, policy_version, grant)
+                    result = await asyncio.to_thread(
+                        self.trainer.train_slice, max_seconds=self.settings.slice_seconds, should_stop=preempt.is_set
+                    )
+                    self.training_seconds += result.seconds
+                    if result.steps == 0:
+                        continue
+                    latency = time.monotonic() - arrived[0] if arrived else 0.0
+                    await self._commit(grant, engine, result, latency)
+            finally:
+                preempt.set()
+                lost.set()
+                watcher.cancel()
+                keeper.cancel()
+
+    async def _drain_hidden(self) -> None:
+        deliveries: list[Delivery[HiddenWindow]] = await self.hidden.read(count=256, block_ms=1)
+        from tlt_stream.drafter.buffer import window_from_message
+
+        for delivery in deliveries:
+            message = delivery.message
+            window = window_from_message(message)
+            if _held_out(message.sample_id, self.settings.holdout_percent):
+                self.holdout = [*self.holdout, window][-self.settings.holdout_max :]
+            else:
+                self.buffer.add(window, message.policy_version)
+        await self.hidden.ack([d.entry_id for d in deliveries])
+
+    def _prepare(self, engine: Any, policy_version: int, grant: LeaseGrant) -> None:
+        """A trainer bound to our policy, holding the newest committed state (runs in a worker thread)."""
+        from tlt_stream.drafter.model import load_drafter
+        from tlt_stream.drafter.online import OnlineDrafterTrainer
+
+        target = engine.model
+        if self.trainer is None:
+            drafter = load_drafter(self._current_location(), target)
+            self.trainer = OnlineDrafterTrainer(
+                drafter, self.buffer, self.settings.training, policy_version=policy_version
+            )
+        elif self.trainer_policy != policy_version:
+            self.trainer.rebind(target, policy_version)
+        self.trainer_policy = policy_version
+        record = self.record
+        if record is not None and int(record.get("step", -1)) > self.trainer.step_count:
+            self.trainer.load_state(record["state"])
+            log.info(
+                "%s: continued drafter training from %s (step %d)",
+                self.worker_id,
+                record["state"],
+                self.trainer.step_count,
+            )
+
+    def _current_location(self) -> str:
+        current = self.control.current.get("drafter")
+        return current.location if isinstance(current, DrafterVersion) else self.initial_drafter
+
+    async def _commit(self, grant: LeaseGrant, engine: Any, result: Any, latency: float) -> None:
+        assert self.trainer is not None
+        step = self.trainer.step_count
+        path = self.settings.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
+        await asyncio.to_thread(self.trainer.save_state, path, metadata={"worker": self.worker_id})
+        fields = {"state": str(path), "step": str(step), "policy_version": str(self.trainer.policy_version)}
+        if not await self.lease.fenced_write(grant.fence, fields):
+            log.warning("%s: lost the drafter lease; state %s is not committed", self.worker_id, path)
+            return
+        self.record = fields
+        self.slices += 1
+        accept_new, accept_current = await asyncio.to_thread(self._accepts, engine, path)
+        adopted = accept_new >= accept_current - self.settings.tolerance
+        version = -1
+        if adopted:
+            from tlt_stream.rl.checkpoint import policy_sha256
+
+            location = str((path / "drafter").resolve())
+            version = self.control.version("drafter") + 1
+            message = DrafterVersion(
+                version=max(version, 1),
+                location=location,
+                sha256=await asyncio.to_thread(policy_sha256, location),
+                policy_version=self.trainer.policy_version,
+            )
+            if await self.control.publish(message):
+                version = message.version
+                log.info("%s: published drafter version %d (held-out acceptance %.3f >= %.3f)",
+                         self.worker_id, version, accept_new, accept_current)  # fmt: skip
+            else:
+                version, adopted = -1, False
+        await self.producer.send_one(
+            "stats",
+            DrafterStats(
+                worker_id=self.worker_id,
+                fence=grant.fence,
+                policy_version=self.trainer.policy_version,
+                step=step,
+                steps=result.steps,
+                seconds=result.seconds,
+                loss=float(result.loss if result.loss is not None else 0.0),
+                end=str(result.end),
+                windows=len(self.buffer),
+                preempt_latency_s=latency,
+                accept_new=accept_new,
+                accept_current=accept_current,
+                adopted=adopted,
+                drafter_version=version,
+            ),
+        )
+
+    def _accepts(self, engine: Any, path: Path) -> tuple[float, float]:
+        """Held-out acceptance of the slice's drafter and of the drafter the engine uses now."""
+        if not self.holdout:
+            return 0.0, 0.0
+        new = held_out_acceptance(self.trainer.drafter, self.holdout, self.settings.accept_depth)
+        proposer = getattr(engine, "proposer", None)
+        drafter = getattr(proposer, "drafter", None)
+        current = held_out_acceptance(drafter, self.holdout, self.settings.accept_depth) if drafter is not None else 0.0
+        return new, current
