@@ -1,0 +1,543 @@
+"""The SD tuner: on/off hysteresis, buckets, epsilon-greedy on windowed medians, tables, drafter changes."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tlt_stream.messages import SdArmReport
+from tlt_stream.rollout.tuner import (
+    DEFAULT_ARMS,
+    DEFAULT_EDGES,
+    Arm,
+    SdSwitch,
+    SdTable,
+    SdTuner,
+    aggregate_reports,
+    arm_of_report,
+    bucket_of,
+    threshold_from_crossover,
+)
+
+PLAIN = Arm.plain()
+NGRAM = Arm.ngram(4)
+D2 = Arm.drafter(2, 1, 2)
+D4 = Arm.drafter(4, 1, 4)
+TREE = Arm.drafter(4, 2, 8)
+POOL = (PLAIN, NGRAM, D2, D4, TREE, Arm.drafter(6, 4, 16))
+
+
+def simulate(
+    tuner: SdTuner,
+    rng: random.Random,
+    steps: int,
+    rate: Callable[[Arm], float],
+    batch: int = 1,
+    noise: float = 0.0,
+    env: random.Random | None = None,
+) -> list[Arm]:
+    """Run `steps` choose/record rounds; the reward of an arm is `rate(arm)` times log-normal noise."""
+    env = env or random.Random(0)
+    picks = []
+    for _ in range(steps):
+        arm = tuner.choose(batch, rng)
+        reward = rate(arm) * math.exp(env.gauss(0.0, noise))
+        tuner.record(batch, arm, tokens=64, seconds=64 / reward)
+        picks.append(arm)
+    return picks
+
+
+@st.composite
+def ranked_arms(draw: st.DrawFn) -> tuple[list[Arm], dict[Arm, float]]:
+    """2-6 arms (always plain) with rates 1.4x apart in a random order."""
+    others = draw(st.lists(st.sampled_from(POOL[1:]), min_size=1, max_size=len(POOL) - 1, unique=True))
+    arms = [PLAIN, *others]
+    order = draw(st.permutations(arms))
+    return arms, {arm: 100.0 * 1.4**rank for rank, arm in enumerate(order)}
+
+
+# ---------------------------------------------------------------------------------------------------- arms, buckets
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    edges=st.lists(st.integers(1, 200), min_size=1, max_size=8, unique=True).map(sorted),
+    batch=st.integers(1, 300),
+)
+def test_bucket_i_holds_the_batches_between_edge_i_minus_one_and_edge_i(edges: list[int], batch: int) -> None:
+    b = bucket_of(batch, edges)
+    assert 0 <= b <= len(edges)
+    assert b == len(edges) or batch <= edges[b]
+    assert b == 0 or batch > edges[b - 1]
+
+
+def test_default_buckets() -> None:
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 16, 17, 32, 64, 65, 1000)] == [0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 7]
+    for bad in ((), (0, 1), (2, 2), (4, 2)):
+        with pytest.raises(ValueError):
+            bucket_of(1, bad)
+    with pytest.raises(ValueError):
+        bucket_of(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(depth=st.integers(1, 12), topk=st.integers(1, 4), data=st.data())
+def test_arm_labels_round_trip(depth: int, topk: int, data: st.DataObject) -> None:
+    verify = data.draw(st.integers(1, depth * topk * topk))
+    for arm in (PLAIN, Arm.ngram(depth), Arm.drafter(depth, topk, verify)):
+        assert Arm.from_label(arm.label) == arm
+    assert Arm.drafter(depth, topk, verify).label == f"d{depth}k{topk}v{verify}"
+
+
+def test_arms_reject_impossible_configurations() -> None:
+    for kind, depth, topk, verify in [
+        ("plain", 1, 0, 0),
+        ("ngram", 4, 2, 4),
+        ("ngram", 0, 1, 0),
+        ("drafter", 0, 1, 1),
+        ("drafter", 2, 1, 3),
+        ("eagle", 2, 1, 2),
+    ]:
+        with pytest.raises(ValueError):
+            Arm(kind, depth, topk, verify)  # type: ignore[arg-type]
+    for label in ("", "d4", "ngram", "d4k1v4x", "none"):
+        with pytest.raises(ValueError):
+            Arm.from_label(label)
+
+
+# ---------------------------------------------------------------------------------------------------- on/off
+
+
+def test_threshold_from_the_measured_crossover_keeps_the_band_below_it() -> None:
+    switch = SdSwitch.from_crossover(16, 2)
+    assert (switch.threshold, switch.off_above) == (13, 15)
+    assert threshold_from_crossover(1, 0) == 0
+    with pytest.raises(ValueError):
+        threshold_from_crossover(0, 1)
+    with pytest.raises(ValueError):
+        SdSwitch(4, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    crossover=st.integers(2, 64),
+    margin=st.integers(0, 8),
+    batches=st.lists(st.integers(1, 80), min_size=1, max_size=200),
+)
+def test_the_switch_follows_its_rules_and_counts_every_change(crossover: int, margin: int, batches: list[int]) -> None:
+    switch = SdSwitch.from_crossover(crossover, margin)
+    changes, previous = 0, switch.on
+    for batch in batches:
+        on = switch.update(batch)
+        assert on == switch.on
+        if batch <= switch.threshold:
+            assert on
+        elif batch > switch.off_above:
+            assert not on
+        else:
+            assert on == previous  # inside the band the state holds
+        assert switch.changed == (on != previous)
+        changes += on != previous
+        previous = on
+        if margin < crossover:
+            assert not on or batch < crossover  # never on where SD was measured to lose
+    assert switch.switches == changes
+
+
+@settings(max_examples=60, deadline=None)
+@given(threshold=st.integers(1, 32), margin=st.integers(1, 8), data=st.data())
+def test_no_flapping_on_a_batch_size_oscillating_within_the_margin(
+    threshold: int, margin: int, data: st.DataObject
+) -> None:
+    band = st.integers(threshold, threshold + margin)
+    batches = data.draw(st.lists(band, min_size=20, max_size=200))
+    switch = SdSwitch(threshold, margin)
+    states = [switch.update(b) for b in batches]
+    assert switch.switches <= 1  # at most the first turn-on, never back
+    assert switch.switches == int(any(states))
+    assert states == sorted(states)  # once on, it stays on
+
+
+def test_switches_both_ways_when_the_batch_moves_clearly() -> None:
+    switch = SdSwitch.from_crossover(16, 2)  # on at <= 13, off above 15
+    drain = list(range(64, 0, -1))
+    refill = list(range(1, 65))
+    states = [switch.update(b) for b in drain]
+    assert states.index(True) == drain.index(13) and all(states[drain.index(13) :])
+    assert switch.switches == 1
+    states = [switch.update(b) for b in refill]
+    assert states.index(False) == refill.index(16) and not any(states[refill.index(16) :])
+    assert switch.switches == 2
+    oscillate = [12, 15, 13, 14, 15, 12, 15]  # back in the band: turned on at 12, stays on
+    assert [switch.update(b) for b in oscillate] == [True] * len(oscillate)
+    assert switch.switches == 3
+
+
+# ---------------------------------------------------------------------------------------------------- tuner
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), epsilon=st.floats(0.0, 1.0), ranking=ranked_arms())
+def test_untried_arms_are_tried_first_in_order(
+    seed: int, epsilon: float, ranking: tuple[list[Arm], dict[Arm, float]]
+) -> None:
+    arms, rates = ranking
+    tuner = SdTuner(arms, epsilon=epsilon, drafter_version=0)
+    picks = simulate(tuner, random.Random(seed), len(arms), rates.__getitem__, batch=3)
+    assert picks == arms
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    epsilon=st.floats(0.05, 0.2),
+    noise=st.floats(0.0, 0.1),
+    window=st.integers(9, 21),
+    ranking=ranked_arms(),
+)
+def test_converges_to_the_best_arm_and_again_after_a_shift(
+    seed: int, epsilon: float, noise: float, window: int, ranking: tuple[list[Arm], dict[Arm, float]]
+) -> None:
+    arms, rates = ranking
+    tuner = SdTuner(arms, epsilon=epsilon, window=window, drafter_version=0)
+    rng, env = random.Random(seed), random.Random(seed + 1)
+    best = max(rates, key=rates.__getitem__)
+    picks = simulate(tuner, rng, 1500, rates.__getitem__, noise=noise, env=env)
+    assert tuner.greedy(1) == best
+    assert Counter(picks[-500:])[best] / 500 >= 1 - epsilon - 0.08
+
+    shifted = dict(rates)
+    shifted[best] = min(rates.values()) / 1.4  # the best arm collapses: the runner-up takes over
+    runner_up = max(shifted, key=shifted.__getitem__)
+    picks = simulate(tuner, rng, 1500, shifted.__getitem__, noise=noise, env=env)
+    assert tuner.greedy(1) == runner_up
+    assert Counter(picks[-500:])[runner_up] / 500 >= 1 - epsilon - 0.08
+
+    worst = min(shifted, key=shifted.__getitem__)
+    risen = dict(shifted)
+    risen[worst] = max(shifted.values()) * 1.4  # the worst arm becomes the best: found only by exploring
+    simulate(tuner, rng, 4000, risen.__getitem__, noise=noise, env=env)
+    assert tuner.greedy(1) == worst
+
+
+def test_the_median_ignores_rare_spikes_a_mean_would_follow() -> None:
+    env = random.Random(3)
+
+    def rate(arm: Arm) -> float:
+        if arm == D4:
+            return 1000.0 if env.random() < 0.2 else 50.0  # mean 240, median 50
+        return 100.0
+
+    tuner = SdTuner([PLAIN, D4], epsilon=0.2, window=15, drafter_version=0)
+    picks = simulate(tuner, random.Random(1), 1000, rate)
+    assert tuner.greedy(1) == PLAIN
+    assert Counter(picks[-300:])[PLAIN] >= 200
+
+
+def test_the_window_forgets_old_measurements() -> None:
+    tuner = SdTuner([PLAIN, D4], window=4, drafter_version=0)
+    for seconds in (1.0, 1.0, 1.0, 1.0, 4.0, 4.0):
+        tuner.record(1, D4, 400, seconds)
+    assert tuner.median(1, D4) == 250.0  # [400, 400, 100, 100]
+    tuner.record(1, D4, 400, 4.0)
+    tuner.record(1, D4, 400, 4.0)
+    assert tuner.median(1, D4) == 100.0 and tuner.samples(1, D4) == 4  # the four 400s are gone
+
+
+def test_buckets_are_independent() -> None:
+    rates = {1: {PLAIN: 100.0, NGRAM: 120.0, D4: 300.0}, 32: {PLAIN: 3000.0, NGRAM: 1500.0, D4: 1800.0}}
+    tuner = SdTuner([PLAIN, NGRAM, D4], epsilon=0.1, drafter_version=0)
+    rng = random.Random(7)
+    simulate(tuner, rng, 300, rates[1].__getitem__, batch=1)
+    assert tuner.greedy(1) == D4
+    assert tuner.medians(32) == {} and tuner.greedy(32) == PLAIN  # untouched: first untried
+    assert [tuner.choose(20, rng) for _ in range(5)] == [PLAIN] * 5  # bucket of 17..32, untried
+    simulate(tuner, rng, 300, rates[32].__getitem__, batch=32)
+    assert tuner.greedy(32) == tuner.greedy(17) == PLAIN
+    assert tuner.greedy(1) == D4 and tuner.medians(1)[D4] == pytest.approx(300.0)
+    assert tuner.medians(2) == {}
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), epsilon=st.floats(0.0, 0.5), n_arms=st.integers(2, len(POOL)))
+def test_exploration_frequency_is_epsilon(seed: int, epsilon: float, n_arms: int) -> None:
+    arms = list(POOL[:n_arms])
+    tuner = SdTuner(arms, epsilon=epsilon, drafter_version=0)
+    for i, arm in enumerate(arms):
+        tuner.record(1, arm, 100 + i, 1.0)
+    greedy = tuner.greedy(1)
+    rng = random.Random(seed)
+    n = 3000
+    picks = Counter(tuner.choose(1, rng) for _ in range(n))
+    explored = n - picks[greedy]
+    sigma = math.sqrt(n * epsilon * (1 - epsilon))
+    assert abs(explored - epsilon * n) <= 4.5 * sigma + 1
+    if epsilon > 0.2:
+        assert set(picks) == set(arms)  # exploration reaches every arm
+
+
+def test_choices_are_deterministic_given_the_seed() -> None:
+    def run(seed: int) -> list[str]:
+        tuner = SdTuner(POOL, epsilon=0.3, drafter_version=0)
+        rates = {arm: 100.0 + 10 * i for i, arm in enumerate(POOL)}
+        return [a.label for a in simulate(tuner, random.Random(seed), 300, rates.__getitem__, noise=0.1)]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_invalid_input_is_refused() -> None:
+    with pytest.raises(ValueError):
+        SdTuner([D4, TREE])  # no plain or n-gram arm
+    with pytest.raises(ValueError):
+        SdTuner([PLAIN, PLAIN])
+    with pytest.raises(ValueError):
+        SdTuner([PLAIN], epsilon=1.5)
+    with pytest.raises(ValueError):
+        SdTuner([PLAIN], window=0)
+    tuner = SdTuner([PLAIN, D4])
+    with pytest.raises(ValueError):
+        tuner.record(1, TREE, 10, 1.0)
+    with pytest.raises(ValueError):
+        tuner.record(1, PLAIN, 10, 0.0)
+    with pytest.raises(ValueError):
+        tuner.on_new_drafter(1, "forget")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Report:
+    worker_id: str
+    drafter_version: int
+    bucket: int
+    depth: int
+    topk: int
+    verify: int
+    tokens: int
+    seconds: float
+    proposer: str = "drafter"
+
+
+def report(worker: str, version: int, bucket: int, arm: Arm, tokens: int, seconds: float) -> Report:
+    proposer = "ngram" if arm.kind == "ngram" else "drafter"
+    return Report(worker, version, bucket, arm.depth, arm.topk, arm.verify, tokens, seconds, proposer)
+
+
+def test_two_workers_reports_give_one_table_by_pooled_rate() -> None:
+    worker_a = [
+        report("a", 1, 0, PLAIN, 100, 1.0),
+        report("a", 1, 0, D4, 2700, 9.0),  # 300 tok/s over 9 s
+        report("a", 1, 4, PLAIN, 900, 1.0),
+    ]
+    worker_b = [
+        report("b", 1, 0, D4, 100, 1.0),  # 100 tok/s over 1 s: pooled 2800 / 10 s = 280 (a mean of rates: 200)
+        report("b", 1, 0, NGRAM, 500, 2.0),  # 250 tok/s
+        report("b", 1, 4, D4, 600, 1.0),
+        report("b", 1, 4, TREE, 300, 0.5),
+    ]
+    table = aggregate_reports(worker_a + worker_b)
+    assert table.best == {0: D4, 4: PLAIN}
+    assert table.drafter_version == 1
+    assert table.rates[0] == {PLAIN: 100.0, D4: 280.0, NGRAM: 250.0}
+    assert table.rates[4] == {PLAIN: 900.0, D4: 600.0, TREE: 600.0}
+
+
+def test_wire_reports_aggregate_and_ties_go_to_the_simpler_arm() -> None:
+    wire = [
+        SdArmReport(worker_id="a", drafter_version=0, bucket=2, depth=0, topk=0, verify=0, tokens=500, seconds=2.0),
+        SdArmReport(worker_id="b", drafter_version=0, bucket=2, depth=4, topk=1, verify=4, tokens=250, seconds=1.0),
+        SdArmReport(worker_id="b", drafter_version=0, bucket=3, depth=4, topk=2, verify=8, tokens=250, seconds=1.0),
+        SdArmReport(worker_id="a", drafter_version=0, bucket=3, depth=4, topk=1, verify=4, tokens=250, seconds=1.0),
+    ]
+    assert arm_of_report(wire[0]) == PLAIN and arm_of_report(wire[1]) == D4
+    table = aggregate_reports(wire)
+    assert table.best == {2: PLAIN, 3: D4}
+    assert aggregate_reports(reversed(wire)).best == table.best
+    assert aggregate_reports([]) == SdTable(best={}, drafter_version=-1)
+
+
+def test_reports_from_an_older_drafter_are_ignored_for_drafter_arms_only() -> None:
+    old = [report("a", 1, 0, D4, 5000, 1.0), report("a", 1, 0, PLAIN, 100, 1.0), report("a", 1, 1, NGRAM, 300, 1.0)]
+    new = [report("b", 2, 0, D4, 150, 1.0), report("b", 2, 0, PLAIN, 300, 1.0), report("b", 2, 1, D4, 200, 1.0)]
+    assert aggregate_reports(old + new[:1]).best[0] == D4  # the old drafter's report would win
+    table = aggregate_reports(old + new)
+    assert table.drafter_version == 2
+    assert table.rates[0] == {D4: 150.0, PLAIN: 200.0}  # plain pooled over both workers, D4 only from v2
+    assert table.best == {0: PLAIN, 1: NGRAM}  # the v1 n-gram report still counts
+    no_drafter = [report("a", -1, 0, D4, 5000, 1.0), report("a", -1, 0, PLAIN, 100, 1.0)]
+    assert aggregate_reports(no_drafter).best == {0: PLAIN}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    measurements=st.lists(
+        st.tuples(
+            st.sampled_from("abc"),
+            st.integers(-1, 3),
+            st.integers(0, 3),
+            st.sampled_from(POOL),
+            st.integers(0, 5000),
+            st.floats(0.01, 10.0),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_aggregation_is_order_free_split_free_and_picks_the_top_rate(measurements: list, seed: int) -> None:
+    reports = [report(*m) for m in measurements]
+    table = aggregate_reports(reports)
+    shuffled = list(reports)
+    random.Random(seed).shuffle(shuffled)
+    assert aggregate_reports(shuffled).best == table.best
+    halves = [replace(r, tokens=t, seconds=r.seconds / 2) for r in reports for t in (r.tokens // 2, -(-r.tokens // 2))]
+    split = aggregate_reports(halves)
+    assert split.rates.keys() == table.rates.keys()
+    for bucket, rates in table.rates.items():
+        assert split.rates[bucket] == pytest.approx(rates)
+        top = sorted(rates.values(), reverse=True)
+        if len(top) == 1 or top[0] > top[1] * (1 + 1e-9):
+            assert split.best[bucket] == table.best[bucket]
+    merged: dict[tuple, Report] = {}
+    for r in reports:
+        key = (r.drafter_version, r.bucket, arm_of_report(r))
+        had = merged.get(key)
+        merged[key] = r if had is None else replace(had, tokens=had.tokens + r.tokens, seconds=had.seconds + r.seconds)
+    merged_rates = aggregate_reports(merged.values()).rates  # each report weighs by the time it measured
+    assert merged_rates.keys() == table.rates.keys()
+    assert all(merged_rates[b] == pytest.approx(table.rates[b]) for b in table.rates)
+    newest = max(r.drafter_version for r in reports)
+    assert table.drafter_version == newest
+    for bucket, arm in table.best.items():
+        assert all(table.rates[bucket][arm] >= rate for rate in table.rates[bucket].values())
+    for r in reports:
+        arm = arm_of_report(r)
+        counted = not arm.uses_drafter or r.drafter_version == newest >= 0
+        assert (arm in table.rates.get(r.bucket, {})) or not counted
+    for bucket, rates in table.rates.items():
+        for arm in rates:
+            sources = [r for r in reports if r.bucket == bucket and arm_of_report(r) == arm]
+            assert not arm.uses_drafter or any(r.drafter_version == newest >= 0 for r in sources)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), epsilon=st.floats(0.0, 0.3))
+def test_a_late_worker_exploits_the_table_from_its_first_choice(seed: int, epsilon: float) -> None:
+    worker_a = [report("a", 0, 0, TREE, 400, 1.0), report("a", 0, 0, PLAIN, 100, 1.0)]
+    worker_b = [report("b", 0, 4, NGRAM, 900, 1.0), report("b", 0, 4, PLAIN, 800, 1.0)]
+    table = aggregate_reports(worker_a + worker_b)
+    tuner = SdTuner([PLAIN, NGRAM, D4, TREE], epsilon=epsilon, drafter_version=0)
+    assert tuner.adopt_table(table)
+    rng = random.Random(seed)
+    first = [tuner.choose(1, rng) for _ in range(400)]
+    explored = sum(arm != TREE for arm in first)
+    assert abs(explored - 400 * epsilon) <= 4.5 * math.sqrt(400 * epsilon * (1 - epsilon)) + 1
+    if epsilon == 0:
+        assert tuner.choose(1, rng) == TREE and tuner.choose(16, rng) == NGRAM
+    assert tuner.greedy(1) == TREE and tuner.greedy(9) == NGRAM
+    assert tuner.greedy(2) == PLAIN  # no entry for that bucket: untried first
+
+
+def test_table_arms_the_tuner_cannot_use_are_ignored() -> None:
+    table = SdTable(best={0: D4, 1: Arm.drafter(8, 4, 24)}, drafter_version=0)
+    tuner = SdTuner([PLAIN, NGRAM, D4], epsilon=0.0)  # no drafter yet
+    tuner.adopt_table(table)
+    assert tuner.greedy(1) == PLAIN
+    tuner.on_new_drafter(0, "decay")
+    assert tuner.greedy(1) == D4
+    assert tuner.greedy(2) == PLAIN  # not one of its arms
+
+
+# ---------------------------------------------------------------------------------------------------- drafters
+
+
+def measured_tuner(window: int = 16) -> SdTuner:
+    tuner = SdTuner([PLAIN, NGRAM, D4, TREE], window=window, drafter_version=0)
+    for batch in (1, 32):
+        for _ in range(window):
+            for rate, arm in ((100, PLAIN), (150, NGRAM), (300, D4), (250, TREE)):
+                tuner.record(batch, arm, rate, 1.0)
+    return tuner
+
+
+def test_a_new_drafter_resets_only_drafter_arm_statistics() -> None:
+    tuner = measured_tuner()
+    tuner.adopt_table(SdTable(best={0: D4}, drafter_version=0))
+    assert tuner.on_new_drafter(1, "reset")
+    for batch in (1, 32):
+        assert tuner.medians(batch) == {PLAIN: 100.0, NGRAM: 150.0}
+        assert tuner.samples(batch, D4) == tuner.samples(batch, TREE) == 0
+    assert tuner.table is None  # measured with the old drafter
+    assert tuner.greedy(1) == D4  # tried again first
+    assert not tuner.adopt_table(SdTable(best={0: TREE}, drafter_version=0))  # a late copy of the old table
+    assert tuner.adopt_table(SdTable(best={0: TREE}, drafter_version=1))
+    assert not tuner.on_new_drafter(1) and not tuner.on_new_drafter(0)  # versions only move forward
+    assert tuner.table is not None and tuner.drafter_version == 1
+
+
+def test_a_new_drafter_decays_drafter_arm_statistics_to_a_prior() -> None:
+    tuner = measured_tuner(window=16)
+    table = SdTable(best={0: D4}, drafter_version=0)
+    tuner.adopt_table(table)
+    assert tuner.on_new_drafter(1, "decay")
+    assert tuner.table is table
+    assert tuner.samples(1, D4) == 4 and tuner.median(1, D4) == 300.0  # 16 samples now weigh 4
+    assert tuner.medians(1)[PLAIN] == 100.0 and tuner.samples(1, PLAIN) == 16
+    for _ in range(5):
+        tuner.record(1, D4, 50, 1.0)
+    assert tuner.median(1, D4) == 50.0  # without the decay 16 old samples would still hold it at 300
+    assert tuner.median(32, D4) == 300.0
+
+
+# ---------------------------------------------------------------------------------------------------- fallback
+
+
+def test_before_any_drafter_only_plain_and_ngram_are_chosen() -> None:
+    tuner = SdTuner([D4, PLAIN, TREE, NGRAM], epsilon=1.0)
+    rng = random.Random(0)
+    picks = Counter(tuner.choose(1, rng) for _ in range(200))
+    assert set(picks) == {PLAIN} and tuner.eligible_arms() == [PLAIN, NGRAM]  # untried first, no exploring
+    rates = {PLAIN: 100.0, NGRAM: 180.0, D4: 1000.0, TREE: 1000.0}
+    picks = Counter(simulate(tuner, rng, 400, rates.__getitem__))
+    assert set(picks) == {PLAIN, NGRAM}
+    tuner.epsilon = 0.1
+    simulate(tuner, rng, 200, rates.__getitem__)
+    assert tuner.greedy(1) == NGRAM
+    assert tuner.on_new_drafter(0)
+    assert tuner.choose(1, rng) == D4  # eligible now, and untried
+    simulate(tuner, rng, 200, rates.__getitem__)
+    assert tuner.greedy(1) in (D4, TREE)
+
+
+@pytest.mark.parametrize("fallback", [PLAIN, NGRAM])
+def test_when_acceptance_collapses_the_same_measurements_pick_the_fallback(fallback: Arm) -> None:
+    rates = {PLAIN: 100.0, NGRAM: 80.0, D4: 300.0, TREE: 250.0}
+    if fallback == NGRAM:
+        rates[NGRAM] = 120.0
+    tuner = SdTuner([PLAIN, NGRAM, D4, TREE], epsilon=0.1, window=9, drafter_version=0)
+    rng = random.Random(11)
+    simulate(tuner, rng, 300, rates.__getitem__, noise=0.05)
+    assert tuner.greedy(1) == D4
+    collapsed = {arm: (rate / 4 if arm.uses_drafter else rate) for arm, rate in rates.items()}
+    picks = simulate(tuner, rng, 400, collapsed.__getitem__, noise=0.05)
+    assert tuner.greedy(1) == fallback
+    assert Counter(picks[-200:])[fallback] >= 160
+    table = aggregate_reports(
+        [report("a", 0, 0, arm, int(collapsed[arm] * 10), 10.0) for arm in (PLAIN, NGRAM, D4, TREE)]
+    )
+    assert table.best == {0: fallback}
+
+
+def test_default_arms_match_the_benchmarked_set() -> None:
+    assert [a.label for a in DEFAULT_ARMS] == ["plain", "ngram-d6", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8", "d6k4v16"]
+    assert DEFAULT_EDGES == (1, 2, 4, 8, 16, 32, 64)
+    assert SdTuner().eligible_arms() == [Arm.plain(), Arm.ngram(6)]

@@ -1,0 +1,439 @@
+"""Adaptive speculative decoding, the pure part: when SD runs, and with which configuration.
+
+SD pays while the running batch is small (verifying k tokens costs little more than one) and costs once
+it is large (docs/benchmarks.md: on this CPU it loses at every batch from 16 up). So, per engine step:
+
+- `SdSwitch` turns SD on and off by running batch size, with a hysteresis band so that a batch hovering
+  around the threshold does not flap;
+- `SdTuner` picks an `Arm` per batch-size bucket by epsilon-greedy on the median of a sliding window of
+  reward = accepted tokens per second of wall time (draft + verify). Plain decoding and n-gram lookup are
+  arms too, so the same measurements choose the fallback before a drafter exists or when its drafts stop
+  being accepted;
+- `aggregate_reports` merges several workers' measurements into the table the policy service publishes;
+  workers exploit that table and keep exploring with probability epsilon.
+
+Nothing here does I/O or keeps time: the engine feeds measurements in and asks for decisions, the services
+move reports and tables over the bus. Given a seeded `random.Random`, every decision is reproducible.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+import re
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+__all__ = [
+    "DEFAULT_ARMS",
+    "DEFAULT_EDGES",
+    "Arm",
+    "ArmReport",
+    "SdSwitch",
+    "SdTable",
+    "SdTuner",
+    "aggregate_reports",
+    "arm_of_report",
+    "bucket_of",
+    "threshold_from_crossover",
+]
+
+ArmKind = Literal["plain", "ngram", "drafter"]
+ResetMode = Literal["reset", "decay"]
+
+DEFAULT_EDGES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+"""Bucket upper bounds by running batch size: bucket i holds batches in (edges[i-1], edges[i]]."""
+
+_KIND_RANK = {"plain": 0, "ngram": 1, "drafter": 2}
+_LABEL = re.compile(r"d(\d+)k(\d+)v(\d+)")
+_NGRAM_LABEL = re.compile(r"ngram-d(\d+)")
+
+
+# ---------------------------------------------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One choice the tuner can make, with the wire's fields (`SdArmReport`, `SdArmChoice`).
+
+    - `plain`: no speculation (depth = topk = verify = 0);
+    - `ngram`: a prompt-lookup chain of `depth` tokens (topk 1, verify = depth);
+    - `drafter`: the trained drafter with `rollout.proposers.SdArm`'s configuration and limits.
+    """
+
+    kind: ArmKind
+    depth: int = 0
+    topk: int = 0
+    verify: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind == "plain":
+            valid = self.depth == self.topk == self.verify == 0
+        elif self.kind == "ngram":
+            valid = self.depth >= 1 and self.topk == 1 and self.verify == self.depth
+        elif self.kind == "drafter":
+            # The same limits as SdArm: a tree of `depth` levels with `topk` children per frontier node.
+            valid = min(self.depth, self.topk, self.verify) >= 1 and self.verify <= self.depth * self.topk**2
+        else:
+            raise ValueError(f"unknown arm kind {self.kind!r} (plain, ngram, drafter)")
+        if not valid:
+            raise ValueError(f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}")
+
+    @classmethod
+    def plain(cls) -> Arm:
+        return cls("plain")
+
+    @classmethod
+    def ngram(cls, depth: int) -> Arm:
+        return cls("ngram", depth, 1, depth)
+
+    @classmethod
+    def drafter(cls, depth: int, topk: int, verify: int) -> Arm:
+        return cls("drafter", depth, topk, verify)
+
+    @classmethod
+    def from_label(cls, label: str) -> Arm:
+        """Inverse of `label`: `plain`, `ngram-d4`, `d4k2v8`."""
+        if label == "plain":
+            return cls.plain()
+        if m := _NGRAM_LABEL.fullmatch(label):
+            return cls.ngram(int(m[1]))
+        if m := _LABEL.fullmatch(label):
+            return cls.drafter(int(m[1]), int(m[2]), int(m[3]))
+        raise ValueError(f"not an arm label: {label!r} (plain, ngram-d<depth>, d<depth>k<topk>v<verify>)")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "plain":
+            return "plain"
+        if self.kind == "ngram":
+            return f"ngram-d{self.depth}"
+        return f"d{self.depth}k{self.topk}v{self.verify}"
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Its measurements depend on the drafter's weights (stale when a new drafter arrives)."""
+        return self.kind == "drafter"
+
+    @property
+    def simplicity(self) -> tuple[int, int, int, int]:
+        """Sort key, simplest first (plain, n-gram, then drafter arms by size): ties go to the simpler arm."""
+        return (_KIND_RANK[self.kind], self.depth, self.topk, self.verify)
+
+
+DEFAULT_ARMS: tuple[Arm, ...] = tuple(
+    Arm.from_label(label) for label in ("plain", "ngram-d6", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8", "d6k4v16")
+)
+"""The arms measured in docs/benchmarks.md (issue 4)."""
+
+
+def bucket_of(batch_size: int, edges: Sequence[int] = DEFAULT_EDGES) -> int:
+    """Bucket index of a running batch size: i with edges[i-1] < batch_size <= edges[i]; len(edges) above."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    return bisect.bisect_left(_check_edges(edges), batch_size)
+
+
+def _check_edges(edges: Sequence[int]) -> tuple[int, ...]:
+    edges = tuple(edges)
+    if not edges or edges[0] < 1 or any(a >= b for a, b in itertools.pairwise(edges)):
+        raise ValueError(f"bucket edges must be positive and strictly increasing, got {edges}")
+    return edges
+
+
+# ---------------------------------------------------------------------------------------------------- on/off
+
+
+def threshold_from_crossover(crossover: int, margin: int) -> int:
+    """The `SdSwitch` threshold for a measured crossover (the smallest batch where SD lost).
+
+    The hysteresis band lies below the crossover: SD turns on at `crossover - 1 - margin` and off above
+    `crossover - 1`, so it never runs where it was measured to lose, and inside the band, where SD is within
+    noise of plain decoding, keeping either state costs little. 0 (never on) when the crossover is 1.
+    """
+    if crossover < 1 or margin < 0:
+        raise ValueError(f"need crossover >= 1 and margin >= 0, got {crossover}, {margin}")
+    return max(0, crossover - 1 - margin)
+
+
+class SdSwitch:
+    """SD on when the running batch is <= `threshold`, off when it is > `threshold + margin`.
+
+    In between (the band) the switch keeps its state, so a batch size oscillating inside
+    [threshold, threshold + margin] flips it at most once. It starts off: a rollout starts with a full
+    batch. `update` is called once per engine step; switching between steps leaves in-flight sequences
+    alone (SD is lossless either way).
+    """
+
+    def __init__(self, threshold: int, margin: int = 0, *, on: bool = False) -> None:
+        if threshold < 0 or margin < 0:
+            raise ValueError(f"need threshold >= 0 and margin >= 0, got {threshold}, {margin}")
+        self.threshold = threshold
+        self.margin = margin
+        self._on = on
+        self._changed = False
+        self.switches = 0
+        """State changes so far (on and off together)."""
+
+    @classmethod
+    def from_crossover(cls, crossover: int, margin: int, *, on: bool = False) -> SdSwitch:
+        return cls(threshold_from_crossover(crossover, margin), margin, on=on)
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @property
+    def changed(self) -> bool:
+        """Whether the last `update` switched (for the engine to log)."""
+        return self._changed
+
+    @property
+    def off_above(self) -> int:
+        return self.threshold + self.margin
+
+    def update(self, batch_size: int) -> bool:
+        """Feed the running batch size of the next step; returns whether SD runs in it."""
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        previous = self._on
+        if batch_size <= self.threshold:
+            self._on = True
+        elif batch_size > self.off_above:
+            self._on = False
+        self._changed = self._on != previous
+        self.switches += int(self._changed)
+        return self._on
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class SdTable:
+    """Per-bucket best arms aggregated across workers, measured with drafter `drafter_version` (-1: none)."""
+
+    best: Mapping[int, Arm]
+    drafter_version: int = -1
+    rates: Mapping[int, Mapping[Arm, float]] = field(default_factory=dict)
+    """Every aggregated arm's tokens/s per bucket (for logs and dashboards)."""
+
+
+class ArmReport(Protocol):
+    """What `aggregate_reports` reads; `messages.SdArmReport` fits. An n-gram report must carry
+    `proposer = "ngram"` (without that attribute, depth >= 1 means the drafter; depth 0 means plain)."""
+
+    @property
+    def drafter_version(self) -> int: ...
+    @property
+    def bucket(self) -> int: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def topk(self) -> int: ...
+    @property
+    def verify(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+
+
+def arm_of_report(report: ArmReport) -> Arm:
+    """The arm a report measured (raises ValueError for a field combination no arm has)."""
+    kind = "plain" if report.depth == 0 else getattr(report, "proposer", "drafter")
+    return Arm(kind, report.depth, report.topk, report.verify)
+
+
+def aggregate_reports(reports: Iterable[ArmReport]) -> SdTable:
+    """Merge reports from any number of workers into the per-bucket best arms.
+
+    Rate of (bucket, arm) = total tokens / total seconds over its reports: pooled, so each report weighs
+    by the time it measured, and splitting or merging reports does not change the table. Drafter-arm
+    reports from a drafter older than the newest version any report names (or from no drafter) are
+    ignored; plain and n-gram reports stay valid whatever drafter their worker held. Ties go to the
+    simpler arm.
+    """
+    reports = list(reports)
+    newest = max((r.drafter_version for r in reports), default=-1)
+    tokens: dict[tuple[int, Arm], int] = defaultdict(int)
+    seconds: dict[tuple[int, Arm], float] = defaultdict(float)
+    for report in reports:
+        arm = arm_of_report(report)
+        if arm.uses_drafter and (report.drafter_version < newest or report.drafter_version < 0):
+            continue
+        tokens[report.bucket, arm] += report.tokens
+        seconds[report.bucket, arm] += report.seconds
+    rates: dict[int, dict[Arm, float]] = defaultdict(dict)
+    for (bucket, arm), total in seconds.items():
+        if total > 0:
+            rates[bucket][arm] = tokens[bucket, arm] / total
+    best = {
+        bucket: max(sorted(by_arm, key=lambda a: a.simplicity), key=by_arm.__getitem__)
+        for bucket, by_arm in sorted(rates.items())
+    }
+    return SdTable(best=best, drafter_version=newest, rates=dict(rates))
+
+
+# ---------------------------------------------------------------------------------------------------- tuner
+
+
+class SdTuner:
+    """Per-bucket epsilon-greedy over `arms` on the median of the last `window` rewards (tokens/s).
+
+    The exploit arm of a bucket (`greedy`) is, in order: the adopted table's arm for the bucket; else the
+    first arm (in `arms` order) not yet measured there; else the arm with the highest median (ties: the
+    earlier in `arms`). `choose` returns it, except with probability `epsilon` another eligible arm,
+    untried ones first, so non-greedy picks happen at rate epsilon. While a bucket without a table entry
+    still has untried arms, it tries them in order without exploring.
+
+    Drafter arms are eligible only once a drafter exists (`drafter_version >= 0`); at least one plain or
+    n-gram arm is required, so there is always a choice. A new drafter (`on_new_drafter`) resets or
+    decays the drafter arms' windows; plain and n-gram measurements stay.
+    """
+
+    def __init__(
+        self,
+        arms: Sequence[Arm] = DEFAULT_ARMS,
+        *,
+        edges: Sequence[int] = DEFAULT_EDGES,
+        epsilon: float = 0.1,
+        window: int = 16,
+        drafter_version: int = -1,
+        decay_keep: float = 0.25,
+    ) -> None:
+        if len(set(arms)) != len(arms) or not arms:
+            raise ValueError(f"arms must be non-empty and distinct, got {[a.label for a in arms]}")
+        if all(arm.uses_drafter for arm in arms):
+            raise ValueError("include a plain or n-gram arm: it is the choice before a drafter exists")
+        if not 0 <= epsilon <= 1:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if not 0 < decay_keep <= 1:
+            raise ValueError(f"decay_keep must be in (0, 1], got {decay_keep}")
+        self.arms = tuple(arms)
+        self.edges = _check_edges(edges)
+        self.epsilon = epsilon
+        self.window = window
+        self.decay_keep = decay_keep
+        self._drafter_version = drafter_version
+        self._trusted_drafter = -1  # tables measured before this drafter version are refused (after a reset)
+        self._windows: dict[tuple[int, Arm], deque[float]] = {}
+        self._table: SdTable | None = None
+
+    @property
+    def drafter_version(self) -> int:
+        return self._drafter_version
+
+    @property
+    def table(self) -> SdTable | None:
+        return self._table
+
+    def bucket(self, batch_size: int) -> int:
+        return bucket_of(batch_size, self.edges)
+
+    def eligible_arms(self) -> list[Arm]:
+        return [arm for arm in self.arms if not arm.uses_drafter or self._drafter_version >= 0]
+
+    def median(self, batch_size: int, arm: Arm) -> float | None:
+        """The arm's median reward in the batch size's bucket, or None when untried."""
+        window = self._windows.get((self.bucket(batch_size), arm))
+        return statistics.median(window) if window else None
+
+    def samples(self, batch_size: int, arm: Arm) -> int:
+        return len(self._windows.get((self.bucket(batch_size), arm), ()))
+
+    def medians(self, batch_size: int) -> dict[Arm, float]:
+        """Median reward of every arm tried in the batch size's bucket."""
+        bucket = self.bucket(batch_size)
+        return {arm: statistics.median(w) for arm in self.arms if (w := self._windows.get((bucket, arm)))}
+
+    def greedy(self, batch_size: int) -> Arm:
+        """What `choose` returns when it does not explore."""
+        return self._greedy(self.bucket(batch_size), self.eligible_arms())
+
+    def choose(self, batch_size: int, rng: random.Random) -> Arm:
+        bucket = self.bucket(batch_size)
+        arms = self.eligible_arms()
+        greedy = self._greedy(bucket, arms)
+        if self._table_arm(bucket, arms) is None and not self._tried(bucket, greedy):
+            return greedy
+        others = [arm for arm in arms if arm != greedy]
+        if others and rng.random() < self.epsilon:
+            untried = [arm for arm in others if not self._tried(bucket, arm)]
+            return rng.choice(untried or others)
+        return greedy
+
+    def record(self, batch_size: int, arm: Arm, tokens: int, seconds: float) -> None:
+        """One measurement: `tokens` accepted (bonus tokens included) in `seconds` of draft + verify."""
+        if arm not in self.arms:
+            raise ValueError(f"arm {arm.label} is not one of this tuner's arms")
+        if tokens < 0 or not seconds > 0:
+            raise ValueError(f"need tokens >= 0 and seconds > 0, got {tokens}, {seconds}")
+        key = (self.bucket(batch_size), arm)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = deque(maxlen=self.window)
+        window.append(tokens / seconds)
+
+    def adopt_table(self, table: SdTable) -> bool:
+        """Exploit `table` from now on (replacing any earlier one). Refused, returning False, when it was
+        measured with a drafter older than one this tuner reset its statistics for."""
+        if table.drafter_version < self._trusted_drafter:
+            return False
+        self._table = table
+        return True
+
+    def on_new_drafter(self, version: int, mode: ResetMode = "reset") -> bool:
+        """A new drafter is in use; returns False (and changes nothing) unless `version` is newer.
+
+        - `reset`: drafter arms' windows are emptied (so they are tried again first) and a table measured
+          with an older drafter is dropped: its comparisons involved the old drafter.
+        - `decay`: each drafter arm's window shrinks to `decay_keep` of its length (at least 1) filled with
+          its median: the estimate stays as a prior that fresh measurements outvote quickly; the table stays.
+        """
+        if mode not in ("reset", "decay"):
+            raise ValueError(f"mode must be 'reset' or 'decay', got {mode!r}")
+        if version <= self._drafter_version:
+            return False
+        self._drafter_version = version
+        for (_, arm), window in self._windows.items():
+            if not arm.uses_drafter or not window:
+                continue
+            if mode == "reset":
+                window.clear()
+            else:
+                prior = statistics.median(window)
+                keep = max(1, int(len(window) * self.decay_keep))
+                window.clear()
+                window.extend([prior] * keep)
+        if mode == "reset":
+            self._trusted_drafter = version
+            if self._table is not None and self._table.drafter_version < version:
+                self._table = None
+        return True
+
+    def _tried(self, bucket: int, arm: Arm) -> bool:
+        return bool(self._windows.get((bucket, arm)))
+
+    def _table_arm(self, bucket: int, eligible: list[Arm]) -> Arm | None:
+        if self._table is None:
+            return None
+        arm = self._table.best.get(bucket)
+        return arm if arm in eligible else None
+
+    def _greedy(self, bucket: int, eligible: list[Arm]) -> Arm:
+        if (arm := self._table_arm(bucket, eligible)) is not None:
+            return arm
+        medians: list[tuple[Arm, float]] = []
+        for arm in eligible:
+            window = self._windows.get((bucket, arm))
+            if not window:
+                return arm
+            medians.append((arm, statistics.median(window)))
+        return max(medians, key=lambda pair: pair[1])[0]
