@@ -138,6 +138,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             seed=args.seed,
             sd=args.sd,
             train_drafter=not args.no_drafter_training,
+            adaptive_sd=not args.fixed_sd,
             max_len=args.max_len,
             cores=cores,
         )
@@ -417,6 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--no-hidden", action="store_true", help="do not stream hidden-state windows (no drafter training data)"
+    )
+    worker.add_argument(
+        "--adaptive-sd",
+        action="store_true",
+        help="with --drafter: decide SD per step (on/off by running batch, arm per batch bucket) instead of --sd-arm",
+    )
+    worker.add_argument(
+        "--sd-crossover", type=_positive, default=16, help="batch size above which SD loses (measured; default 16)"
     )
     worker.add_argument(
         "--train-drafter",

@@ -45,6 +45,8 @@ class RunPlan:
     """Rollout speculative decoding: "off", "eagle" (the world's drafter) or "ngram"."""
     train_drafter: bool = True
     """With `sd="eagle"`: train the drafter online in the workers' idle time."""
+    adaptive_sd: bool = True
+    """With SD on: decide per step (TLT's adaptive rollout) rather than always speculating."""
     max_batch: int = 128
     max_len: int = 1408
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
@@ -92,6 +94,9 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
     drafter = {"off": [], "ngram": ["--drafter", "ngram"], "eagle": ["--drafter", str(plan.world / "drafter")]}
     if plan.sd == "eagle" and plan.train_drafter:
         drafter["eagle"] += ["--train-drafter", str(plan.run_dir / "drafter-states")]
+    if plan.adaptive_sd:
+        drafter["eagle"] += ["--adaptive-sd"]
+        drafter["ngram"] += ["--adaptive-sd"]
     for i in range(plan.workers):
         commands.append(
             ServiceCommand(

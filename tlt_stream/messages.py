@@ -302,6 +302,9 @@ class SdArmReport(_Entry, tag="sd_arm"):
     verify: NonNegInt
     tokens: NonNegInt
     seconds: Annotated[float, Meta(ge=0)]
+    proposer: Literal["plain", "ngram", "drafter"] = "drafter"
+    """What drafted: no SD (depth 0), prompt lookup, or the trained drafter."""
+    steps: NonNegInt = 0
 
 
 class LearnerStats(_Entry, tag="learner"):
@@ -396,6 +399,7 @@ class SdArmChoice(Struct, frozen=True, forbid_unknown_fields=True):
     topk: NonNegInt
     verify: NonNegInt
     enabled: bool = True
+    proposer: Literal["plain", "ngram", "drafter"] = "drafter"
 
 
 class SdConfigVersion(_Entry, tag="sd_config"):

@@ -17,12 +17,13 @@ from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.drafter.online import OnlineTrainingConfig
-from tlt_stream.messages import DrafterStats, codec_for
+from tlt_stream.messages import DrafterStats, SdArmReport, codec_for
 from tlt_stream.model import load_model
 from tlt_stream.rl.drafter_worker import DrafterTrainingSettings
 from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
 from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
 from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
+from tlt_stream.rollout.adaptive import AdaptiveSettings
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -92,7 +93,11 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
             worker_id="w0",
             reward=reward,
             settings=RolloutSettings(
-                max_batch=4, max_len=64, drafter=str(init_drafter), drafter_training=training_settings(tmp_path)
+                max_batch=4,
+                max_len=64,
+                drafter=str(init_drafter),
+                drafter_training=training_settings(tmp_path),
+                adaptive=AdaptiveSettings(crossover=4, margin=0),  # SD on once <= 3 of the 4 rows remain
             ),
         )
 
@@ -138,6 +143,9 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
         assert [s.step for s in slices] == sorted(s.step for s in slices), "the step count only grows"
         assert any(s.adopted and s.drafter_version >= 1 for s in slices)
         assert any(s.end == "preempted" and s.preempt_latency_s > 0 for s in slices), "step 2's prompts preempted"
+        arms: list[SdArmReport] = await stats_of(redis, keys, SdArmReport)
+        assert {r.proposer for r in arms} == {"plain", "drafter"}, "adaptive SD measured both sides of the switch"
+        assert {r.drafter_version for r in arms if r.proposer == "drafter"} >= {0}
         assert worker.idle_trainer is not None and worker.idle_trainer.training_seconds > 0
         assert worker.idle_trainer.training_seconds <= worker.idle_trainer.idle_seconds
     await redis.aclose()

@@ -17,6 +17,7 @@ policy waits until that version arrives.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import logging
 import sys
@@ -41,11 +42,15 @@ from tlt_stream.messages import (
     PromptGroup,
     RolloutStats,
     Sample,
+    SdArmReport,
+    SdConfigVersion,
     WorkerStatus,
 )
 from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
 from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.samples import hidden_window, make_sample
+from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.tuner import Arm
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -72,6 +77,8 @@ class RolloutSettings:
     """Wire dtype of the streamed hidden states."""
     drafter_training: DrafterTrainingSettings | None = None
     """Train the drafter online in idle time (needs an EAGLE `drafter` to start from)."""
+    adaptive: AdaptiveSettings | None = None
+    """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
 
     def __post_init__(self) -> None:
         if self.drafter_training is not None and self.drafter in (None, "ngram"):
@@ -127,6 +134,9 @@ class RolloutWorker:
         self.drafter: DrafterVersion | None = None
         """The announced drafter version in use (None: the warm-up drafter given by `settings.drafter`)."""
         self.drafter_swaps = 0
+        self.adaptive: AdaptiveSd | None = None
+        self.sd_config = -1
+        """The `sd_config` version adopted."""
         self.idle_trainer: IdleDrafterTrainer | None = None
         if settings.drafter_training is not None:
             assert settings.drafter is not None
@@ -167,6 +177,7 @@ class RolloutWorker:
                 if not self.tasks:
                     await self._maybe_load()
                 await self._maybe_swap_drafter()
+                self._maybe_adopt_sd_config()
                 await self._admit()
                 if self.engine.has_unfinished:
                     if self.registry.state != WorkerStatus.GENERATING:
@@ -193,6 +204,20 @@ class RolloutWorker:
         if self.registry.state == WorkerStatus.TRAINING_DRAFTER:
             await self.registry.set_state(WorkerStatus.IDLE)
 
+    def _maybe_adopt_sd_config(self) -> None:
+        """Exploit a newly published table of best arms per bucket (still exploring with epsilon)."""
+        announced = self.control.current.get("sd_config")
+        if self.adaptive is None or not isinstance(announced, SdConfigVersion) or announced.version <= self.sd_config:
+            return
+        edges = self.adaptive.tuner.edges
+        best = {}
+        for choice in announced.table:
+            arm = Arm.plain() if not choice.enabled else Arm(choice.proposer, choice.depth, choice.topk, choice.verify)
+            best[bisect.bisect_left(edges, choice.max_batch)] = arm
+        self.adaptive.adopt(best, announced.drafter_version)
+        self.sd_config = announced.version
+        self.registry.update_info(sd_config_version=announced.version)
+
     async def _maybe_swap_drafter(self) -> None:
         """Swap a newly announced drafter into the engine between decode steps (in-flight rows go on)."""
         announced = self.control.current.get("drafter")
@@ -217,6 +242,8 @@ class RolloutWorker:
             self.engine.proposer.drafter.load_state_dict(fresh.state_dict())
         self.drafter = announced
         self.drafter_swaps += 1
+        if self.adaptive is not None:
+            self.adaptive.on_new_drafter(announced.version)
         self.registry.update_info(drafter_version=announced.version)
         log.info("%s: swapped in drafter version %d", self.worker_id, announced.version)
 
@@ -257,9 +284,16 @@ class RolloutWorker:
             proposer = build_proposer(source, model)
             arm = SdArm(*self.settings.sd_arm)
             nodes = max(nodes, arm.verify, arm.depth)
+        if self.settings.adaptive is not None and proposer is not None:
+            arm = None  # the adaptive controller sets it step by step
+            nodes = max([nodes, *(max(a.depth, a.verify) for a in map(Arm.from_label, self.settings.adaptive.arms))])
         self.engine = GenerationEngine(
             model, self.settings.max_batch, self.settings.max_len, proposer=proposer, arm=arm, max_draft_nodes=nodes
         )
+        if self.settings.adaptive is not None and proposer is not None:
+            if self.adaptive is None:  # one tuner for the worker's life: its measurements outlive versions
+                self.adaptive = AdaptiveSd(self.engine, self.settings.adaptive, drafter_version=self.drafter_version)
+            self.adaptive.engine = self.engine
         self.policy = announced
 
     def _loadable_policy(self) -> PolicyVersion | None:
@@ -364,6 +398,24 @@ class RolloutWorker:
                     sd_on=self.engine.arm is not None,
                 ),
             )
+            if self.adaptive is not None:
+                reports = [
+                    SdArmReport(
+                        worker_id=self.worker_id,
+                        drafter_version=self.drafter_version,
+                        bucket=m.bucket,
+                        depth=m.arm.depth,
+                        topk=m.arm.topk,
+                        verify=m.arm.verify,
+                        tokens=m.tokens,
+                        seconds=m.seconds,
+                        proposer=m.arm.kind,
+                        steps=m.steps,
+                    )
+                    for m in self.adaptive.drain_reports()
+                ]
+                if reports:
+                    await self.producer.send("stats", reports)
             self._tokens, self._forwards, self._seconds = 0, 0, 0.0
 
     def _steps(self) -> tuple[list[Any], int, int]:
@@ -374,7 +426,7 @@ class RolloutWorker:
         for _ in range(self.settings.steps_per_hop):
             if not engine.has_unfinished:
                 break
-            finished += engine.step()
+            finished += self.adaptive.step() if self.adaptive is not None else engine.step()
             if finished:
                 break
         return finished, engine.tokens_generated - tokens, engine.rounds + engine.plain_steps - forwards
@@ -408,6 +460,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         sd_arm=args.sd_arm,
         stream_hidden=not args.no_hidden,
         drafter_training=DrafterTrainingSettings(state_dir=Path(args.train_drafter)) if args.train_drafter else None,
+        adaptive=AdaptiveSettings(crossover=args.sd_crossover) if args.adaptive_sd and args.drafter else None,
     )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:

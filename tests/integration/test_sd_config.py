@@ -1,0 +1,99 @@
+"""The global SD table: workers' arm reports in `stats` -> one published sd_config -> workers exploit it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.control import ControlPlane, read_mirror
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.drafter.model import Drafter
+from tlt_stream.messages import SdArmReport
+from tlt_stream.model import load_model
+from tlt_stream.rl.policy_service import SdConfigPublisher
+from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
+from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.engine import GenerationEngine
+from tlt_stream.rollout.proposers import EagleProposer
+from tlt_stream.rollout.tuner import Arm
+from tlt_stream.tasks.repeated_add import reward
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
+
+
+def report(worker: str, bucket: int, label: str, tokens: int, seconds: float, drafter: int = 0) -> SdArmReport:
+    arm = Arm.from_label(label)
+    return SdArmReport(
+        worker_id=worker,
+        drafter_version=drafter,
+        bucket=bucket,
+        depth=arm.depth,
+        topk=arm.topk,
+        verify=arm.verify,
+        tokens=tokens,
+        seconds=seconds,
+        proposer=arm.kind,
+    )
+
+
+async def test_two_workers_reports_become_one_table_that_a_late_worker_adopts(
+    bus_config: Config, init_policy: Path
+) -> None:
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    policy = ControlPlane(bus_config, redis, role="policy", owns=["sd_config"])
+    late = ControlPlane(bus_config, redis, role="rollout")
+    stop = asyncio.Event()
+    planes = [asyncio.create_task(p.run(stop)) for p in (policy, late)]
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(policy.connected.wait(), late.connected.wait())
+        producer = StreamProducer(redis, keys, bus_config.bus)
+        # Bucket 1 (batch 2): worker a saw d4k1v4 fast, worker b saw plain slower -> d4k1v4.
+        # Bucket 6 (batch 64): both saw plain beat d4k1v4 -> plain. A stale-drafter report is ignored.
+        await producer.send(
+            "stats",
+            [
+                report("a", 1, "d4k1v4", 900, 1.0),
+                report("b", 1, "plain", 500, 1.0),
+                report("b", 1, "d4k1v4", 800, 1.0),
+                report("a", 6, "plain", 4000, 1.0),
+                report("b", 6, "d4k1v4", 3000, 1.0),
+                report("a", 6, "d6k1v6", 99999, 1.0, drafter=-1),
+            ],
+        )
+        publisher = SdConfigPublisher(redis, keys, policy)
+        assert await publisher.poll()
+        assert not await publisher.poll(), "an unchanged table is not republished"
+        mirror = (await read_mirror(redis, keys))["sd_config"]
+        assert mirror.version == 1 and mirror.drafter_version == 0
+        by_batch = {c.max_batch: c for c in mirror.table}
+        assert (by_batch[2].enabled, by_batch[2].depth, by_batch[2].proposer) == (True, 4, "drafter")
+        assert by_batch[64].enabled is False
+        # New measurements change bucket 1's winner: a new version, forward only.
+        await producer.send("stats", [report("b", 1, "plain", 5000, 1.0)])
+        assert await publisher.poll()
+        assert (await read_mirror(redis, keys))["sd_config"].version == 2
+
+        # A worker that joins now starts from the table: its first choice in bucket 6 is the table's.
+        async with asyncio.timeout(20):
+            await late.wait_for("sd_config", 2)
+        worker = RolloutWorker(
+            bus_config, redis, late, worker_id="late", reward=reward, settings=RolloutSettings(max_batch=2, max_len=32)
+        )
+        model = load_model(init_policy)
+        engine = GenerationEngine(model, 2, 32, proposer=EagleProposer(Drafter(model.spec).bind(model)))
+        worker.adaptive = AdaptiveSd(engine, AdaptiveSettings(epsilon=0.0), drafter_version=0)
+        worker._maybe_adopt_sd_config()
+        assert worker.sd_config == 2
+        assert worker.adaptive.tuner.greedy(64) == Arm.plain()
+        assert worker.adaptive.tuner.greedy(2) == Arm.plain(), "bucket 1 now favours plain"
+    finally:
+        stop.set()
+        await asyncio.gather(*planes, return_exceptions=True)
+        await redis.aclose()

@@ -1,0 +1,64 @@
+"""Adaptive SD on a real engine: lossless across on/off switches and arm changes, and measuring as it goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tlt_stream.drafter.model import Drafter
+from tlt_stream.model import load_model
+from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.engine import GenerationEngine
+from tlt_stream.rollout.proposers import EagleProposer, NgramProposer
+from tlt_stream.rollout.tuner import Arm
+
+
+def drain(adaptive: AdaptiveSd, prompts: list[list[int]], lengths: list[int]) -> dict[int, list[int]]:
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        adaptive.engine.add_request(p, n, 0.0, request_id=i)
+    done = {}
+    while adaptive.engine.has_unfinished:
+        for result in adaptive.step():
+            done[result.request_id] = result.token_ids
+    return done
+
+
+@pytest.mark.parametrize("kind", ["drafter", "ngram"])
+def test_switching_sd_and_arms_mid_sequence_keeps_greedy_output_identical(init_policy: Path, kind: str) -> None:
+    model = load_model(init_policy)
+    prompts = [[5 + i, 9, 12, 7, 5 + i, 9] for i in range(6)]
+    lengths = [4, 8, 14, 20, 30, 44]  # the batch drains 6 -> 1, as a rollout's tail does
+    plain = GenerationEngine(model, 6, 96).generate(prompts, 44, temperature=0.0)
+    torch.manual_seed(0)
+    proposer = EagleProposer(Drafter(model.spec).bind(model)) if kind == "drafter" else NgramProposer()
+    engine = GenerationEngine(model, 6, 96, proposer=proposer)
+    # On at batch <= 3, off above 4: the drain crosses it; epsilon 0.5 makes arms change from step to step.
+    adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.5, seed=1))
+    done = drain(adaptive, prompts, lengths)
+    assert [done[i] for i in range(6)] == [r.token_ids[:n] for r, n in zip(plain, lengths, strict=True)]
+    assert adaptive.switch.switches >= 1 and engine.rounds > 0 and engine.plain_steps > 0
+    labels = {label for (_, label) in adaptive.log.chosen}
+    assert "plain" in labels and len(labels - {"plain"}) >= 2, f"several {kind} arms were tried: {labels}"
+    assert all(label == "plain" or label.startswith("ngram") == (kind == "ngram") for label in labels)
+    reports = adaptive.drain_reports()
+    assert reports and all(r.tokens > 0 and r.seconds > 0 for r in reports)
+    assert adaptive.drain_reports() == [], "reports are handed out once"
+
+
+def test_a_published_table_is_exploited_and_a_new_drafter_is_noted(init_policy: Path) -> None:
+    model = load_model(init_policy)
+    engine = GenerationEngine(model, 4, 96, proposer=EagleProposer(Drafter(model.spec).bind(model)))
+    adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=8, margin=1, epsilon=0.0))
+    best = Arm.from_label("d2k1v2")
+    assert adaptive.adopt({b: best for b in range(8)} | {0: Arm.from_label("ngram-d4")}, drafter_version=0)
+    drain(adaptive, [[5, 9, 12]] * 2, [12, 12])
+    assert {label for (_, label) in adaptive.log.chosen} <= {"plain", "d2k1v2"}, "ngram is not this engine's"
+    assert any(label == "d2k1v2" for (_, label) in adaptive.log.chosen)
+    assert adaptive.on_new_drafter(1) and not adaptive.on_new_drafter(1)
+
+
+def test_an_engine_without_a_proposer_is_refused(init_policy: Path) -> None:
+    with pytest.raises(ValueError, match="proposer"):
+        AdaptiveSd(GenerationEngine(load_model(init_policy), 2, 32))

@@ -1,0 +1,137 @@
+"""Adaptive speculative decoding: the engine decides per step, from measurements, whether and how to speculate.
+
+TLT's second half (DESIGN section 7). `AdaptiveSd.step()` replaces `engine.step()`:
+
+1. the running batch size of the coming step picks SD on or off through `SdSwitch` (hysteresis around the
+   measured crossover: SD pays at small batches, costs at large ones);
+2. when on, `SdTuner` picks an arm for the batch-size bucket (epsilon-greedy on the median tokens/s of
+   each arm's recent steps; a published table of best arms is exploited first);
+3. the engine runs the step with that arm (`engine.arm`, switchable between any two steps without
+   disturbing in-flight rows: SD is lossless either way), and the step's emitted tokens over its wall
+   time (draft + verify) are recorded for the arm, except for steps that also prefilled new requests,
+   whose time is not the arm's.
+
+Measurements accumulate per (bucket, arm) for `drain_reports()`, which the worker sends to `stats` as
+`SdArmReport`s; the policy service aggregates every worker's reports into the published `sd_config`.
+The engine holds one proposer, so the arms are plain decoding plus the arms of that proposer's kind
+(EAGLE drafter arms, or n-gram arms before a trained drafter exists).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tlt_stream.rollout.proposers import SdArm
+from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, SdTable, SdTuner
+
+__all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement"]
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    crossover: int = 16
+    """Running batch size above which SD was measured to lose (`bench/sd_speedup.py`'s crossover)."""
+    margin: int = 2
+    """Hysteresis band: on at batch <= crossover - 1 - margin, off above crossover - 1."""
+    epsilon: float = 0.1
+    window: int = 16
+    arms: tuple[str, ...] = ("plain", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8", "ngram-d4", "ngram-d6")
+    """Candidate arm labels; those of another proposer kind than the engine's are left out."""
+    edges: tuple[int, ...] = DEFAULT_EDGES
+    on_new_drafter: Literal["reset", "decay"] = "decay"
+    seed: int = 0
+
+
+@dataclass
+class ArmMeasurement:
+    bucket: int
+    arm: Arm
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class _Log:
+    switches: list[tuple[float, int, bool]] = field(default_factory=list)
+    """(time, batch size, SD on) at every switch."""
+    chosen: Counter[tuple[int, str]] = field(default_factory=Counter)
+    """Steps per (bucket, arm label)."""
+
+
+class AdaptiveSd:
+    """Per-step SD decisions for one engine (which must have a proposer)."""
+
+    def __init__(self, engine: Any, settings: AdaptiveSettings = AdaptiveSettings(), *, drafter_version: int = 0):
+        proposer = getattr(engine, "proposer", None)
+        if proposer is None:
+            raise ValueError("adaptive SD needs an engine with a proposer (a drafter or the n-gram proposer)")
+        kind = "ngram" if type(proposer).__name__ == "NgramProposer" else "drafter"
+        arms = [a for a in (Arm.from_label(label) for label in settings.arms) if a.kind in ("plain", kind)]
+        if not any(a.kind == kind for a in arms):
+            raise ValueError(f"no {kind} arm among {settings.arms}")
+        self.engine = engine
+        self.settings = settings
+        self.kind = kind
+        self.tuner = SdTuner(
+            arms,
+            edges=settings.edges,
+            epsilon=settings.epsilon,
+            window=settings.window,
+            drafter_version=drafter_version if kind == "drafter" else -1,
+        )
+        self.switch = SdSwitch.from_crossover(settings.crossover, settings.margin)
+        self.rng = random.Random(settings.seed)
+        self.log = _Log()
+        self._pending: dict[tuple[int, Arm], ArmMeasurement] = {}
+        self.arm: Arm = Arm.plain()
+
+    def step(self) -> list[Any]:
+        engine = self.engine
+        scheduler = engine.scheduler
+        batch = max(1, min(scheduler.max_batch, scheduler.num_running + scheduler.num_waiting))
+        on = self.switch.update(batch)
+        if self.switch.changed:
+            self.log.switches.append((time.time(), batch, on))
+        arm = self.tuner.choose(batch, self.rng) if on else Arm.plain()
+        engine.arm = None if arm.kind == "plain" else SdArm(arm.depth, arm.topk, arm.verify)
+        self.arm = arm
+        waiting, tokens = scheduler.num_waiting, engine.tokens_generated
+        started = time.perf_counter()
+        results = engine.step()
+        seconds = time.perf_counter() - started
+        emitted = engine.tokens_generated - tokens
+        bucket = self.tuner.bucket(batch)
+        self.log.chosen[(bucket, arm.label)] += 1
+        if scheduler.num_waiting == waiting and seconds > 0 and emitted > 0:  # no prefill in this step
+            self.tuner.record(batch, arm, emitted, seconds)
+            pending = self._pending.setdefault((bucket, arm), ArmMeasurement(bucket, arm))
+            pending.tokens += emitted
+            pending.seconds += seconds
+            pending.steps += 1
+        return results
+
+    def drain_reports(self) -> list[ArmMeasurement]:
+        """Measurements since the last call, one per (bucket, arm) (for `SdArmReport`s)."""
+        reports, self._pending = list(self._pending.values()), {}
+        return reports
+
+    def adopt(self, best: Mapping[int, Arm], drafter_version: int) -> bool:
+        """Exploit a published table of best arms per bucket (arms this engine cannot run are ignored)."""
+        usable = {b: a for b, a in best.items() if a.kind in ("plain", self.kind)}
+        return self.tuner.adopt_table(SdTable(best=usable, drafter_version=drafter_version))
+
+    def on_new_drafter(self, version: int) -> bool:
+        return self.kind == "drafter" and self.tuner.on_new_drafter(version, self.settings.on_new_drafter)
+
+    def summary(self) -> dict[str, Any]:
+        """Arms chosen per bucket (steps) and the on/off switches so far."""
+        per_bucket: dict[str, dict[str, int]] = {}
+        for (bucket, label), steps in sorted(self.log.chosen.items()):
+            per_bucket.setdefault(str(bucket), {})[label] = steps
+        return {"switches": self.switch.switches, "chosen": per_bucket}
