@@ -193,7 +193,7 @@ class IdleDrafterTrainer:
                 keeper.cancel()
 
     async def _drain_hidden(self) -> None:
-        deliveries: list[Delivery[HiddenWindow]] = await self.hidden.read(count=256, block_ms=1)
+        deliveries: list[Delivery[HiddenWindow]] = await self.hidden.read(count=256, block_ms=0)
         from tlt_stream.drafter.buffer import window_from_message
 
         for delivery in deliveries:

@@ -181,7 +181,10 @@ class LearnerService:
         wait = started - self._idle_since  # since the last update (or start): waiting for complete groups
         staleness = [g.staleness(self.version) for g in groups]
         samples = [s for g in groups for s in g.samples]
-        metrics = await asyncio.to_thread(self.core.step, groups)
+        # On the loop's thread, as the rollout worker's decode steps: torch's CPU thread pool is markedly
+        # slower driven from a secondary thread. Heartbeats and MQTT keepalives tolerate an update's pause.
+        metrics = self.core.step(groups)
+        await asyncio.sleep(0)
         for group in groups:
             self.assembler.consume(group)
         self.version += 1
