@@ -97,6 +97,8 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
     if plan.adaptive_sd:
         drafter["eagle"] += ["--adaptive-sd"]
         drafter["ngram"] += ["--adaptive-sd"]
+    # Hidden-state windows (~40 KB a sample) only feed drafter training: without it, nobody reads them.
+    hidden = [] if plan.sd == "eagle" and plan.train_drafter else ["--no-hidden"]
     for i in range(plan.workers):
         commands.append(
             ServiceCommand(
@@ -108,6 +110,7 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                     *("--worker-id", f"rollout-{i}", "--threads", str(worker_threads)),
                     *("--max-batch", str(plan.max_batch), "--max-len", str(plan.max_len)),
                     *drafter[plan.sd],
+                    *hidden,
                 ],
             )
         )
