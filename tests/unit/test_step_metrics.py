@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tlt_stream.messages import Sample, Tensor
-from tlt_stream.rl.metrics import length_summary, rollout_timing, staleness_histogram
+from tlt_stream.rl.metrics import accept_by_drafter, length_summary, rollout_timing, staleness_histogram
 
 
 def sample(index: int, length: int, finished_at: float, gen_seconds: float, accept: float = 1.0) -> Sample:
@@ -67,3 +68,12 @@ def test_length_summary_reports_the_long_tail() -> None:
 def test_staleness_histogram_counts_groups_per_lag() -> None:
     assert staleness_histogram([0, 1, 0, 2, 0]) == {"0": 3, "1": 1, "2": 1}
     assert staleness_histogram([]) == {}
+
+
+def test_acceptance_is_reported_per_drafter_version_weighted_by_length() -> None:
+    samples = [sample(0, 30, 1.0, 1.0, accept=3.0), sample(1, 10, 1.0, 1.0, accept=1.0)]
+    samples += [msgspec.structs.replace(sample(2, 40, 1.0, 1.0, accept=4.0), drafter_version=2)]
+    by_version = accept_by_drafter(samples)
+    assert list(by_version) == [-1, 2]
+    assert by_version[-1] == pytest.approx(40 / (10 + 10)), "30 tokens in 10 forwards + 10 tokens in 10"
+    assert by_version[2] == pytest.approx(4.0)

@@ -39,7 +39,7 @@ from tlt_stream.messages import LearnerStats, PolicyVersion
 from tlt_stream.rl.checkpoint import CheckpointInfo, latest_checkpoint, restore_checkpoint, save_checkpoint
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
-from tlt_stream.rl.metrics import rollout_timing, staleness_histogram
+from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 
 __all__ = ["LearnerRunSettings", "LearnerService", "serve_learner"]
 
@@ -197,6 +197,7 @@ class LearnerService:
             dropped_groups=float(self.assembler.dropped_groups),
             duplicates=float(self.assembler.duplicates),
             **{f"staleness_{k}": float(v) for k, v in histogram.items()},
+            **{f"accept_length_drafter_{v}": a for v, a in accept_by_drafter(samples).items()},
         )
         if metrics["learn_seconds"] > 0:
             metrics["learn_tokens_per_s"] = metrics["trained_tokens"] / metrics["learn_seconds"]

@@ -23,7 +23,7 @@ from typing import Any
 
 from tlt_stream.messages import Sample
 
-__all__ = ["length_summary", "rollout_timing", "staleness_histogram"]
+__all__ = ["accept_by_drafter", "length_summary", "rollout_timing", "staleness_histogram"]
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
@@ -75,3 +75,15 @@ def rollout_timing(samples: Sequence[Sample], *, tail_fraction: float = 0.75) ->
 def staleness_histogram(staleness: Sequence[int]) -> dict[str, Any]:
     """Groups per staleness (learner version - the group's policy version), as {"0": n0, "1": n1, ...}."""
     return {str(k): v for k, v in sorted(Counter(staleness).items())}
+
+
+def accept_by_drafter(samples: Sequence[Sample]) -> dict[int, float]:
+    """Mean tokens per target forward of the samples generated with each drafter version (-1: none),
+    weighted by response length (a long sample ran more rounds)."""
+    tokens: dict[int, float] = {}
+    forwards: dict[int, float] = {}
+    for s in samples:
+        if s.response_len and s.accept_length > 0:
+            tokens[s.drafter_version] = tokens.get(s.drafter_version, 0.0) + s.response_len
+            forwards[s.drafter_version] = forwards.get(s.drafter_version, 0.0) + s.response_len / s.accept_length
+    return {v: tokens[v] / forwards[v] for v in sorted(tokens)}

@@ -203,6 +203,12 @@ class RolloutWorker:
         except Exception:  # training is an extra: a failure there must never stop generation
             log.exception("%s: drafter training failed; generating on", self.worker_id)
             await asyncio.sleep(1.0)
+        trainer = self.idle_trainer
+        self.registry.update_info(
+            idle_s=round(trainer.idle_seconds, 1),
+            drafter_training_s=round(trainer.training_seconds, 1),
+            drafter_slices=trainer.slices,
+        )
         if self.registry.state == WorkerStatus.TRAINING_DRAFTER:
             await self.registry.set_state(WorkerStatus.IDLE)
 
