@@ -115,6 +115,13 @@ def main() -> None:
     if not (world / "policy").is_dir():
         sys.exit(f"{world}/policy not found: run `tlt-stream bootstrap --out {world}` first")
     config = load_config(None, environ=os.environ)
+    stamp = time.strftime("%H%M%S")
+
+    def named(part: str):  # every run its own namespace: on a real Redis, runs must not share state
+        import msgspec
+
+        return msgspec.structs.replace(config, run=f"{config.run}-{part}-{stamp}")
+
     steps = 4 if args.quick else args.steps
     extra = {"lr": args.lr} if args.lr is not None else {}
     result: dict[str, Any] = {
@@ -142,7 +149,7 @@ def main() -> None:
                 cores=cores,
                 **extra,
             )
-            code, seconds = asyncio.run(one_run(plan, config))
+            code, seconds = asyncio.run(one_run(plan, named(f"s{staleness}")))
             assert code == 0
             figures = breakdown(load_metrics(run_dir))
             figures["run_wall_s"] = round(seconds, 1)
@@ -169,7 +176,7 @@ def main() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         before = evaluate_version(run_dir, 0, world / "policy", n=n, seed=args.seed + 1, threads=cores)
         log(f"learning run for {minutes:g} min -> {run_dir} (held-out accuracy before: {before['accuracy']:.3f})")
-        code, seconds = asyncio.run(one_run(plan, config, budget_s=minutes * 60))
+        code, seconds = asyncio.run(one_run(plan, named("learn"), budget_s=minutes * 60))
         final = latest_checkpoint(run_dir / "checkpoints")
         assert final is not None
         after = evaluate_version(run_dir, final.step, final.policy_dir, n=n, seed=args.seed + 1, threads=cores)

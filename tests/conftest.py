@@ -52,6 +52,15 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture
+def one_backend(backend: str) -> str:
+    """For slow end-to-end tests of whole processes: run once, on the real servers when they are configured
+    (the embedded ones otherwise); the bus layer itself is tested on both."""
+    if backend == "embedded" and REAL_REDIS and REAL_MQTT:
+        pytest.skip("runs once, against the real servers")
+    return backend
+
+
 def make_config(redis_url: str, mqtt_url: str, **bus_overrides: object) -> Config:
     run = f"t{uuid.uuid4().hex[:10]}"
     bus = msgspec.convert({"redis_url": redis_url, "mqtt_url": mqtt_url, "block_ms": 200, **bus_overrides}, BusConfig)

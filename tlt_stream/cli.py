@@ -103,20 +103,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    import msgspec
     import torch
 
     from tlt_stream.aio import install_stop_signals
-    from tlt_stream.launch import RunPlan, evaluate_version, run_plan
+    from tlt_stream.launch import RunPlan, ensure_new_run, evaluate_version, run_plan
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
     from tlt_stream.tasks.bootstrap import bootstrap
 
     config = load(args)
-    out = Path(args.out or f"runs/{config.run}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per run unless one is named
+        config = msgspec.structs.replace(config, run=f"{config.run}-{stamp}")
+    out = Path(args.out or f"runs/{config.run}")
     world = Path(args.world)
     if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
         print(f"tlt-stream run: {out} already holds checkpoints; choose a new --out", file=sys.stderr)
         return EXIT_CONFIG
+    if config.bus.redis_url is not None:  # a configured server may hold this run's state already
+        try:
+            asyncio.run(ensure_new_run(config))
+        except RuntimeError as exc:
+            print(f"tlt-stream run: {exc}", file=sys.stderr)
+            return 1
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     with PhaseProgress() as progress:
@@ -151,18 +161,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         def on_step(rows: list[dict]) -> None:
             for row in rows:
-                progress(
-                    "train",
-                    row["version"],
-                    plan.steps,
-                    {
-                        "reward": row["reward_mean"],
-                        "len_p50": row.get("response_len_p50", 0.0),
-                        "rollout_tok/s": row.get("rollout_tokens_per_s", 0.0),
-                        "learn_s": row["learn_seconds"],
-                        "wait_s": row.get("wait_seconds", 0.0),
-                    },
-                )
+                figures = {
+                    "reward": row["reward_mean"],
+                    "len_p50": row.get("response_len_p50", 0.0),
+                    "rollout_tok/s": row.get("rollout_tokens_per_s", 0.0),
+                    "learn_s": row["learn_seconds"],
+                    "wait_s": row.get("wait_seconds", 0.0),
+                }
+                drafters = [int(k.rsplit("_", 1)[1]) for k in row if k.startswith("accept_length_drafter_")]
+                if plan.sd != "off":  # tokens per target forward and the newest drafter version in the step
+                    figures["accept"] = row.get("accept_length_mean", 1.0)
+                    figures["drafter_v"] = float(max(drafters, default=-1))
+                progress("train", row["version"], plan.steps, figures)
 
         async def main() -> int:
             stop = asyncio.Event()
@@ -226,6 +236,21 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     from tlt_stream.rl.policy_service import serve_policy
 
     return serve_policy(load(args), args)
+
+
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    from tlt_stream.monitor import MonitorOptions, monitor
+
+    options = MonitorOptions(
+        once=args.once,
+        as_json=args.json,
+        prometheus=args.prometheus,
+        bind=args.bind,
+        interval=args.interval,
+        window_s=args.window,
+        timeout=args.timeout,
+    )
+    return monitor(load(args), options)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -366,11 +391,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
     run.add_argument("--lr", type=float, default=2e-4, help="learner AdamW learning rate")
     run.add_argument("--warmup-steps", type=int, default=20, help="learner learning-rate warmup (updates)")
-    run.add_argument("--sd", choices=["off", "eagle", "ngram"], default="off", help="speculative decoding in rollouts")
+    run.add_argument(
+        "--sd",
+        choices=["off", "eagle", "ngram"],
+        default="eagle",
+        help="rollout speculative decoding (default eagle: adaptive SD with the drafter trained online)",
+    )
     run.add_argument(
         "--no-drafter-training",
         action="store_true",
         help="with --sd eagle: keep the warm-up drafter (no online training)",
+    )
+    run.add_argument(
+        "--fixed-sd", action="store_true", help="with --sd: always speculate with the default arm (no adaptive SD)"
     )
     run.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per rollout row")
     run.add_argument("--eval", type=int, default=256, help="held-out prompts evaluated before and after (0: skip)")
@@ -448,6 +481,28 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--seed", type=int, default=0)
     _add_config_args(policy)
     policy.set_defaults(handler=_cmd_policy)
+
+    mon = commands.add_parser(
+        "monitor",
+        help="live dashboard of a run from its Redis: streams, dead letters, workers, versions, throughput, SD, "
+        "learner; --once --json for scripts; Prometheus metrics",
+        description="Reads the run's Redis only (no broker): stream lengths, pending entries, consumer lag and the "
+        "oldest pending entry, dead letters, workers and their states, policy/drafter/SD-config versions, rollout "
+        "throughput, tokens per forward and SD on/off, the latest learner update and drafter-training slice.",
+    )
+    mode = mon.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="print one snapshot and exit (1: Redis unreachable)")
+    mode.add_argument(
+        "--prometheus", type=int, metavar="PORT", help="serve the figures at http://BIND:PORT/metrics (0: any port)"
+    )
+    mon.add_argument("--json", action="store_true", help="JSON: one object with --once, else one line per refresh")
+    mon.add_argument("--bind", default="127.0.0.1", help="address the Prometheus endpoint listens on")
+    mon.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    mon.add_argument("--window", type=float, default=60.0, help="seconds of rollout reports behind throughput")
+    mon.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for Redis per snapshot")
+    _add_config_args(mon, bus=False)
+    mon.add_argument("--redis-url", help="the run's Redis URL; env TLT_REDIS_URL")
+    mon.set_defaults(handler=_cmd_monitor, mqtt_url=None)
 
     config = commands.add_parser("config", help="show the effective configuration or describe every setting")
     config.add_argument("action", choices=["show", "describe"], help="show: effective values as JSON")

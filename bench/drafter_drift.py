@@ -1,0 +1,311 @@
+"""Does the online drafter keep up with a policy that RL keeps changing, and what does it cost?
+
+Part A, drift (in one process, deterministic): K GRPO updates of the bootstrapped policy on the tiny task
+(on-policy, the learner's own `LearnerCore.step`). After each update, on fresh held-out rollouts of the new
+policy (T = 1, SD chain d4k1v4), the mean acceptance length (tokens per target forward in SD rounds) of:
+
+- the static warm-up drafter (bound to the current policy's embedding and LM head, never trained again);
+- the online drafter: `OnlineDrafterTrainer` fed with each step's hidden-state windows and given a short
+  slice after each update (what an idle worker does while the learner updates);
+- an oracle: a drafter trained from scratch to convergence on the current policy's own samples (at the
+  first and last update only: it is the expensive reference).
+
+Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with adaptive SD twice, with and
+without online drafter training, alternating; the per-step wall time ratio (training adds time only if it
+steals it from generation) and the share of workers' idle seconds that became drafter-training seconds
+(from the `stats` timeline: WorkerState transitions and DrafterStats slices).
+
+    python bench/drafter_drift.py [--quick]      # --quick: K=3, small oracle, 4-step pipeline runs (< 2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def log(message: str) -> None:
+    print(f"[drafter_drift] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--updates", type=int, default=20)
+    p.add_argument("--lr", type=float, default=2e-4, help="policy learning rate (the RL run's)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--slice-steps", type=int, default=20, help="online drafter steps after each update")
+    p.add_argument("--oracle-steps", type=int, default=400)
+    p.add_argument("--eval-prompts", type=int, default=24)
+    p.add_argument("--pipeline-steps", type=int, default=12)
+    p.add_argument("--skip-pipeline", action="store_true")
+    p.add_argument("--skip-drift", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.quick:
+        args.updates, args.oracle_steps, args.eval_prompts, args.pipeline_steps = 3, 60, 12, 4
+        args.prompts, args.slice_steps = 8, 10
+    return args
+
+
+def acceptance(policy: Any, drafter: Any, prompts: list[list[int]], eos: int, seed: int) -> float:
+    """Mean tokens per SD round (chain d4k1v4, T = 1) over fresh rollouts of `policy`."""
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import EagleProposer, SdArm
+
+    drafter.bind(policy)
+    engine = GenerationEngine(
+        policy, len(prompts), policy.spec.max_position_embeddings, proposer=EagleProposer(drafter), arm=SdArm(4, 1, 4)
+    )
+    budget = policy.spec.max_position_embeddings - max(len(p) for p in prompts)
+    results = engine.generate(prompts, budget, 1.0, seed=seed, eos_ids=[eos])
+    rounds = [a for r in results for a in r.accept_lengths]
+    return statistics.fmean(rounds) if rounds else 1.0
+
+
+def oracle_drafter(policy: Any, prompts: list[list[int]], eos: int, steps: int, seed: int) -> Any:
+    """A drafter trained from scratch on `policy`'s own samples (as the bootstrap trains its drafter)."""
+    import torch
+
+    from tlt_stream.drafter.model import Drafter
+    from tlt_stream.drafter.train import DrafterTrainer, batches
+    from tlt_stream.rl.samples import hidden_window
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    engine = GenerationEngine(policy, 32, policy.spec.max_position_embeddings)
+    budget = policy.spec.max_position_embeddings - max(len(p) for p in prompts)
+    results = engine.generate(prompts, budget, 1.0, seed=seed, eos_ids=[eos], return_hidden=True)
+    windows = [_window(hidden_window(r, f"o/{i}", 0, dtype="float32")) for i, r in enumerate(results) if r.token_ids]
+    torch.manual_seed(seed)
+    drafter = Drafter(policy.spec).bind(policy)
+    trainer = DrafterTrainer(drafter, lr=2e-3, total_steps=steps, unroll=3)
+    stream = batches(windows, row_tokens=512, rows_per_batch=4, seed=seed)
+    for _ in range(steps):
+        trainer.step(next(stream))
+    return drafter.eval()
+
+
+def _window(message: Any) -> Any:
+    from tlt_stream.drafter.buffer import window_from_message
+
+    return window_from_message(message)
+
+
+def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.drafter.online import LrSchedule, OnlineDrafterTrainer, OnlineTrainingConfig, WindowBuffer
+    from tlt_stream.messages import PromptGroup
+    from tlt_stream.model import load_model
+    from tlt_stream.rl.groups import ReadyGroup
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+    from tlt_stream.rl.samples import hidden_window, make_sample
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask, reward
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    eos = tokenizer.eos_token_id
+    task = RepeatedAddTask()
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    held_out = [encode(p.prompt) for p in task.problems(args.eval_prompts, args.seed + 99, heldout=True)]
+    oracle_prompts = [encode(p.prompt) for p in task.problems(64 if args.quick else 256, args.seed + 7, heldout=False)]
+    hf = AutoModelForCausalLM.from_pretrained(world / "policy")
+    core = LearnerCore(hf, LearnerSettings(lr=args.lr, warmup_steps=min(20, args.updates)))
+    policy = load_model(world / "policy")
+    static = load_drafter(world / "drafter", policy)
+    online_drafter = copy.deepcopy(static).bind(policy)
+    buffer = WindowBuffer(recent_tokens=60_000, reservoir_tokens=60_000, seed=args.seed)
+    online = OnlineDrafterTrainer(
+        online_drafter,
+        buffer,
+        OnlineTrainingConfig(schedule=LrSchedule(base_lr=3e-4, warmup_steps=10), batch_pairs=1024),
+        policy_version=0,
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="drafter-drift-"))
+    rows = []
+    started = time.perf_counter()
+    for update in range(1, args.updates + 1):
+        problems = task.problems(args.prompts, args.seed * 7919 + update, heldout=False)
+        engine = GenerationEngine(policy, args.prompts * args.group, policy.spec.max_position_embeddings)
+        groups, windows = [], []
+        for i, problem in enumerate(problems):
+            ids = encode(problem.prompt)
+            for g in range(args.group):
+                engine.add_request(ids, engine.max_len - len(ids), 1.0, update * 10_000 + i * 100 + g, [eos],
+                                   request_id=(i, g), return_hidden=True)  # fmt: skip
+        done = {}
+        while engine.has_unfinished:
+            for result in engine.step():
+                done[result.request_id] = result
+        for i, problem in enumerate(problems):
+            group = PromptGroup(
+                task_id=f"u{update}-{i}",
+                prompt_id=problem.prompt_id,
+                prompt_ids=encode(problem.prompt),
+                answer=problem.answer,
+                group_size=args.group,
+            )
+            samples = []
+            for g in range(args.group):
+                result = done[(i, g)]
+                text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+                score = reward(text, problem.answer)
+                samples.append(
+                    make_sample(
+                        result,
+                        group,
+                        g,
+                        reward=score,
+                        policy_version=update - 1,
+                        drafter_version=0,
+                        worker_id="bench",
+                        gen_seconds=0.0,
+                    )
+                )
+                if result.token_ids:
+                    windows.append(hidden_window(result, f"{group.task_id}/{g}", update - 1))
+            groups.append(ReadyGroup(group.task_id, samples, []))
+        metrics = core.step(groups)
+        hf.save_pretrained(scratch)
+        policy = load_model(scratch)
+        for message in windows:  # the step's hidden states reach the drafter while the learner updates
+            buffer.add(_window(message), message.policy_version)
+        online.rebind(policy, update)
+        online.train_slice(max_steps=args.slice_steps)
+        row = {
+            "update": update,
+            "reward": round(metrics["reward_mean"], 3),
+            "static": round(acceptance(policy, static, held_out, eos, seed=update), 3),
+            "online": round(acceptance(policy, online.drafter, held_out, eos, seed=update), 3),
+        }
+        if update in (1, args.updates):
+            log(f"update {update}: training the oracle drafter ({args.oracle_steps} steps)")
+            oracle = oracle_drafter(policy, oracle_prompts, eos, args.oracle_steps, seed=args.seed + update)
+            row["oracle"] = round(acceptance(policy, oracle, held_out, eos, seed=update), 3)
+            row["online_over_oracle"] = round(row["online"] / row["oracle"], 3)
+        rows.append(row)
+        log(f"update {update}: {row}")
+    first, last = rows[0], rows[-1]
+    return {
+        "updates": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+        "static_change": round(last["static"] - first["static"], 3),
+        "online_minus_static_last": round(last["online"] - last["static"], 3),
+        "online_over_oracle_min": min(r["online_over_oracle"] for r in rows if "online_over_oracle" in r),
+    }
+
+
+def state_seconds(entries: list[Any], end: float) -> dict[str, dict[str, float]]:
+    """Seconds each worker spent in each state, from its WorkerState transitions (the stats timeline)."""
+    from tlt_stream.messages import WorkerState
+
+    per: dict[str, list[tuple[float, str]]] = {}
+    for e in entries:
+        if isinstance(e, WorkerState):
+            per.setdefault(e.worker_id, []).append((e.created_at, str(e.state)))
+    out: dict[str, dict[str, float]] = {}
+    for worker, changes in per.items():
+        changes.sort()
+        totals: dict[str, float] = {}
+        for (t, state), (t_next, _) in zip(changes, [*changes[1:], (end, "")], strict=True):
+            totals[state] = totals.get(state, 0.0) + max(0.0, t_next - t)
+        out[worker] = totals
+    return out
+
+
+def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
+    import msgspec
+    import redis
+
+    from tlt_stream.bus.embedded import EmbeddedServers
+    from tlt_stream.bus.streams import Keys
+    from tlt_stream.config import load_config
+    from tlt_stream.launch import RunPlan, run_plan
+    from tlt_stream.messages import DrafterStats, codec_for
+    from tlt_stream.report import load_metrics
+
+    base = load_config(None, environ=os.environ)
+    servers = EmbeddedServers()
+    try:
+        redis_url = base.bus.redis_url or servers.start_redis()
+        mqtt_url = base.bus.mqtt_url or servers.start_mqtt()
+        out = Path(tempfile.mkdtemp(prefix="drafter-drift-runs-"))
+        results: dict[str, Any] = {}
+        for train in (True, False):
+            name = "online" if train else "static"
+            run = f"drift-{name}-{os.getpid()}-{int(time.time())}"
+            config = msgspec.structs.replace(
+                base, run=run, bus=msgspec.structs.replace(base.bus, redis_url=redis_url, mqtt_url=mqtt_url)
+            )
+            plan = RunPlan(world=world, run_dir=out / name, steps=args.pipeline_steps, sd="eagle", train_drafter=train,
+                           prompts_per_step=args.prompts, group_size=args.group, lr=args.lr)  # fmt: skip
+            log(f"pipeline run with drafter training {'on' if train else 'off'}: {args.pipeline_steps} steps")
+            assert asyncio.run(run_plan(plan, config)) == 0
+            rows = load_metrics(out / name)
+            walls = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
+            client = redis.Redis.from_url(redis_url)
+            entries = [codec_for("stats").decode(f[b"m"]) for _, f in client.xrange(Keys(run).stream("stats"))]
+            client.close()
+            states = state_seconds(entries, end=rows[-1]["time"])
+            slices = [e for e in entries if isinstance(e, DrafterStats)]
+            idle = sum(s.get("IDLE", 0.0) + s.get("TRAINING_DRAFTER", 0.0) for s in states.values())
+            training = sum(s.seconds for s in slices)
+            latencies = [s.preempt_latency_s for s in slices if s.end == "preempted"]
+            results[name] = {
+                "step_wall_s": round(statistics.median(walls), 3) if walls else None,
+                "idle_s": round(idle, 2),
+                "drafter_training_s": round(training, 2),
+                "idle_to_training_share": round(training / idle, 3) if idle else None,
+                "slices": len(slices),
+                "published_drafters": len({s.drafter_version for s in slices if s.adopted}),
+                "preempt_latency_s_median": round(statistics.median(latencies), 3) if latencies else None,
+                "accept_length_mean": round(statistics.fmean(r["accept_length_mean"] for r in rows), 3),
+            }
+        on, off = results["online"]["step_wall_s"], results["static"]["step_wall_s"]
+        results["step_time_overhead"] = round(on / off - 1, 3) if on and off else None
+        return results
+    finally:
+        servers.close()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    world = Path(args.world)
+    if not (world / "drafter").is_dir():
+        sys.exit(f"{world}: no bootstrapped world (run `tlt-stream bootstrap --out {world}`)")
+    result: dict[str, Any] = {"benchmark": "drafter_drift", "quick": args.quick, "lr": args.lr}
+    if not args.skip_drift:
+        result["drift"] = drift(args, world)
+    if not args.skip_pipeline:
+        result["pipeline"] = pipeline(args, world)
+    result["goals"] = {
+        "online_over_oracle_min": 0.95,
+        "static_falls": "measurably",
+        "step_time_overhead_max": 0.02,
+        "idle_to_training_share_min": 0.70,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""compose.yaml started without Docker: every service a process, exactly as its entrypoint, command and
+environment say, on loopback against the real Redis and Mosquitto; a few learner steps, then SIGTERM.
+
+Only what a container would change is translated: the server host names become the test servers' addresses,
+the `data` volume a temporary directory, `python` and `tlt-stream` this environment's, the monitor's exposed
+port a free local one. The tiny world is the tests' random policy plus a random drafter (what `bootstrap`
+leaves in /data/world, without its minutes of training); small settings come through Compose's variables,
+as a user's `.env` would give them. Two rollout processes stand in for `--scale rollout=2`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.compose_file import ROOT, argv, duration_s, environment, services
+from tlt_stream.bus.control import read_mirror
+from tlt_stream.bus.registry import list_workers
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.report import load_metrics
+from tlt_stream.rl.checkpoint import latest_checkpoint
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt, pytest.mark.slow]
+
+SMALL = {
+    "TLT_STEPS": "1000",  # nothing ends by itself: every service is stopped by SIGTERM
+    "TLT_PROMPTS_PER_STEP": "2",
+    "TLT_GROUP_SIZE": "2",
+    "TLT_MAX_LEN": "64",
+    "TLT_MAX_BATCH": "8",
+    "TLT_ROLLOUT_THREADS": "1",
+    "TLT_LEARNER_THREADS": "1",
+}
+STEPS = 2
+ROLES = ("policy", "rollout", "learner", "monitor")
+REPLICAS = {"rollout": 2}
+
+
+@dataclass
+class Started:
+    name: str
+    process: asyncio.subprocess.Process
+    grace_s: float
+    log: Path
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def on_loopback(url: str, real: str) -> str:
+    """`url`, whose host is a compose service, pointed at the real server (its path, the Redis db, is kept)."""
+    assert urlsplit(url).hostname in ("redis", "mosquitto"), url
+    return urlunsplit(urlsplit(url)._replace(netloc=urlsplit(real).netloc))
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def localize(text: str, data: Path, ports: dict[str, str]) -> str:
+    if text == "python":
+        return sys.executable
+    if text == "tlt-stream":
+        return str(Path(sys.executable).parent / "tlt-stream")
+    text = re.sub(r"(^|=)/data(?=/|$)", lambda m: m[1] + str(data), text)
+    for exposed, local in ports.items():
+        text = re.sub(rf"(?<![0-9]){exposed}(?![0-9])", local, text)
+    return text
+
+
+def build_world(init_policy: Path, world: Path) -> None:
+    import torch
+
+    from tlt_stream.drafter.model import Drafter, save_drafter
+    from tlt_stream.model import load_model
+
+    shutil.copytree(init_policy, world / "policy")
+    torch.manual_seed(1)
+    save_drafter(Drafter(load_model(world / "policy").spec), world / "drafter")
+
+
+def process_env(service: dict[str, Any], config: Config) -> dict[str, str]:
+    assert config.bus.redis_url and config.bus.mqtt_url
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
+    compose = environment(service)
+    compose["TLT_REDIS_URL"] = on_loopback(compose["TLT_REDIS_URL"], config.bus.redis_url)
+    compose["TLT_MQTT_URL"] = on_loopback(compose["TLT_MQTT_URL"], config.bus.mqtt_url)
+    return {**env, **compose, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}  # the image's /app and ENV
+
+
+async def start(name: str, service: dict[str, Any], config: Config, tmp_path: Path, ports: dict[str, str]) -> Started:
+    line = [localize(part, tmp_path / "data", ports) for part in argv(service)]
+    log = tmp_path / "logs" / f"{name}.log"
+    log.parent.mkdir(exist_ok=True)
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            *line, env=process_env(service, config), stdout=out, stderr=out, cwd=tmp_path, start_new_session=True
+        )
+    return Started(name, process, duration_s(service["stop_grace_period"]), log)
+
+
+async def wait_for_steps(run_dir: Path, running: list[Started], steps: int) -> list[dict]:
+    while len(rows := load_metrics(run_dir)) < steps:
+        for s in running:
+            assert s.process.returncode is None, f"{s.name} exited with {s.process.returncode}:\n{s.tail()}"
+        await asyncio.sleep(0.5)
+    return rows
+
+
+async def healthy(service: dict[str, Any], data: Path, ports: dict[str, str]) -> bool:
+    kind, *command = service["healthcheck"]["test"]
+    assert kind == "CMD", kind
+    for _ in range(20):
+        check = await asyncio.create_subprocess_exec(
+            *(localize(part, data, ports) for part in command),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        if await check.wait() == 0:
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def stop(running: list[Started]) -> dict[str, int | None]:
+    """SIGTERM every live process (as `docker compose down` does), SIGKILL what outlives its grace period."""
+    for s in running:
+        if s.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                s.process.terminate()
+    codes: dict[str, int | None] = {}
+    for s in running:
+        try:
+            codes[s.name] = await asyncio.wait_for(s.process.wait(), timeout=s.grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.process.pid, 9)
+            await s.process.wait()
+            codes[s.name] = None
+    return codes
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)
+async def test_every_service_started_as_compose_says_trains_and_stops_cleanly_on_sigterm(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    data = tmp_path / "data"
+    build_world(init_policy, data / "world")
+    spec = services({**SMALL, "TLT_RUN": bus_config.run})
+    run_dir = data / "runs" / bus_config.run
+    ports = {port: free_port() for port in spec["monitor"].get("expose", [])}
+    running: list[Started] = []
+    try:
+        for role in ROLES:
+            for replica in range(REPLICAS.get(role, 1)):
+                name = f"{role}-{replica}" if role in REPLICAS else role
+                running.append(await start(name, spec[role], bus_config, tmp_path, ports))
+        async with asyncio.timeout(150):
+            rows = await wait_for_steps(run_dir, running, STEPS)
+        assert [r["version"] for r in rows[:STEPS]] == list(range(1, STEPS + 1))
+        redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+        try:
+            assert (await read_mirror(redis, Keys(bus_config.run)))["policy"].version >= STEPS
+            workers = await list_workers(redis, Keys(bus_config.run), bus_config.bus)
+        finally:
+            await redis.aclose()
+        rollout_ids = {w["worker_id"] for w in workers if w.get("role") == "rollout"}
+        host = socket.gethostname()
+        expected = {f"rollout-{host}-{s.process.pid}" for s in running if s.name.startswith("rollout-")}
+        assert rollout_ids == expected, "each replica takes its id from its hostname and pid"
+        assert await healthy(spec["monitor"], data, ports), next(s for s in running if s.name == "monitor").tail()
+    finally:
+        codes = await stop(running)
+    logs = {s.name: s.tail() for s in running}
+    assert codes == dict.fromkeys(logs, 0), "\n\n".join(f"== {n} (exit {codes[n]})\n{t}" for n, t in logs.items())
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert checkpoint is not None and checkpoint.step >= STEPS
+    final = load_metrics(run_dir)
+    assert [r["version"] for r in final] == list(range(1, len(final) + 1))

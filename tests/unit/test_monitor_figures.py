@@ -1,0 +1,244 @@
+"""The monitor's pure figures: consumer lag, pending age, rollout throughput, summaries, Prometheus text."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tlt_stream.config import ConfigError
+from tlt_stream.messages import DrafterStats, LearnerStats, RolloutStats
+from tlt_stream.monitor import (
+    MetricsServer,
+    MonitorOptions,
+    drafter_summary,
+    entry_seconds,
+    group_lag,
+    learner_summary,
+    next_entry_id,
+    pending_age,
+    prometheus_text,
+    rollout_summary,
+    worker_summary,
+)
+
+
+def test_entry_ids() -> None:
+    assert entry_seconds(b"1796045459058-3") == 1796045459.058
+    assert next_entry_id(b"1796045459058-3") == "1796045459058-4"
+    assert next_entry_id("5") == "5-1"
+
+
+def test_group_lag_prefers_redis_and_says_when_it_must_be_counted() -> None:
+    assert group_lag({"lag": 4, "last-delivered-id": b"10-0"}, length=9) == 4
+    assert group_lag({"lag": 0, "last-delivered-id": b"10-0"}, length=9) == 0
+    # Redis cannot tell (deletions) or is older than 7 (no field): nothing delivered means all of the stream.
+    assert group_lag({"lag": None, "last-delivered-id": b"0-0"}, length=9) == 9
+    assert group_lag({"last-delivered-id": "0-0"}, length=2) == 2
+    assert group_lag({"lag": None, "last-delivered-id": b"10-0"}, length=9) is None
+    assert group_lag({"last-delivered-id": b"10-0"}, length=9) is None
+
+
+def test_pending_age_from_the_oldest_pending_entry() -> None:
+    oldest = {"message_id": b"100000-0", "consumer": b"w1", "time_since_delivered": 2500, "times_delivered": 3}
+    assert pending_age(oldest, now=112.5) == {
+        "oldest_pending_id": "100000-0",
+        "oldest_pending_age_s": 12.5,
+        "oldest_pending_idle_s": 2.5,
+        "oldest_pending_consumer": "w1",
+        "oldest_pending_deliveries": 3,
+    }
+    assert pending_age(None, now=1.0)["oldest_pending_age_s"] is None
+
+
+def rollout(worker: str, tokens: int, seconds: float, forwards: int, sd_on: bool = False, batch: int = 4):
+    return RolloutStats(
+        worker_id=worker,
+        policy_version=2,
+        drafter_version=1,
+        batch_size=batch,
+        tokens=tokens,
+        seconds=seconds,
+        target_forwards=forwards,
+        sd_on=sd_on,
+    )
+
+
+def test_rollout_throughput_over_a_long_run_uses_the_whole_window() -> None:
+    now = 1000.0
+    reports = [  # newest first, as read with XREVRANGE
+        (999.0, rollout("w1", 300, 1.5, 60, sd_on=True, batch=2)),
+        (995.0, rollout("w2", 200, 2.0, 100)),
+        (990.0, rollout("w1", 100, 1.0, 100)),
+        (900.0, rollout("w2", 5000, 50.0, 5000)),  # before the window: only w2's older state, not counted
+    ]
+    summary = rollout_summary(reports, now, window_s=30.0)
+    assert summary["reports"] == 3 and summary["tokens"] == 600
+    assert summary["span_s"] == 30.0
+    assert summary["tokens_per_s"] == pytest.approx(600 / 30)
+    assert summary["generation_tokens_per_s"] == pytest.approx(600 / 4.5)
+    assert summary["tokens_per_forward"] == pytest.approx(600 / 260)
+    assert summary["sd_on_workers"] == 1  # the latest report of each worker decides
+    assert summary["workers"]["w1"] == {
+        "sd_on": True,
+        "batch_size": 2,
+        "policy_version": 2,
+        "drafter_version": 1,
+        "tokens_per_s": 200.0,
+        "tokens_per_forward": 5.0,
+        "age_s": 1.0,
+    }
+    assert summary["workers"]["w2"]["sd_on"] is False and summary["workers"]["w2"]["age_s"] == 5.0
+
+
+def test_rollout_throughput_of_a_young_or_truncated_read_covers_only_what_was_seen() -> None:
+    now = 1000.0
+    reports = [(998.0, rollout("w1", 400, 2.0, 400)), (994.0, rollout("w1", 200, 4.0, 200))]
+    young = rollout_summary(reports, now, window_s=60.0)
+    assert young["span_s"] == pytest.approx(10.0)  # from the first report's start (994 - 4)
+    assert young["tokens_per_s"] == pytest.approx(60.0)
+    cut = rollout_summary(reports, now, window_s=60.0, horizon=995.0)
+    assert cut["span_s"] == pytest.approx(5.0)
+    assert cut["tokens_per_s"] == pytest.approx(120.0)
+    empty = rollout_summary([], now, window_s=60.0)
+    assert empty["tokens_per_s"] == 0.0 and empty["generation_tokens_per_s"] is None
+    assert empty["tokens_per_forward"] is None and empty["workers"] == {}
+
+
+def test_learner_drafter_and_worker_summaries() -> None:
+    metrics = {"reward_mean": 0.5, "accuracy": 0.375, "staleness_max": 1.0, "accept_length_mean": 2.5, "loss": 0.1}
+    learner = learner_summary(
+        (95.0, LearnerStats(step=7, policy_version=7, groups=8, samples=64, metrics=metrics)), 100.0
+    )
+    assert learner is not None
+    assert (learner["step"], learner["age_s"], learner["reward_mean"], learner["accuracy"]) == (7, 5.0, 0.5, 0.375)
+    assert learner["accept_length_mean"] == 2.5 and learner["staleness_mean"] is None
+    assert learner["metrics"] == metrics
+    assert learner_summary(None, 1.0) is None
+
+    def slice_(step: int, adopted: bool) -> DrafterStats:
+        return DrafterStats(
+            worker_id="w2", fence=3, policy_version=7, step=step, steps=10, seconds=2.0, loss=0.8, end="preempted",
+            accept_new=2.2, accept_current=2.0, adopted=adopted, drafter_version=4 if adopted else -1,
+        )  # fmt: skip
+
+    drafter = drafter_summary([(99.0, slice_(40, True)), (90.0, slice_(30, False))], 100.0)
+    assert drafter is not None
+    assert (drafter["step"], drafter["adopted"], drafter["drafter_version"], drafter["age_s"]) == (40, True, 4, 1.0)
+    assert (drafter["slices_read"], drafter["adopted_read"], drafter["end"]) == (2, 1, "preempted")
+    assert drafter_summary([], 1.0) is None
+
+    raw = {"worker_id": "w1", "role": "rollout", "state": "IDLE", "since": "90.0", "heartbeat": "99.5"}
+    worker = worker_summary({**raw, "pid": "12", "policy_version": "3"}, 100.0)
+    assert (worker["state"], worker["state_seconds"], worker["heartbeat_age_s"]) == ("IDLE", 10.0, 0.5)
+    assert (worker["policy_version"], worker["drafter_version"]) == (3, None)
+    assert worker["info"] == {"pid": "12", "policy_version": "3"}
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([a-z_]+)\{(.*)\} (\S+)", line)
+        assert match, line
+        labels = frozenset(re.findall(r'([a-z_]+)="((?:[^"\\]|\\.)*)"', match[2]))
+        samples[(match[1], labels)] = float(match[3])
+    return samples
+
+
+def test_prometheus_text_carries_the_figures_and_escapes_labels() -> None:
+    snap = {
+        "run": "r1",
+        "reachable": True,
+        "time": 100.0,
+        "streams": {
+            "prompts": {
+                "length": 6,
+                "groups": {
+                    "rollout": {
+                        "consumers": 1,
+                        "pending": 2,
+                        "lag": 3,
+                        "oldest_pending_age_s": 4.5,
+                        "oldest_pending_idle_s": None,
+                    }
+                },
+            },
+            "stats": {"length": 9, "groups": {}},
+        },
+        "dead": {"counts": {"prompts": 1}},
+        "worker_states": {"GENERATING": 1},
+        "workers": [
+            {
+                "worker_id": 'w"1\n',
+                "role": "rollout",
+                "state": "GENERATING",
+                "state_seconds": 2.0,
+                "policy_version": 3,
+                "drafter_version": None,
+            },
+        ],
+        "rollout": {
+            "workers": {'w"1\n': {"sd_on": True, "batch_size": 2}},
+            "tokens_per_s": 20.0,
+            "generation_tokens_per_s": None,
+            "tokens_per_forward": 1.5,
+            "sd_on_workers": 1,
+        },
+        "versions": {"policy": {"version": 3}, "drafter": None, "sd_config": {"version": 1}},
+        "learner": {"step": 2, "policy_version": 2, "age_s": 1.0, "metrics": {"reward_mean": 0.5, "nan": float("nan")}},
+        "drafter": None,
+        "stats_read": {"undecodable": 0},
+    }
+    text = prometheus_text(snap)
+    assert "# TYPE tlt_dead_letters_total counter" in text
+    samples = parse_metrics(text)
+    run = ("run", "r1")
+
+    def value(name: str, /, **labels: str) -> float:
+        return samples[(name, frozenset({run, *labels.items()}))]
+
+    assert value("tlt_up") == 1
+    assert value("tlt_stream_length", stream="prompts") == 6
+    assert value("tlt_group_lag", stream="prompts", group="rollout") == 3
+    assert value("tlt_group_oldest_pending_age_seconds", stream="prompts", group="rollout") == 4.5
+    assert not any(name == "tlt_group_oldest_pending_idle_seconds" for name, _ in samples)  # None: no sample
+    assert value("tlt_dead_letters_total", stream="prompts") == 1
+    assert value("tlt_workers", state="GENERATING") == 1 and value("tlt_workers", state="IDLE") == 0
+    escaped = 'w\\"1\\n'
+    assert value("tlt_worker_state", worker=escaped, role="rollout", state="GENERATING") == 1
+    assert value("tlt_worker_sd_on", worker=escaped) == 1
+    assert value("tlt_version", kind="policy") == 3 and value("tlt_version", kind="sd_config") == 1
+    assert not any(name == "tlt_version" and ("kind", "drafter") in labels for name, labels in samples)
+    assert value("tlt_rollout_tokens_per_forward") == 1.5
+    assert value("tlt_learner_step") == 2 and value("tlt_learner_metric", name="reward_mean") == 0.5
+    assert 'tlt_learner_metric{run="r1",name="nan"} NaN' in text
+
+    down = parse_metrics(prometheus_text({"run": "r1", "reachable": False}))
+    assert down == {("tlt_up", frozenset({run})): 0.0}
+
+
+def test_metrics_server_serves_what_was_published() -> None:
+    with MetricsServer("127.0.0.1", 0) as server:
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(server.url, timeout=5)
+        assert missing.value.code == 503
+        server.publish("tlt_up 1\n")
+        with urllib.request.urlopen(server.url, timeout=5) as reply:
+            assert reply.read() == b"tlt_up 1\n"
+            assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        with pytest.raises(urllib.error.HTTPError) as elsewhere:
+            urllib.request.urlopen(server.url.replace("/metrics", "/other"), timeout=5)
+        assert elsewhere.value.code == 404
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"interval": 0}, {"window_s": -1.0}, {"timeout": 0.0}, {"prometheus": 70000}, {"once": True, "prometheus": 9}],
+)
+def test_bad_options_are_config_errors(options: dict) -> None:
+    with pytest.raises(ConfigError):
+        MonitorOptions(**options)
