@@ -30,6 +30,7 @@ __all__ = [
     "ensure_new_run",
     "evaluate_version",
     "run_plan",
+    "save_timeline",
     "service_commands",
     "thread_split",
 ]
@@ -260,6 +261,44 @@ async def ensure_new_run(config: Config) -> None:
         )
 
 
+async def save_timeline(config: Config, path: Path) -> int:
+    """Write the run's `stats` timeline (worker states, rollout reports, drafter slices) as JSON lines, so
+    the report can draw it after the servers are gone; returns the number of entries written."""
+    import json
+
+    import msgspec
+    import redis.asyncio as aioredis
+
+    from tlt_stream.bus.streams import Keys
+    from tlt_stream.messages import DrafterStats, RolloutStats, WorkerState, codec_for
+
+    codec = codec_for("stats")
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    written = 0
+    try:
+        with path.open("w") as out:
+            cursor = "-"
+            while True:
+                entries = await redis.xrange(Keys(config.run).stream("stats"), min=cursor, count=1000)
+                for _, fields in entries:
+                    try:
+                        message = codec.decode(fields[b"m"])
+                    except Exception:  # an undecodable entry is the dead-letter path's business
+                        continue
+                    if isinstance(message, WorkerState | RolloutStats | DrafterStats):
+                        row = {"kind": message.kind, **msgspec.to_builtins(message)}
+                        out.write(json.dumps(row) + "\n")
+                        written += 1
+                if len(entries) < 1000:
+                    break
+                last = entries[-1][0].decode()
+                ms, seq = last.split("-")
+                cursor = f"{ms}-{int(seq) + 1}"
+    finally:
+        await redis.aclose()
+    return written
+
+
 async def run_plan(plan: RunPlan, config: Config, *, on_step=None, stop: asyncio.Event | None = None) -> int:
     """Run the services of `plan` until the learner has made `plan.steps` updates (exit code 0) or `stop`
     is set (130). Raises RuntimeError when a service fails.
@@ -296,6 +335,7 @@ async def run_plan(plan: RunPlan, config: Config, *, on_step=None, stop: asyncio
         rows = load_metrics(plan.run_dir)
         if len(rows) > seen and on_step is not None:
             on_step(rows[seen:])
+        await save_timeline(resolved, plan.run_dir / "timeline.jsonl")
         if code is None:
             return 130
         if code != 0:

@@ -115,6 +115,78 @@ def _time_breakdown(plt, rows: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+STATE_COLORS = {
+    "GENERATING": "tab:blue",
+    "IDLE": "lightgray",
+    "TRAINING_DRAFTER": "tab:orange",
+    "LOADING": "tab:purple",
+    "STOPPED": "black",
+}
+
+
+def _speculation(plt, rows: list[dict[str, Any]], timeline: list[dict[str, Any]], out: Path) -> None:
+    """Tokens per target forward per learner step, and the share of rollout reports with SD on over time."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5))
+    versions = [r["version"] for r in rows]
+    top.plot(versions, [r.get("accept_length_mean", 1.0) for r in rows], "o-", ms=3, label="mean over samples")
+    drafters = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("accept_length_drafter_")})
+    for version in drafters:
+        key = f"accept_length_drafter_{version}"
+        points = [(r["version"], r[key]) for r in rows if key in r]
+        top.plot(*zip(*points, strict=True), ".", ms=5, label=f"drafter v{version}" if version >= 0 else "no drafter")
+    top.set_xlabel("policy version (learner step)")
+    top.set_ylabel("tokens per target forward")
+    top.set_title("Acceptance length (per drafter version: weighted by response length)")
+    top.grid(alpha=0.3)
+    top.legend(loc="best", fontsize="small", ncol=2)
+    reports = [e for e in timeline if e["kind"] == "rollout"]
+    if reports:
+        t0 = min(e["created_at"] for e in timeline)
+        bottom.step([e["created_at"] - t0 for e in reports], [float(e["sd_on"]) for e in reports], where="post")
+        bottom.scatter(
+            [e["created_at"] - t0 for e in reports],
+            [e["batch_size"] / max(1, max(r["batch_size"] for r in reports)) for e in reports],
+            s=4,
+            color="tab:gray",
+            label="running batch (scaled)",
+        )
+        bottom.legend(loc="upper right", fontsize="small")
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_xlabel("seconds since the run started")
+    bottom.set_ylabel("SD on")
+    bottom.set_title("Speculative decoding on/off (at each rollout report)")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _worker_states(plt, timeline: list[dict[str, Any]], out: Path) -> None:
+    """One bar per worker: GENERATING / IDLE / TRAINING_DRAFTER / LOADING over time."""
+    changes: dict[str, list[tuple[float, str]]] = {}
+    for e in timeline:
+        if e["kind"] == "worker_state":
+            changes.setdefault(e["worker_id"], []).append((e["created_at"], e["state"]))
+    fig, ax = plt.subplots(figsize=(7, 2.0 + 0.6 * max(1, len(changes))))
+    if changes:
+        t0 = min(t for c in changes.values() for t, _ in c)
+        end = max(e["created_at"] for e in timeline)
+        for row, (_, states) in enumerate(sorted(changes.items())):
+            states.sort()
+            for (start, state), (stop, _) in zip(states, [*states[1:], (end, "")], strict=True):
+                ax.barh(row, stop - start, left=start - t0, color=STATE_COLORS.get(state, "tab:red"), height=0.6)
+        ax.set_yticks(range(len(changes)), sorted(changes))
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
+        ax.legend(
+            handles, list(STATE_COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, fontsize="small"
+        )
+    ax.set_xlabel("seconds since the first state change")
+    ax.set_title("Worker states (idle time turned into drafter training)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write the run's plots and `report.html` into `RUN_DIR/report/`; returns the HTML path."""
     run_dir = Path(run_dir)
@@ -122,6 +194,7 @@ def write_report(run_dir: str | Path) -> Path:
     if not rows:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl: no learner steps recorded yet")
     evals = _read_jsonl(run_dir / "eval.jsonl")
+    timeline = _read_jsonl(run_dir / "timeline.jsonl")
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     plt = _figure()
@@ -129,7 +202,10 @@ def write_report(run_dir: str | Path) -> Path:
         "reward.png": ("Reward and held-out accuracy", _reward_curve, (rows, evals)),
         "lengths.png": ("Response lengths per step", _lengths, (rows,)),
         "time.png": ("Per-step time breakdown", _time_breakdown, (rows,)),
+        "speculation.png": ("Acceptance length and SD on/off", _speculation, (rows, timeline)),
     }
+    if timeline:
+        plots["workers.png"] = ("Worker state timeline", _worker_states, (timeline,))
     for name, (_, draw, args) in plots.items():
         draw(plt, *args, out / name)
     last = rows[-1]

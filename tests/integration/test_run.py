@@ -81,8 +81,12 @@ async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
         assert key in rows[-1], key
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 2] and all(0 <= e["accuracy"] <= 1 for e in evals)
-    for name in ("report.html", "reward.png", "lengths.png", "time.png"):
+    for name in ("report.html", "reward.png", "lengths.png", "time.png", "speculation.png", "workers.png"):
         assert (out / "report" / name).stat().st_size > 0, name
+    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    states = {e["state"] for e in timeline if e["kind"] == "worker_state"}
+    assert {"GENERATING", "STOPPED"} <= states, states
+    assert any(e["kind"] == "rollout" for e in timeline)
     assert {p.name for p in (out / "logs").iterdir()} == {"policy.log", "rollout-0.log", "learner.log"}
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
     try:
