@@ -117,6 +117,22 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
         async with asyncio.timeout(180):
             while not (out / "metrics.jsonl").exists():  # noqa: ASYNC110 (a file, not an event)
                 await asyncio.sleep(0.5)
+        # The live run as the monitor sees it, from Redis alone.
+        monitor = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "tlt_stream.cli", "monitor", "--once", "--json", "--run", bus_config.run),
+            env=env_for(bus_config),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(60):
+            stdout, monitor_err = await monitor.communicate()
+        assert monitor.returncode == 0, monitor_err.decode()[-2000:]
+        snap = json.loads(stdout)
+        assert snap["reachable"] and snap["streams"]["samples"]["length"] > 0
+        assert snap["streams"]["prompts"]["groups"]["rollout"]["consumers"] == 1
+        assert [w["worker_id"] for w in snap["workers"] if w["role"] == "rollout"] == ["rollout-0"]
+        assert snap["versions"]["policy"]["version"] >= 1 and snap["learner"]["step"] >= 1
+        assert snap["rollout"]["reports"] > 0 and snap["rollout"]["tokens"] > 0
         process.send_signal(signal.SIGINT)
         async with asyncio.timeout(90):
             _, stderr = await process.communicate()
