@@ -173,7 +173,6 @@ def main() -> None:
             cores=cores,
             **extra,
         )
-        run_dir.mkdir(parents=True, exist_ok=True)
         before = evaluate_version(run_dir, 0, world / "policy", n=n, seed=args.seed + 1, threads=cores)
         log(f"learning run for {minutes:g} min -> {run_dir} (held-out accuracy before: {before['accuracy']:.3f})")
         code, seconds = asyncio.run(one_run(plan, named("learn"), budget_s=minutes * 60))

@@ -154,8 +154,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
         if args.eval and not (out / "eval.jsonl").exists():
-            row = evaluate_version(out.mkdir(parents=True, exist_ok=True) or out, 0, world / "policy", n=args.eval,
-                                   seed=args.seed, threads=cores)  # fmt: skip
+            row = evaluate_version(out, 0, world / "policy", n=args.eval, seed=args.seed, threads=cores)
             print(f"held-out accuracy before training: {row['accuracy']:.3f} ({args.eval} prompts)", file=sys.stderr)
         started = time.perf_counter()
 

@@ -236,6 +236,7 @@ def evaluate_version(run_dir: Path, version: int, policy_dir: Path, *, n: int, s
     finally:
         torch.set_num_threads(previous)
     row = {"version": version, "accuracy": report["accuracy"], "prompts": n, "seed": seed, "policy": str(policy_dir)}
+    run_dir.mkdir(parents=True, exist_ok=True)
     with (run_dir / "eval.jsonl").open("a") as out:
         out.write(json.dumps(row) + "\n")
     return row

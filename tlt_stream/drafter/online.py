@@ -25,9 +25,7 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,7 @@ from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, save_drafter
 from tlt_stream.drafter.train import PackedBatch, Window, eagle_loss, pack_windows
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.transformer import Transformer
-from tlt_stream.rl.checkpoint import TMP_PREFIX, _fsync_dir, _fsync_tree, _write_json
+from tlt_stream.rl.checkpoint import atomic_directory
 
 __all__ = [
     "LrSchedule",
@@ -230,17 +228,13 @@ class OnlineDrafterTrainer:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
-        tmp.mkdir()
-        try:
+        with atomic_directory(final) as tmp:
             about = {"policy_version": self.policy_version, "step": self.step_count}
             save_drafter(self.drafter, tmp / DRAFTER_DIR, metadata=about)
             tensors, optimizer_meta = _flatten_optimizer(self.optimizer.state_dict())
             save_file(tensors, str(tmp / OPTIMIZER))
             save_file({"batch_generator": self.generator.get_state()}, str(tmp / RNG))
-            _fsync_tree(tmp)
-            _write_json(
-                tmp / TRAINER,
+            trainer = json.dumps(
                 {
                     "format": STATE_FORMAT,
                     "step": self.step_count,
@@ -249,14 +243,9 @@ class OnlineDrafterTrainer:
                     "param_names": self.param_names,
                     "optimizer": optimizer_meta,
                     "metadata": metadata,
-                },
+                }
             )
-            _fsync_dir(tmp)
-            os.rename(tmp, final)
-        except Exception:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_dir(final.parent)
+            (tmp / TRAINER).write_text(trainer, encoding="utf-8")
         return final
 
     def load_state(self, directory: Path | str) -> dict[str, Any]:

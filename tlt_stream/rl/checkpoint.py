@@ -16,6 +16,7 @@ length-prefixed, never mtimes or absolute paths: the same weights hash the same 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -182,6 +183,26 @@ def _write_pointer(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Build a directory that appears whole or not at all.
+
+    Yields a temporary sibling of `final` (named `.tmp-...`, which readers skip) to fill. On a clean exit
+    every file and directory in it is fsynced, it is renamed to `final` and the parent is fsynced. On an
+    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind.
+    """
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(final.parent)
+
+
 def _remove_dir(path: Path) -> None:
     """Delete a checkpoint directory: first renamed to a `.tmp-` name (atomic), so no half-deleted one remains."""
     trash = path.with_name(f"{TMP_PREFIX}trash-{path.name}-{uuid.uuid4().hex[:12]}")
@@ -318,9 +339,7 @@ def save_checkpoint(
     if os.path.lexists(final):
         raise ValueError(f"{final}: checkpoint directory already exists; refusing to overwrite it")
 
-    tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(final) as tmp:
         policy = tmp / POLICY
         model.save_pretrained(policy, safe_serialization=True)
         if tokenizer is not None:
@@ -329,7 +348,6 @@ def save_checkpoint(
         _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
         _torch_save(_rng_state(), tmp / "rng.pt")
         _write_json(tmp / "ledger.json", ids)
-        _fsync_tree(tmp)
         meta = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -339,12 +357,6 @@ def save_checkpoint(
             "extra": extra,
         }
         _write_json(tmp / "meta.json", meta)
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync_dir(root)
     _write_pointer(root, final.name)
 
     for old in _complete_checkpoints(root)[:-keep]:

@@ -84,8 +84,13 @@ def _lower_priority() -> None:
         log.debug("could not lower the drafter-training thread's priority: %s", exc)
 
 
+def _stable_hash(text: str) -> int:
+    """A 32-bit hash of `text` that is the same in every process (Python's `hash` of a str is salted)."""
+    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16)
+
+
 def _held_out(sample_id: str, percent: int) -> bool:
-    return int(hashlib.sha1(sample_id.encode()).hexdigest()[:8], 16) % 100 < percent
+    return _stable_hash(sample_id) % 100 < percent
 
 
 class IdleDrafterTrainer:
@@ -116,12 +121,11 @@ class IdleDrafterTrainer:
         self.buffer = WindowBuffer(
             recent_tokens=settings.recent_tokens,
             reservoir_tokens=settings.reservoir_tokens,
-            seed=hash(worker_id) % 2**31,
+            seed=_stable_hash(worker_id),
         )
         self.holdout: list[Any] = []
         self.initial_drafter = initial_drafter
         self.trainer: Any = None
-        self.trainer_policy = -1
         self._unevaluated: tuple[Path, Any, float] | None = None
         """A committed state whose slice was preempted before its drafter was judged."""
         self.record: dict[str, str] | None = None
@@ -194,7 +198,7 @@ class IdleDrafterTrainer:
                     if len(self.buffer) < self.settings.min_windows:
                         await asyncio.sleep(0.2)
                         continue
-                    await asyncio.to_thread(self._prepare, engine, policy_version, grant)
+                    await asyncio.to_thread(self._prepare, engine, policy_version)
                     if self._unevaluated is not None:  # idle again: judge the state committed at preemption
                         await self._evaluate_and_publish(grant, engine, *self._unevaluated)
                         self._unevaluated = None
@@ -239,7 +243,7 @@ class IdleDrafterTrainer:
             await self.hidden.ack([d.entry_id for d in deliveries])
             taken += len(deliveries)
 
-    def _prepare(self, engine: Any, policy_version: int, grant: LeaseGrant) -> None:
+    def _prepare(self, engine: Any, policy_version: int) -> None:
         """A trainer bound to our policy, holding the newest committed state (runs in a worker thread)."""
         from tlt_stream.drafter.model import load_drafter
         from tlt_stream.drafter.online import OnlineDrafterTrainer
@@ -250,9 +254,8 @@ class IdleDrafterTrainer:
             self.trainer = OnlineDrafterTrainer(
                 drafter, self.buffer, self.settings.training, policy_version=policy_version
             )
-        elif self.trainer_policy != policy_version:
+        elif self.trainer.policy_version != policy_version:
             self.trainer.rebind(target, policy_version)
-        self.trainer_policy = policy_version
         record = self.record
         if record is not None and int(record.get("step", -1)) > self.trainer.step_count:
             self.trainer.load_state(record["state"])
@@ -291,7 +294,7 @@ class IdleDrafterTrainer:
     ) -> None:
         assert self.trainer is not None
         step = self.trainer.step_count
-        accept_new, accept_current = await asyncio.to_thread(self._accepts, engine, path)
+        accept_new, accept_current = await asyncio.to_thread(self._accepts, engine)
         adopted = accept_new >= accept_current - self.settings.tolerance
         version = -1
         if adopted:
@@ -331,7 +334,7 @@ class IdleDrafterTrainer:
             ),
         )
 
-    def _accepts(self, engine: Any, path: Path) -> tuple[float, float]:
+    def _accepts(self, engine: Any) -> tuple[float, float]:
         """Held-out acceptance of the slice's drafter and of the drafter the engine uses now."""
         if not self.holdout:
             return 0.0, 0.0
