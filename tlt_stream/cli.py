@@ -135,23 +135,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 f"tlt-stream run: no policy in {world}; bootstrapping the tiny world (a few minutes)", file=sys.stderr
             )
             bootstrap(world, progress=progress)
-        plan = RunPlan(
-            world=world,
-            run_dir=out,
-            steps=args.steps,
-            workers=args.workers,
-            prompts_per_step=args.prompts_per_step,
-            group_size=args.group_size,
-            max_staleness=args.max_staleness,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            seed=args.seed,
-            sd=args.sd,
-            train_drafter=not args.no_drafter_training,
-            adaptive_sd=not args.fixed_sd,
-            max_len=args.max_len,
-            cores=cores,
-        )
+        try:
+            plan = RunPlan(
+                world=world,
+                run_dir=out,
+                steps=args.steps,
+                workers=args.workers,
+                prompts_per_step=args.prompts_per_step,
+                group_size=args.group_size,
+                max_staleness=args.max_staleness,
+                lr=args.lr,
+                warmup_steps=args.warmup_steps,
+                seed=args.seed,
+                sd=args.sd,
+                train_drafter=not args.no_drafter_training,
+                adaptive_sd=not args.fixed_sd,
+                max_len=args.max_len,
+                cores=cores,
+            )
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"tlt-stream run: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
         if args.eval and not (out / "eval.jsonl").exists():
             row = evaluate_version(out, 0, world / "policy", n=args.eval, seed=args.seed, threads=cores)
@@ -194,10 +198,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         assert final is not None
         row = evaluate_version(out, final.step, final.policy_dir, n=args.eval, seed=args.seed, threads=cores)
         print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
-    page = write_report(out)
-    print(
-        f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; report: {page}", file=sys.stderr
-    )
+    try:
+        where = f"report: {write_report(out)}"
+    except FileNotFoundError:  # stopped before the first update
+        where = "no step finished, so no report"
+    print(f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; {where}", file=sys.stderr)
     return code
 
 

@@ -161,3 +161,19 @@ def test_the_plan_gives_each_process_its_threads_and_the_learner_the_step_count(
     assert thread_split(2, 1, 1) == (1, 1)
     with pytest.raises(FileNotFoundError, match="bootstrap"):
         RunPlan(world=tmp_path / "nowhere", run_dir=tmp_path / "run")
+
+
+def test_a_world_without_a_drafter_is_refused_with_one_line(tmp_path: Path, init_policy: Path) -> None:
+    import subprocess
+
+    world = tmp_path / "world"
+    shutil.copytree(init_policy, world / "policy")
+    result = subprocess.run(
+        [sys.executable, "-m", "tlt_stream.cli", "run", "--world", str(world), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "no drafter for --sd eagle" in result.stderr and "Traceback" not in result.stderr
