@@ -13,7 +13,7 @@ policy (T = 1, SD chain d4k1v4), the mean acceptance length (tokens per target f
 Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with adaptive SD twice, with and
 without online drafter training, alternating; the per-step wall time ratio (training adds time only if it
 steals it from generation) and the share of workers' idle seconds that became drafter-training seconds
-(from the `stats` timeline: WorkerState transitions and DrafterStats slices).
+(from the run's saved `stats` timeline: WorkerState transitions and DrafterStats slices).
 
     python bench/drafter_drift.py [--quick]      # --quick: K=3, small oracle, 4-step pipeline runs (< 2 min)
 """
@@ -212,77 +212,48 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     }
 
 
-def state_seconds(entries: list[Any], end: float) -> dict[str, dict[str, float]]:
-    """Seconds each worker spent in each state, from its WorkerState transitions (the stats timeline)."""
-    from tlt_stream.messages import WorkerState
-
-    per: dict[str, list[tuple[float, str]]] = {}
-    for e in entries:
-        if isinstance(e, WorkerState):
-            per.setdefault(e.worker_id, []).append((e.created_at, str(e.state)))
-    out: dict[str, dict[str, float]] = {}
-    for worker, changes in per.items():
-        changes.sort()
-        totals: dict[str, float] = {}
-        for (t, state), (t_next, _) in zip(changes, [*changes[1:], (end, "")], strict=True):
-            totals[state] = totals.get(state, 0.0) + max(0.0, t_next - t)
-        out[worker] = totals
-    return out
-
-
 def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     import msgspec
-    import redis
 
-    from tlt_stream.bus.embedded import EmbeddedServers
-    from tlt_stream.bus.streams import Keys
     from tlt_stream.config import load_config
     from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.messages import DrafterStats, codec_for
-    from tlt_stream.report import load_metrics
+    from tlt_stream.report import load_metrics, read_jsonl, state_intervals
 
     base = load_config(None, environ=os.environ)
-    servers = EmbeddedServers()
-    try:
-        redis_url = base.bus.redis_url or servers.start_redis()
-        mqtt_url = base.bus.mqtt_url or servers.start_mqtt()
-        out = Path(tempfile.mkdtemp(prefix="drafter-drift-runs-"))
-        results: dict[str, Any] = {}
-        for train in (True, False):
-            name = "online" if train else "static"
-            run = f"drift-{name}-{os.getpid()}-{int(time.time())}"
-            config = msgspec.structs.replace(
-                base, run=run, bus=msgspec.structs.replace(base.bus, redis_url=redis_url, mqtt_url=mqtt_url)
-            )
-            plan = RunPlan(world=world, run_dir=out / name, steps=args.pipeline_steps, sd="eagle", train_drafter=train,
-                           prompts_per_step=args.prompts, group_size=args.group, lr=args.lr)  # fmt: skip
-            log(f"pipeline run with drafter training {'on' if train else 'off'}: {args.pipeline_steps} steps")
-            assert asyncio.run(run_plan(plan, config)) == 0
-            rows = load_metrics(out / name)
-            walls = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
-            client = redis.Redis.from_url(redis_url)
-            entries = [codec_for("stats").decode(f[b"m"]) for _, f in client.xrange(Keys(run).stream("stats"))]
-            client.close()
-            states = state_seconds(entries, end=rows[-1]["time"])
-            slices = [e for e in entries if isinstance(e, DrafterStats)]
-            idle = sum(s.get("IDLE", 0.0) + s.get("TRAINING_DRAFTER", 0.0) for s in states.values())
-            training = sum(s.seconds for s in slices)
-            latencies = [s.preempt_latency_s for s in slices if s.end == "preempted"]
-            results[name] = {
-                "step_wall_s": round(statistics.median(walls), 3) if walls else None,
-                "idle_s": round(idle, 2),
-                "drafter_training_s": round(training, 2),
-                "idle_to_training_share": round(training / idle, 3) if idle else None,
-                "slices": len(slices),
-                "published_drafters": len({s.drafter_version for s in slices if s.adopted}),
-                "preempt_latency_s_median": round(statistics.median(latencies), 3) if latencies else None,
-                "accept_length_mean": round(statistics.fmean(r["accept_length_mean"] for r in rows), 3),
-            }
-        on, off = results["online"]["step_wall_s"], results["static"]["step_wall_s"]
-        results["step_time_overhead"] = round(on / off - 1, 3) if on and off else None
-        return results
-    finally:
-        servers.close()
+    out = Path(tempfile.mkdtemp(prefix="drafter-drift-runs-"))
+    results: dict[str, Any] = {}
+    for train in (True, False):
+        name = "online" if train else "static"
+        config = msgspec.structs.replace(base, run=f"drift-{name}-{os.getpid()}-{int(time.time())}")
+        plan = RunPlan(world=world, run_dir=out / name, steps=args.pipeline_steps, sd="eagle", train_drafter=train,
+                       prompts_per_step=args.prompts, group_size=args.group, lr=args.lr)  # fmt: skip
+        log(f"pipeline run with drafter training {'on' if train else 'off'}: {args.pipeline_steps} steps")
+        assert asyncio.run(run_plan(plan, config)) == 0
+        rows = load_metrics(out / name)
+        walls = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
+        timeline = read_jsonl(out / name / "timeline.jsonl")  # the run's stats, saved by run_plan
+        idle = sum(
+            stop - start
+            for spans in state_intervals(timeline, end=rows[-1]["time"]).values()
+            for start, stop, state in spans
+            if state in ("IDLE", "TRAINING_DRAFTER")
+        )
+        slices = [e for e in timeline if e["kind"] == "drafter_train"]
+        training = sum(s["seconds"] for s in slices)
+        latencies = [s["preempt_latency_s"] for s in slices if s["end"] == "preempted"]
+        results[name] = {
+            "step_wall_s": round(statistics.median(walls), 3) if walls else None,
+            "idle_s": round(idle, 2),
+            "drafter_training_s": round(training, 2),
+            "idle_to_training_share": round(training / idle, 3) if idle else None,
+            "slices": len(slices),
+            "published_drafters": len({s["drafter_version"] for s in slices if s["adopted"]}),
+            "preempt_latency_s_median": round(statistics.median(latencies), 3) if latencies else None,
+            "accept_length_mean": round(statistics.fmean(r["accept_length_mean"] for r in rows), 3),
+        }
+    on, off = results["online"]["step_wall_s"], results["static"]["step_wall_s"]
+    results["step_time_overhead"] = round(on / off - 1, 3) if on and off else None
+    return results
 
 
 def main() -> None:

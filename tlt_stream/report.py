@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_metrics", "write_report"]
+__all__ = ["load_metrics", "read_jsonl", "state_intervals", "write_report"]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
@@ -29,7 +29,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The learner's per-step lines, one per policy version, in version order (a resumed run's repeats
     of a version keep the last line written)."""
-    by_version = {row["version"]: row for row in _read_jsonl(run_dir / "metrics.jsonl")}
+    by_version = {row["version"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}
     return [by_version[v] for v in sorted(by_version)]
 
 
@@ -161,21 +161,35 @@ def _speculation(plt, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]
     plt.close(fig)
 
 
-def _worker_states(plt, timeline: list[dict[str, Any]], out: Path) -> None:
-    """One bar per worker: GENERATING / IDLE / TRAINING_DRAFTER / LOADING over time."""
+def state_intervals(timeline: list[dict[str, Any]], end: float | None = None) -> dict[str, list[tuple]]:
+    """Per worker, its (start, stop, state) intervals from the `worker_state` entries of a timeline
+    (`timeline.jsonl`); the last state lasts until `end` (default: the timeline's last entry)."""
     changes: dict[str, list[tuple[float, str]]] = {}
     for e in timeline:
         if e["kind"] == "worker_state":
             changes.setdefault(e["worker_id"], []).append((e["created_at"], e["state"]))
-    fig, ax = plt.subplots(figsize=(7, 2.0 + 0.6 * max(1, len(changes))))
-    if changes:
-        t0 = min(t for c in changes.values() for t, _ in c)
+    if end is None and timeline:
         end = max(e["created_at"] for e in timeline)
-        for row, (_, states) in enumerate(sorted(changes.items())):
-            states.sort()
-            for (start, state), (stop, _) in zip(states, [*states[1:], (end, "")], strict=True):
+    intervals = {}
+    for worker, states in sorted(changes.items()):
+        states.sort()
+        stops = [t for t, _ in states[1:]] + [end]
+        intervals[worker] = [
+            (start, max(start, stop), state) for (start, state), stop in zip(states, stops, strict=True)
+        ]
+    return intervals
+
+
+def _worker_states(plt, timeline: list[dict[str, Any]], out: Path) -> None:
+    """One bar per worker: GENERATING / IDLE / TRAINING_DRAFTER / LOADING over time."""
+    intervals = state_intervals(timeline)
+    fig, ax = plt.subplots(figsize=(7, 2.0 + 0.6 * max(1, len(intervals))))
+    if intervals:
+        t0 = min(start for spans in intervals.values() for start, _, _ in spans)
+        for row, spans in enumerate(intervals.values()):
+            for start, stop, state in spans:
                 ax.barh(row, stop - start, left=start - t0, color=STATE_COLORS.get(state, "tab:red"), height=0.6)
-        ax.set_yticks(range(len(changes)), sorted(changes))
+        ax.set_yticks(range(len(intervals)), list(intervals))
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLORS.values()]
         ax.legend(
             handles, list(STATE_COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, fontsize="small"
@@ -193,8 +207,8 @@ def write_report(run_dir: str | Path) -> Path:
     rows = load_metrics(run_dir)
     if not rows:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl: no learner steps recorded yet")
-    evals = _read_jsonl(run_dir / "eval.jsonl")
-    timeline = _read_jsonl(run_dir / "timeline.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    timeline = read_jsonl(run_dir / "timeline.jsonl")
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     plt = _figure()
