@@ -17,7 +17,6 @@ policy waits until that version arrives.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import hashlib
 import logging
 import sys
@@ -50,7 +49,7 @@ from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
 from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
-from tlt_stream.rollout.tuner import Arm
+from tlt_stream.rollout.tuner import Arm, bucket_of
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -221,7 +220,7 @@ class RolloutWorker:
         best = {}
         for choice in announced.table:
             arm = Arm.plain() if not choice.enabled else Arm(choice.proposer, choice.depth, choice.topk, choice.verify)
-            best[bisect.bisect_left(edges, choice.max_batch)] = arm
+            best[bucket_of(choice.max_batch, edges)] = arm
         self.adaptive.adopt(best, announced.drafter_version)
         self.sd_config = announced.version
         self.registry.update_info(sd_config_version=announced.version)
