@@ -221,9 +221,10 @@ def rl_step_share(torch, world: Path, policy, tokenizer, task, args) -> dict[str
     """
     from transformers import AutoModelForCausalLM
 
-    from tlt_stream.messages import Sample, Tensor
+    from tlt_stream.messages import PromptGroup
     from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+    from tlt_stream.rl.samples import make_sample
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.tasks.repeated_add import reward
 
@@ -235,25 +236,27 @@ def rl_step_share(torch, world: Path, policy, tokenizer, task, args) -> dict[str
     rollout_s, results = timed(engine.generate, prompts, budget, 1.0, seed=args.seed, eos_ids=[tokenizer.eos_token_id])
     groups = []
     for i, problem in enumerate(problems):
-        samples = []
-        for g, r in enumerate(results[i * group : (i + 1) * group]):
-            samples.append(
-                Sample(
-                    sample_id=f"t{i}/{g}",
-                    task_id=f"t{i}",
-                    prompt_id=problem.prompt_id,
-                    index=g,
-                    group_size=group,
-                    prompt_ids=r.prompt_ids,
-                    token_ids=Tensor.from_values(r.token_ids, "int32"),
-                    logprobs=Tensor.from_values(r.logprobs, "float32"),
-                    policy_version=0,
-                    drafter_version=-1,
-                    reward=reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), problem.answer),
-                    finish_reason=r.finish_reason,
-                    worker_id="bench",
-                )
+        chunk = results[i * group : (i + 1) * group]
+        task = PromptGroup(
+            task_id=f"t{i}",
+            prompt_id=problem.prompt_id,
+            prompt_ids=chunk[0].prompt_ids,
+            answer=problem.answer,
+            group_size=group,
+        )
+        samples = [
+            make_sample(
+                r,
+                task,
+                g,
+                reward=reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), problem.answer),
+                policy_version=0,
+                drafter_version=-1,
+                worker_id="bench",
+                gen_seconds=0.0,
             )
+            for g, r in enumerate(chunk)
+        ]
         groups.append(ReadyGroup(f"t{i}", samples, []))
     core = LearnerCore(AutoModelForCausalLM.from_pretrained(world / "policy"), LearnerSettings())
     train_s, metrics = timed(core.step, groups)
