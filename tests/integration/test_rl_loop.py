@@ -201,3 +201,54 @@ async def test_a_worker_refuses_a_corrupted_policy_and_keeps_generating_with_the
             await asyncio.wait_for(running, timeout=30)
         await asyncio.gather(*planes)
         await redis.aclose()
+
+
+async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_the_next(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The learner keeps only its newest checkpoints: a slow worker can find the version it is loading gone.
+    It must refuse that version and load the next one, not die."""
+    import shutil
+
+    import tlt_stream.rl.rollout_service as rollout_service
+    from tlt_stream.messages import PolicyVersion
+    from tlt_stream.rl.checkpoint import policy_sha256
+
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    learner_plane = ControlPlane(bus_config, redis, role="learner", owns=["policy"])
+    worker_plane = ControlPlane(bus_config, redis, role="rollout")
+    stop = asyncio.Event()
+    planes = [asyncio.create_task(p.run(stop)) for p in (learner_plane, worker_plane)]
+    worker = RolloutWorker(
+        bus_config,
+        redis,
+        worker_plane,
+        worker_id="w0",
+        reward=reward,
+        settings=RolloutSettings(max_batch=2, max_len=64),
+    )
+    copies = {v: shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1, 2)}
+    real_verify = rollout_service.verify_policy
+
+    def verify_then_prune(location: str, sha256: str) -> None:
+        real_verify(location, sha256)
+        if location == str(copies[1]):  # the learner prunes it right after the worker checked it
+            shutil.rmtree(location)
+
+    monkeypatch.setattr(rollout_service, "verify_policy", verify_then_prune)
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(learner_plane.connected.wait(), worker_plane.connected.wait())
+        for version in (0, 1, 2):
+            path = copies[version]
+            await learner_plane.publish(PolicyVersion(version=version, location=str(path), sha256=policy_sha256(path)))
+            async with asyncio.timeout(20):
+                await worker_plane.wait_for("policy", version)
+            await worker._maybe_load()
+            if version == 1:
+                assert worker.version == 0 and worker.refused == {1}, "kept the version it had"
+        assert worker.version == 2 and worker.refused == {1}
+    finally:
+        stop.set()
+        await asyncio.gather(*planes)
+        await redis.aclose()

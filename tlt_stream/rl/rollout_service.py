@@ -45,6 +45,7 @@ from tlt_stream.messages import (
     SdConfigVersion,
     WorkerStatus,
 )
+from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
 from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.samples import hidden_window, make_sample
@@ -240,7 +241,7 @@ class RolloutWorker:
 
         try:
             fresh = await asyncio.to_thread(load)
-        except (ChecksumMismatch, FileNotFoundError, ValueError) as exc:
+        except (ChecksumMismatch, CheckpointError, OSError, ValueError) as exc:
             log.error("refused drafter version %d: %s", announced.version, exc)
             self.registry.update_info(refused_drafter=f"{announced.version}: {exc}")
             self.drafter = announced  # do not retry the same version on every step
@@ -262,7 +263,9 @@ class RolloutWorker:
         await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
         try:
             await asyncio.to_thread(self._load, announced)
-        except (ChecksumMismatch, FileNotFoundError) as exc:
+        except (ChecksumMismatch, CheckpointError, OSError) as exc:
+            # A checkpoint can vanish while we load it (the learner prunes old versions and a slow worker
+            # may still be reading one): refused like a corrupt one, and a newer version is announced.
             self.refused.add(announced.version)
             log.error("refused policy version %d: %s", announced.version, exc)
             self.registry.update_info(refused_policy=f"{announced.version}: {exc}")
