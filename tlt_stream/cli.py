@@ -30,6 +30,16 @@ def _add_config_args(parser: argparse.ArgumentParser, *, bus: bool = True) -> No
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
 
 
+def _add_device_arg(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    parser.add_argument(
+        "--device",
+        default=os.environ.get("TLT_DEVICE", "auto"),
+        help="auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N; env TLT_DEVICE (default auto)",
+    )
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from tlt_stream.doctor import doctor
 
@@ -108,6 +118,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from tlt_stream.aio import install_stop_signals
     from tlt_stream.launch import RunPlan, ensure_new_run, evaluate_version, run_plan
+    from tlt_stream.model import resolve_device
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
     from tlt_stream.tasks.bootstrap import bootstrap
@@ -136,6 +147,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
             bootstrap(world, progress=progress)
         try:
+            resolve_device(args.device)  # a bad --device fails here, not in every service after start-up
             plan = RunPlan(
                 world=world,
                 run_dir=out,
@@ -151,6 +163,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 train_drafter=not args.no_drafter_training,
                 adaptive_sd=not args.fixed_sd,
                 max_len=args.max_len,
+                device=args.device,
                 cores=cores,
             )
         except (FileNotFoundError, ValueError) as exc:
@@ -412,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per rollout row")
     run.add_argument("--eval", type=int, default=256, help="held-out prompts evaluated before and after (0: skip)")
     run.add_argument("--seed", type=int, default=0)
+    _add_device_arg(run)
     _add_config_args(run)
     run.set_defaults(handler=_cmd_run)
 
@@ -435,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warmup (updates)")
     learn.add_argument("--max-updates", type=_positive, help="stop after this many updates (default: run on)")
     learn.add_argument("--threads", type=_positive, default=1, help="torch threads")
+    _add_device_arg(learn)
     _add_config_args(learn)
     learn.set_defaults(handler=_cmd_learner)
 
@@ -472,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--max-tasks", type=_positive, help="stop after this many tasks (default: run on)")
     worker.add_argument("--threads", type=_positive, default=1, help="torch threads")
+    _add_device_arg(worker)
     _add_config_args(worker)
     worker.set_defaults(handler=_cmd_rollout_worker)
 
@@ -546,7 +562,23 @@ def setup_logging(verbosity: int) -> None:
     )
 
 
+def _exit_on_sigterm() -> None:
+    """Until a service's event loop installs its own handler (which drains and exits 0), SIGTERM raises
+    SystemExit(143): a service stopped while still importing torch or loading a checkpoint exits at once,
+    with the conventional code and its `finally` blocks run, rather than being killed mid-write."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (main() called from a test's worker thread): leave it be
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _exit_on_sigterm()
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", 0))

@@ -179,6 +179,28 @@ def _fused_state_dict(spec: ModelSpec, files: dict[str, Path], path: Path) -> di
     return sd
 
 
+def resolve_device(spec: str) -> torch.device:
+    """A `--device` value as a torch device: "auto" is the first CUDA device when torch sees one, else the
+    CPU; "cpu", "cuda" and "cuda:N" are taken as given once checked. Raises ValueError with the reason."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {spec!r}: not a device (use auto, cpu, cuda or cuda:N)") from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {spec!r}: only auto, cpu, cuda and cuda:N are supported")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"--device {spec}: torch {torch.__version__} ({build}) sees no CUDA device")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
 def load_model(
     path: Path | str,
     *,

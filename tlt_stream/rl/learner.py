@@ -156,7 +156,9 @@ class LearnerCore:
         return metrics
 
     def _micro_batches(self, samples: list, advantages: torch.Tensor, used: list[int]):
-        """Right-padded batches of prompt + response, longest first, about `micro_batch_tokens` each."""
+        """Right-padded batches of prompt + response, longest first, about `micro_batch_tokens` each, on the
+        policy's device."""
+        device = next(self.model.parameters()).device
         order = sorted(used, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_len, reverse=True)
         while order:
             width = len(samples[order[0]].prompt_ids) + samples[order[0]].response_len
@@ -176,7 +178,8 @@ class LearnerCore:
                 attention[row, : p + n] = 1
                 old[row, p - 1 : p - 1 + n] = s.logprobs.to_torch()
                 mask[row, p - 1 : p - 1 + n] = True
-            yield {"ids": ids, "attention": attention, "old": old, "mask": mask, "advantages": advantages[take]}
+            batch = {"ids": ids, "attention": attention, "old": old, "mask": mask, "advantages": advantages[take]}
+            yield {name: tensor.to(device) for name, tensor in batch.items()}
 
     def _logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits[:, :-1]  # [B, W-1, V]

@@ -55,6 +55,8 @@ class LearnerRunSettings:
     keep_checkpoints: int = 3
     """Complete checkpoints kept on disk (the newest ones)."""
     learner: LearnerSettings = field(default_factory=LearnerSettings)
+    device: str = "cpu"
+    """Where the policy trains: "cpu", "cuda" or "cuda:N" (resolved already); checkpoints are device-free."""
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1 or self.max_staleness < 0 or self.keep_checkpoints < 1:
@@ -111,7 +113,7 @@ class LearnerService:
         source = found.policy_dir if found is not None else self.init_policy
         if not source.is_dir():
             raise FileNotFoundError(f"{source}: initial policy directory does not exist")
-        model = AutoModelForCausalLM.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source).to(self.settings.device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError):  # a checkpoint without a tokenizer is fine; workers bring their own
@@ -269,13 +271,21 @@ def serve_learner(config: Config, args: Any) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
     from tlt_stream.rl.serve import serve
 
+    from tlt_stream.model import resolve_device
+
     if args.max_staleness < 0 or args.warmup_steps < 0:
         print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as exc:
+        print(f"tlt-stream learner: {exc}", file=sys.stderr)
         return 2
     settings = LearnerRunSettings(
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
         learner=LearnerSettings(lr=args.lr, warmup_steps=args.warmup_steps),
+        device=device,
     )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:

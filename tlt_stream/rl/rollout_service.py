@@ -79,6 +79,8 @@ class RolloutSettings:
     """Train the drafter online in idle time (needs an EAGLE `drafter` to start from)."""
     adaptive: AdaptiveSettings | None = None
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
+    device: str = "cpu"
+    """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
 
     def __post_init__(self) -> None:
         if self.drafter_training is not None and self.drafter in (None, "ngram"):
@@ -285,7 +287,7 @@ class RolloutWorker:
         from tlt_stream.rollout.proposers import SdArm, build_proposer
 
         verify_policy(announced.location, announced.sha256)
-        model = load_model(announced.location)
+        model = load_model(announced.location, device=self.settings.device)
         if self.tokenizer is None:
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
         proposer, arm, nodes = None, None, 64
@@ -471,6 +473,13 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
             f"tlt-stream rollout-worker: unknown reward {args.reward!r}; choose {', '.join(REWARDS)}", file=sys.stderr
         )
         return 2
+    from tlt_stream.model import resolve_device
+
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as exc:
+        print(f"tlt-stream rollout-worker: {exc}", file=sys.stderr)
+        return 2
     worker_id = args.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
     settings = RolloutSettings(
         max_batch=args.max_batch,
@@ -481,6 +490,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         stream_hidden=not args.no_hidden,
         drafter_training=DrafterTrainingSettings(state_dir=Path(args.train_drafter)) if args.train_drafter else None,
         adaptive=AdaptiveSettings(crossover=args.sd_crossover) if args.adaptive_sd and args.drafter else None,
+        device=device,
     )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:

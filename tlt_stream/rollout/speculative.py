@@ -42,7 +42,7 @@ def _uniforms(generators: list[torch.Generator | None], greedy: list[bool], shap
     rows = [
         torch.zeros(shape, dtype=torch.float64)
         if is_greedy or g is None
-        else torch.rand(shape, generator=g, dtype=torch.float64)
+        else torch.rand(shape, generator=g, dtype=torch.float64, device=g.device).cpu()
         for g, is_greedy in zip(generators, greedy, strict=True)
     ]
     return torch.stack(rows)

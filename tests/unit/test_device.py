@@ -1,0 +1,63 @@
+"""`--device`: how rollout workers and the learner pick where the policy runs, and the one-line refusal of a
+device this machine does not have. (The CUDA path itself needs a GPU: see bench/gpu_check.sh.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tlt_stream.model import resolve_device
+
+ROOT = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+
+
+def test_auto_picks_cuda_when_torch_sees_one_else_the_cpu() -> None:
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device(" CPU ") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("spec", ["tpu", "mps", "gpu0", ""])
+def test_unsupported_or_malformed_devices_are_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="--device"):
+        resolve_device(spec)
+
+
+@no_cuda
+@pytest.mark.parametrize("spec", ["cuda", "cuda:1"])
+def test_cuda_without_a_device_is_refused_with_the_reason(spec: str) -> None:
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        resolve_device(spec)
+
+
+@no_cuda
+@pytest.mark.parametrize("service", ["learner", "rollout_worker"])
+def test_services_refuse_a_missing_device_in_one_line_before_connecting(service: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TLT_DEVICE": "cuda"}
+    env.update(TLT_REDIS_URL="redis://127.0.0.1:1/0", TLT_MQTT_URL="mqtt://127.0.0.1:1")  # never reached
+    args = ["--run-dir", str(tmp_path), "--policy", str(tmp_path)] if service == "learner" else []
+    done = subprocess.run(
+        [sys.executable, "-m", f"services.{service}", *args], env=env, capture_output=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 2
+    lines = done.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "sees no CUDA device" in lines[0], lines
+
+
+def test_run_plans_pass_the_device_to_workers_and_learner(tmp_path: Path) -> None:
+    from tlt_stream.config import Config
+    from tlt_stream.launch import RunPlan, service_commands
+
+    (tmp_path / "policy").mkdir()
+    plan = RunPlan(world=tmp_path, run_dir=tmp_path / "run", workers=2, device="cuda:1")
+    config = Config(run="t")
+    for command in service_commands(plan, config):
+        if command.name == "policy":
+            assert "--device" not in command.argv
+        else:
+            assert command.argv[command.argv.index("--device") + 1] == "cuda:1", command.name
