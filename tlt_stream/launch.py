@@ -59,6 +59,8 @@ class RunPlan:
     """With SD on: decide per step (TLT's adaptive rollout) rather than always speculating."""
     max_batch: int = 128
     max_len: int = 1408
+    device: str = "auto"
+    """Where rollout workers and the learner run (`--device` of each service): auto, cpu, cuda or cuda:N."""
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
     def __post_init__(self) -> None:
@@ -121,6 +123,7 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                     *common,
                     *("--worker-id", f"rollout-{i}", "--threads", str(worker_threads)),
                     *("--max-batch", str(plan.max_batch), "--max-len", str(plan.max_len)),
+                    *("--device", plan.device),
                     *drafter[plan.sd],
                     *hidden,
                 ],
@@ -137,6 +140,7 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                 *("--groups-per-step", str(plan.prompts_per_step), "--max-staleness", str(plan.max_staleness)),
                 *("--lr", str(plan.lr), "--warmup-steps", str(plan.warmup_steps)),
                 *("--max-updates", str(plan.steps), "--threads", str(learner_threads)),
+                *("--device", plan.device),
             ],
         )
     )
@@ -167,8 +171,12 @@ class Supervisor:
         for command in self.commands:
             log = (self.log_dir / f"{command.name}.log").open("ab")
             try:
+                # Its own process group (Ctrl-C in the terminal reaches only us; we stop the services with
+                # SIGTERM) but our session: a new session would be a new scheduler autogroup on Linux, and
+                # autogroups share the CPU equally whatever their threads' nice values, so a rollout worker's
+                # nice-19 drafter training would take half the cores from a learner it should yield to.
                 self.processes[command.name] = await asyncio.create_subprocess_exec(
-                    *command.argv, env=self.env, stdout=log, stderr=log, start_new_session=True
+                    *command.argv, env=self.env, stdout=log, stderr=log, process_group=0
                 )
             finally:
                 log.close()  # the child holds its own descriptor

@@ -139,6 +139,11 @@ class IdleDrafterTrainer:
         # priority).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-train", initializer=_lower_priority)
 
+    async def _low(self, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` in the low-priority thread: everything the drafter's training does (rebinding,
+        training, saving, judging), so none of it competes with a learner sharing the machine."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
     # ------------------------------------------------------------------------------------------ idle time
 
     async def run_idle(
@@ -198,18 +203,17 @@ class IdleDrafterTrainer:
                     if len(self.buffer) < self.settings.min_windows:
                         await asyncio.sleep(0.2)
                         continue
-                    await asyncio.to_thread(self._prepare, engine, policy_version)
+                    await self._low(self._prepare, engine, policy_version)
                     if self._unevaluated is not None:  # idle again: judge the state committed at preemption
                         await self._evaluate_and_publish(grant, engine, *self._unevaluated)
                         self._unevaluated = None
                         continue
-                    result = await asyncio.get_running_loop().run_in_executor(
-                        self._executor,
+                    result = await self._low(
                         functools.partial(
                             self.trainer.train_slice,
                             max_seconds=self.settings.slice_seconds,
                             should_stop=preempt.is_set,
-                        ),
+                        )
                     )
                     self.training_seconds += result.seconds
                     if result.steps == 0:
@@ -277,7 +281,7 @@ class IdleDrafterTrainer:
         assert self.trainer is not None
         step = self.trainer.step_count
         path = self.settings.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
-        await asyncio.to_thread(self.trainer.save_state, path, metadata={"worker": self.worker_id})
+        await self._low(functools.partial(self.trainer.save_state, path, metadata={"worker": self.worker_id}))
         fields = {"state": str(path), "step": str(step), "policy_version": str(self.trainer.policy_version)}
         if not await self.lease.fenced_write(grant.fence, fields):
             log.warning("%s: lost the drafter lease; state %s is not committed", self.worker_id, path)
@@ -294,7 +298,7 @@ class IdleDrafterTrainer:
     ) -> None:
         assert self.trainer is not None
         step = self.trainer.step_count
-        accept_new, accept_current = await asyncio.to_thread(self._accepts, engine)
+        accept_new, accept_current = await self._low(self._accepts, engine)
         adopted = accept_new >= accept_current - self.settings.tolerance
         version = -1
         if adopted:
@@ -305,7 +309,7 @@ class IdleDrafterTrainer:
             message = DrafterVersion(
                 version=max(version, 1),
                 location=location,
-                sha256=await asyncio.to_thread(policy_sha256, location),
+                sha256=await self._low(policy_sha256, location),
                 policy_version=self.trainer.policy_version,
             )
             if await self.control.publish(message):
