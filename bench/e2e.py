@@ -1,0 +1,330 @@
+"""The headline benchmark: faster RL steps with the same learning.
+
+Same tiny task, model, seed, prompts per step, group size and number of steps, in one run:
+
+    (a) sync_plain   synchronous (max_staleness 0), no speculative decoding: what verl does
+    (b) sync_tlt     synchronous with adaptive SD and the online drafter: TLT
+    (c) stream_tlt   streaming with max_staleness 1, adaptive SD and the online drafter
+    (d) trl          Hugging Face TRL's GRPOTrainer, same model, prompts, reward and hyperparameters
+
+(a)-(c) are `tlt-stream run` with the tiny world's defaults (`tlt_stream.launch.RunPlan`), every service
+a separate process, every sample through Redis. (d) runs in this process on the same cores
+(`pip install -e '.[bench]'`; skipped with a reason when TRL is not installed). Per config: median step
+time (the first step, which includes start-up, is left out), tokens/s (response tokens of a step over the
+step's wall time), the train accuracy (reward mean, the reward is exact-match) of every step and, unless
+`--quick`, held-out accuracy of the final policy. Ratios are computed inside one run: the machine is
+shared and noisy, absolute seconds from different runs do not compare.
+
+    python bench/e2e.py --quick      # < 2 minutes: (a)-(c), 2 steps of 8 prompts (add --only ...,trl for (d))
+    python bench/e2e.py              # 20 steps of 16 prompts each, held-out eval of every final policy, plot
+
+Prints one JSON object; run directories and `e2e.png` (accuracy per step and over wall time) stay under
+--out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "a_sync_plain": {"sd": "off", "max_staleness": 0},
+    "b_sync_tlt": {"sd": "eagle", "max_staleness": 0},
+    "c_stream_tlt": {"sd": "eagle", "max_staleness": 1},
+}
+GOALS = {"b_over_a": 1.7, "c_over_a": 2.2, "b_over_d": 3.0}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--out", default=str(ROOT / "artifacts" / "bench-e2e"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=20, help="RL steps per config")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per step (the tiny world's 16)")
+    p.add_argument("--trl-steps", type=int, default=None, help="steps of (d) (default: --steps)")
+    p.add_argument("--only", help="comma-separated configs to run (default: all; --quick: all but trl)")
+    p.add_argument("--eval", type=int, default=256, help="held-out prompts for the final policy (0: skip)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def log(message: str) -> None:
+    print(f"[e2e] {message}", file=sys.stderr, flush=True)
+
+
+def median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
+    """Figures of one config from its per-step rows (`wall_s`, `tokens`, `accuracy`, maybe `rollout_s`)."""
+    steady = steps[1:] if len(steps) > 1 else steps
+    out: dict[str, Any] = {
+        "steps": len(steps),
+        "step_time_s_median": median([s["wall_s"] for s in steady]),
+        "tokens_per_s_median": median([s["tokens"] / s["wall_s"] for s in steady if s["wall_s"] > 0]),
+        "train_accuracy_curve": [round(s["accuracy"], 4) for s in steps],
+        "train_accuracy_mean": round(statistics.fmean(s["accuracy"] for s in steps), 4) if steps else None,
+    }
+    if steady and "rollout_s" in steady[0]:
+        out["rollout_share_of_step"] = median([min(1.0, s["rollout_s"] / s["wall_s"]) for s in steady])
+    return out
+
+
+def tlt_steps(rows: list[dict[str, Any]], started: float) -> list[dict[str, float]]:
+    """Per-step rows of a `tlt-stream run` from the learner's metrics.jsonl; a step's wall time is the gap
+    between consecutive policy versions (the first from the start of the run)."""
+    times = [started] + [r["time"] for r in rows]
+    return [
+        {
+            "wall_s": b - a,
+            "tokens": r["rollout_tokens"],
+            "accuracy": r["reward_mean"],
+            "rollout_s": r["rollout_seconds"],
+            "accept_length": r.get("accept_length_mean", 1.0),
+        }
+        for (a, b), r in zip(itertools.pairwise(times), rows, strict=True)
+    ]
+
+
+def run_tlt(
+    name: str, world: Path, run_dir: Path, config, *, steps: int, prompts: int, seed: int, cores: int
+) -> dict[str, Any]:
+    import msgspec
+
+    from tlt_stream.launch import RunPlan, run_plan
+    from tlt_stream.report import load_metrics, write_report
+
+    plan = RunPlan(
+        world=world, run_dir=run_dir, steps=steps, prompts_per_step=prompts, seed=seed, cores=cores, **CONFIGS[name]
+    )
+    named = msgspec.structs.replace(config, run=f"{config.run}-e2e-{name}-{time.strftime('%H%M%S')}")
+
+    def on_step(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            log(f"  {name} step {r['version']}/{steps}: accuracy {r['reward_mean']:.3f}")
+
+    started = time.time()
+    code = asyncio.run(run_plan(plan, named, on_step=on_step))
+    if code != 0:
+        raise RuntimeError(f"{name}: run ended with code {code}")
+    figures = summarise(tlt_steps(load_metrics(run_dir), started))
+    figures["run_wall_s"] = round(time.time() - started, 1)
+    figures["accept_length_median"] = median([r.get("accept_length_mean", 1.0) for r in load_metrics(run_dir)])
+    figures["run_dir"] = str(run_dir)
+    write_report(run_dir)
+    return figures
+
+
+def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) -> dict[str, Any]:
+    """TRL's GRPOTrainer with the settings `tlt-stream run` uses: 16 prompts x 8 samples per update, one
+    update per generation batch, lr 2e-4 with 20 warmup steps, clip 0.2 / 0.28, no KL, token-level loss
+    (DAPO), group-normalised advantages, temperature 1, the same prompts in the same order."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tlt_stream.launch import RunPlan
+    from tlt_stream.rl.policy_service import RepeatedAddSource
+    from tlt_stream.tasks.repeated_add import reward
+
+    plan = RunPlan(world=world, run_dir=run_dir, steps=steps, prompts_per_step=prompts, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    source = RepeatedAddSource(tokenizer, seed=seed)
+    rows = [{"prompt": p, "answer": a} for step in range(steps) for _, p, _, a in source.prompts(step, prompts)]
+    prompt_len = max(len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows)
+
+    def exact_match(prompts, completions, answer, **_) -> list[float]:
+        return [reward(c, a) for c, a in zip(completions, answer, strict=True)]
+
+    micro = 32  # 16 x 8 samples an update as 4 micro-batches of 32: one optimizer step per generation batch
+    if prompts * plan.group_size % micro:
+        micro = plan.group_size
+    args = GRPOConfig(
+        output_dir=str(run_dir),
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        max_steps=steps,
+        learning_rate=plan.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=plan.warmup_steps,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=plan.prompts_per_step * plan.group_size // micro,
+        num_generations=plan.group_size,
+        num_iterations=1,
+        max_completion_length=plan.max_len - prompt_len,
+        temperature=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    per_step: list[dict[str, float]] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            per_step.append({"wall_s": time.perf_counter() - self.t0})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs and per_step:
+                n = plan.prompts_per_step * plan.group_size
+                per_step[-1]["accuracy"] = float(logs["reward"])
+                per_step[-1]["tokens"] = float(logs.get("completions/mean_length", 0.0)) * n
+                log(f"  trl step {len(per_step)}/{steps}: accuracy {logs['reward']:.3f}")
+
+    model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=exact_match,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    )
+    started = time.time()
+    trainer.train()
+    figures = summarise([s for s in per_step if "accuracy" in s])
+    figures["run_wall_s"] = round(time.time() - started, 1)
+    figures["run_dir"] = str(run_dir)
+    final = run_dir / "final-policy"
+    trainer.save_model(str(final))
+    tokenizer.save_pretrained(final)
+    figures["_policy_dir"] = str(final)
+    return figures
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        curve = r.get("train_accuracy_curve")
+        if not curve:
+            continue
+        by_step.plot(range(1, len(curve) + 1), curve, marker=".", label=name)
+        step_s = r["step_time_s_median"] or 0.0
+        by_time.plot([step_s * (i + 1) for i in range(len(curve))], curve, marker=".", label=name)
+    by_step.set(xlabel="RL step", ylabel="train accuracy (reward mean)", title="Accuracy per step")
+    by_time.set(xlabel="seconds (median step time x steps)", ylabel="train accuracy", title="Accuracy over time")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from tlt_stream.config import load_config
+    from tlt_stream.launch import evaluate_version
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    world = Path(args.world)
+    if not (world / "policy").is_dir() or not (world / "drafter").is_dir():
+        sys.exit(f"{world}: no policy/drafter; run `tlt-stream bootstrap --out {world}` first")
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    config = load_config(None, environ=os.environ)
+    steps = 2 if args.quick else args.steps
+    trl_steps = 2 if args.quick else (args.trl_steps or steps)
+    prompts = 8 if args.quick else args.prompts_per_step
+    default = [*CONFIGS] if args.quick else [*CONFIGS, "trl"]
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()] if args.only else default
+    unknown = set(wanted) - {*CONFIGS, "trl"}
+    if unknown:
+        sys.exit(f"--only: unknown configs {sorted(unknown)}; choose from {[*CONFIGS, 'trl']}")
+    evaluate_n = 0 if args.quick else args.eval
+
+    results: dict[str, dict[str, Any]] = {}
+    for name in [n for n in CONFIGS if n in wanted]:
+        log(f"{name}: {steps} steps -> {out / name}")
+        results[name] = run_tlt(
+            name, world, out / name, config, steps=steps, prompts=prompts, seed=args.seed, cores=cores
+        )
+        if evaluate_n:
+            final = latest_checkpoint(out / name / "checkpoints")
+            assert final is not None
+            row = evaluate_version(out / name, final.step, final.policy_dir, n=evaluate_n, seed=1, threads=cores)
+            results[name]["heldout_accuracy_final"] = row["accuracy"]
+    skipped: dict[str, str] = {}
+    if "trl" in wanted:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            skipped["trl"] = "TRL is not installed: pip install -e '.[bench]'"
+        else:
+            log(f"trl: {trl_steps} steps -> {out / 'trl'}")
+            results["trl"] = run_trl(world, out / "trl", steps=trl_steps, prompts=prompts, seed=args.seed)
+            policy_dir = Path(results["trl"].pop("_policy_dir"))
+            if evaluate_n:
+                row = evaluate_version(out / "trl", trl_steps, policy_dir, n=evaluate_n, seed=1, threads=cores)
+                results["trl"]["heldout_accuracy_final"] = row["accuracy"]
+
+    def speedup(slow: str, fast: str) -> float | None:
+        if slow in results and fast in results:
+            return round(results[slow]["step_time_s_median"] / results[fast]["step_time_s_median"], 3)
+        return None
+
+    ratios = {
+        "b_over_a": speedup("a_sync_plain", "b_sync_tlt"),
+        "c_over_a": speedup("a_sync_plain", "c_stream_tlt"),
+        "b_over_d": speedup("trl", "b_sync_tlt"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "e2e.png")
+    result = {
+        "bench": "e2e",
+        "quick": args.quick,
+        "cores": cores,
+        "steps": steps,
+        "trl_steps": trl_steps if "trl" in results else None,
+        "prompts_per_step": prompts,
+        "group_size": 8,
+        "seed": args.seed,
+        "heldout_prompts": evaluate_n,
+        "redis": "configured" if config.bus.redis_url else "embedded",
+        "configs": results,
+        "skipped": skipped,
+        "speedups": ratios,
+        "goals": GOALS,
+        "goals_reached": {k: (v is not None and v >= GOALS[k]) for k, v in ratios.items()},
+        "plot": str(out / "e2e.png"),
+    }
+    if "a_sync_plain" in results:
+        result["rollout_share_of_step_a"] = results["a_sync_plain"].get("rollout_share_of_step")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
