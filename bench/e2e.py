@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -206,7 +207,8 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
         callbacks=[Timer()],
     )
     started = time.time()
-    trainer.train()
+    with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its log dicts; stdout is our JSON
+        trainer.train()
     figures = summarise([s for s in per_step if "accuracy" in s])
     figures["run_wall_s"] = round(time.time() - started, 1)
     figures["run_dir"] = str(run_dir)

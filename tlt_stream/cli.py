@@ -593,6 +593,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tlt-stream: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _ignore_sigterm()
+
+
+def _ignore_sigterm() -> None:
+    """The command is done and the process is exiting with its own code: a SIGTERM now (a supervisor
+    stopping everything as this service finishes) must not turn a clean exit into death by signal."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def _text(value: Any) -> Any:
 
 async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
     keys = Keys(config.run)
-    redis = connect_redis(config.bus.redis_url or "", name="tlt-doctor")
+    redis = connect_redis(config.bus.redis_url or "", name="tlt-doctor", retries=2)
     report: dict[str, Any] = {"url": redact_url(config.bus.redis_url), "reachable": False}
     try:
         async with asyncio.timeout(timeout):

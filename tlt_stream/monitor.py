@@ -356,7 +356,7 @@ async def snapshot(
     snap["server"] = base.get("server")
     if "error" in base:
         return {**snap, "error": base["error"]}
-    client = redis or connect_redis(config.bus.redis_url or "", name="tlt-monitor")
+    client = redis or connect_redis(config.bus.redis_url or "", name="tlt-monitor", retries=2)
     try:
         async with asyncio.timeout(timeout):
             snap.update(await _details(client, Keys(config.run), base, window_s, stats_limit))
@@ -754,7 +754,7 @@ async def _watch(config: Config, options: MonitorOptions) -> int:
     except OSError as exc:
         print(f"tlt-stream monitor: cannot serve on {options.bind}:{options.prometheus}: {exc}", file=sys.stderr)
         return 1
-    redis = connect_redis(config.bus.redis_url or "", name="tlt-monitor")
+    redis = connect_redis(config.bus.redis_url or "", name="tlt-monitor", retries=2)
     with contextlib.ExitStack() as stack:
         if server is not None:
             stack.enter_context(server)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 __all__ = ["load_metrics", "read_jsonl", "state_intervals", "write_report"]
+
+log = logging.getLogger(__name__)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -21,8 +24,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if line.strip():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+            except json.JSONDecodeError as exc:  # a line torn by a killed writer: its row is rewritten whole
+                log.warning("%s:%d: skipped a line that is not JSON (%s)", path, number, exc)
     return rows
 
 

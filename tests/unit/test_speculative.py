@@ -222,6 +222,10 @@ class SelfProposer:
     def observe(self, slot: int, tokens: list[int], features: torch.Tensor) -> None:
         self.history[slot].extend(tokens)
 
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            self.history[row].append(token)
+
     @torch.no_grad()
     def _p(self, seq: list[int]) -> torch.Tensor:
         return torch.softmax(self.hf(torch.tensor([seq])).logits[0, -1] / self.temperature, dim=-1)

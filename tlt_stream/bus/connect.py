@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import AbstractBackoff
 
 from tlt_stream.bus.embedded import EmbeddedServers
 from tlt_stream.config import Config, redact_url
@@ -30,8 +30,56 @@ REDIS_RETRYABLE: tuple[type[Exception], ...] = (
 """Errors that mean "the server is (momentarily) unreachable": worth a retry with backoff."""
 
 
-def connect_redis(url: str, *, cap_s: float = 30.0, name: str | None = None) -> aioredis.Redis:
-    """An asyncio Redis client (bytes replies) that retries dropped connections with capped backoff.
+class OutageBackoff(AbstractBackoff):
+    """Capped exponential backoff with jitter that says what it is doing: a Redis restart or a network
+    blip shows in every service's log as "unreachable, retrying", never as a busy loop or a silent hang.
+    (One instance serves every command of a client at once, so it keeps no state: `failures` is the
+    calling command's own count.)"""
+
+    def __init__(self, url: str, *, base: float = 0.05, cap: float = 5.0) -> None:
+        self.where = redact_url(url)
+        self.base, self.cap = base, cap
+
+    def compute(self, failures: int) -> float:
+        import random
+
+        delay = random.uniform(0.5, 1.0) * min(self.cap, self.base * 2 ** (failures - 1))
+        if failures == 2 or failures % 10 == 0:  # the first retry is routine (a dropped idle connection)
+            log.warning("Redis %s unreachable (attempt %d); retrying in %.1fs", self.where, failures, delay)
+        return delay
+
+
+def _permanent(exc: BaseException) -> bool:
+    """A connection error that waiting will not fix: wrong credentials, a refused or unverifiable
+    certificate. Retrying those for minutes would only hide the one line the user needs."""
+    if isinstance(exc, aioredis.AuthenticationError | aioredis.ResponseError):
+        return True
+    chain = [exc, exc.__cause__, exc.__context__]
+    return any(isinstance(e, ssl.SSLCertVerificationError) for e in chain) or "CERTIFICATE_VERIFY_FAILED" in str(exc)
+
+
+class OutageRetry(Retry):
+    """redis-py's retry loop, except for errors that are not outages (`_permanent`), which fail at once."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        def retryable(exc: Exception) -> bool:
+            return not _permanent(exc) and (is_retryable is None or is_retryable(exc))
+
+        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+REDIS_OUTAGE_RETRIES = 40
+"""Retries of one command before its error reaches the service: with the 5 s cap, about three minutes of
+outage (a Redis restart, a failover) are ridden out in place; a longer one stops the service, whose
+supervisor (compose's restart policy) restarts it."""
+
+
+def connect_redis(
+    url: str, *, cap_s: float = 5.0, name: str | None = None, retries: int = REDIS_OUTAGE_RETRIES
+) -> aioredis.Redis:
+    """An asyncio Redis client (bytes replies) that rides out outages: a failed command is retried with
+    capped backoff (logged) for about three minutes before its error reaches the caller; tools that must
+    answer at once (`doctor`, `monitor --once`) pass a small `retries`.
 
     Connecting is lazy; the first command opens the connection. Credentials and TLS (`rediss://`) come
     from the URL.
@@ -42,7 +90,7 @@ def connect_redis(url: str, *, cap_s: float = 30.0, name: str | None = None) -> 
         health_check_interval=30,
         socket_keepalive=True,
         socket_connect_timeout=5,
-        retry=Retry(ExponentialBackoff(cap=min(cap_s, 10.0), base=0.05), retries=3),
+        retry=OutageRetry(OutageBackoff(url, cap=cap_s), retries=retries),
         retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
         client_name=name,
     )

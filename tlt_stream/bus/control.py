@@ -204,8 +204,18 @@ class ControlPlane:
                     exc,
                     delay,
                 )
-                if await sleep_or_stop(stop, delay):
+                if await self._follow_mirror(stop, delay):
                     break
+
+    async def _follow_mirror(self, stop: asyncio.Event, seconds: float, *, every_s: float = 1.0) -> bool:
+        """Wait `seconds` before the next reconnect while following the Redis mirror every `every_s`: with
+        the broker down, versions published meanwhile still reach this process. True when `stop` was set."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+            if await sleep_or_stop(stop, min(every_s, remaining)):
+                return True
+            await self.refresh_from_mirror()
+        return stop.is_set()
 
     async def _session(self, stop: asyncio.Event) -> None:
         p = self.params

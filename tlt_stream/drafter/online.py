@@ -39,7 +39,7 @@ from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, save_drafter
 from tlt_stream.drafter.train import PackedBatch, Window, eagle_loss, pack_windows
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.transformer import Transformer
-from tlt_stream.rl.checkpoint import atomic_directory
+from tlt_stream.rl.checkpoint import atomic_directory, optimizer_state, optimizer_tensors
 
 __all__ = [
     "LrSchedule",
@@ -231,7 +231,7 @@ class OnlineDrafterTrainer:
         with atomic_directory(final) as tmp:
             about = {"policy_version": self.policy_version, "step": self.step_count}
             save_drafter(self.drafter, tmp / DRAFTER_DIR, metadata=about)
-            tensors, optimizer_meta = _flatten_optimizer(self.optimizer.state_dict())
+            tensors, optimizer_meta = optimizer_tensors(self.optimizer.state_dict())
             save_file(tensors, str(tmp / OPTIMIZER))
             save_file({"batch_generator": self.generator.get_state()}, str(tmp / RNG))
             trainer = json.dumps(
@@ -273,9 +273,9 @@ class OnlineDrafterTrainer:
             raise CheckpointError(f"{path}: drafter weights do not match this drafter's shapes")
         if meta["schedule"] != dataclasses.asdict(self.config.schedule):
             log.warning("%s: saved with schedule %s; continuing with %s", path, meta["schedule"], self.config.schedule)
-        optimizer_state = _unflatten_optimizer(load_file(str(path / OPTIMIZER), device=str(device)), meta["optimizer"])
+        moments = optimizer_state(load_file(str(path / OPTIMIZER), device=str(device)), meta["optimizer"])
         self.drafter.load_state_dict(weights)
-        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.load_state_dict(moments)
         self.generator.set_state(load_file(str(path / RNG))["batch_generator"])
         self.step_count = int(meta["step"])
         return dict(meta["metadata"])
@@ -287,31 +287,6 @@ def _to_drafter(batch: PackedBatch, weight: torch.Tensor) -> PackedBatch:
     moved["features"] = moved["features"].to(weight.dtype)
     moved["targets"] = moved["targets"].to(weight.dtype)
     return PackedBatch(**moved)
-
-
-def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer `state_dict` as safetensors tensors (`state.{param}.{slot}`) and JSON for the rest."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, slots in state["state"].items():
-        for slot, value in slots.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{slot}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(index), {})[slot] = value
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items()} for group in state["param_groups"]]
-    return tensors, {"scalars": scalars, "param_groups": groups}
-
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        _, index, slot = key.split(".", 2)
-        state.setdefault(int(index), {})[slot] = tensor
-    for index, slots in meta["scalars"].items():
-        state.setdefault(int(index), {}).update(slots)
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in meta["param_groups"]]
-    return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------------------------------- guard rail

@@ -14,15 +14,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tlt_stream.errors import CheckpointError
 from tlt_stream.model.layers import rope_inv_freq
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-
-
-class CheckpointError(Exception):
-    """A checkpoint directory is missing, malformed, or uses features this runtime does not implement."""
 
 
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:

@@ -7,7 +7,8 @@ fsynced, renamed into place as `step-XXXXXXXX` in one atomic `rename`, and only 
 pointer, itself replaced atomically. Replacing `LATEST` is the commit point: a crash before it leaves the
 previous checkpoint current, and a complete step directory newer than `LATEST` is a save that crashed after
 its rename; the next save discards it. `meta.json` is written last, so a step directory without it is never
-taken for a checkpoint.
+taken for a checkpoint. Nothing in a checkpoint is a pickle: tensors are safetensors, the rest JSON, so
+loading one can never run code (a `.pt` where safetensors belong is refused, not unpickled).
 
 Workers load a policy version only after `verify_policy` matches the sha256 the learner published, so a torn
 copy or a flipped bit is refused before it can steer rollouts. The hash covers relative names and bytes,
@@ -33,7 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,6 +44,8 @@ __all__ = [
     "CheckpointInfo",
     "ChecksumMismatch",
     "latest_checkpoint",
+    "optimizer_state",
+    "optimizer_tensors",
     "policy_sha256",
     "restore_checkpoint",
     "save_checkpoint",
@@ -50,7 +54,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: optimizer and RNG state as safetensors + JSON (1 pickled them with torch.save)."""
 LATEST = "LATEST"
 POLICY = "policy"
 TMP_PREFIX = ".tmp-"
@@ -161,11 +166,26 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
+def _save_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], stem: Path) -> None:
+    """`stem.safetensors` + `stem.json`, each fsynced: no pickle anywhere in a checkpoint."""
+    data = save(tensors)
+    with open(stem.with_suffix(".safetensors"), "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    _write_json(stem.with_suffix(".json"), meta)
+
+
+def _load_tensors(stem: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    pickled = stem.with_suffix(".pt")
+    if pickled.exists() and not stem.with_suffix(".safetensors").exists():
+        raise ValueError(f"{pickled}: a pickle; tlt-stream loads only safetensors + JSON (it never unpickles)")
+    try:
+        tensors = load_file(stem.with_suffix(".safetensors"))
+        meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise ValueError(f"{stem}: unreadable checkpoint part ({exc})") from exc
+    return tensors, meta
 
 
 def _write_pointer(root: Path, name: str) -> None:
@@ -276,20 +296,49 @@ def latest_checkpoint(root: Path | str, *, clean: bool = False) -> CheckpointInf
 # --- save / restore ---------------------------------------------------------------------------------------
 
 
-def _rng_state() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+def optimizer_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer `state_dict` as safetensors tensors (`state.{param}.{slot}`) and JSON for the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, slots in state["state"].items():
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{slot}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[slot] = value
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items()} for group in state["param_groups"]]
+    return tensors, {"scalars": scalars, "param_groups": groups}
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if state["cuda"] and torch.cuda.is_available():
-        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
+def optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `optimizer_tensors`: a `state_dict` an optimizer loads."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        _, index, slot = key.split(".", 2)
+        state.setdefault(int(index), {})[slot] = tensor
+    for index, slots in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(slots)
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_tensors() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The RNG streams as tensors (torch, each CUDA device) and JSON (Python's `random`)."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    version, internal, gauss = random.getstate()
+    return tensors, {"python": [version, list(internal), gauss]}
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda.{i}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"cuda.{i}"], i)
 
 
 def save_checkpoint(
@@ -305,10 +354,11 @@ def save_checkpoint(
 ) -> CheckpointInfo:
     """Write `root/step-{step:08d}` atomically, point `root/LATEST` at it, and prune to the newest `keep`.
 
-    The directory holds `policy/` (safetensors, plus the tokenizer when given), `optimizer.pt`, `rng.pt`
-    (torch, Python `random` and CUDA generators), `ledger.json` (the sorted consumed sample ids) and
-    `meta.json` (step, policy sha256, creation time, `extra`, format version). Raises ValueError for a step
-    that already exists or is lower than the current checkpoint's.
+    The directory holds `policy/` (safetensors, plus the tokenizer when given),
+    `optimizer.{safetensors,json}`, `rng.{safetensors,json}` (torch, CUDA and Python `random` generators),
+    `ledger.json` (the sorted consumed sample ids) and `meta.json` (step, policy sha256, creation time,
+    `extra`, format version). Raises ValueError for a step that already exists or is lower than the current
+    checkpoint's.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -345,8 +395,8 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(policy)
         sha = policy_sha256(policy)
-        _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
-        _torch_save(_rng_state(), tmp / "rng.pt")
+        _save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / "optimizer")
+        _save_tensors(*_rng_tensors(), tmp / "rng")
         _write_json(tmp / "ledger.json", ids)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -417,8 +467,8 @@ def restore_checkpoint(
     if model is not None:
         _load_weights(model, info.policy_dir)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(info.path / "optimizer.pt", map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(optimizer_state(*_load_tensors(info.path / "optimizer")))
     if restore_rng:
-        _set_rng_state(torch.load(info.path / "rng.pt", weights_only=True))
+        _set_rng_state(*_load_tensors(info.path / "rng"))
     ledger = json.loads((info.path / "ledger.json").read_text(encoding="utf-8"))
     return set(ledger), meta

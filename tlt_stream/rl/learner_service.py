@@ -25,17 +25,20 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from tlt_stream.aio import retry
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.messages import LearnerStats, PolicyVersion
+from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import CheckpointInfo, latest_checkpoint, restore_checkpoint, save_checkpoint
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
@@ -93,6 +96,7 @@ class LearnerService:
         self.checkpoint: CheckpointInfo | None = None
         self.ready: list[ReadyGroup] = []
         self._idle_since = time.perf_counter()
+        self._stop: asyncio.Event | None = None
 
     @property
     def checkpoints(self) -> Path:
@@ -113,14 +117,19 @@ class LearnerService:
         source = found.policy_dir if found is not None else self.init_policy
         if not source.is_dir():
             raise FileNotFoundError(f"{source}: initial policy directory does not exist")
-        model = AutoModelForCausalLM.from_pretrained(source).to(self.settings.device)
+        try:  # safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled
+            model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).to(self.settings.device)
+        except (OSError, ValueError, KeyError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{source}: cannot load the policy ({reason})") from exc
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError):  # a checkpoint without a tokenizer is fine; workers bring their own
             self.tokenizer = None
         self.core = LearnerCore(model, self.settings.learner)
         if found is not None:
-            ledger, _ = restore_checkpoint(found, optimizer=self.core.optimizer)
+            ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer)
+            self._recover_metrics_row(found, meta)
             self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
             self.version, self.checkpoint = found.step, found
             self.core.updates = found.step  # the learning-rate schedule continues where it stopped
@@ -155,6 +164,7 @@ class LearnerService:
         if self.core is None:
             await self.start()
         assert self.core is not None
+        self._stop = stop
         applied = 0
         while not stop.is_set() and (max_updates is None or applied < max_updates):
             deliveries = await self.reader.read()
@@ -204,7 +214,20 @@ class LearnerService:
         if metrics["learn_seconds"] > 0:
             metrics["learn_tokens_per_s"] = metrics["trained_tokens"] / metrics["learn_seconds"]
         saving = time.perf_counter()
-        self.checkpoint = await asyncio.to_thread(self._save, {"metrics": metrics})
+        trained = [g.task_id for g in groups]
+        extra = {"metrics": metrics, "groups": trained}
+        # A full disk or an unwritable directory must not cost the update or its samples: nothing is acked or
+        # published before the checkpoint exists, so retry (capped backoff, saying why) until it is written
+        # or the service is stopped, which then exits non-zero with the samples still pending for a restart.
+        self.checkpoint = await retry(
+            lambda: asyncio.to_thread(self._save, extra),
+            retry_on=(OSError,),
+            what=f"checkpoint of version {self.version}",
+            max_attempts=None,
+            base=0.5,
+            cap=10.0,
+            stop=self._stop,
+        )
         metrics["checkpoint_seconds"] = time.perf_counter() - saving
         await self.reader.ack([entry for g in groups for entry in g.entry_ids])
         await self._publish(self.checkpoint)
@@ -236,9 +259,9 @@ class LearnerService:
             **metrics,
             "staleness_hist": histogram,
             "response_lens": [s.response_len for s in samples],
+            "groups": trained,
         }
-        with (self.run_dir / "metrics.jsonl").open("a") as out:
-            out.write(json.dumps(line) + "\n")
+        self._append_metrics(line)
         log.info(
             "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
             "waited %.1fs",
@@ -253,6 +276,39 @@ class LearnerService:
         )
         self._idle_since = time.perf_counter()
         return metrics
+
+    def _append_metrics(self, line: dict[str, Any]) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        with path.open("a+b") as out:
+            out.seek(0, 2)
+            if out.tell() > 0:
+                out.seek(-1, 2)
+                torn = out.read(1) != b"\n"  # a line cut short by a crash: end it, so this one stays whole
+                out.seek(0, 2)
+                if torn:
+                    out.write(b"\n")
+            out.write(json.dumps(line).encode() + b"\n")
+
+    def _recover_metrics_row(self, found: CheckpointInfo, meta: dict[str, Any]) -> None:
+        """A learner killed after its checkpoint but before its `metrics.jsonl` line left an update that counts
+        (the weights have it) with no row: write the row from the checkpoint, which carries the same figures
+        and groups, so the run's record of what was trained stays complete."""
+        extra = meta.get("extra", {})
+        if "metrics" not in extra:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        last = 0
+        if path.exists():
+            for raw in path.read_text().splitlines():
+                try:
+                    last = max(last, int(json.loads(raw)["version"]))
+                except (ValueError, KeyError, TypeError):  # a line torn by the crash: the row is rewritten
+                    continue
+        if found.step > last:
+            created = datetime.fromisoformat(meta["created"]).timestamp()
+            line = {"version": found.step, "time": created, **extra["metrics"], "groups": extra.get("groups", [])}
+            self._append_metrics({**line, "recovered": True})
+            log.warning("version %d had no metrics line (killed after its checkpoint): recovered it", found.step)
 
     def describe(self) -> dict[str, Any]:
         """What the service holds now (for logs, the dashboard and tests)."""
@@ -269,9 +325,8 @@ class LearnerService:
 
 def serve_learner(config: Config, args: Any) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
-    from tlt_stream.rl.serve import serve
-
     from tlt_stream.model import resolve_device
+    from tlt_stream.rl.serve import serve
 
     if args.max_staleness < 0 or args.warmup_steps < 0:
         print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)

@@ -289,6 +289,8 @@ class RolloutWorker:
         verify_policy(announced.location, announced.sha256)
         model = load_model(announced.location, device=self.settings.device)
         if self.tokenizer is None:
+            if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
+                raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
         proposer, arm, nodes = None, None, 64
         if self.settings.drafter is not None:  # the drafter binds to this policy's embedding and LM head

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.config import Config
+from tlt_stream.errors import CheckpointError
 
 __all__ = ["Body", "serve"]
 
@@ -44,7 +45,7 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
     try:
         with endpoints(config) as resolved:
             run_loop(main(resolved))
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, CheckpointError) as exc:
         print(f"tlt-stream {role}: {exc}", file=sys.stderr)
         return 2
     return 0

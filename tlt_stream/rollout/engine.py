@@ -245,9 +245,8 @@ class GenerationEngine:
         self._emit(seqs, hidden[:, 0])
         self.plain_steps += 1
         if self.proposer is not None:
-            for row, s in enumerate(seqs):
-                if not s.is_finished:
-                    self.proposer.observe(row, s.token_ids[-1:], hidden[row])
+            rows = [row for row, s in enumerate(seqs) if not s.is_finished]
+            self.proposer.observe_step(rows, [seqs[row].token_ids[-1] for row in rows], hidden[:, 0])
 
     @torch.inference_mode()
     def _speculative_step(self, seqs: list[Sequence], arm: SdArm) -> None:
@@ -281,7 +280,7 @@ class GenerationEngine:
         tokens, logprobs = sample(logits, temperatures, [self._generators[s.request_id] for s in seqs])
         keep = [b for b, s in enumerate(seqs) if s.request_id in self._hidden]
         if keep:
-            kept = hidden[torch.tensor(keep, device=hidden.device)]  # [K, H], a fresh tensor
+            kept = hidden[torch.tensor(keep, device=hidden.device)].unbind(0)  # K views of a fresh [K, H]
             for row, b in enumerate(keep):
                 self._hidden[seqs[b].request_id].append(kept[row])
         for s, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):

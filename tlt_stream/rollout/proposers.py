@@ -67,6 +67,12 @@ class Proposer(Protocol):
         """Committed pairs: `tokens[i]` was produced by the target from hidden state `features[i]`."""
         ...
 
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        """One plain decode step: row `rows[i]` emitted `tokens[i]` from `features[rows[i]]` (`features` is
+        the step's `[B, H]`). The same as `observe` per row, in one call: this runs every decode step, SD on
+        or off, so its per-row cost is paid on every token."""
+        ...
+
     def propose(
         self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal: ...
@@ -117,6 +123,12 @@ class EagleProposer:
     def observe(self, slot: int, tokens: list[int], features: torch.Tensor) -> None:
         self._pending_tokens.setdefault(slot, []).extend(tokens)
         self._pending_features.setdefault(slot, []).append(features.reshape(len(tokens), -1))
+
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        per_row = features[:, None].unbind(0)  # B views of [1, H] in one call
+        for row, token in zip(rows, tokens, strict=True):
+            self._pending_tokens.setdefault(row, []).append(token)
+            self._pending_features.setdefault(row, []).append(per_row[row])
 
     @torch.inference_mode()
     def propose(
@@ -285,6 +297,10 @@ class NgramProposer:
         self._history[dst] = self._history.pop(src, [])
         self._index[dst] = self._index.pop(src, {})
 
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            self.observe(row, [token])
+
     def observe(self, slot: int, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Index the committed tokens (the features are not needed)."""
         history = self._history.setdefault(slot, [])
@@ -346,6 +362,10 @@ class OracleProposer:
 
     def observe(self, slot: int, tokens: list[int], features: torch.Tensor | None = None) -> None:
         self.history[slot].extend(tokens)
+
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            self.history[row].append(token)
 
     def _continuation(self, slot: int) -> list[int]:
         seen = self.history[slot]
