@@ -30,7 +30,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rows.jsonl"
         env = {**os.environ, "TLT_FAULTS_REPORT": str(report)}
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "faults")]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "tests" / "faults"),
+        ]
         if args.k:
             command += ["-k", args.k]
         started = time.monotonic()
@@ -47,6 +56,7 @@ def main() -> None:
         "pytest_exit_code": done.returncode,
         "pytest_summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:],
         "seconds": round(time.monotonic() - started, 1),
+        "failures": [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "E   "))][:60],
         "scenarios": [row for row in rows if "scenario" in row],
         "fuzz": fuzz,
     }

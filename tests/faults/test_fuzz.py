@@ -286,3 +286,33 @@ def test_bad_policy_checkpoints_are_refused_in_one_line(
         {},
     )
     assert expected in line.lower(), line
+
+
+# ------------------------------------------------------------------------------------------ control messages
+
+
+def test_control_messages_over_the_size_limit_are_refused_before_decoding() -> None:
+    """A valid policy version padded past `CONTROL_MAX_BYTES` on its topic is ignored (never decoded or
+    adopted); the same message at its normal size is adopted; garbage of any size never raises."""
+    import aiomqtt
+
+    from tlt_stream.bus.control import CONTROL_MAX_BYTES, ControlPlane
+    from tlt_stream.config import BusConfig
+    from tlt_stream.messages import CONTROL_CODEC, PolicyVersion
+
+    config = Config(run="fuzz", bus=BusConfig(redis_url="redis://127.0.0.1:1/0", mqtt_url="mqtt://127.0.0.1:1"))
+    plane = ControlPlane(config, None, role="test")  # type: ignore[arg-type] - Redis is never touched here
+    topic = plane.topic("policy")
+
+    def deliver(payload: bytes) -> None:
+        plane._on_mqtt(aiomqtt.Message(topic, payload, qos=1, retain=True, mid=1, properties=None))
+
+    padded = PolicyVersion(version=2, location="/x" + " " * CONTROL_MAX_BYTES, sha256="0" * 64, step=2)
+    assert len(CONTROL_CODEC.encode(padded)) > CONTROL_MAX_BYTES
+    deliver(CONTROL_CODEC.encode(padded))
+    assert plane.version("policy") < 2
+    for garbage in (b"\xff" * 10, b"{}", b"[1,2]", b'{"kind":"policy"}', b"x" * (CONTROL_MAX_BYTES + 1)):
+        deliver(garbage)
+    assert plane.version("policy") < 1
+    deliver(CONTROL_CODEC.encode(PolicyVersion(version=1, location="/ckpt", sha256="0" * 64, step=1)))
+    assert plane.version("policy") == 1

@@ -31,6 +31,10 @@ __all__ = ["ControlPlane", "read_mirror"]
 
 log = logging.getLogger(__name__)
 
+CONTROL_MAX_BYTES = 64 * 1024
+"""A control message (a version: numbers, a path, a hash) is a few hundred bytes; anything larger on a
+control topic is refused before it is decoded."""
+
 _CAS_SCRIPT = """
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1] .. ':version') or '-1')
 if tonumber(ARGV[2]) > current then
@@ -144,6 +148,12 @@ class ControlPlane:
 
     def _on_mqtt(self, message: aiomqtt.Message) -> None:
         if not message.payload:  # an empty retained message clears a topic; nothing to adopt
+            return
+        size = len(message.payload)  # type: ignore[arg-type]
+        if size > CONTROL_MAX_BYTES:
+            log.error(
+                "control message of %d bytes on %s exceeds %d; ignoring it", size, message.topic, CONTROL_MAX_BYTES
+            )
             return
         try:
             decoded = CONTROL_CODEC.decode(message.payload)  # type: ignore[arg-type]
