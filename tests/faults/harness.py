@@ -223,7 +223,7 @@ def audit(run_dir: Path, expected_groups: set[str], samples: list[Any] = ()) -> 
     regressions = [f"learner row {a} then {b}" for a, b in itertools.pairwise(versions) if b != a + 1]
     counts: dict[str, int] = {}
     for r in rows:
-        for group in r.get("groups", []):
+        for group in r.get("trained_groups", []):
             counts[group] = counts.get(group, 0) + 1
     seen: dict[str, int] = {}
     for s in samples:
@@ -328,12 +328,18 @@ class FaultRun:
             await redis.aclose()
         return next((w.get("state") for w in workers if w["worker_id"] == worker), None)
 
-    async def wait_state(self, worker: str, state: str, timeout: float) -> None:
+    async def wait_any(self, state: str, timeout: float) -> str:
+        """The first rollout worker seen in `state` (whichever it is: a worker that admits a whole step's
+        tasks leaves the other idle, so a fault aimed at "rollout-0" could wait forever)."""
+        workers = [name for name in self.commands if name.startswith("rollout")]
         deadline = time.monotonic() + timeout
-        while await self.worker_state(worker) != state:
+        while True:
+            for worker in workers:
+                if worker not in self.killed and await self.worker_state(worker) == state:
+                    return worker
             if time.monotonic() > deadline:
-                raise AssertionError(f"{worker} never {state}:\n{self.log_tail(worker)}")
-            await asyncio.sleep(0.05)
+                raise AssertionError(f"no worker {state} in {timeout:.0f} s:\n{self.log_tail(workers[0])}")
+            await asyncio.sleep(0.02)
 
     async def samples(self) -> list[Any]:
         import redis.asyncio as aioredis

@@ -215,7 +215,7 @@ class LearnerService:
             metrics["learn_tokens_per_s"] = metrics["trained_tokens"] / metrics["learn_seconds"]
         saving = time.perf_counter()
         trained = [g.task_id for g in groups]
-        extra = {"metrics": metrics, "groups": trained}
+        extra = {"metrics": metrics, "trained_groups": trained}
         # A full disk or an unwritable directory must not cost the update or its samples: nothing is acked or
         # published before the checkpoint exists, so retry (capped backoff, saying why) until it is written
         # or the service is stopped, which then exits non-zero with the samples still pending for a restart.
@@ -259,7 +259,7 @@ class LearnerService:
             **metrics,
             "staleness_hist": histogram,
             "response_lens": [s.response_len for s in samples],
-            "groups": trained,
+            "trained_groups": trained,
         }
         self._append_metrics(line)
         log.info(
@@ -306,7 +306,8 @@ class LearnerService:
                     continue
         if found.step > last:
             created = datetime.fromisoformat(meta["created"]).timestamp()
-            line = {"version": found.step, "time": created, **extra["metrics"], "groups": extra.get("groups", [])}
+            line = {"version": found.step, "time": created, **extra["metrics"]}
+            line["trained_groups"] = extra.get("trained_groups", [])
             self._append_metrics({**line, "recovered": True})
             log.warning("version %d had no metrics line (killed after its checkpoint): recovered it", found.step)
 
