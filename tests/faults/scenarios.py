@@ -48,7 +48,15 @@ async def kill_worker_training(run: FaultRun, servers: PrivateServers) -> float:
 
 
 async def kill_learner(run: FaultRun, servers: PrivateServers) -> float:
+    """Killed mid-update: the moment its checkpoint's temporary directory appears, the update is applied in
+    memory but not yet durable, acked or published (its samples must be trained on again, exactly once)."""
+    checkpoints = run.plan.run_dir / "checkpoints"
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()):
+        assert time.monotonic() < deadline, "never caught the learner inside a checkpoint save"
+        await asyncio.sleep(0.001)
     await run.kill("learner")
+    assert any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()), "the save finished before the kill"
     started = time.monotonic()
     await run.start("learner")  # resumes from its newest checkpoint; its pending samples are re-read
     return await _next_version_after(run, started)
@@ -117,7 +125,7 @@ SCENARIOS = [
         kill_worker_training,
         {"sd": "eagle", "prompts_per_step": 4},
     ),
-    Scenario("kill9_learner", "kill -9 the learner, restart it", kill_learner),
+    Scenario("kill9_learner", "kill -9 the learner mid-update (inside its checkpoint save), restart it", kill_learner),
     Scenario("kill9_policy", "kill -9 the policy service, restart it", kill_policy),
     Scenario("restart_redis", "kill -9 Redis (append-only), restart it 2 s later", restart_redis),
     Scenario("restart_broker", "kill -9 the MQTT broker for 10 s (training must go on)", restart_broker),
