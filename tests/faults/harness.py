@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.worlds import build_world
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -372,18 +374,6 @@ class FaultRun:
                     os.killpg(process.pid, signal.SIGKILL)
                 codes[name] = await process.wait()
         return codes
-
-
-def build_world(init_policy: Path, world: Path) -> None:
-    """The tests' tiny random policy plus a random drafter, as `bootstrap` lays out a world."""
-    import torch
-
-    from tlt_stream.drafter.model import Drafter, save_drafter
-    from tlt_stream.model import load_model
-
-    shutil.copytree(init_policy, world / "policy")
-    torch.manual_seed(1)
-    save_drafter(Drafter(load_model(world / "policy").spec), world / "drafter")
 
 
 __all__ = [

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import re
-import shutil
 import socket
 import sys
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.compose_file import ROOT, argv, duration_s, environment, services
+from tests.worlds import build_world
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.registry import list_workers
 from tlt_stream.bus.streams import Keys
@@ -81,17 +81,6 @@ def localize(text: str, data: Path, ports: dict[str, str]) -> str:
     for exposed, local in ports.items():
         text = re.sub(rf"(?<![0-9]){exposed}(?![0-9])", local, text)
     return text
-
-
-def build_world(init_policy: Path, world: Path) -> None:
-    import torch
-
-    from tlt_stream.drafter.model import Drafter, save_drafter
-    from tlt_stream.model import load_model
-
-    shutil.copytree(init_policy, world / "policy")
-    torch.manual_seed(1)
-    save_drafter(Drafter(load_model(world / "policy").spec), world / "drafter")
 
 
 def process_env(service: dict[str, Any], config: Config) -> dict[str, str]:
