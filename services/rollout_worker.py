@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tlt_stream.cli import main
+from tlt_stream.cli import console
 
 if __name__ == "__main__":
-    sys.exit(main(["rollout-worker", *sys.argv[1:]]))
+    sys.exit(console(["rollout-worker", *sys.argv[1:]]))

@@ -577,8 +577,17 @@ def _exit_on_sigterm() -> None:
         pass
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def console(argv: Sequence[str] | None = None) -> int:
+    """The process entry (`tlt-stream`, `python -m services.X`): `main` with the process-wide SIGTERM
+    handling of a command-line program around it, which in-process callers of `main` (tests) do not want."""
     _exit_on_sigterm()
+    try:
+        return main(argv)
+    finally:
+        _ignore_sigterm()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", 0))
@@ -593,8 +602,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tlt-stream: interrupted", file=sys.stderr)
         return 130
-    finally:
-        _ignore_sigterm()
 
 
 def _ignore_sigterm() -> None:
@@ -609,4 +616,4 @@ def _ignore_sigterm() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())
