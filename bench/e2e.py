@@ -121,9 +121,10 @@ def run_tlt(
     code = asyncio.run(run_plan(plan, named, on_step=on_step))
     if code != 0:
         raise RuntimeError(f"{name}: run ended with code {code}")
-    figures = summarise(tlt_steps(load_metrics(run_dir), started))
+    per_step = tlt_steps(load_metrics(run_dir), started)
+    figures = summarise(per_step)
     figures["run_wall_s"] = round(time.time() - started, 1)
-    figures["accept_length_median"] = median([r.get("accept_length_mean", 1.0) for r in load_metrics(run_dir)])
+    figures["accept_length_median"] = median([s["accept_length"] for s in per_step])
     figures["run_dir"] = str(run_dir)
     write_report(run_dir)
     return figures

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -217,10 +216,9 @@ def audit(run_dir: Path, expected_groups: set[str], samples: list[Any] = ()) -> 
     """Every dispatched group trained exactly once? From the learner's `metrics.jsonl` (each update's groups;
     an update whose line a crash cut short is rewritten from its checkpoint on restart) and, for the
     workers' side, the `samples` stream (per worker, policy versions never go back)."""
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            rows.append(json.loads(line))
+    from tlt_stream.report import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")  # every line, repeats included (load_metrics would merge them)
     versions = [int(r["version"]) for r in rows]
     regressions = [f"learner row {a} then {b}" for a, b in itertools.pairwise(versions) if b != a + 1]
     counts: dict[str, int] = {}

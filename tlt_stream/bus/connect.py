@@ -41,9 +41,9 @@ class OutageBackoff(AbstractBackoff):
         self.base, self.cap = base, cap
 
     def compute(self, failures: int) -> float:
-        import random
+        from tlt_stream.aio import Backoff
 
-        delay = random.uniform(0.5, 1.0) * min(self.cap, self.base * 2 ** (failures - 1))
+        delay = Backoff(base=self.base, cap=self.cap, attempt=failures - 1).next_delay()
         if failures == 2 or failures % 10 == 0:  # the first retry is routine (a dropped idle connection)
             log.warning("Redis %s unreachable (attempt %d); retrying in %.1fs", self.where, failures, delay)
         return delay

@@ -296,15 +296,10 @@ class LearnerService:
         extra = meta.get("extra", {})
         if "metrics" not in extra:
             return
-        path = self.run_dir / "metrics.jsonl"
-        last = 0
-        if path.exists():
-            for raw in path.read_text().splitlines():
-                try:
-                    last = max(last, int(json.loads(raw)["version"]))
-                except (ValueError, KeyError, TypeError):  # a line torn by the crash: the row is rewritten
-                    continue
-        if found.step > last:
+        from tlt_stream.report import load_metrics  # skips a line torn by the crash: the row is rewritten
+
+        rows = load_metrics(self.run_dir)
+        if found.step > (rows[-1]["version"] if rows else 0):
             created = datetime.fromisoformat(meta["created"]).timestamp()
             line = {"version": found.step, "time": created, **extra["metrics"]}
             line["trained_groups"] = extra.get("trained_groups", [])
@@ -326,16 +321,13 @@ class LearnerService:
 
 def serve_learner(config: Config, args: Any) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
-    from tlt_stream.model import resolve_device
-    from tlt_stream.rl.serve import serve
+    from tlt_stream.rl.serve import device_or_refuse, serve
 
     if args.max_staleness < 0 or args.warmup_steps < 0:
         print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)
         return 2
-    try:
-        device = str(resolve_device(args.device))
-    except ValueError as exc:
-        print(f"tlt-stream learner: {exc}", file=sys.stderr)
+    device = device_or_refuse(args.device, "learner")
+    if device is None:
         return 2
     settings = LearnerRunSettings(
         groups_per_step=args.groups_per_step,

@@ -462,7 +462,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
     import socket
 
     from tlt_stream.rl.rewards import REWARDS
-    from tlt_stream.rl.serve import serve
+    from tlt_stream.rl.serve import device_or_refuse, serve
 
     if args.train_drafter and args.drafter in (None, "ngram"):
         print(
@@ -475,12 +475,8 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
             f"tlt-stream rollout-worker: unknown reward {args.reward!r}; choose {', '.join(REWARDS)}", file=sys.stderr
         )
         return 2
-    from tlt_stream.model import resolve_device
-
-    try:
-        device = str(resolve_device(args.device))
-    except ValueError as exc:
-        print(f"tlt-stream rollout-worker: {exc}", file=sys.stderr)
+    device = device_or_refuse(args.device, "rollout-worker")
+    if device is None:
         return 2
     worker_id = args.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
     settings = RolloutSettings(

@@ -18,9 +18,21 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.config import Config
 from tlt_stream.errors import CheckpointError
 
-__all__ = ["Body", "serve"]
+__all__ = ["Body", "device_or_refuse", "serve"]
 
 Body = Callable[[Config, aioredis.Redis, ControlPlane, asyncio.Event], Awaitable[None]]
+
+
+def device_or_refuse(spec: str, command: str) -> str | None:
+    """`--device` resolved (`model.resolve_device`), or None after one line saying why it cannot be used:
+    checked before `serve`, so a bad device fails before any server is started or connected."""
+    from tlt_stream.model import resolve_device
+
+    try:
+        return str(resolve_device(spec))
+    except ValueError as exc:
+        print(f"tlt-stream {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
