@@ -36,6 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE  # noqa: E402  (light: the config, no torch)
+
 
 def log(message: str) -> None:
     print(f"[drafter_drift] {message}", file=sys.stderr, flush=True)
@@ -47,6 +49,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--lr", type=float, default=2e-4, help="policy learning rate (the RL run's)")
+    p.add_argument(
+        "--final-norm-lr-scale",
+        type=float,
+        default=TINY_WORLD_FINAL_NORM_LR_SCALE,
+        help="policy final-norm lr scale (the RL run's, tlt-stream run's default)",
+    )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--slice-steps", type=int, default=20, help="online drafter steps after each update")
@@ -127,7 +135,10 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     held_out = [encode(p.prompt) for p in task.problems(args.eval_prompts, args.seed + 99, heldout=True)]
     oracle_prompts = [encode(p.prompt) for p in task.problems(64 if args.quick else 256, args.seed + 7, heldout=False)]
     hf = AutoModelForCausalLM.from_pretrained(world / "policy")
-    core = LearnerCore(hf, LearnerSettings(lr=args.lr, warmup_steps=min(20, args.updates)))
+    settings = LearnerSettings(
+        lr=args.lr, warmup_steps=min(20, args.updates), final_norm_lr_scale=args.final_norm_lr_scale
+    )
+    core = LearnerCore(hf, settings)
     policy = load_model(world / "policy")
     static = load_drafter(world / "drafter", policy)
     online_drafter = copy.deepcopy(static).bind(policy)
@@ -226,7 +237,8 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
         name = "online" if train else "static"
         config = msgspec.structs.replace(base, run=f"drift-{name}-{os.getpid()}-{int(time.time())}")
         plan = RunPlan(world=world, run_dir=out / name, steps=args.pipeline_steps, sd="eagle", train_drafter=train,
-                       prompts_per_step=args.prompts, group_size=args.group, lr=args.lr)  # fmt: skip
+                       prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
+                       final_norm_lr_scale=args.final_norm_lr_scale)  # fmt: skip
         log(f"pipeline run with drafter training {'on' if train else 'off'}: {args.pipeline_steps} steps")
         assert asyncio.run(run_plan(plan, config)) == 0
         rows = load_metrics(out / name)
@@ -264,7 +276,12 @@ def main() -> None:
     world = Path(args.world)
     if not (world / "drafter").is_dir():
         sys.exit(f"{world}: no bootstrapped world (run `tlt-stream bootstrap --out {world}`)")
-    result: dict[str, Any] = {"benchmark": "drafter_drift", "quick": args.quick, "lr": args.lr}
+    result: dict[str, Any] = {
+        "benchmark": "drafter_drift",
+        "quick": args.quick,
+        "lr": args.lr,
+        "final_norm_lr_scale": args.final_norm_lr_scale,
+    }
     if not args.skip_drift:
         result["drift"] = drift(args, world)
     if not args.skip_pipeline:

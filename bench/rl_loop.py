@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="learner lr (default: tlt-stream run's)")
+    p.add_argument(
+        "--final-norm-lr-scale", type=float, default=None, help="learner final-norm lr scale (default: run's)"
+    )
     p.add_argument("--learn-minutes", type=float, default=15.0, help="wall budget of the learning run (0: skip)")
     p.add_argument("--learn-staleness", type=int, default=0)
     p.add_argument("--eval", type=int, default=512, help="held-out prompts per evaluation")
@@ -123,7 +126,9 @@ def main() -> None:
         return msgspec.structs.replace(config, run=f"{config.run}-{part}-{stamp}")
 
     steps = 4 if args.quick else args.steps
-    extra = {"lr": args.lr} if args.lr is not None else {}
+    extra: dict[str, Any] = {"lr": args.lr} if args.lr is not None else {}
+    if args.final_norm_lr_scale is not None:
+        extra["final_norm_lr_scale"] = args.final_norm_lr_scale
     result: dict[str, Any] = {
         "bench": "rl_loop",
         "quick": args.quick,
@@ -186,6 +191,7 @@ def main() -> None:
             "wall_s": round(seconds, 1),
             "steps": final.step,
             "lr": plan.lr,
+            "final_norm_lr_scale": plan.final_norm_lr_scale,
             "max_staleness": plan.max_staleness,
             "heldout_prompts": n,
             "heldout_accuracy_before": before["accuracy"],

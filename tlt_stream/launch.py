@@ -36,6 +36,11 @@ __all__ = [
 ]
 
 
+TINY_WORLD_FINAL_NORM_LR_SCALE = 50.0
+"""The tiny world's learner recipe: its policy learns mostly by sharpening, which the final norm's gain does
+fastest (`LearnerSettings.final_norm_lr_scale`; measured in docs/benchmarks.md, issue 5)."""
+
+
 @dataclass(frozen=True)
 class RunPlan:
     world: Path
@@ -50,6 +55,8 @@ class RunPlan:
     max_staleness: int = 0
     lr: float = 2e-4
     warmup_steps: int = 20
+    final_norm_lr_scale: float = TINY_WORLD_FINAL_NORM_LR_SCALE
+    """The learner's lr multiplier for the final norm's gain (`LearnerSettings.final_norm_lr_scale`)."""
     seed: int = 0
     sd: str = "off"
     """Rollout speculative decoding: "off", "eagle" (the world's drafter) or "ngram"."""
@@ -139,6 +146,7 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                 *("--run-dir", str(plan.run_dir), "--policy", str(plan.world / "policy")),
                 *("--groups-per-step", str(plan.prompts_per_step), "--max-staleness", str(plan.max_staleness)),
                 *("--lr", str(plan.lr), "--warmup-steps", str(plan.warmup_steps)),
+                *("--final-norm-lr-scale", str(plan.final_norm_lr_scale)),
                 *("--max-updates", str(plan.steps), "--threads", str(learner_threads)),
                 *("--device", plan.device),
             ],

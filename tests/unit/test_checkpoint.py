@@ -233,3 +233,14 @@ def test_restore_refuses_weights_that_do_not_fit_the_model(tmp_path: Path) -> No
     untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
         restore_checkpoint(info, model=untied, restore_rng=False)
+
+
+def test_restore_refuses_optimizer_state_from_different_parameter_groups(tmp_path: Path) -> None:
+    from tlt_stream.errors import CheckpointError
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+
+    model, optimizer = trained()
+    info = save(tmp_path, 1, model, optimizer)  # one parameter group
+    core = LearnerCore(make_model(seed=0), LearnerSettings(final_norm_lr_scale=10.0))  # two
+    with pytest.raises(CheckpointError, match=r"does not fit this learner.*final_norm_lr_scale"):
+        restore_checkpoint(info, optimizer=core.optimizer, restore_rng=False)

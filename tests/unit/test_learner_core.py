@@ -146,3 +146,35 @@ def test_temperature_is_applied_to_the_recomputed_logprobs() -> None:
     at_half = LearnerCore(copy.deepcopy(model), LearnerSettings(temperature=0.5)).step([group])
     at_one = LearnerCore(copy.deepcopy(model), LearnerSettings(temperature=1.0)).step([group])
     assert at_one["approx_kl_old"] < 1e-6 < at_half["approx_kl_old"]
+
+
+def test_the_final_norm_gain_trains_at_its_own_scale_and_everything_else_as_before() -> None:
+    base = tiny_model(7)
+    plain, scaled = copy.deepcopy(base), copy.deepcopy(base)
+    group = make_group(base, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])
+    LearnerCore(plain, LearnerSettings(lr=1e-3)).step([group])
+    metrics = LearnerCore(scaled, LearnerSettings(lr=1e-3, final_norm_lr_scale=50.0)).step([group])
+    assert metrics["lr"] == pytest.approx(1e-3)  # the reported lr is the base one
+    assert metrics["final_norm_gain"] == pytest.approx(float(scaled.model.norm.weight.mean()))
+    before = dict(base.named_parameters())
+    for (name, p), (_, s) in zip(plain.named_parameters(), scaled.named_parameters(), strict=True):
+        moved_plain, moved_scaled = p.detach() - before[name].detach(), s.detach() - before[name].detach()
+        if name == "model.norm.weight":
+            # Adam's first step is lr * g / (|g| + eps) per coordinate: exactly 50x further with the scale.
+            assert moved_plain.abs().max() > 1e-4
+            torch.testing.assert_close(moved_scaled, 50.0 * moved_plain, rtol=1e-3, atol=1e-7)
+        else:
+            torch.testing.assert_close(moved_scaled, moved_plain)
+
+
+def test_a_final_norm_scale_needs_a_final_norm_and_a_positive_value() -> None:
+    with pytest.raises(ValueError, match="final_norm_lr_scale"):
+        LearnerSettings(final_norm_lr_scale=0.0)
+
+    class Headless(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"model\.model\.norm\.weight; Headless has none"):
+        LearnerCore(Headless(), LearnerSettings(final_norm_lr_scale=2.0))

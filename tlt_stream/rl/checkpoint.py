@@ -37,6 +37,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
+from tlt_stream.errors import CheckpointError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -467,7 +469,13 @@ def restore_checkpoint(
     if model is not None:
         _load_weights(model, info.policy_dir)
     if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state(*_load_tensors(info.path / "optimizer")))
+        try:
+            optimizer.load_state_dict(optimizer_state(*_load_tensors(info.path / "optimizer")))
+        except ValueError as exc:  # e.g. a different number of parameter groups
+            raise CheckpointError(
+                f"{info.path}: its optimizer state does not fit this learner ({exc}); resume with the settings "
+                "it was written with (final_norm_lr_scale 1 vs other values changes the parameter groups)"
+            ) from None
     if restore_rng:
         _set_rng_state(*_load_tensors(info.path / "rng"))
     ledger = json.loads((info.path / "ledger.json").read_text(encoding="utf-8"))

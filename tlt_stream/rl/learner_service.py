@@ -326,13 +326,18 @@ def serve_learner(config: Config, args: Any) -> int:
     if args.max_staleness < 0 or args.warmup_steps < 0:
         print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)
         return 2
+    if not args.final_norm_lr_scale > 0:
+        print("tlt-stream learner: --final-norm-lr-scale must be > 0", file=sys.stderr)
+        return 2
     device = device_or_refuse(args.device, "learner")
     if device is None:
         return 2
     settings = LearnerRunSettings(
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
-        learner=LearnerSettings(lr=args.lr, warmup_steps=args.warmup_steps),
+        learner=LearnerSettings(
+            lr=args.lr, warmup_steps=args.warmup_steps, final_norm_lr_scale=args.final_norm_lr_scale
+        ),
         device=device,
     )
 
