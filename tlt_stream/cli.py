@@ -65,6 +65,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from tlt_stream.generate import GenerateOptions, InputError, run_generate
     from tlt_stream.model import CheckpointError
+    from tlt_stream.rollout.vllm_backend import BackendUnavailable
 
     sd = args.sd or ("on" if args.drafter else "off")
     if sd == "on" and not args.drafter:
@@ -83,10 +84,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
         dtype=args.dtype,
+        backend=args.backend,
     )
     try:
         run_generate(options)
-    except (InputError, CheckpointError, ValueError) as exc:
+    except (InputError, CheckpointError, ValueError, BackendUnavailable) as exc:
         print(f"tlt-stream generate: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     return 0
@@ -158,6 +160,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 max_staleness=args.max_staleness,
                 lr=args.lr,
                 warmup_steps=args.warmup_steps,
+                final_norm_lr_scale=args.final_norm_lr_scale,
                 seed=args.seed,
                 sd=args.sd,
                 train_drafter=not args.no_drafter_training,
@@ -310,6 +313,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_drafter(args: argparse.Namespace) -> int:
+    import json
+
+    from tlt_stream.drafter.export import export_drafter
+    from tlt_stream.model import CheckpointError
+
+    try:
+        result = export_drafter(
+            args.checkpoint, args.out, format=args.format, policy=args.policy, dtype=args.dtype, overwrite=args.force
+        )
+    except (CheckpointError, OSError) as exc:
+        print(f"tlt-stream export-drafter: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(
+        json.dumps(
+            {
+                "out": str(result.path),
+                "format": args.format,
+                "architecture": "EagleLlamaForCausalLM",
+                "tensors": list(result.tensors),
+                "with_embedding": result.with_embedding,
+            }
+        )
+    )
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -356,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
     gen.add_argument("--batch-size", type=_positive, default=32, help="rows decoded together at most")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument(
+        "--backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="torch: this project's engine; vllm: vLLM on a GPU (pip install 'tlt-stream[vllm]'; EAGLE chains)",
+    )
     gen.add_argument("--input", required=True, help="JSONL prompts")
     gen.add_argument("--output", required=True, help="JSONL results")
     gen.add_argument("-v", "--verbose", action="count", default=0)
@@ -392,6 +428,27 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("-v", "--verbose", action="count", default=0)
     ev.set_defaults(handler=_cmd_eval)
 
+    export = commands.add_parser(
+        "export-drafter",
+        help="write a drafter checkpoint in the layout vLLM's EAGLE loader reads (config.json + safetensors)",
+        description="Export CHECKPOINT (a drafter directory, or an online-training state holding drafter/) for "
+        "serving: --format eagle writes vLLM's EAGLE-1 Llama draft layout, loaded with "
+        'speculative_config={"method": "eagle", "model": OUT}. The embedding and LM head are shared from the '
+        "target by vLLM and are not written (see docs/vllm.md).",
+    )
+    export.add_argument("checkpoint", help="drafter checkpoint directory (or an online-training state directory)")
+    export.add_argument("--format", choices=["eagle"], default="eagle", help="target layout (default eagle)")
+    export.add_argument("--out", required=True, help="directory to write (created; must be empty unless --force)")
+    export.add_argument(
+        "--policy", help="also write this policy checkpoint's embedding (vLLM loads it only with pipeline parallelism)"
+    )
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    export.add_argument("--force", action="store_true", help="replace an existing export in --out")
+    export.add_argument("-v", "--verbose", action="count", default=0)
+    export.set_defaults(handler=_cmd_export_drafter)
+
+    from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE  # light: dataclasses and the config
+
     run = commands.add_parser(
         "run",
         help="the whole system on this machine: policy service, rollout workers and learner as processes",
@@ -408,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
     run.add_argument("--lr", type=float, default=2e-4, help="learner AdamW learning rate")
     run.add_argument("--warmup-steps", type=int, default=20, help="learner learning-rate warmup (updates)")
+    run.add_argument(
+        "--final-norm-lr-scale",
+        type=float,
+        default=TINY_WORLD_FINAL_NORM_LR_SCALE,
+        help="learner: the final norm's gain trains at lr x this "
+        f"(default {TINY_WORLD_FINAL_NORM_LR_SCALE:g}: the tiny world's recipe, docs/benchmarks.md issue 5)",
+    )
     run.add_argument(
         "--sd",
         choices=["off", "eagle", "ngram"],
@@ -447,6 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--max-staleness", type=int, default=0, help="0: on-policy (synchronous semantics)")
     learn.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate")
     learn.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warmup (updates)")
+    learn.add_argument(
+        "--final-norm-lr-scale",
+        type=float,
+        default=1.0,
+        help="the final norm's gain (the policy's inverse temperature) trains at lr x this (default 1)",
+    )
     learn.add_argument("--max-updates", type=_positive, help="stop after this many updates (default: run on)")
     learn.add_argument("--threads", type=_positive, default=1, help="torch threads")
     _add_device_arg(learn)
@@ -484,6 +554,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STATE_DIR",
         help="train the drafter online in idle time, keeping training states in STATE_DIR (shared by the "
         "run's workers); needs --drafter DIR",
+    )
+    worker.add_argument(
+        "--backend",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="rollout engine: this project's (default) or vLLM (GPU, `pip install 'tlt-stream[vllm]'`, fixed "
+        "--sd-arm only; UNVERIFIED, docs/vllm.md)",
     )
     worker.add_argument("--max-tasks", type=_positive, help="stop after this many tasks (default: run on)")
     worker.add_argument("--threads", type=_positive, default=1, help="torch threads")

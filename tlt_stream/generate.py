@@ -2,7 +2,9 @@
 
 Input rows are `{"prompt_ids": [...]}` or `{"prompt": "..."}` (tokenised with the checkpoint's tokenizer);
 output rows, in input order, are `{"token_ids", "logprobs", "finish_reason", "accept_lengths"}`. A bad row
-stops the command before any generation with one line naming the file and line.
+stops the command before any generation with one line naming the file and line. `--backend vllm` runs the
+same rows on vLLM (`rollout/vllm_backend.py`; EAGLE chains and n-gram only), refused in one line when vLLM
+is not installed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class GenerateOptions:
     seed: int = 0
     batch_size: int = 32
     dtype: str = "float32"
+    backend: str = "torch"
+    """"torch" (this project's engine) or "vllm"."""
 
 
 def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
@@ -127,24 +131,55 @@ def _stderr_console() -> Any:
     return Console(stderr=True)
 
 
+def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
+    from tlt_stream.rollout.vllm_backend import VllmEngine, VllmSettings
+
+    label = None
+    if arm is not None:
+        label = f"ngram-d{arm.depth}" if opts.drafter == "ngram" else arm.label
+    settings = VllmSettings(
+        max_batch=opts.batch_size,
+        max_len=max_len,
+        temperature=opts.temperature,
+        arm=label,
+        dtype=opts.dtype,
+        hidden="none",
+    )
+    return VllmEngine(opts.model, settings=settings, drafter=None if opts.drafter == "ngram" else opts.drafter)
+
+
 def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     import torch
 
-    from tlt_stream.model import load_model
+    from tlt_stream.model import load_model, load_spec
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import SdArm, build_proposer
 
-    model = load_model(opts.model, dtype=getattr(torch, opts.dtype))
-    prompts = read_prompts(opts.input, opts.model, model.spec.vocab_size)
-    max_len = max(len(p) for p in prompts) + opts.max_new_tokens
-    proposer = None
+    if opts.backend not in ("torch", "vllm"):
+        raise ValueError(f"unknown backend {opts.backend!r} (torch, vllm)")
+    if opts.backend == "vllm":
+        from tlt_stream.rollout.vllm_backend import require_vllm
+
+        require_vllm()  # before reading anything: one line when it is missing
     arm = None
     if opts.drafter is not None:
         arm = SdArm(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
-        proposer = build_proposer(opts.drafter, model)
-    engine = GenerationEngine(
-        model, opts.batch_size, max_len, proposer=proposer, arm=arm, max_draft_nodes=max(64, arm.verify if arm else 0)
-    )
+    if opts.backend == "vllm":
+        prompts = read_prompts(opts.input, opts.model, load_spec(opts.model).vocab_size)
+        engine = _vllm_engine(opts, max(len(p) for p in prompts) + opts.max_new_tokens, arm)
+    else:
+        model = load_model(opts.model, dtype=getattr(torch, opts.dtype))
+        prompts = read_prompts(opts.input, opts.model, model.spec.vocab_size)
+        max_len = max(len(p) for p in prompts) + opts.max_new_tokens
+        proposer = build_proposer(opts.drafter, model) if opts.drafter is not None else None
+        engine = GenerationEngine(
+            model,
+            opts.batch_size,
+            max_len,
+            proposer=proposer,
+            arm=arm,
+            max_draft_nodes=max(64, arm.verify if arm else 0),
+        )
     start = time.perf_counter()
     results = _generate_with_progress(engine, prompts, opts, eos_ids(opts.model))
     seconds = time.perf_counter() - start
@@ -168,6 +203,9 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
         "sd": arm.label if arm else "off",
         "mean_accept_length": round(sum(sum(r.accept_lengths) for r in results) / rounds, 3) if rounds else None,
         "output": str(opts.output),
+        "backend": opts.backend,
     }
+    if opts.backend == "vllm":
+        engine.close()
     print(json.dumps(summary), file=sys.stderr)
     return summary

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -25,7 +26,7 @@ from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
-__all__ = ["DRAFTER_ARCHITECTURE", "Drafter", "load_drafter", "save_drafter"]
+__all__ = ["DRAFTER_ARCHITECTURE", "Drafter", "load_drafter", "read_drafter", "save_drafter"]
 
 DRAFTER_ARCHITECTURE = "TltEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -128,8 +129,9 @@ def save_drafter(drafter: Drafter, path: str | Path, *, metadata: dict[str, obje
     return path
 
 
-def load_drafter(path: str | Path, target: Transformer) -> Drafter:
-    """Load a drafter saved by `save_drafter` and bind it to `target` (dtype and device follow the target)."""
+def read_drafter(path: str | Path) -> Drafter:
+    """Read a drafter saved by `save_drafter` without binding it: float32 on the CPU, its own weights only
+    (what an export needs; `load_drafter` binds it to a target for drafting)."""
     path = Path(path)
     config_file, weights_file = path / CONFIG, path / WEIGHTS
     for needed in (config_file, weights_file):
@@ -139,14 +141,18 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_file}: invalid JSON ({exc})") from None
-    if config.get("architectures") != [DRAFTER_ARCHITECTURE]:
-        raise CheckpointError(f"{path}: architectures {config.get('architectures')} is not [{DRAFTER_ARCHITECTURE!r}]")
+    if not isinstance(config, dict) or config.get("architectures") != [DRAFTER_ARCHITECTURE]:
+        found = config.get("architectures") if isinstance(config, dict) else config
+        raise CheckpointError(f"{path}: architectures {found} is not [{DRAFTER_ARCHITECTURE!r}]")
     try:
         spec = ModelSpec(**config["spec"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{config_file}: invalid drafter spec ({exc})") from None
     drafter = Drafter(spec)
-    state = load_file(str(weights_file))
+    try:
+        state = load_file(str(weights_file))
+    except (SafetensorError, OSError) as exc:  # truncated, foreign or unreadable file
+        raise CheckpointError(f"{weights_file}: unreadable safetensors ({exc})") from None
     expected = drafter.state_dict()
     if set(state) != set(expected):
         missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -157,5 +163,11 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
                 f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
             )
     drafter.load_state_dict(state)
+    return drafter
+
+
+def load_drafter(path: str | Path, target: Transformer) -> Drafter:
+    """Load a drafter saved by `save_drafter` and bind it to `target` (dtype and device follow the target)."""
+    drafter = read_drafter(path)
     drafter.to(device=target.device, dtype=target.dtype)
     return drafter.bind(target).eval()

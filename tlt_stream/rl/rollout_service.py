@@ -81,10 +81,20 @@ class RolloutSettings:
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
     device: str = "cpu"
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
+    backend: str = "torch"
+    """"torch" (this project's engine) or "vllm" (`rollout/vllm_backend.py`, optional extra, GPU; one engine
+    for the worker's life: policy versions and drafters are loaded into it in place)."""
 
     def __post_init__(self) -> None:
         if self.drafter_training is not None and self.drafter in (None, "ngram"):
             raise ValueError("online drafter training needs a drafter checkpoint to start from (--drafter DIR)")
+        if self.backend not in ("torch", "vllm"):
+            raise ValueError(f"unknown rollout backend {self.backend!r} (torch, vllm)")
+        if self.backend == "vllm" and self.adaptive is not None:
+            raise ValueError(
+                "adaptive SD decides per decode step, which vLLM cannot (it fixes speculation when the engine is "
+                "built): on the vllm backend use a fixed --sd-arm (docs/vllm.md)"
+            )
 
     @property
     def eagle(self) -> bool:
@@ -239,6 +249,8 @@ class RolloutWorker:
 
         def load() -> Any:
             verify_policy(announced.location, announced.sha256)
+            if self.settings.backend == "vllm":  # swapped into vLLM's draft model in place, requests go on
+                return self.engine.load_drafter(announced.location)
             return load_drafter(announced.location, self.engine.model)
 
         try:
@@ -248,7 +260,7 @@ class RolloutWorker:
             self.registry.update_info(refused_drafter=f"{announced.version}: {exc}")
             self.drafter = announced  # do not retry the same version on every step
             return
-        if self.engine.proposer is not None:
+        if self.settings.backend == "torch" and self.engine.proposer is not None:
             self.engine.proposer.drafter.load_state_dict(fresh.state_dict())
         self.drafter = announced
         self.drafter_swaps += 1
@@ -279,6 +291,29 @@ class RolloutWorker:
         self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
 
+    def _load_vllm(self, announced: PolicyVersion) -> None:
+        """The vLLM backend: one engine for the worker's life; later versions are reloaded into it in place."""
+        from tlt_stream.rollout.vllm_backend import VllmEngine, VllmSettings
+
+        if self.engine is not None:
+            self.engine.load_policy(announced.location)
+            return
+        arm = None
+        if self.settings.drafter is not None:
+            depth, topk, verify = self.settings.sd_arm
+            arm = f"ngram-d{depth}" if self.settings.drafter == "ngram" else f"d{depth}k{topk}v{verify}"
+        drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
+        settings = VllmSettings(
+            max_batch=self.settings.max_batch,
+            max_len=self.settings.max_len,
+            temperature=self.settings.temperature,
+            arm=arm,
+            hidden="recompute" if self.settings.stream_hidden or self.idle_trainer is not None else "none",
+        )
+        self.engine = VllmEngine(
+            announced.location, settings=settings, drafter=None if not self.settings.eagle else drafter
+        )
+
     def _load(self, announced: PolicyVersion) -> None:
         from transformers import AutoTokenizer
 
@@ -287,11 +322,15 @@ class RolloutWorker:
         from tlt_stream.rollout.proposers import SdArm, build_proposer
 
         verify_policy(announced.location, announced.sha256)
-        model = load_model(announced.location, device=self.settings.device)
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
+        if self.settings.backend == "vllm":
+            self._load_vllm(announced)
+            self.policy = announced
+            return
+        model = load_model(announced.location, device=self.settings.device)
         proposer, arm, nodes = None, None, 64
         if self.settings.drafter is not None:  # the drafter binds to this policy's embedding and LM head
             source = self.drafter.location if self.drafter is not None else self.settings.drafter
@@ -415,7 +454,7 @@ class RolloutWorker:
                     worker_id=self.worker_id,
                     policy_version=self.version,
                     drafter_version=self.drafter_version,
-                    batch_size=self.engine.scheduler.num_running,
+                    batch_size=self._running(),
                     tokens=self._tokens,
                     seconds=self._seconds,
                     target_forwards=self._forwards,
@@ -441,6 +480,12 @@ class RolloutWorker:
                 if reports:
                     await self.producer.send("stats", reports)
             self._tokens, self._forwards, self._seconds = 0, 0, 0.0
+
+    def _running(self) -> int:
+        """Rows the engine is decoding now (vLLM: requests it holds, running or waiting)."""
+        if self.settings.backend == "vllm":
+            return int(self.engine.num_unfinished)
+        return int(self.engine.scheduler.num_running)
 
     def _steps(self) -> tuple[list[Any], int, int]:
         """Up to `steps_per_hop` engine steps (fewer once something finishes): finished, tokens, forwards."""
@@ -475,6 +520,21 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
             f"tlt-stream rollout-worker: unknown reward {args.reward!r}; choose {', '.join(REWARDS)}", file=sys.stderr
         )
         return 2
+    if args.backend == "vllm":
+        from tlt_stream.rollout.vllm_backend import BackendUnavailable, require_vllm
+
+        if args.adaptive_sd:
+            print(
+                "tlt-stream rollout-worker: --adaptive-sd decides per decode step, which vLLM cannot; "
+                "use a fixed --sd-arm with --backend vllm (docs/vllm.md)",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            require_vllm()
+        except BackendUnavailable as exc:
+            print(f"tlt-stream rollout-worker: {exc}", file=sys.stderr)
+            return 2
     device = device_or_refuse(args.device, "rollout-worker")
     if device is None:
         return 2
@@ -489,6 +549,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         drafter_training=DrafterTrainingSettings(state_dir=Path(args.train_drafter)) if args.train_drafter else None,
         adaptive=AdaptiveSettings(crossover=args.sd_crossover) if args.adaptive_sd and args.drafter else None,
         device=device,
+        backend=args.backend,
     )
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
