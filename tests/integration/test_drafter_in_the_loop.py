@@ -4,15 +4,13 @@ worker hot-swaps it; the training state survives preemption and a change of leas
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 import torch
 
-from tlt_stream.bus.control import ControlPlane, read_mirror
+from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter, save_drafter
@@ -26,6 +24,8 @@ from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
 from tlt_stream.rollout.adaptive import AdaptiveSettings
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
+
+from .loop import planes, stats_of
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -48,27 +48,6 @@ def training_settings(tmp_path: Path) -> DrafterTrainingSettings:
         lease_ttl_ms=5000,
         training=OnlineTrainingConfig(batch_pairs=64, row_tokens=64),
     )
-
-
-@contextlib.asynccontextmanager
-async def planes(config: Config, roles: dict[str, list[str]]) -> AsyncIterator[dict[str, ControlPlane]]:
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
-    made = {role: ControlPlane(config, redis, role=role, owns=owns) for role, owns in roles.items()}
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(p.run(stop)) for p in made.values()]
-    try:
-        async with asyncio.timeout(20):
-            await asyncio.gather(*(p.connected.wait() for p in made.values()))
-        yield made
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await redis.aclose()
-
-
-async def stats_of(redis: aioredis.Redis, keys: Keys, kind: type) -> list:
-    entries = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
-    return [e for e in entries if isinstance(e, kind)]
 
 
 async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group_trains_once(

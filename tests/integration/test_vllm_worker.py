@@ -17,11 +17,10 @@ from typing import Any, ClassVar
 import pytest
 import redis.asyncio as aioredis
 
-from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
 from tlt_stream.cli import main
 from tlt_stream.config import Config
-from tlt_stream.messages import codec_for
+from tlt_stream.messages import RolloutStats, codec_for
 from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
 from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
 from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
@@ -29,6 +28,8 @@ from tlt_stream.rollout import vllm_backend
 from tlt_stream.rollout.adaptive import AdaptiveSettings
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
+
+from .loop import planes, stats_of, until_first_done
 
 STEPS, PROMPTS, GROUP = 3, 2, 2
 
@@ -89,71 +90,56 @@ async def test_a_vllm_worker_keeps_one_engine_and_loads_every_version_into_it(
     CpuVllmEngine.built = []
     keys = Keys(bus_config.run)
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    planes = {
-        role: ControlPlane(bus_config, redis, role=role, owns=["policy"] if role == "learner" else [])
-        for role in ("learner", "policy", "rollout")
-    }
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(plane.run(stop)) for plane in planes.values()]
     services: list[asyncio.Task[None]] = []
     try:
-        async with asyncio.timeout(20):
-            await asyncio.gather(*(plane.connected.wait() for plane in planes.values()))
-        learner = LearnerService(
-            bus_config,
-            redis,
-            planes["learner"],
-            run_dir=tmp_path / "run",
-            init_policy=init_policy,
-            settings=LearnerRunSettings(groups_per_step=PROMPTS, max_staleness=0),
-        )
-        dispatcher = PolicyService(
-            bus_config,
-            redis,
-            planes["policy"],
-            RepeatedAddSource(build_tokenizer(), seed=1),
-            prompts_per_step=PROMPTS,
-            group_size=GROUP,
-            total_steps=STEPS,
-        )
-        worker = RolloutWorker(
-            bus_config,
-            redis,
-            planes["rollout"],
-            worker_id="w0",
-            reward=reward,
-            settings=RolloutSettings(max_batch=4, max_len=96, backend="vllm"),
-        )
-        await learner.start()
-        services = [
-            asyncio.create_task(learner.run(stop, max_updates=STEPS)),
-            asyncio.create_task(dispatcher.run(stop)),
-            asyncio.create_task(worker.run(stop)),
-        ]
-        async with asyncio.timeout(120):
-            while not services[0].done():
-                running = [task for task in services if not task.done()]
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
+        async with planes(bus_config, {"learner": ["policy"], "policy": [], "rollout": []}) as control:
+            learner = LearnerService(
+                bus_config,
+                redis,
+                control["learner"],
+                run_dir=tmp_path / "run",
+                init_policy=init_policy,
+                settings=LearnerRunSettings(groups_per_step=PROMPTS, max_staleness=0),
+            )
+            dispatcher = PolicyService(
+                bus_config,
+                redis,
+                control["policy"],
+                RepeatedAddSource(build_tokenizer(), seed=1),
+                prompts_per_step=PROMPTS,
+                group_size=GROUP,
+                total_steps=STEPS,
+            )
+            settings = RolloutSettings(max_batch=4, max_len=96, backend="vllm")
+            worker = RolloutWorker(
+                bus_config, redis, control["rollout"], worker_id="w0", reward=reward, settings=settings
+            )
+            await learner.start()
+            services = [
+                asyncio.create_task(learner.run(stop, max_updates=STEPS)),
+                asyncio.create_task(dispatcher.run(stop)),
+                asyncio.create_task(worker.run(stop)),
+            ]
+            await until_first_done(services, 120)
+            stop.set()
+            async with asyncio.timeout(30):
+                await asyncio.gather(*services)  # every service stops cleanly
         assert len(CpuVllmEngine.built) == 1, "one engine for the worker's life"
         engine = CpuVllmEngine.built[0]
         assert engine.settings.max_batch == 4 and engine.settings.max_len == 96 and engine.settings.arm is None
         assert engine.settings.hidden == "recompute", "hidden windows are streamed, so the engine must make them"
         # Versions 0..STEPS-1 generated the steps, each loaded into the same engine in place.
-        versions = engine.policies
-        assert len(versions) == STEPS and len(set(versions)) == STEPS
+        assert len(engine.policies) == STEPS and len(set(engine.policies)) == STEPS
         expected = {f"s{s:06d}-{i:04d}/{g}" for s in range(STEPS) for i in range(PROMPTS) for g in range(GROUP)}
         assert learner.assembler.ledger == expected and learner.assembler.duplicates == 0
         samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
         assert sorted(s.sample_id for s in samples) == sorted(expected)
         assert all(s.policy_version == s.step for s in samples)
-        stats = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
-        rollout_stats = [m for m in stats if type(m).__name__ == "RolloutStats"]
+        rollout_stats = await stats_of(redis, keys, RolloutStats)
         assert rollout_stats and all(not m.sd_on and 0 < m.target_forwards <= m.tokens for m in rollout_stats)
     finally:
         stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for service in services:
             await asyncio.gather(service, return_exceptions=True)
         await redis.aclose()

@@ -77,6 +77,7 @@ from torch import nn
 
 from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, read_drafter
 from tlt_stream.errors import CheckpointError
+from tlt_stream.model.loader import layer_tensor_names
 from tlt_stream.model.spec import ModelSpec
 
 __all__ = [
@@ -150,16 +151,7 @@ def eagle_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
 
 def eagle_tensor_names(spec: ModelSpec, *, with_embedding: bool = False) -> list[str]:
     """Exactly the tensor names the export of a drafter of shape `spec` holds (the config implies them)."""
-    p = "layers.0."
-    names = ["fc.weight", f"{p}post_attention_layernorm.weight", f"{p}self_attn.o_proj.weight"]
-    names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
-    names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    if spec.qkv_bias:
-        names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-    if spec.o_bias:
-        names.append(f"{p}self_attn.o_proj.bias")
-    if spec.mlp_bias:
-        names += [f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")]
+    names = ["fc.weight", *layer_tensor_names("layers.0.", spec, input_layernorm=False)]
     if with_embedding:
         names.append("embed_tokens.weight")
     return sorted(names)

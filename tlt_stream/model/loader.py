@@ -44,6 +44,22 @@ def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
     return float(theta)
 
 
+def layer_tensor_names(p: str, spec: ModelSpec, *, input_layernorm: bool = True) -> list[str]:
+    """The Hugging Face names of one decoder layer's tensors under prefix `p` (unfused q/k/v, gate/up; the
+    biases the spec declares). EAGLE drafts have no `input_layernorm`."""
+    names = [f"{p}input_layernorm.weight"] if input_layernorm else []
+    names.append(f"{p}post_attention_layernorm.weight")
+    names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+    names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if spec.qkv_bias:
+        names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+    if spec.o_bias:
+        names.append(f"{p}self_attn.o_proj.bias")
+    if spec.mlp_bias:
+        names += [f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")]
+    return names
+
+
 def spec_from_hf_config(cfg: dict[str, Any], path: Path | str = "<config>") -> ModelSpec:
     """Translate a Hugging Face `config.json` dict into a `ModelSpec`, or raise `CheckpointError`."""
     path = Path(path)
@@ -141,16 +157,7 @@ def _fused_state_dict(spec: ModelSpec, files: dict[str, Path], path: Path) -> di
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(spec.num_layers):
-        p = f"{prefix}layers.{i}."
-        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        if spec.qkv_bias:
-            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-        if spec.o_bias:
-            names.append(f"{p}self_attn.o_proj.bias")
-        if spec.mlp_bias:
-            names += [f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")]
+        names += layer_tensor_names(f"{prefix}layers.{i}.", spec)
     hf = _read_tensors(files, names, path)
     sd = {
         "embed_tokens.weight": hf[f"{prefix}embed_tokens.weight"],

@@ -1,0 +1,47 @@
+"""What the in-process RL-loop tests share: control planes for the roles, driving services until the learner
+is done, and reading `stats`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.messages import codec_for
+
+
+@contextlib.asynccontextmanager
+async def planes(config: Config, roles: dict[str, list[str]]) -> AsyncIterator[dict[str, ControlPlane]]:
+    """One connected `ControlPlane` per role (owning the listed kinds), stopped on the way out."""
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    made = {role: ControlPlane(config, redis, role=role, owns=owns) for role, owns in roles.items()}
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(p.run(stop)) for p in made.values()]
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(p.connected.wait() for p in made.values()))
+        yield made
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await redis.aclose()
+
+
+async def until_first_done(services: list[asyncio.Task[None]], seconds: float) -> None:
+    """Wait for `services[0]` (the learner) to finish; a service that fails first fails with its own error."""
+    async with asyncio.timeout(seconds):
+        while not services[0].done():
+            running = [task for task in services if not task.done()]
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+
+
+async def stats_of(redis: aioredis.Redis, keys: Keys, kind: type) -> list:
+    entries = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
+    return [e for e in entries if isinstance(e, kind)]
