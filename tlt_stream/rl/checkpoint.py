@@ -469,8 +469,9 @@ def restore_checkpoint(
     if model is not None:
         _load_weights(model, info.policy_dir)
     if optimizer is not None:
+        state = optimizer_state(*_load_tensors(info.path / "optimizer"))  # refuses a pickle on its own
         try:
-            optimizer.load_state_dict(optimizer_state(*_load_tensors(info.path / "optimizer")))
+            optimizer.load_state_dict(state)
         except ValueError as exc:  # e.g. a different number of parameter groups
             raise CheckpointError(
                 f"{info.path}: its optimizer state does not fit this learner ({exc}); resume with the settings "
