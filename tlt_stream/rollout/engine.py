@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,34 @@ class GenerationResult:
     """`[len(prompt_ids) - 1, H]` when hidden states were requested: the states at the prompt positions
     before the last one (whose state is `hidden[0]`), so `cat(prompt_hidden, hidden)` covers every input
     position `0 .. len(prompt_ids) + len(token_ids) - 2`."""
+
+
+def generate_all(
+    engine: Any,
+    prompts: SequenceOf[SequenceOf[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    eos_ids: Iterable[int] = (),
+    *,
+    return_hidden: bool = False,
+) -> list[GenerationResult]:
+    """`generate` for any engine with `add_request`/`step`/`has_unfinished` (this one, the vLLM backend): every
+    prompt queued (prompt i seeded with `seed + i`), stepped to the end, results in input order."""
+    if engine.has_unfinished:
+        raise RuntimeError("generate() needs an idle engine; drive add_request/step instead")
+    eos = frozenset(eos_ids)
+    ids = [
+        engine.add_request(
+            p, max_new_tokens, temperature, None if seed is None else seed + i, eos, return_hidden=return_hidden
+        )
+        for i, p in enumerate(prompts)
+    ]
+    done: dict[Hashable, GenerationResult] = {}
+    while engine.has_unfinished:
+        for result in engine.step():
+            done[result.request_id] = result
+    return [done[i] for i in ids]
 
 
 class GenerationEngine:
@@ -179,25 +208,7 @@ class GenerationEngine:
         return_hidden: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt (prompt i seeded with `seed + i`) and return results in input order."""
-        if self.has_unfinished:
-            raise RuntimeError("generate() needs an idle engine; drive add_request/step instead")
-        eos = frozenset(eos_ids)
-        ids = [
-            self.add_request(
-                p,
-                max_new_tokens,
-                temperature,
-                None if seed is None else seed + i,
-                eos,
-                return_hidden=return_hidden,
-            )
-            for i, p in enumerate(prompts)
-        ]
-        done: dict[Hashable, GenerationResult] = {}
-        while self.has_unfinished:
-            for result in self.step():
-                done[result.request_id] = result
-        return [done[i] for i in ids]
+        return generate_all(self, prompts, max_new_tokens, temperature, seed, eos_ids, return_hidden=return_hidden)
 
     @torch.inference_mode()
     def _prefill(self, seqs: list[Sequence]) -> None:

@@ -56,7 +56,7 @@ import torch
 
 from tlt_stream.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
-from tlt_stream.rollout.engine import GenerationResult
+from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import FinishReason
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm
 from tlt_stream.rollout.vllm_config import (
@@ -608,20 +608,7 @@ class VllmEngine:
         return_hidden: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt (prompt i seeded with `seed + i`); results in input order."""
-        if self.has_unfinished:
-            raise RuntimeError("generate() needs an idle engine; drive add_request/step instead")
-        eos = frozenset(eos_ids)
-        ids = [
-            self.add_request(
-                p, max_new_tokens, temperature, None if seed is None else seed + i, eos, return_hidden=return_hidden
-            )
-            for i, p in enumerate(prompts)
-        ]
-        done: dict[Hashable, GenerationResult] = {}
-        while self.has_unfinished:
-            for result in self.step():
-                done[result.request_id] = result
-        return [done[i] for i in ids]
+        return generate_all(self, prompts, max_new_tokens, temperature, seed, eos_ids, return_hidden=return_hidden)
 
     # -- versions
 
