@@ -301,7 +301,7 @@ class RolloutWorker:
         arm = None
         if self.settings.drafter is not None:
             depth, topk, verify = self.settings.sd_arm
-            arm = f"ngram-d{depth}" if self.settings.drafter == "ngram" else f"d{depth}k{topk}v{verify}"
+            arm = (Arm.ngram(depth) if self.settings.drafter == "ngram" else Arm.drafter(depth, topk, verify)).label
         drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
         settings = VllmSettings(
             max_batch=self.settings.max_batch,
