@@ -315,31 +315,31 @@ class FaultRun:
             await asyncio.sleep(0.1)
         return time.monotonic() - started
 
-    async def worker_state(self, worker: str) -> str | None:
+    async def wait_any(self, state: str, timeout: float) -> str:
+        """The first rollout worker seen in `state` (whichever it is: a worker that admits a whole step's
+        tasks leaves the other idle, so a fault aimed at "rollout-0" could wait forever). Polls the registry
+        on one connection, every few ms: a state can last only tens of ms on the tests' tiny model."""
         import redis.asyncio as aioredis
 
         from tlt_stream.bus.registry import list_workers
         from tlt_stream.bus.streams import Keys
 
-        redis = aioredis.Redis.from_url(self.servers.redis_url)
-        try:
-            workers = await list_workers(redis, Keys(self.run), self.config.bus)
-        finally:
-            await redis.aclose()
-        return next((w.get("state") for w in workers if w["worker_id"] == worker), None)
-
-    async def wait_any(self, state: str, timeout: float) -> str:
-        """The first rollout worker seen in `state` (whichever it is: a worker that admits a whole step's
-        tasks leaves the other idle, so a fault aimed at "rollout-0" could wait forever)."""
         workers = [name for name in self.commands if name.startswith("rollout")]
         deadline = time.monotonic() + timeout
-        while True:
-            for worker in workers:
-                if worker not in self.killed and await self.worker_state(worker) == state:
-                    return worker
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no worker {state} in {timeout:.0f} s:\n{self.log_tail(workers[0])}")
-            await asyncio.sleep(0.02)
+        redis = aioredis.Redis.from_url(self.servers.redis_url)
+        try:
+            while True:
+                states = {
+                    w["worker_id"]: w.get("state") for w in await list_workers(redis, Keys(self.run), self.config.bus)
+                }
+                for worker in workers:
+                    if worker not in self.killed and states.get(worker) == state:
+                        return worker
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no worker {state} in {timeout:.0f} s:\n{self.log_tail(workers[0])}")
+                await asyncio.sleep(0.005)
+        finally:
+            await redis.aclose()
 
     async def samples(self) -> list[Any]:
         import redis.asyncio as aioredis

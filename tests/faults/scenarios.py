@@ -117,8 +117,14 @@ async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> f
     return await _next_version_after(run, time.monotonic())
 
 
+LONG_ROLLOUTS = {"max_len": 1024, "prompts_per_step": 8}
+"""For faults aimed at a worker mid-generation: the tiny test policy's rollouts at the small plan's max_len
+take ~10 ms a step, too short a window to be caught in reliably."""
+
 SCENARIOS = [
-    Scenario("kill9_rollout_generating", "kill -9 a rollout worker mid-generation", kill_worker_generating),
+    Scenario(
+        "kill9_rollout_generating", "kill -9 a rollout worker mid-generation", kill_worker_generating, LONG_ROLLOUTS
+    ),
     Scenario(
         "kill9_rollout_training",
         "kill -9 the rollout worker inside a drafter-training slice",
@@ -129,7 +135,9 @@ SCENARIOS = [
     Scenario("kill9_policy", "kill -9 the policy service, restart it", kill_policy),
     Scenario("restart_redis", "kill -9 Redis (append-only), restart it 2 s later", restart_redis),
     Scenario("restart_broker", "kill -9 the MQTT broker for 10 s (training must go on)", restart_broker),
-    Scenario("sigstop_rollout", "freeze a rollout worker (SIGSTOP) for 2x the reclaim time", freeze_worker),
+    Scenario(
+        "sigstop_rollout", "freeze a rollout worker (SIGSTOP) for 2x the reclaim time", freeze_worker, LONG_ROLLOUTS
+    ),
     Scenario(
         "checkpoint_unwritable",
         "the learner's checkpoint directory unwritable until a save has failed, then 6 s more",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.messages import codec_for
+from tlt_stream.messages import WorkerStatus, codec_for
 from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
 from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
 from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
@@ -250,5 +251,46 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
         assert worker.version == 2 and worker.refused == {1}
     finally:
         stop.set()
+        await asyncio.gather(*planes)
+        await redis.aclose()
+
+
+async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """Waiting on `prompts` with nothing to generate is idle time (what drafter training runs in and the
+    state timeline shows), also while the blocking read is in progress: here a read blocks for a minute."""
+    config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, block_ms=60_000))
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    learner_plane = ControlPlane(config, redis, role="learner", owns=["policy"])
+    worker_plane = ControlPlane(config, redis, role="rollout")
+    stop = asyncio.Event()
+    planes = [asyncio.create_task(p.run(stop)) for p in (learner_plane, worker_plane)]
+    settings = RolloutSettings(max_batch=4, max_len=96)
+    worker = RolloutWorker(config, redis, worker_plane, worker_id="w0", reward=reward, settings=settings)
+    running = None
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(learner_plane.connected.wait(), worker_plane.connected.wait())
+        learner = LearnerService(config, redis, learner_plane, run_dir=tmp_path / "run", init_policy=init_policy)
+        await learner.start()
+        running = asyncio.create_task(worker.run(stop))
+        dispatcher = PolicyService(
+            config, redis, learner_plane, RepeatedAddSource(build_tokenizer()), prompts_per_step=1, group_size=2
+        )
+        await dispatcher.dispatch(0)
+        async with asyncio.timeout(30):
+            while worker.tasks_done < 1:
+                assert not running.done(), running.exception()
+                await asyncio.sleep(0.05)
+        async with asyncio.timeout(30):  # half the read's block: a worker that waits as GENERATING fails here
+            while worker.registry.state != WorkerStatus.IDLE:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert not running.done()
+    finally:
+        stop.set()
+        if running is not None:
+            running.cancel()  # blocked in a one-minute read: nothing in flight to finish
+            await asyncio.gather(running, return_exceptions=True)
         await asyncio.gather(*planes)
         await redis.aclose()

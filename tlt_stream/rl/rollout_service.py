@@ -17,6 +17,7 @@ policy waits until that version arrives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import sys
@@ -204,6 +205,8 @@ class RolloutWorker:
                         await self.registry.set_state(WorkerStatus.IDLE)
                     if self.idle_trainer is not None and self._loadable_policy() is None:
                         await self._train_while_idle(stop)
+                    elif self._loadable_policy() is None:
+                        await self._wait_for_work()
         finally:
             await self.registry.set_state(WorkerStatus.STOPPED)
             heartbeat.cancel()
@@ -356,24 +359,40 @@ class RolloutWorker:
             return None
         return None if announced.version in self.refused else announced
 
-    async def _admit(self) -> None:
-        """Take new tasks while the engine has room; tasks ahead of our policy wait for it. Once a newer
-        policy is announced nothing new starts, so the tasks in flight drain and the worker can load it."""
-        if self._loadable_policy() is not None and self.tasks:
-            return
+    def _room(self) -> int:
+        """How many tasks to read now: as many as fit at once (admitting one per engine hop would fill the
+        batch over dozens of steps and stretch every rollout; measured: 3x the rollout span at 16 tasks of
+        8), 0 when the engine is full."""
         free = self.settings.max_batch * 2 - sum(
             t.delivery.message.group_size - len(t.samples) for t in self.tasks.values()
         )
-        if free <= 0:
-            return
-        busy = self.engine.has_unfinished or bool(self.waiting)
-        # As many tasks as fit at once: admitting one per engine hop would fill the batch over dozens of
-        # steps and stretch every rollout (measured: 3x the rollout span at 16 tasks of 8).
-        count = max(1, min(self.config.bus.read_count, free // self._group_hint))
-        deliveries = await self.reader.read(count=count, block_ms=0 if busy else None)
+        return max(1, min(self.config.bus.read_count, free // self._group_hint)) if free > 0 else 0
+
+    async def _read_tasks(self, count: int, block_ms: int | None) -> None:
+        deliveries = await self.reader.read(count=count, block_ms=block_ms)
         if deliveries:
             self._group_hint = max(1, deliveries[-1].message.group_size)
         self.waiting += deliveries
+
+    async def _wait_for_work(self) -> None:
+        """Idle, and not training a drafter: wait up to `bus.block_ms` for what would end it. Holding tasks
+        ahead of our policy, that is a newer policy version; holding none, new tasks (a blocking read, never
+        cancelled halfway: a cancelled XREADGROUP could leave delivered entries to the claim timeout)."""
+        if not self.waiting:
+            await self._read_tasks(max(1, self._room()), None)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.bus.block_ms / 1000):
+                await self.control.wait_for("policy", self.control.version("policy") + 1)
+
+    async def _admit(self) -> None:
+        """Take the new tasks there are (without waiting: waiting is idle time, and the worker says so) while
+        the engine has room; tasks ahead of our policy wait for it. Once a newer policy is announced nothing
+        new starts, so the tasks in flight drain and the worker can load it."""
+        if self._loadable_policy() is not None and self.tasks:
+            return
+        if count := self._room():
+            await self._read_tasks(count, 0)
         if self._loadable_policy() is not None:  # announced while we read: load it before starting anything
             return
         ready = [d for d in self.waiting if d.message.min_policy_version <= self.version]
