@@ -10,10 +10,11 @@ policy (T = 1, SD chain d4k1v4), the mean acceptance length (tokens per target f
 - an oracle: a drafter trained from scratch to convergence on the current policy's own samples (at the
   first and last update only: it is the expensive reference).
 
-Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with adaptive SD twice, with and
-without online drafter training, alternating; the per-step wall time ratio (training adds time only if it
-steals it from generation) and the share of workers' idle seconds that became drafter-training seconds
-(from the run's saved `stats` timeline: WorkerState transitions and DrafterStats slices).
+Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with adaptive SD, with and without
+online drafter training, alternating (`--repeats` runs each); the median step wall time over every step of
+each mode (training adds time only if it steals it from generation) and the share of workers' idle seconds
+that became drafter-training seconds (optimizer steps only: restoring, saving and judging are not counted),
+from the runs' saved `stats` timelines (WorkerState transitions and one DrafterStats per slice).
 
     python bench/drafter_drift.py [--quick]      # --quick: K=3, small oracle, 4-step pipeline runs (< 2 min)
 """
@@ -61,13 +62,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--oracle-steps", type=int, default=400)
     p.add_argument("--eval-prompts", type=int, default=24)
     p.add_argument("--pipeline-steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2, help="pipeline runs per mode, alternating on/off")
     p.add_argument("--skip-pipeline", action="store_true")
     p.add_argument("--skip-drift", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.quick:
         args.updates, args.oracle_steps, args.eval_prompts, args.pipeline_steps = 3, 60, 12, 4
-        args.prompts, args.slice_steps = 8, 10
+        args.prompts, args.slice_steps, args.repeats = 8, 10, 1
     return args
 
 
@@ -232,36 +234,52 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
     base = load_config(None, environ=os.environ)
     out = Path(tempfile.mkdtemp(prefix="drafter-drift-runs-"))
-    results: dict[str, Any] = {}
-    for train in (True, False):
+    runs: dict[str, list[dict[str, Any]]] = {"online": [], "static": []}
+    for repeat, train in itertools.product(range(args.repeats), (True, False)):
         name = "online" if train else "static"
-        config = msgspec.structs.replace(base, run=f"drift-{name}-{os.getpid()}-{int(time.time())}")
-        plan = RunPlan(world=world, run_dir=out / name, steps=args.pipeline_steps, sd="eagle", train_drafter=train,
-                       prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
+        config = msgspec.structs.replace(base, run=f"drift-{name}-{repeat}-{os.getpid()}-{int(time.time())}")
+        plan = RunPlan(world=world, run_dir=out / f"{name}-{repeat}", steps=args.pipeline_steps, sd="eagle",
+                       train_drafter=train, prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
                        final_norm_lr_scale=args.final_norm_lr_scale)  # fmt: skip
-        log(f"pipeline run with drafter training {'on' if train else 'off'}: {args.pipeline_steps} steps")
+        log(f"pipeline run {repeat + 1}/{args.repeats} with drafter training {'on' if train else 'off'}")
         assert asyncio.run(run_plan(plan, config)) == 0
-        rows = load_metrics(out / name)
-        walls = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
-        timeline = read_jsonl(out / name / "timeline.jsonl")  # the run's stats, saved by run_plan
-        idle = sum(
-            stop - start
-            for spans in state_intervals(timeline, end=rows[-1]["time"]).values()
-            for start, stop, state in spans
-            if state in ("IDLE", "TRAINING_DRAFTER")
+        rows = load_metrics(plan.run_dir)
+        timeline = read_jsonl(plan.run_dir / "timeline.jsonl")  # the run's stats, saved by run_plan
+        seconds = {"IDLE": 0.0, "TRAINING_DRAFTER": 0.0}
+        for spans in state_intervals(timeline, end=rows[-1]["time"]).values():
+            for start, stop, state in spans:
+                if state in seconds:
+                    seconds[state] += stop - start
+        runs[name].append(
+            {
+                "walls": [b["time"] - a["time"] for a, b in itertools.pairwise(rows)],
+                "state_s": seconds,
+                "slices": [e for e in timeline if e["kind"] == "drafter_train"],
+                "accept": [r["accept_length_mean"] for r in rows],
+            }
         )
-        slices = [e for e in timeline if e["kind"] == "drafter_train"]
+    results: dict[str, Any] = {"repeats": args.repeats}
+    for name, done in runs.items():
+        walls = [w for run in done for w in run["walls"]]
+        slices = [s for run in done for s in run["slices"]]
+        idle = sum(run["state_s"]["IDLE"] + run["state_s"]["TRAINING_DRAFTER"] for run in done)
         training = sum(s["seconds"] for s in slices)
+        judged = [s for s in slices if s["judged"]]
         latencies = [s["preempt_latency_s"] for s in slices if s["end"] == "preempted"]
         results[name] = {
             "step_wall_s": round(statistics.median(walls), 3) if walls else None,
+            "step_wall_s_per_run": [round(statistics.median(r["walls"]), 3) for r in done if r["walls"]],
             "idle_s": round(idle, 2),
+            "holding_lease_s": round(sum(run["state_s"]["TRAINING_DRAFTER"] for run in done), 2),
             "drafter_training_s": round(training, 2),
+            "judging_s": round(sum(s["judge_s"] for s in judged), 2),
             "idle_to_training_share": round(training / idle, 3) if idle else None,
             "slices": len(slices),
-            "published_drafters": len({s["drafter_version"] for s in slices if s["adopted"]}),
+            "steps": sum(s["steps"] for s in slices),
+            "judged": len(judged),
+            "published_drafters": len({s["drafter_version"] for s in judged if s["adopted"]}),
             "preempt_latency_s_median": round(statistics.median(latencies), 3) if latencies else None,
-            "accept_length_mean": round(statistics.fmean(r["accept_length_mean"] for r in rows), 3),
+            "accept_length_mean": round(statistics.fmean(a for r in done for a in r["accept"]), 3),
         }
     on, off = results["online"]["step_wall_s"], results["static"]["step_wall_s"]
     results["step_time_overhead"] = round(on / off - 1, 3) if on and off else None

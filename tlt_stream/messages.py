@@ -318,7 +318,7 @@ class LearnerStats(_Entry, tag="learner"):
 
 
 class DrafterStats(_Entry, tag="drafter_train"):
-    """One drafter-training slice on an idle worker, and whether its drafter was adopted."""
+    """One drafter-training slice on an idle worker and, when it was judged, whether its drafter was adopted."""
 
     worker_id: str
     fence: NonNegInt
@@ -336,6 +336,11 @@ class DrafterStats(_Entry, tag="drafter_train"):
     """Windows in the training buffer."""
     preempt_latency_s: Annotated[float, Meta(ge=0)] = 0.0
     """From new work arriving to the slice returning (0 when not preempted)."""
+    judged: bool = False
+    """Whether the slice's drafter was judged on the held-out windows (every `judge_every_steps` steps);
+    the four fields below are its verdict, and mean nothing when it was not."""
+    judge_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Seconds the judgement (two held-out measurements, and publishing) took."""
     accept_new: float = 0.0
     """Held-out acceptance (expected draft tokens accepted per verification) of the slice's drafter."""
     accept_current: float = 0.0

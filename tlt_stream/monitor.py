@@ -192,14 +192,18 @@ def learner_summary(entry: tuple[float, LearnerStats] | None, now: float) -> dic
 
 
 def drafter_summary(latest: list[tuple[float, DrafterStats]], now: float) -> dict[str, Any] | None:
-    """The newest drafter-training slice (`latest` newest first) and how many of those read were adopted."""
+    """The newest drafter-training slice (`latest` newest first), the newest judgement among those read (the
+    verdict fields are None when none was judged), and how many of those read were adopted."""
     if not latest:
         return None
     t, d = latest[0]
     fields = ("worker_id", "fence", "policy_version", "step", "steps", "seconds", "loss", "end", "windows")
+    verdict = ("accept_new", "accept_current", "adopted", "drafter_version", "judge_s")
+    judged = next((s for _, s in latest if s.judged), None)
     return {
         **{k: getattr(d, k) for k in fields},
-        **{k: getattr(d, k) for k in ("accept_new", "accept_current", "adopted", "drafter_version")},
+        **{k: getattr(judged, k) if judged is not None else None for k in verdict},
+        "judged_step": judged.step if judged is not None else None,
         "age_s": max(0.0, now - t),
         "slices_read": len(latest),
         "adopted_read": sum(s.adopted for _, s in latest),
@@ -461,10 +465,14 @@ def render(snap: Mapping[str, Any]) -> Any:
     rows.append(
         Text(
             f"drafter training: step {drafter['step']} on {drafter['worker_id']} (fence {drafter['fence']}, "
-            f"{_ago(drafter['age_s'])} ago): loss {_fmt(drafter['loss'], '.4g')}, held-out acceptance "
-            f"{drafter['accept_current']:.2f} -> {drafter['accept_new']:.2f}, "
-            + (f"adopted as v{drafter['drafter_version']}" if drafter["adopted"] else "not adopted")
-            + f", ended by {drafter['end']}"
+            f"{_ago(drafter['age_s'])} ago): loss {_fmt(drafter['loss'], '.4g')}, ended by {drafter['end']}; "
+            + (
+                f"judged at step {drafter['judged_step']}: held-out acceptance {drafter['accept_current']:.2f} -> "
+                f"{drafter['accept_new']:.2f}, "
+                + (f"adopted as v{drafter['drafter_version']}" if drafter["adopted"] else "not adopted")
+                if drafter["judged_step"] is not None
+                else "no judgement in the stats read"
+            )
         )
         if drafter
         else Text("drafter training: no slice in the stats read")

@@ -4,23 +4,27 @@ worker hot-swaps it; the training state survives preemption and a change of leas
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 import torch
 
 from tlt_stream.bus.control import read_mirror
+from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.drafter.online import OnlineTrainingConfig
-from tlt_stream.messages import DrafterStats, SdArmReport, codec_for
+from tlt_stream.messages import DrafterStats, HiddenWindow, SdArmReport, codec_for
 from tlt_stream.model import load_model
-from tlt_stream.rl.drafter_worker import DrafterTrainingSettings
+from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
 from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
 from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
+from tlt_stream.rl.samples import hidden_window
 from tlt_stream.rollout.adaptive import AdaptiveSettings
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -45,6 +49,7 @@ def training_settings(tmp_path: Path) -> DrafterTrainingSettings:
         min_windows=2,
         holdout_percent=25,
         tolerance=10.0,  # random drafters: acceptance is noise, adopt every slice
+        judge_every_steps=1,  # judge every slice (test_slices_are_judged_every_k_steps covers the spacing)
         lease_ttl_ms=5000,
         training=OnlineTrainingConfig(batch_pairs=64, row_tokens=64),
     )
@@ -135,6 +140,32 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
     await redis.aclose()
 
 
+def sd_engine(init_policy: Path, init_drafter: Path) -> Any:
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import SdArm, build_proposer
+
+    model = load_model(init_policy)
+    return GenerationEngine(model, 2, 64, proposer=build_proposer(str(init_drafter), model), arm=SdArm(2, 1, 2))
+
+
+def hidden_windows(engine: Any) -> list[HiddenWindow]:
+    """Hidden-state windows for training, from real generations of the policy."""
+    results = engine.generate([[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2, 24, 1.0, seed=0, return_hidden=True)
+    return [hidden_window(r, f"t/{i}", 0) for i, r in enumerate(results * 4)]
+
+
+async def idle_until(trainer: IdleDrafterTrainer, engine: Any, done: Callable[[], bool]) -> None:
+    """Let `trainer` spend idle time until `done()`, then stop it as a worker stopping would."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(trainer.run_idle(engine, 0, [], stop))
+    async with asyncio.timeout(60):
+        while not done():
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
 async def test_a_new_lease_holder_continues_from_the_committed_state(
     bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
 ) -> None:
@@ -155,32 +186,15 @@ async def test_a_new_lease_holder_continues_from_the_committed_state(
             )
             for name in ("a", "b")
         }
-        engine_model = load_model(init_policy)
-        from tlt_stream.rollout.engine import GenerationEngine
-        from tlt_stream.rollout.proposers import SdArm, build_proposer
-
-        engine = GenerationEngine(
-            engine_model, 2, 64, proposer=build_proposer(str(init_drafter), engine_model), arm=SdArm(2, 1, 2)
-        )
-        # Hidden windows for training, from real generations of the policy.
-        from tlt_stream.bus.producer import StreamProducer
-        from tlt_stream.rl.samples import hidden_window
-
-        results = engine.generate([[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2, 24, 1.0, seed=0, return_hidden=True)
-        windows = [hidden_window(r, f"t/{i}", 0) for i, r in enumerate(results * 4)]
+        engine = sd_engine(init_policy, init_drafter)
+        windows = hidden_windows(engine)
         await StreamProducer(redis, keys, bus_config.bus).send("hidden", windows)
 
         async def idle_until_a_slice(name: str) -> None:
             trainer = workers[name].idle_trainer
             assert trainer is not None
             before = trainer.slices
-            stop = asyncio.Event()
-            task = asyncio.create_task(trainer.run_idle(engine, 0, [], stop))
-            async with asyncio.timeout(60):
-                while trainer.slices == before:  # noqa: ASYNC110 (polling a counter, not an event)
-                    await asyncio.sleep(0.05)
-            stop.set()
-            await asyncio.wait_for(task, 30)
+            await idle_until(trainer, engine, lambda: trainer.slices > before)
 
         await idle_until_a_slice("a")
         a = workers["a"].idle_trainer
@@ -201,4 +215,46 @@ async def test_a_new_lease_holder_continues_from_the_committed_state(
         # b's AdamW moments continue a's: their step counter carries a's steps plus b's own.
         restored = b.trainer.optimizer.state_dict()["state"][0]
         assert float(moments["step"]) == committed and float(restored["step"]) == b.trainer.step_count
+    await redis.aclose()
+
+
+async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
+    bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
+) -> None:
+    """With judge_every_steps = k, every committed slice is reported once, and a drafter is judged (and
+    published) only once k steps have passed since the last judgement; the others report no verdict."""
+    k = 20
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    settings = DrafterTrainingSettings(**{**training_settings(tmp_path).__dict__, "judge_every_steps": k})
+    settings = DrafterTrainingSettings(**{**settings.__dict__, "slice_seconds": 0.05})  # a few steps per slice
+    async with planes(bus_config, {"w": ["drafter"]}) as control:
+        worker = RolloutWorker(
+            bus_config, redis, control["w"], worker_id="w", reward=reward,
+            settings=RolloutSettings(max_batch=2, max_len=64, drafter=str(init_drafter), drafter_training=settings),
+        )  # fmt: skip
+        trainer = worker.idle_trainer
+        assert trainer is not None
+        engine = sd_engine(init_policy, init_drafter)
+        await StreamProducer(redis, keys, bus_config.bus).send("hidden", hidden_windows(engine))
+        await idle_until(trainer, engine, lambda: trainer.trainer is not None and trainer.trainer.step_count >= 3 * k)
+        slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
+        assert trainer.trainer is not None and sum(s.steps for s in slices) == trainer.trainer.step_count
+        assert len(slices) == trainer.slices and len(slices) > 4, "one report per committed slice"
+        judged_at = 0
+        if slices[-1].end == "preempted":
+            # Preempted by the stop: due or not, it is reported without a verdict (no next idle period to judge
+            # it in).
+            assert not slices.pop().judged
+        for s in slices:
+            assert s.judged == (s.step - judged_at >= k), (s.step, judged_at)
+            if s.judged:
+                judged_at = s.step
+                assert s.judge_s > 0 and s.adopted and s.drafter_version >= 1  # tolerance 10: every judgement adopts
+            else:
+                assert (s.judge_s, s.accept_new, s.adopted, s.drafter_version) == (0.0, 0.0, False, -1)
+        judged = [s for s in slices if s.judged]
+        assert len(judged) >= 2 and len(judged) < len(slices)
+        assert [s.drafter_version for s in judged] == list(range(1, len(judged) + 1))
+        assert control["w"].version("drafter") in (len(judged), len(judged) - 1)  # the last may be in flight
     await redis.aclose()

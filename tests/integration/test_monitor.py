@@ -160,7 +160,11 @@ async def live_run(config: Config) -> AsyncIterator[float]:
             LearnerStats(step=2, policy_version=2, groups=8, samples=64, metrics=LEARNER_METRICS),
             DrafterStats(
                 worker_id="w2", fence=3, policy_version=3, step=40, steps=10, seconds=2.0, loss=0.75,
-                end="preempted", windows=12, accept_new=2.25, accept_current=2.0, adopted=True, drafter_version=2,
+                end="preempted", windows=12, judged=True, judge_s=0.5, accept_new=2.25, accept_current=2.0,
+                adopted=True, drafter_version=2,
+            ),
+            DrafterStats(  # a newer slice, too few steps after the judgement to be judged itself
+                worker_id="w2", fence=3, policy_version=3, step=43, steps=3, seconds=0.5, loss=0.5, end="preempted",
             ),
             rollout("w1", 300, 1.5, 60, sd_on=True, batch=2),
         ],
@@ -210,7 +214,7 @@ async def check_once(bus_config: Config, began: float) -> None:
         "prompts": 6,
         "samples": 4,
         "hidden": 2,
-        "stats": 12,  # 4 worker states, 2 + 5 entries, 1 undecodable
+        "stats": 13,  # 4 worker states, 2 + 6 entries, 1 undecodable
         "dead": 1,
     }
     prompts = streams["prompts"]["groups"]["rollout"]
@@ -263,27 +267,29 @@ async def check_once(bus_config: Config, began: float) -> None:
     assert learner["metrics"] == LEARNER_METRICS and 0 <= learner["age_s"] < 60
 
     drafter = snap["drafter"]
-    assert (drafter["worker_id"], drafter["step"], drafter["loss"], drafter["end"]) == ("w2", 40, 0.75, "preempted")
+    assert (drafter["worker_id"], drafter["step"], drafter["loss"], drafter["end"]) == ("w2", 43, 0.5, "preempted")
     assert (drafter["accept_current"], drafter["accept_new"], drafter["adopted"]) == (2.0, 2.25, True)
-    assert (drafter["drafter_version"], drafter["fence"], drafter["slices_read"]) == (2, 3, 1)
+    assert (drafter["judged_step"], drafter["judge_s"]) == (40, 0.5), "the verdict is the newest judged slice's"
+    assert (drafter["drafter_version"], drafter["fence"], drafter["slices_read"]) == (2, 3, 2)
     assert {k: snap["stats_read"][k] for k in ("entries", "undecodable", "truncated")} == {
-        "entries": 12,
+        "entries": 13,
         "undecodable": 1,
         "truncated": False,
     }
 
     human = await asyncio.to_thread(monitor_once, bus_config)
     assert human.returncode == 0, human.stderr
-    for text in ("policy v3, drafter v2, sd_config v1", "TRAINING_DRAFTER", "learner: step 2", "loss 0.75"):
+    for text in ("policy v3, drafter v2, sd_config v1", "TRAINING_DRAFTER", "learner: step 2", "loss 0.5"):
         assert text in human.stdout, (text, human.stdout)
+    assert "judged at step 40: held-out acceptance 2.00 -> 2.25, adopted as v2" in human.stdout, human.stdout
     assert "undecodable prompts entry" in human.stdout and "SD on in 1/2 workers" in human.stdout
 
     # Bounded reading of `stats`: a cut read says so and measures throughput only over what it saw.
-    cut = await snapshot(bus_config, stats_limit=3)  # the garbage, w1's SD report and the drafter slice
+    cut = await snapshot(bus_config, stats_limit=3)  # the garbage, w1's SD report and the newest drafter slice
     assert cut["stats_read"]["truncated"] and cut["stats_read"]["entries"] == 3
     assert (cut["rollout"]["reports"], cut["rollout"]["tokens"], list(cut["rollout"]["workers"])) == (1, 300, ["w1"])
     assert cut["rollout"]["span_s"] == pytest.approx(cut["stats_read"]["covers_s"])
-    assert cut["learner"] is None and cut["drafter"]["step"] == 40
+    assert cut["learner"] is None and cut["drafter"]["step"] == 43 and cut["drafter"]["judged_step"] is None
     line = summary_line(await snapshot(bus_config))
     for text in ("step 2 reward 0.5", "SD on in 1", "GENERATING 1 TRAINING_DRAFTER 1", "prompts 2 pending 3 lag"):
         assert text in line, (text, line)
@@ -347,7 +353,7 @@ async def check_prometheus(bus_config: Config) -> None:
         assert value("tlt_learner_metric", name="reward_mean") == 0.5
         assert value("tlt_learner_metric", name="accept_length_mean") == 2.5
         assert value("tlt_learner_metric", name="staleness_max") == 1.0
-        assert value("tlt_drafter_train_loss") == 0.75
+        assert value("tlt_drafter_train_loss") == 0.5
         assert value("tlt_drafter_train_acceptance", drafter="new") == 2.25
         assert value("tlt_stats_undecodable") == 1
     finally:

@@ -118,16 +118,23 @@ def test_learner_drafter_and_worker_summaries() -> None:
     assert learner["metrics"] == metrics
     assert learner_summary(None, 1.0) is None
 
-    def slice_(step: int, adopted: bool) -> DrafterStats:
+    def slice_(step: int, adopted: bool, judged: bool = True) -> DrafterStats:
+        verdict = dict(accept_new=2.2, accept_current=2.0, adopted=adopted, drafter_version=4 if adopted else -1)
         return DrafterStats(
             worker_id="w2", fence=3, policy_version=7, step=step, steps=10, seconds=2.0, loss=0.8, end="preempted",
-            accept_new=2.2, accept_current=2.0, adopted=adopted, drafter_version=4 if adopted else -1,
+            judged=judged, **(verdict if judged else {}),
         )  # fmt: skip
 
     drafter = drafter_summary([(99.0, slice_(40, True)), (90.0, slice_(30, False))], 100.0)
     assert drafter is not None
     assert (drafter["step"], drafter["adopted"], drafter["drafter_version"], drafter["age_s"]) == (40, True, 4, 1.0)
     assert (drafter["slices_read"], drafter["adopted_read"], drafter["end"]) == (2, 1, "preempted")
+    # The newest slice was not judged: its own figures, the newest judgement's verdict.
+    drafter = drafter_summary([(99.0, slice_(45, False, judged=False)), (90.0, slice_(40, True))], 100.0)
+    assert drafter is not None and (drafter["step"], drafter["judged_step"]) == (45, 40)
+    assert (drafter["adopted"], drafter["drafter_version"], drafter["accept_new"]) == (True, 4, 2.2)
+    drafter = drafter_summary([(99.0, slice_(45, False, judged=False))], 100.0)
+    assert drafter is not None and drafter["judged_step"] is None and drafter["adopted"] is None
     assert drafter_summary([], 1.0) is None
 
     raw = {"worker_id": "w1", "role": "rollout", "state": "IDLE", "since": "90.0", "heartbeat": "99.5"}

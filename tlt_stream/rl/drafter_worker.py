@@ -12,10 +12,12 @@ lease (`drafter/lease.py`). The holder, in state TRAINING_DRAFTER:
    every step, so new work preempts training within one step;
 4. saves the state atomically under a new name and commits it with a fenced write (a holder that lost the
    lease cannot commit over a newer one);
-5. measures held-out acceptance of the new drafter and of the one in use; only if the new one is not worse
-   does it publish a `DrafterVersion` (MQTT retained + Redis mirror, forward-only);
-6. reports a `DrafterStats` entry to `stats`, and releases the lease when work arrives, so another idle
-   worker can continue from the committed state.
+5. once `judge_every_steps` steps have passed since its last judgement, measures held-out acceptance of the
+   new drafter and of the one in use; only if the new one is not worse does it publish a `DrafterVersion`
+   (MQTT retained + Redis mirror, forward-only). A judgement costs as much as several training steps, so it
+   is not made after every (often one-step) slice of a short idle period;
+6. reports one `DrafterStats` entry per slice to `stats` (with the judgement when one was made), and
+   releases the lease when work arrives, so another idle worker can continue from the committed state.
 
 Every worker swaps a newly announced drafter into its engine between decode steps (`swap_drafter`): the
 weights change in place, in-flight sequences keep going (speculative decoding is lossless whatever the
@@ -67,6 +69,11 @@ class DrafterTrainingSettings:
     """Chain depth of the held-out acceptance measurement."""
     tolerance: float = 0.0
     """A new drafter is adopted when its held-out acceptance >= the current one's - tolerance."""
+    judge_every_steps: int = 16
+    """Judge (and maybe publish) the drafter once this many training steps have passed since the last
+    judgement. Judging measures two drafters on the held-out windows, as long as several training steps;
+    measured on 2 shared cores, judging after every slice spent half of the short idle periods judging
+    drafters one step apart (docs/benchmarks.md, issue 6)."""
     lease_ttl_ms: int = 15_000
     recent_tokens: int = 60_000
     reservoir_tokens: int = 60_000
@@ -75,6 +82,8 @@ class DrafterTrainingSettings:
     def __post_init__(self) -> None:
         if self.slice_seconds <= 0 or self.min_windows < 1 or not 0 < self.holdout_percent < 100:
             raise ValueError("need slice_seconds > 0, min_windows >= 1 and holdout_percent in 1..99")
+        if self.judge_every_steps < 1:
+            raise ValueError(f"judge_every_steps must be >= 1, got {self.judge_every_steps}")
 
 
 def _lower_priority() -> None:
@@ -91,6 +100,18 @@ def _stable_hash(text: str) -> int:
 
 def _held_out(sample_id: str, percent: int) -> bool:
     return _stable_hash(sample_id) % 100 < percent
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """A committed slice: where its state went and what it did (reported once, judged or not)."""
+
+    path: Path
+    fence: int
+    step: int
+    policy_version: int
+    result: Any
+    latency: float
 
 
 class IdleDrafterTrainer:
@@ -126,8 +147,10 @@ class IdleDrafterTrainer:
         self.holdout: list[Any] = []
         self.initial_drafter = initial_drafter
         self.trainer: Any = None
-        self._unevaluated: tuple[Path, Any, float] | None = None
-        """A committed state whose slice was preempted before its drafter was judged."""
+        self._unevaluated: _Slice | None = None
+        """A committed slice, due for judgement, that new work preempted before its drafter was judged."""
+        self.judged_step = 0
+        """The trainer's step count at this worker's last judgement (or at the state it restored)."""
         self.record: dict[str, str] | None = None
         """The newest committed training state (from the lease record): state, step, policy_version."""
         self.idle_seconds = 0.0
@@ -203,10 +226,13 @@ class IdleDrafterTrainer:
                     if len(self.buffer) < self.settings.min_windows:
                         await asyncio.sleep(0.2)
                         continue
-                    await self._low(self._prepare, engine, policy_version)
+                    restored = await self._low(self._prepare, engine, policy_version)
                     if self._unevaluated is not None:  # idle again: judge the state committed at preemption
-                        await self._evaluate_and_publish(grant, engine, *self._unevaluated)
-                        self._unevaluated = None
+                        pending, self._unevaluated = self._unevaluated, None
+                        if restored:  # another holder trained past it: our trainer no longer holds its drafter
+                            await self._report(pending)
+                        else:
+                            await self._judge_and_report(engine, pending)
                         continue
                     result = await self._low(
                         functools.partial(
@@ -225,6 +251,9 @@ class IdleDrafterTrainer:
                 lost.set()
                 watcher.cancel()
                 keeper.cancel()
+        if stop.is_set() and self._unevaluated is not None:  # no next idle period to judge it in: report it
+            pending, self._unevaluated = self._unevaluated, None
+            await self._report(pending)
 
     async def _drain_hidden(self, *, batch: int = 16, most: int = 256) -> None:
         """Move up to `most` new windows from `hidden` into the buffer (or the held-out set), `batch` per
@@ -247,8 +276,9 @@ class IdleDrafterTrainer:
             await self.hidden.ack([d.entry_id for d in deliveries])
             taken += len(deliveries)
 
-    def _prepare(self, engine: Any, policy_version: int) -> None:
-        """A trainer bound to our policy, holding the newest committed state (runs in a worker thread)."""
+    def _prepare(self, engine: Any, policy_version: int) -> bool:
+        """A trainer bound to our policy, holding the newest committed state (runs in a worker thread);
+        True when that meant restoring another holder's newer state."""
         from tlt_stream.drafter.model import load_drafter
         from tlt_stream.drafter.online import OnlineDrafterTrainer
 
@@ -261,23 +291,21 @@ class IdleDrafterTrainer:
         elif self.trainer.policy_version != policy_version:
             self.trainer.rebind(target, policy_version)
         record = self.record
-        if record is not None and int(record.get("step", -1)) > self.trainer.step_count:
-            self.trainer.load_state(record["state"])
-            log.info(
-                "%s: continued drafter training from %s (step %d)",
-                self.worker_id,
-                record["state"],
-                self.trainer.step_count,
-            )
+        if record is None or int(record.get("step", -1)) <= self.trainer.step_count:
+            return False
+        self.trainer.load_state(record["state"])
+        self.judged_step = self.trainer.step_count
+        log.info("%s: continued drafter training from %s (step %d)", self.worker_id, record["state"], self.judged_step)
+        return True
 
     def _current_location(self) -> str:
         current = self.control.current.get("drafter")
         return current.location if isinstance(current, DrafterVersion) else self.initial_drafter
 
     async def _commit(self, grant: LeaseGrant, engine: Any, result: Any, latency: float) -> None:
-        """Save and commit the slice's state; judge and publish its drafter now, or, when new work
-        preempted the slice, at the start of the next idle period (the evaluation takes a second or two
-        that generation should not wait for)."""
+        """Save and commit the slice's state. Judge its drafter when `judge_every_steps` have passed since
+        the last judgement: now, or, when new work preempted the slice, at the start of the next idle period
+        (the judgement takes a second or two that generation should not wait for)."""
         assert self.trainer is not None
         step = self.trainer.step_count
         path = self.settings.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
@@ -288,53 +316,60 @@ class IdleDrafterTrainer:
             return
         self.record = fields
         self.slices += 1
-        if str(result.end) == "preempted":
-            self._unevaluated = (path, result, latency)
-            return
-        await self._evaluate_and_publish(grant, engine, path, result, latency)
+        done = _Slice(path, grant.fence, step, self.trainer.policy_version, result, latency)
+        if step - self.judged_step < self.settings.judge_every_steps:
+            await self._report(done)
+        elif str(result.end) == "preempted":
+            self._unevaluated = done
+        else:
+            await self._judge_and_report(engine, done)
 
-    async def _evaluate_and_publish(
-        self, grant: LeaseGrant, engine: Any, path: Path, result: Any, latency: float
-    ) -> None:
-        assert self.trainer is not None
-        step = self.trainer.step_count
+    async def _judge_and_report(self, engine: Any, done: _Slice) -> None:
+        """Measure the slice's drafter against the one in use on the held-out windows; publish it if it is
+        not worse; report the slice with the verdict."""
+        started = time.monotonic()
         accept_new, accept_current = await self._low(self._accepts, engine)
+        self.judged_step = done.step
         adopted = accept_new >= accept_current - self.settings.tolerance
         version = -1
         if adopted:
             from tlt_stream.rl.checkpoint import policy_sha256
 
-            location = str((path / "drafter").resolve())
-            version = self.control.version("drafter") + 1
+            location = str((done.path / "drafter").resolve())
             message = DrafterVersion(
-                version=max(version, 1),
+                version=max(self.control.version("drafter") + 1, 1),
                 location=location,
                 sha256=await self._low(policy_sha256, location),
-                policy_version=self.trainer.policy_version,
+                policy_version=done.policy_version,
             )
             if await self.control.publish(message):
                 version = message.version
                 log.info("%s: published drafter version %d (held-out acceptance %.3f >= %.3f)",
                          self.worker_id, version, accept_new, accept_current)  # fmt: skip
             else:
-                version, adopted = -1, False
+                adopted = False
+        verdict = dict(accept_new=accept_new, accept_current=accept_current, adopted=adopted, drafter_version=version)
+        await self._report(done, judge_s=time.monotonic() - started, **verdict)
+
+    async def _report(self, done: _Slice, *, judge_s: float | None = None, **verdict: Any) -> None:
+        """One `DrafterStats` entry for the slice (`judge_s` None: not judged)."""
+        result = done.result
         await self.producer.send_one(
             "stats",
             DrafterStats(
                 worker_id=self.worker_id,
-                fence=grant.fence,
-                policy_version=self.trainer.policy_version,
-                step=step,
+                fence=done.fence,
+                policy_version=done.policy_version,
+                step=done.step,
                 steps=result.steps,
                 seconds=result.seconds,
                 loss=float(result.loss if result.loss is not None else 0.0),
                 end=str(result.end),
                 windows=len(self.buffer),
-                preempt_latency_s=latency,
-                accept_new=accept_new,
-                accept_current=accept_current,
-                adopted=adopted,
-                drafter_version=version,
+                preempt_latency_s=done.latency,
+                judged=judge_s is not None,
+                judge_s=judge_s or 0.0,
+                **verdict,
             ),
         )
 
