@@ -67,7 +67,7 @@ class CpuVllmEngine:
         return self._engine.has_unfinished
 
     @property
-    def num_unfinished(self) -> int:
+    def num_running(self) -> int:
         return self._engine.scheduler.num_running + len(self._engine.scheduler.waiting)
 
     def add_request(self, *args: Any, **kwargs: Any) -> Any:

@@ -88,7 +88,12 @@ class DrafterTrainingSettings:
 
 def _lower_priority() -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, 19)  # 0: the calling thread (Linux semantics)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread (Linux semantics)
+        return
+    except (AttributeError, OSError) as exc:
+        log.debug("no SCHED_IDLE for the drafter-training thread (%s); trying nice 19", exc)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
     except (AttributeError, OSError) as exc:  # not Linux, or not permitted: train at normal priority
         log.debug("could not lower the drafter-training thread's priority: %s", exc)
 

@@ -248,23 +248,18 @@ class RolloutWorker:
             return
         if announced.version <= self.drafter_version:
             return
-        from tlt_stream.drafter.model import load_drafter
 
-        def load() -> Any:
+        def load() -> None:
             verify_policy(announced.location, announced.sha256)
-            if self.settings.backend == "vllm":  # swapped into vLLM's draft model in place, requests go on
-                return self.engine.load_drafter(announced.location)
-            return load_drafter(announced.location, self.engine.model)
+            self.engine.load_drafter(announced.location)  # in place: in-flight requests go on
 
         try:
-            fresh = await asyncio.to_thread(load)
+            await asyncio.to_thread(load)
         except (ChecksumMismatch, CheckpointError, OSError, ValueError) as exc:
             log.error("refused drafter version %d: %s", announced.version, exc)
             self.registry.update_info(refused_drafter=f"{announced.version}: {exc}")
             self.drafter = announced  # do not retry the same version on every step
             return
-        if self.settings.backend == "torch" and self.engine.proposer is not None:
-            self.engine.proposer.drafter.load_state_dict(fresh.state_dict())
         self.drafter = announced
         self.drafter_swaps += 1
         if self.adaptive is not None:
@@ -294,13 +289,9 @@ class RolloutWorker:
         self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
 
-    def _load_vllm(self, announced: PolicyVersion) -> None:
-        """The vLLM backend: one engine for the worker's life; later versions are reloaded into it in place."""
+    def _build_vllm(self, announced: PolicyVersion) -> None:
         from tlt_stream.rollout.vllm_backend import VllmEngine, VllmSettings
 
-        if self.engine is not None:
-            self.engine.load_policy(announced.location)
-            return
         arm = None
         if self.settings.drafter is not None:
             depth, topk, verify = self.settings.sd_arm
@@ -320,19 +311,24 @@ class RolloutWorker:
     def _load(self, announced: PolicyVersion) -> None:
         from transformers import AutoTokenizer
 
-        from tlt_stream.model import load_model
-        from tlt_stream.rollout.engine import GenerationEngine
-        from tlt_stream.rollout.proposers import SdArm, build_proposer
-
         verify_policy(announced.location, announced.sha256)
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
-        if self.settings.backend == "vllm":
-            self._load_vllm(announced)
-            self.policy = announced
-            return
+        if self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
+            self.engine.load_policy(announced.location)
+        elif self.settings.backend == "vllm":
+            self._build_vllm(announced)
+        else:
+            self._build_engine(announced)
+        self.policy = announced
+
+    def _build_engine(self, announced: PolicyVersion) -> None:
+        from tlt_stream.model import load_model
+        from tlt_stream.rollout.engine import GenerationEngine
+        from tlt_stream.rollout.proposers import SdArm, build_proposer
+
         model = load_model(announced.location, device=self.settings.device)
         proposer, arm, nodes = None, None, 64
         if self.settings.drafter is not None:  # the drafter binds to this policy's embedding and LM head
@@ -347,10 +343,7 @@ class RolloutWorker:
             model, self.settings.max_batch, self.settings.max_len, proposer=proposer, arm=arm, max_draft_nodes=nodes
         )
         if self.settings.adaptive is not None and proposer is not None:
-            if self.adaptive is None:  # one tuner for the worker's life: its measurements outlive versions
-                self.adaptive = AdaptiveSd(self.engine, self.settings.adaptive, drafter_version=self.drafter_version)
-            self.adaptive.engine = self.engine
-        self.policy = announced
+            self.adaptive = AdaptiveSd(self.engine, self.settings.adaptive, drafter_version=self.drafter_version)
 
     def _loadable_policy(self) -> PolicyVersion | None:
         """The announced policy version when it is newer than ours and not one we refused, else None."""
@@ -502,9 +495,7 @@ class RolloutWorker:
 
     def _running(self) -> int:
         """Rows the engine is decoding now (vLLM: requests it holds, running or waiting)."""
-        if self.settings.backend == "vllm":
-            return int(self.engine.num_unfinished)
-        return int(self.engine.scheduler.num_running)
+        return int(self.engine.num_running)
 
     def _steps(self) -> tuple[list[Any], int, int]:
         """Up to `steps_per_hop` engine steps (fewer once something finishes): finished, tokens, forwards."""

@@ -525,7 +525,7 @@ class VllmEngine:
         return bool(self._pending) or self._engine.has_unfinished_requests()
 
     @property
-    def num_unfinished(self) -> int:
+    def num_running(self) -> int:
         """Requests added and not yet returned (vLLM's running + waiting)."""
         return len(self._pending)
 
