@@ -242,7 +242,7 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
                        train_drafter=train, prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
                        final_norm_lr_scale=args.final_norm_lr_scale)  # fmt: skip
         log(f"pipeline run {repeat + 1}/{args.repeats} with drafter training {'on' if train else 'off'}")
-        assert asyncio.run(run_plan(plan, config)) == 0
+        assert asyncio.run(run_plan(plan, config, purge=True)) == 0
         rows = load_metrics(plan.run_dir)
         timeline = read_jsonl(plan.run_dir / "timeline.jsonl")  # the run's stats, saved by run_plan
         seconds = {"IDLE": 0.0, "TRAINING_DRAFTER": 0.0}
@@ -256,6 +256,10 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
                 "state_s": seconds,
                 "slices": [e for e in timeline if e["kind"] == "drafter_train"],
                 "accept": [r["accept_length_mean"] for r in rows],
+                # steps 2.. (the first includes start-up): what each phase took and the tail it decoded
+                "rollout_s": [r["rollout_seconds"] for r in rows[1:]],
+                "longest": [r["response_len_max"] for r in rows[1:]],
+                "learn_s": [r["learn_seconds"] for r in rows[1:]],
             }
         )
     results: dict[str, Any] = {"repeats": args.repeats}
@@ -280,9 +284,20 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
             "published_drafters": len({s["drafter_version"] for s in judged if s["adopted"]}),
             "preempt_latency_s_median": round(statistics.median(latencies), 3) if latencies else None,
             "accept_length_mean": round(statistics.fmean(a for r in done for a in r["accept"]), 3),
+            "rollout_s_median": round(statistics.median(x for r in done for x in r["rollout_s"]), 3),
+            "longest_response_median": statistics.median(x for r in done for x in r["longest"]),
+            # A step's rollout is mostly its longest response decoded at a small batch, and the two modes
+            # sample different responses (the SD arms chosen by timing consume random numbers differently),
+            # so the rollout cost per token of the longest response separates cost from the tail's luck.
+            "rollout_ms_per_longest_token": round(
+                1000 * sum(x for r in done for x in r["rollout_s"]) / sum(x for r in done for x in r["longest"]), 3
+            ),
+            "learn_s_median": round(statistics.median(x for r in done for x in r["learn_s"]), 3),
         }
     on, off = results["online"]["step_wall_s"], results["static"]["step_wall_s"]
     results["step_time_overhead"] = round(on / off - 1, 3) if on and off else None
+    for key in ("rollout_ms_per_longest_token", "learn_s_median", "longest_response_median"):
+        results[f"{key}_ratio"] = round(results["online"][key] / results["static"][key], 3)
     return results
 
 

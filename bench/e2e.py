@@ -118,7 +118,7 @@ def run_tlt(
             log(f"  {name} step {r['version']}/{steps}: accuracy {r['reward_mean']:.3f}")
 
     started = time.time()
-    code = asyncio.run(run_plan(plan, named, on_step=on_step))
+    code = asyncio.run(run_plan(plan, named, on_step=on_step, purge=True))
     if code != 0:
         raise RuntimeError(f"{name}: run ended with code {code}")
     per_step = tlt_steps(load_metrics(run_dir), started)

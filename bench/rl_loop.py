@@ -95,6 +95,7 @@ async def one_run(plan, config, *, budget_s: float | None = None) -> tuple[int, 
             plan,
             config,
             stop=stop,
+            purge=True,
             on_step=lambda rows: log(f"  step {rows[-1]['version']}: reward {rows[-1]['reward_mean']:.3f}"),
         )
     finally:

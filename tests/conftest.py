@@ -83,23 +83,11 @@ def bus_config(backend: str, request: pytest.FixtureRequest) -> Iterator[Config]
 
 async def _cleanup(config: Config) -> None:
     import aiomqtt
-    import redis.asyncio as aioredis
 
-    from tlt_stream.bus.connect import mqtt_params
-    from tlt_stream.messages import CONTROL_KINDS
+    from tlt_stream.bus.connect import purge_run
 
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
     try:
-        keys = [k async for k in redis.scan_iter(match=f"tlt:{config.run}:*", count=1000)]
-        if keys:
-            await redis.delete(*keys)
-    finally:
-        await redis.aclose()
-    params = mqtt_params(config.bus.mqtt_url or "")
-    try:
-        async with aiomqtt.Client(params.host, params.port, protocol=aiomqtt.ProtocolVersion.V311) as client:
-            for kind in CONTROL_KINDS:  # an empty retained message clears the retained state
-                await client.publish(f"{config.topic_prefix}{kind}", b"", qos=1, retain=True)
+        await purge_run(config)
     except aiomqtt.MqttError:
         pass
 

@@ -316,13 +316,16 @@ async def save_timeline(config: Config, path: Path) -> int:
     return written
 
 
-async def run_plan(plan: RunPlan, config: Config, *, on_step=None, stop: asyncio.Event | None = None) -> int:
+async def run_plan(
+    plan: RunPlan, config: Config, *, on_step=None, stop: asyncio.Event | None = None, purge: bool = False
+) -> int:
     """Run the services of `plan` until the learner has made `plan.steps` updates (exit code 0) or `stop`
     is set (130). Raises RuntimeError when a service fails.
 
     `on_step(rows)` is called with every newly written learner step (dicts from `metrics.jsonl`). Every
     service is stopped on the way out, whatever happened: SIGTERM, so the learner finishes the update in
-    hand and its checkpoints stay intact.
+    hand and its checkpoints stay intact. `purge`: once the timeline is saved, delete the run's keys and
+    retained messages from the servers (benchmarks on shared servers; the run directory keeps the figures).
     """
     from tlt_stream.bus.connect import endpoints
     from tlt_stream.report import load_metrics
@@ -353,6 +356,10 @@ async def run_plan(plan: RunPlan, config: Config, *, on_step=None, stop: asyncio
         if len(rows) > seen and on_step is not None:
             on_step(rows[seen:])
         await save_timeline(resolved, plan.run_dir / "timeline.jsonl")
+        if purge:
+            from tlt_stream.bus.connect import purge_run
+
+            await purge_run(resolved)
         if code is None:
             return 130
         if code != 0:

@@ -149,3 +149,30 @@ async def test_a_version_published_while_the_broker_is_down_goes_out_on_reconnec
         await asyncio.wait_for(task, timeout=10)
         broker.close()
         await redis.aclose()
+
+
+async def test_purge_run_leaves_nothing_of_the_run_and_spares_other_runs(bus_config: Config) -> None:
+    from tests.conftest import make_config
+    from tlt_stream.bus.connect import purge_run
+
+    other = make_config(bus_config.bus.redis_url, bus_config.bus.mqtt_url)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    try:
+        async with running(ControlPlane(bus_config, redis, role="policy", owns=["policy"])) as pub:
+            assert await pub.publish(policy(4))
+        await redis.xadd(f"tlt:{bus_config.run}:stream:hidden", {"x": b"1"})
+        for i in range(600):  # more keys than one unlink batch
+            await redis.set(f"tlt:{bus_config.run}:many:{i}", i)
+        await redis.set(f"tlt:{other.run}:keep", 1)
+
+        assert await purge_run(bus_config) >= 602
+        assert [k async for k in redis.scan_iter(match=f"tlt:{bus_config.run}:*")] == []
+        assert await redis.get(f"tlt:{other.run}:keep") == b"1"
+        # The retained policy version is gone too: a new subscriber learns nothing.
+        late = ControlPlane(bus_config, redis, role="worker")
+        async with running(late):
+            await asyncio.sleep(0.5)
+            assert "policy" not in late.current
+    finally:
+        await redis.delete(f"tlt:{other.run}:keep")
+        await redis.aclose()
