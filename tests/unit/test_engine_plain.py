@@ -126,6 +126,34 @@ def test_return_hidden_gives_the_states_that_produced_each_token(models) -> None
         assert model.logits(r.hidden).argmax(-1).tolist() == r.token_ids
 
 
+def test_hidden_states_follow_their_rows_through_slot_moves_and_refilled_slots(models) -> None:
+    """Rows finish at different steps (slots are compacted), queued requests refill the freed slots, and
+    requests that did not ask for hidden states share the batch: each result still holds exactly the states
+    of its own tokens, from a full forward over its own sequence."""
+    _, model = models
+    prompts = make_prompts([5, 3, 7, 4, 6, 2, 5], seed=8)
+    budgets = [9, 3, 12, 5, 2, 8, 6]
+    wants = [True, True, False, True, True, False, True]
+    engine = GenerationEngine(model, max_batch=3, max_len=32)
+    for i, (p, n, want) in enumerate(zip(prompts, budgets, wants, strict=True)):
+        engine.add_request(p, n, 1.0, seed=i, request_id=i, return_hidden=want)
+    done = {}
+    while engine.has_unfinished:
+        for r in engine.step():
+            done[r.request_id] = r
+    for i, (p, want) in enumerate(zip(prompts, wants, strict=True)):
+        r = done[i]
+        assert len(r.token_ids) == budgets[i]
+        if not want:
+            assert r.hidden is None and r.prompt_hidden is None
+            continue
+        seq = torch.tensor([p + r.token_ids[:-1]])
+        with torch.no_grad():
+            full = model(seq, torch.arange(seq.shape[1])[None], model.new_cache(1, 32))[0]
+        torch.testing.assert_close(r.hidden, full[len(p) - 1 :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.prompt_hidden, full[: len(p) - 1], atol=1e-5, rtol=0)
+
+
 def test_sampler_follows_the_target_distribution() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
     n = 4000

@@ -120,7 +120,12 @@ class GenerationEngine:
         self.tokens_generated = 0
         """Tokens emitted over all requests so far (a throughput counter)."""
         self._generators: dict[Hashable, torch.Generator | None] = {}
-        self._hidden: dict[Hashable, list[torch.Tensor]] = {}
+        self._want_hidden: set[Hashable] = set()
+        self._hidden: torch.Tensor | None = None
+        """`[max_batch, max_len, H]` per-slot final-norm states of the generated tokens, for the requests that
+        asked for them (allocated on the first such request; slot moves are mirrored like the KV cache). One
+        indexed write per step: keeping a tensor per token and row cost ~8% of a decode step in Python
+        objects and garbage collection (docs/benchmarks.md, issue 6)."""
         self._prompt_hidden: dict[Hashable, torch.Tensor] = {}
         self._accepts: dict[Hashable, list[int]] = {}
         self._ids = itertools.count()
@@ -213,7 +218,10 @@ class GenerationEngine:
         self._generators[rid] = generator
         self._accepts[rid] = []
         if return_hidden:
-            self._hidden[rid] = []
+            if self._hidden is None:
+                shape = (self.scheduler.max_batch, self.max_len, self.model.spec.hidden_size)
+                self._hidden = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
+            self._want_hidden.add(rid)
         return rid
 
     def step(self) -> list[GenerationResult]:
@@ -268,7 +276,7 @@ class GenerationEngine:
         self.cache.advance(num_new, first_slot=first)
         last = hidden[torch.arange(len(seqs), device=device), num_new - 1]  # [B, H]
         for b, s in enumerate(seqs):
-            if s.request_id in self._hidden:
+            if s.request_id in self._want_hidden:
                 self._prompt_hidden[s.request_id] = hidden[b, : lens[b] - 1].clone()
         self._emit(seqs, last)
         if self.proposer is not None:
@@ -305,16 +313,16 @@ class GenerationEngine:
         outcome = verify_round(self.model, self.cache, proposal, last, temperatures, generators)
         self.rounds += 1
         for row, s in enumerate(seqs):
-            emitted = 0
+            emitted, start = 0, s.num_generated
             for token, logprob in zip(outcome.tokens[row], outcome.logprobs[row], strict=True):
                 emitted += 1
                 if s.append(token, logprob):
                     break
             self.tokens_generated += emitted
             self._accepts[s.request_id].append(emitted)
-            kept = self._hidden.get(s.request_id)
-            if kept is not None:
-                kept.extend(outcome.hidden[row, :emitted].clone().unbind(0))
+            if s.request_id in self._want_hidden:
+                assert self._hidden is not None and s.slot is not None
+                self._hidden[s.slot, start : start + emitted] = outcome.hidden[row, :emitted]
             if not s.is_finished:
                 self.proposer.observe(row, outcome.tokens[row], outcome.hidden[row, :emitted])
 
@@ -323,28 +331,41 @@ class GenerationEngine:
         logits = self.model.logits(hidden)  # [B, V]
         temperatures = torch.tensor([s.temperature for s in seqs])
         tokens, logprobs = sample(logits, temperatures, [self._generators[s.request_id] for s in seqs])
-        keep = [b for b, s in enumerate(seqs) if s.request_id in self._hidden]
-        if keep:
-            kept = hidden[torch.tensor(keep, device=hidden.device)].unbind(0)  # K views of a fresh [K, H]
-            for row, b in enumerate(keep):
-                self._hidden[seqs[b].request_id].append(kept[row])
+        if self._want_hidden:
+            keep = [b for b, s in enumerate(seqs) if s.request_id in self._want_hidden]
+            if keep:  # hidden[b] produced the token about to become seqs[b]'s next generated one
+                assert self._hidden is not None
+                slots = torch.tensor([seqs[b].slot for b in keep], device=hidden.device)
+                at = torch.tensor([seqs[b].num_generated for b in keep], device=hidden.device)
+                rows = hidden if len(keep) == len(seqs) else hidden[torch.tensor(keep, device=hidden.device)]
+                self._hidden[slots, at] = rows
         for s, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
             s.append(token, logprob)
         self.tokens_generated += len(seqs)
 
     def _finish(self) -> list[GenerationResult]:
         """Retire finished sequences, mirror the scheduler's slot moves in the cache, build the results."""
+        states: dict[Hashable, torch.Tensor] = {}
+        if self._want_hidden:  # copied out before retire() frees the slots and moves others into them
+            for s in self.scheduler.running:
+                if s.is_finished and s.request_id in self._want_hidden:
+                    assert self._hidden is not None and s.slot is not None
+                    states[s.request_id] = self._hidden[s.slot, : s.num_generated].clone()
+                    self._want_hidden.discard(s.request_id)
         finished, moves = self.scheduler.retire()
         for move in moves:
             self.cache.move_slot(move.src, move.dst)
             if self.proposer is not None:
                 self.proposer.move_slot(move.src, move.dst)
+            if self._want_hidden:
+                assert self._hidden is not None
+                n = self.scheduler.running[move.dst].num_generated  # the moved sequence, now at dst
+                self._hidden[move.dst, :n] = self._hidden[move.src, :n]
         results = []
         for s in finished:
             assert s.finish_reason is not None
             self._generators.pop(s.request_id)
-            rows = self._hidden.pop(s.request_id, None)
-            hidden = torch.stack(rows) if rows is not None else None
+            hidden = states.get(s.request_id)
             accepts = self._accepts.pop(s.request_id)
             results.append(
                 GenerationResult(
