@@ -10,11 +10,18 @@ policy (T = 1, SD chain d4k1v4), the mean acceptance length (tokens per target f
 - an oracle: a drafter trained from scratch to convergence on the current policy's own samples (at the
   first and last update only: it is the expensive reference).
 
-Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with adaptive SD, with and without
-online drafter training, alternating (`--repeats` runs each); the median step wall time over every step of
-each mode (training adds time only if it steals it from generation) and the share of workers' idle seconds
+Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with SD (a fixed d4 chain by
+default), with and without online drafter training, alternating (`--repeats` runs each); the median step
+wall time over every step of each mode (training adds time only if it steals it from generation) and the
+share of workers' idle seconds
 that became drafter-training seconds (optimizer steps only: restoring, saving and judging are not counted),
 from the runs' saved `stats` timelines (WorkerState transitions and one DrafterStats per slice).
+
+A step's rollout is mostly its longest response, decoded at a small batch, so the comparison needs both
+modes to sample the same responses. With a fixed SD arm they do (per-sample seeds, the same drafter, the
+same batches) until the online run publishes a drafter; with adaptive SD (`--pipeline-adaptive-sd`) the arms
+are chosen by measured speed, consume random numbers differently, and the two modes draw different tails:
+11% longer longest responses in one mode was measured, which swamps a cost of a few percent.
 
     python bench/drafter_drift.py [--quick]      # --quick: K=3, small oracle, 4-step pipeline runs (< 2 min)
 """
@@ -63,6 +70,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-prompts", type=int, default=24)
     p.add_argument("--pipeline-steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=2, help="pipeline runs per mode, alternating on/off")
+    p.add_argument(
+        "--hidden-share", type=float, default=None, help="share of samples streamed to `hidden` (default: run's)"
+    )
+    p.add_argument(
+        "--pipeline-adaptive-sd", action="store_true", help="adaptive SD in the pipeline runs (samples then differ)"
+    )
     p.add_argument("--skip-pipeline", action="store_true")
     p.add_argument("--skip-drift", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -240,7 +253,9 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
         config = msgspec.structs.replace(base, run=f"drift-{name}-{repeat}-{os.getpid()}-{int(time.time())}")
         plan = RunPlan(world=world, run_dir=out / f"{name}-{repeat}", steps=args.pipeline_steps, sd="eagle",
                        train_drafter=train, prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
-                       final_norm_lr_scale=args.final_norm_lr_scale)  # fmt: skip
+                       final_norm_lr_scale=args.final_norm_lr_scale,
+                       adaptive_sd=args.pipeline_adaptive_sd,
+                       **({} if args.hidden_share is None else {"hidden_share": args.hidden_share}))  # fmt: skip
         log(f"pipeline run {repeat + 1}/{args.repeats} with drafter training {'on' if train else 'off'}")
         assert asyncio.run(run_plan(plan, config, purge=True)) == 0
         rows = load_metrics(plan.run_dir)
@@ -262,7 +277,11 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
                 "learn_s": [r["learn_seconds"] for r in rows[1:]],
             }
         )
-    results: dict[str, Any] = {"repeats": args.repeats}
+    results: dict[str, Any] = {
+        "repeats": args.repeats,
+        "adaptive_sd": args.pipeline_adaptive_sd,
+        "hidden_share": args.hidden_share or RunPlan.hidden_share,
+    }
     for name, done in runs.items():
         walls = [w for run in done for w in run["walls"]]
         slices = [s for run in done for s in run["slices"]]

@@ -165,6 +165,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 sd=args.sd,
                 train_drafter=not args.no_drafter_training,
                 adaptive_sd=not args.fixed_sd,
+                hidden_share=args.hidden_share,
                 max_len=args.max_len,
                 device=args.device,
                 cores=cores,
@@ -340,6 +341,16 @@ def _cmd_export_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -484,6 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sd eagle: keep the warm-up drafter (no online training)",
     )
     run.add_argument(
+        "--hidden-share",
+        type=_share,
+        default=0.25,
+        help="share of samples whose hidden states feed drafter training (default 0.25: on a CPU the trainer "
+        "uses a fraction of them, and streaming all of them slowed rollouts ~8%%; docs/benchmarks.md issue 6)",
+    )
+    run.add_argument(
         "--fixed-sd", action="store_true", help="with --sd: always speculate with the default arm (no adaptive SD)"
     )
     run.add_argument("--max-len", type=_positive, default=1408, help="prompt + response tokens per rollout row")
@@ -540,6 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--no-hidden", action="store_true", help="do not stream hidden-state windows (no drafter training data)"
+    )
+    worker.add_argument(
+        "--hidden-share",
+        type=_share,
+        default=1.0,
+        help="share of samples whose hidden-state windows are streamed, by a stable hash of the id (default 1)",
     )
     worker.add_argument(
         "--adaptive-sd",

@@ -64,6 +64,10 @@ class RunPlan:
     """With `sd="eagle"`: train the drafter online in the workers' idle time."""
     adaptive_sd: bool = True
     """With SD on: decide per step (TLT's adaptive rollout) rather than always speculating."""
+    hidden_share: float = 0.25
+    """Share of samples whose hidden states the workers stream for drafter training. A quarter: on a CPU the
+    drafter trains on ~2k of the ~19k tokens a tiny-world step streams, and streaming all of them made
+    rollouts ~8% slower (docs/benchmarks.md, issue 6)."""
     max_batch: int = 128
     max_len: int = 1408
     device: str = "auto"
@@ -119,7 +123,9 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
         drafter["eagle"] += ["--adaptive-sd"]
         drafter["ngram"] += ["--adaptive-sd"]
     # Hidden-state windows (~40 KB a sample) only feed drafter training: without it, nobody reads them.
-    hidden = [] if plan.sd == "eagle" and plan.train_drafter else ["--no-hidden"]
+    hidden = ["--no-hidden"]
+    if plan.sd == "eagle" and plan.train_drafter:
+        hidden = ["--hidden-share", str(plan.hidden_share)]
     for i in range(plan.workers):
         commands.append(
             ServiceCommand(

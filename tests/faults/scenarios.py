@@ -129,7 +129,7 @@ SCENARIOS = [
         "kill9_rollout_training",
         "kill -9 the rollout worker inside a drafter-training slice",
         kill_worker_training,
-        {"sd": "eagle", "prompts_per_step": 4},
+        {"sd": "eagle", "prompts_per_step": 4, "hidden_share": 1.0},  # every window: training starts early
     ),
     Scenario("kill9_learner", "kill -9 the learner mid-update (inside its checkpoint save), restart it", kill_learner),
     Scenario("kill9_policy", "kill -9 the policy service, restart it", kill_policy),

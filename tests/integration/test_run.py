@@ -157,6 +157,11 @@ def test_the_plan_gives_each_process_its_threads_and_the_learner_the_step_count(
     assert learner[learner.index("--max-updates") + 1] == "5" and learner[learner.index("--threads") + 1] == "2"
     assert commands["rollout-1"][commands["rollout-1"].index("--threads") + 1] == "3"
     assert all(argv[argv.index("--run") + 1] == "r1" for argv in commands.values())
+    assert "--no-hidden" in commands["rollout-0"], "no drafter training without SD eagle: nobody reads `hidden`"
+    (tmp_path / "drafter").mkdir()
+    eagle = RunPlan(world=tmp_path, run_dir=tmp_path / "run", sd="eagle", hidden_share=0.5)
+    worker = next(c.argv for c in service_commands(eagle, Config(run="r1")) if c.name == "rollout-0")
+    assert worker[worker.index("--hidden-share") + 1] == "0.5" and "--no-hidden" not in worker
     assert thread_split(2, 1, 0) == (2, 2), "on-policy: rollout and learning alternate, each gets the machine"
     assert thread_split(2, 1, 1) == (1, 1)
     with pytest.raises(FileNotFoundError, match="bootstrap"):

@@ -58,6 +58,15 @@ __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 log = logging.getLogger(__name__)
 
 
+def streams_hidden(sample_id: str, settings: RolloutSettings) -> bool:
+    """Whether the sample's hidden states are streamed: a stable hash of its id against `hidden_share` (the
+    same in every process and on redelivery; salted apart from the drafter trainer's held-out split)."""
+    if settings.hidden_share >= 1:
+        return True
+    digest = int(hashlib.sha1(f"hidden-share/{sample_id}".encode()).hexdigest()[:8], 16)
+    return digest < settings.hidden_share * 2**32
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     max_batch: int = 64
@@ -74,6 +83,10 @@ class RolloutSettings:
     """(draft depth, top-k, tokens to verify) when speculative decoding is on."""
     stream_hidden: bool = True
     """Stream each sample's hidden-state window to `hidden` (the drafter's training data)."""
+    hidden_share: float = 1.0
+    """Share of samples whose hidden states are kept and streamed, chosen by a stable hash of the sample id
+    (a uniform sample: the length distribution, long tail included, is kept). Below 1 it cuts what producing
+    the windows costs generation, for a drafter trainer that could not use them all anyway."""
     hidden_dtype: str = "bfloat16"
     """Wire dtype of the streamed hidden states."""
     drafter_training: DrafterTrainingSettings | None = None
@@ -87,6 +100,8 @@ class RolloutSettings:
     for the worker's life: policy versions and drafters are loaded into it in place)."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.hidden_share <= 1:
+            raise ValueError(f"hidden_share must be in (0, 1], got {self.hidden_share}")
         if self.drafter_training is not None and self.drafter in (None, "ngram"):
             raise ValueError("online drafter training needs a drafter checkpoint to start from (--drafter DIR)")
         if self.backend not in ("torch", "vllm"):
@@ -410,7 +425,7 @@ class RolloutWorker:
                 seed,
                 eos,
                 request_id=(group.task_id, index),
-                return_hidden=self.settings.stream_hidden,
+                return_hidden=self.settings.stream_hidden and streams_hidden(f"{group.task_id}/{index}", self.settings),
             )
         self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())
 
@@ -441,7 +456,7 @@ class RolloutWorker:
                 gen_seconds=time.perf_counter() - task.started,
             )
             task.samples[index] = sample
-            if self.settings.stream_hidden and result.token_ids:
+            if result.hidden is not None and result.token_ids:
                 windows.append(
                     hidden_window(result, sample.sample_id, task.policy_version, dtype=self.settings.hidden_dtype)
                 )
@@ -556,6 +571,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         drafter=args.drafter,
         sd_arm=args.sd_arm,
         stream_hidden=not args.no_hidden,
+        hidden_share=args.hidden_share,
         drafter_training=DrafterTrainingSettings(state_dir=Path(args.train_drafter)) if args.train_drafter else None,
         adaptive=AdaptiveSettings(crossover=args.sd_crossover) if args.adaptive_sd and args.drafter else None,
         device=device,
