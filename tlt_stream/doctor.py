@@ -70,15 +70,7 @@ async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:
     report: dict[str, Any] = {"url": redact_url(config.bus.mqtt_url), "reachable": False, "retained": {}}
     try:
         async with asyncio.timeout(timeout):
-            async with aiomqtt.Client(
-                params.host,
-                params.port,
-                username=params.username,
-                password=params.password,
-                protocol=aiomqtt.ProtocolVersion.V311,
-                tls_context=params.tls_context(),
-                timeout=timeout,
-            ) as client:
+            async with params.client(timeout=timeout) as client:
                 report["reachable"] = True
                 await client.subscribe(f"{config.topic_prefix}+", qos=1)
                 await client.subscribe("$SYS/broker/version", qos=0)

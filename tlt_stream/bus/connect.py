@@ -7,6 +7,7 @@ import logging
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import msgspec
@@ -112,6 +113,21 @@ class MqttParams:
             return None
         return ssl.create_default_context(cafile=self.ca_file)
 
+    def client(self, **options: Any) -> Any:
+        """An aiomqtt client for this broker (MQTT 3.1.1, credentials and TLS from the URL); `options` go to
+        `aiomqtt.Client` as they are (identifier, keepalive, timeout, ...)."""
+        import aiomqtt
+
+        return aiomqtt.Client(
+            self.host,
+            self.port,
+            username=self.username,
+            password=self.password,
+            protocol=aiomqtt.ProtocolVersion.V311,
+            tls_context=self.tls_context(),
+            **options,
+        )
+
     def __repr__(self) -> str:  # never print the password
         return f"MqttParams(host={self.host!r}, port={self.port}, username={self.username!r}, tls={self.tls})"
 
@@ -166,8 +182,6 @@ async def purge_run(config: Config) -> int:
     For benchmarks and tests on shared servers: a run's `hidden` stream alone holds ~100 MB at the default
     bound, and keys outlive the processes that wrote them. Never call it on a run that is still going.
     """
-    import aiomqtt
-
     from tlt_stream.messages import CONTROL_KINDS
 
     if config.bus.redis_url is None or config.bus.mqtt_url is None:
@@ -185,15 +199,7 @@ async def purge_run(config: Config) -> int:
             deleted += await redis.unlink(*batch)
     finally:
         await redis.aclose()
-    p = mqtt_params(config.bus.mqtt_url)
-    async with aiomqtt.Client(
-        p.host,
-        p.port,
-        username=p.username,
-        password=p.password,
-        protocol=aiomqtt.ProtocolVersion.V311,
-        tls_context=p.tls_context(),
-    ) as client:
+    async with mqtt_params(config.bus.mqtt_url).client() as client:
         for kind in CONTROL_KINDS:  # an empty retained message clears the retained state
             await client.publish(f"{config.topic_prefix}{kind}", b"", qos=1, retain=True)
     return deleted

@@ -229,17 +229,8 @@ class ControlPlane:
 
     async def _session(self, stop: asyncio.Event) -> None:
         p = self.params
-        client = aiomqtt.Client(
-            p.host,
-            p.port,
-            username=p.username,
-            password=p.password,
-            identifier=self.client_id,
-            protocol=aiomqtt.ProtocolVersion.V311,
-            keepalive=self.config.bus.mqtt_keepalive_s,
-            tls_context=p.tls_context(),
-            clean_session=True,
-            timeout=10,
+        client = p.client(
+            identifier=self.client_id, keepalive=self.config.bus.mqtt_keepalive_s, clean_session=True, timeout=10
         )
         async with client:
             await client.subscribe(f"{self.config.topic_prefix}+", qos=1)
