@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE  # noqa: E402  (light: the config, no torch)
+from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE, TINY_WORLD_LR  # noqa: E402  (light: no torch)
 
 
 def log(message: str) -> None:
@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
     p.add_argument("--updates", type=int, default=20)
-    p.add_argument("--lr", type=float, default=2e-4, help="policy learning rate (the RL run's)")
+    p.add_argument("--lr", type=float, default=TINY_WORLD_LR, help="policy learning rate (the RL run's)")
     p.add_argument(
         "--final-norm-lr-scale",
         type=float,

@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-v", "--verbose", action="count", default=0)
     export.set_defaults(handler=_cmd_export_drafter)
 
-    from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE  # light: dataclasses and the config
+    from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE, TINY_WORLD_LR  # light: dataclasses, config
 
     run = commands.add_parser(
         "run",
@@ -474,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts-per-step", type=_positive, default=16)
     run.add_argument("--group-size", type=_positive, default=8)
     run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
-    run.add_argument("--lr", type=float, default=2e-4, help="learner AdamW learning rate")
+    run.add_argument(
+        "--lr", type=float, default=TINY_WORLD_LR, help=f"learner AdamW learning rate (default {TINY_WORLD_LR:g})"
+    )
     run.add_argument("--warmup-steps", type=int, default=20, help="learner learning-rate warmup (updates)")
     run.add_argument(
         "--final-norm-lr-scale",
