@@ -130,17 +130,15 @@ def _window(message: Any) -> Any:
 
 
 def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
+    from _grpo import update_groups  # bench/, on the path as the script's directory
     from transformers import AutoModelForCausalLM
 
     from tlt_stream.drafter.model import load_drafter
     from tlt_stream.drafter.online import LrSchedule, OnlineDrafterTrainer, OnlineTrainingConfig, WindowBuffer
-    from tlt_stream.messages import PromptGroup
     from tlt_stream.model import load_model
-    from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
-    from tlt_stream.rl.samples import hidden_window, make_sample
-    from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.tasks.repeated_add import RepeatedAddTask, reward
+    from tlt_stream.rl.samples import hidden_window
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -169,45 +167,14 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     started = time.perf_counter()
     for update in range(1, args.updates + 1):
         problems = task.problems(args.prompts, args.seed * 7919 + update, heldout=False)
-        engine = GenerationEngine(policy, args.prompts * args.group, policy.spec.max_position_embeddings)
-        groups, windows = [], []
-        for i, problem in enumerate(problems):
-            ids = encode(problem.prompt)
-            for g in range(args.group):
-                engine.add_request(ids, engine.max_len - len(ids), 1.0, update * 10_000 + i * 100 + g, [eos],
-                                   request_id=(i, g), return_hidden=True)  # fmt: skip
-        done = {}
-        while engine.has_unfinished:
-            for result in engine.step():
-                done[result.request_id] = result
-        for i, problem in enumerate(problems):
-            group = PromptGroup(
-                task_id=f"u{update}-{i}",
-                prompt_id=problem.prompt_id,
-                prompt_ids=encode(problem.prompt),
-                answer=problem.answer,
-                group_size=args.group,
-            )
-            samples = []
-            for g in range(args.group):
-                result = done[(i, g)]
-                text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
-                score = reward(text, problem.answer)
-                samples.append(
-                    make_sample(
-                        result,
-                        group,
-                        g,
-                        reward=score,
-                        policy_version=update - 1,
-                        drafter_version=0,
-                        worker_id="bench",
-                        gen_seconds=0.0,
-                    )
-                )
-                if result.token_ids:
-                    windows.append(hidden_window(result, f"{group.task_id}/{g}", update - 1))
-            groups.append(ReadyGroup(group.task_id, samples, []))
+        groups, results = update_groups(
+            policy, problems, tokenizer, group=args.group, update=update, return_hidden=True
+        )
+        windows = [
+            hidden_window(result, f"u{update}-{i}/{g}", update - 1)
+            for (i, g), result in sorted(results.items())
+            if result.token_ids
+        ]
         metrics = core.step(groups)
         hf.save_pretrained(scratch)
         policy = load_model(scratch)

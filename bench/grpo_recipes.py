@@ -51,16 +51,13 @@ def main() -> None:
     args = parse_args()
     import torch
     import transformers
+    from _grpo import update_groups  # bench/, on the path as the script's directory
     from transformers import AutoModelForCausalLM
 
-    from tlt_stream.messages import PromptGroup
     from tlt_stream.model import load_model
-    from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings, final_norm_gain
-    from tlt_stream.rl.samples import make_sample
-    from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.tasks.evaluate import evaluate
-    from tlt_stream.tasks.repeated_add import RepeatedAddTask, reward
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -69,7 +66,6 @@ def main() -> None:
     if not (world / "policy").is_dir():
         sys.exit(f"{world}: no bootstrapped world (run `tlt-stream bootstrap --out {world}`)")
     tokenizer, task = build_tokenizer(), RepeatedAddTask()
-    eos = tokenizer.eos_token_id
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -89,41 +85,7 @@ def main() -> None:
     started, rewards = time.perf_counter(), []
     for update in range(1, args.updates + 1):
         problems = task.problems(args.prompts, (args.seed + 1) * 7919 + update, heldout=False)
-        engine = GenerationEngine(policy, args.prompts * args.group, policy.spec.max_position_embeddings)
-        for i, problem in enumerate(problems):
-            ids = encode(problem.prompt)
-            for g in range(args.group):
-                seed = update * 10_000 + i * 100 + g
-                engine.add_request(ids, engine.max_len - len(ids), 1.0, seed, [eos], request_id=(i, g))
-        done = {}
-        while engine.has_unfinished:
-            for result in engine.step():
-                done[result.request_id] = result
-        groups = []
-        for i, problem in enumerate(problems):
-            group = PromptGroup(
-                task_id=f"u{update}-{i}",
-                prompt_id=problem.prompt_id,
-                prompt_ids=encode(problem.prompt),
-                answer=problem.answer,
-                group_size=args.group,
-            )
-            samples = []
-            for g in range(args.group):
-                result = done[(i, g)]
-                score = reward(tokenizer.decode(result.token_ids, skip_special_tokens=True), problem.answer)
-                kept = make_sample(
-                    result,
-                    group,
-                    g,
-                    reward=score,
-                    policy_version=update - 1,
-                    drafter_version=0,
-                    worker_id="bench",
-                    gen_seconds=0.0,
-                )
-                samples.append(kept)
-            groups.append(ReadyGroup(group.task_id, samples, []))
+        groups, _ = update_groups(policy, problems, tokenizer, group=args.group, update=update)
         rewards.append(core.step(groups)["reward_mean"])
         hf.save_pretrained(scratch)
         policy = load_model(scratch)
