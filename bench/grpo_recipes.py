@@ -28,11 +28,19 @@ def log(message: str) -> None:
 
 
 def parse_args() -> argparse.Namespace:
+    from tlt_stream.rl.learner import LearnerSettings  # defaults: the learner's own
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--final-norm-lr-scale", type=float, default=50.0)
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--clip-high", type=float, default=LearnerSettings.clip_high)
+    p.add_argument("--max-grad-norm", type=float, default=LearnerSettings.max_grad_norm)
+    p.add_argument("--kl-coef", type=float, default=LearnerSettings.kl_coef)
+    p.add_argument(
+        "--no-scale-advantages", action="store_true", help="centre rewards in the group only (Dr. GRPO)"
+    )
     p.add_argument("--prompts", type=int, default=16, help="prompts per update")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--updates", type=int, default=50)
@@ -71,7 +79,15 @@ def main() -> None:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     hf = AutoModelForCausalLM.from_pretrained(world / "policy")
-    settings = LearnerSettings(lr=args.lr, warmup_steps=args.warmup_steps, final_norm_lr_scale=args.final_norm_lr_scale)
+    settings = LearnerSettings(
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        final_norm_lr_scale=args.final_norm_lr_scale,
+        clip_high=args.clip_high,
+        max_grad_norm=args.max_grad_norm,
+        kl_coef=args.kl_coef,
+        scale_advantages=not args.no_scale_advantages,
+    )
     core = LearnerCore(hf, settings)
     scratch = Path(tempfile.mkdtemp(prefix="grpo-recipes-"))
     hf.save_pretrained(scratch)
@@ -107,6 +123,10 @@ def main() -> None:
                     "lr": args.lr,
                     "final_norm_lr_scale": args.final_norm_lr_scale,
                     "warmup_steps": args.warmup_steps,
+                    "clip_high": args.clip_high,
+                    "max_grad_norm": args.max_grad_norm,
+                    "kl_coef": args.kl_coef,
+                    "scale_advantages": not args.no_scale_advantages,
                     "prompts": args.prompts,
                     "group": args.group,
                 },

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -22,6 +25,35 @@ from tlt_stream.tasks.tokenizer import build_tokenizer
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
 STEPS, PROMPTS, GROUP = 3, 2, 2
+
+
+@dataclass
+class Planes:
+    redis: aioredis.Redis
+    learner: ControlPlane
+    worker: ControlPlane
+    stop: asyncio.Event
+
+
+@contextlib.asynccontextmanager
+async def learner_and_worker_planes(config: Config) -> AsyncIterator[Planes]:
+    """A learner's control plane (owning `policy`) and a rollout worker's, connected; stopped on exit."""
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    planes = Planes(
+        redis,
+        ControlPlane(config, redis, role="learner", owns=["policy"]),
+        ControlPlane(config, redis, role="rollout"),
+        asyncio.Event(),
+    )
+    running = [asyncio.create_task(p.run(planes.stop)) for p in (planes.learner, planes.worker)]
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(planes.learner.connected.wait(), planes.worker.connected.wait())
+        yield planes
+    finally:
+        planes.stop.set()
+        await asyncio.gather(*running)
+        await redis.aclose()
 
 
 async def test_on_policy_loop_trains_every_dispatched_group_once(
@@ -158,52 +190,47 @@ async def test_a_worker_refuses_a_corrupted_policy_and_keeps_generating_with_the
     from tlt_stream.messages import PolicyVersion, WorkerState
 
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    learner_plane = ControlPlane(bus_config, redis, role="learner", owns=["policy"])
-    worker_plane = ControlPlane(bus_config, redis, role="rollout")
-    stop = asyncio.Event()
-    planes = [asyncio.create_task(p.run(stop)) for p in (learner_plane, worker_plane)]
-    settings = RolloutSettings(max_batch=4, max_len=96)
-    worker = RolloutWorker(bus_config, redis, worker_plane, worker_id="w0", reward=reward, settings=settings)
-    running = None
-    try:
-        async with asyncio.timeout(20):
-            await asyncio.gather(learner_plane.connected.wait(), worker_plane.connected.wait())
-        learner = LearnerService(bus_config, redis, learner_plane, run_dir=tmp_path / "run", init_policy=init_policy)
-        good = await learner.start()
-        running = asyncio.create_task(worker.run(stop, max_tasks=1))
-        async with asyncio.timeout(30):
-            while worker.version < 0:  # noqa: ASYNC110 - the worker exposes no event for "loaded"; poll it briefly
-                await asyncio.sleep(0.05)
-        assert await learner_plane.publish(
-            PolicyVersion(version=1, location=good.location, sha256="0" * 64, step=1)  # bytes do not match
-        )
-        async with asyncio.timeout(20):
-            await worker_plane.wait_for("policy", 1)
-        dispatcher = PolicyService(
-            bus_config,
-            redis,
-            learner_plane,
-            RepeatedAddSource(build_tokenizer()),
-            prompts_per_step=1,
-            group_size=2,
-            max_staleness=1,
-        )
-        await dispatcher.dispatch(0)
-        async with asyncio.timeout(60):
-            await running
-        assert worker.version == 0 and worker.refused == {1}
-        timeline = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
-        reasons = [m.reason for m in timeline if isinstance(m, WorkerState)]
-        assert any("refused policy version 1, kept 0" in r and "sha256" in r for r in reasons), reasons
-        samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
-        assert [s.policy_version for s in samples] == [0, 0]
-    finally:
-        stop.set()
-        if running is not None:
-            await asyncio.wait_for(running, timeout=30)
-        await asyncio.gather(*planes)
-        await redis.aclose()
+    async with learner_and_worker_planes(bus_config) as planes:
+        redis, learner_plane, worker_plane, stop = planes.redis, planes.learner, planes.worker, planes.stop
+        settings = RolloutSettings(max_batch=4, max_len=96)
+        worker = RolloutWorker(bus_config, redis, worker_plane, worker_id="w0", reward=reward, settings=settings)
+        running = None
+        try:
+            learner = LearnerService(
+                bus_config, redis, learner_plane, run_dir=tmp_path / "run", init_policy=init_policy
+            )
+            good = await learner.start()
+            running = asyncio.create_task(worker.run(stop, max_tasks=1))
+            async with asyncio.timeout(30):
+                while worker.version < 0:  # noqa: ASYNC110 - the worker exposes no event for "loaded"; poll it briefly
+                    await asyncio.sleep(0.05)
+            assert await learner_plane.publish(
+                PolicyVersion(version=1, location=good.location, sha256="0" * 64, step=1)  # bytes do not match
+            )
+            async with asyncio.timeout(20):
+                await worker_plane.wait_for("policy", 1)
+            dispatcher = PolicyService(
+                bus_config,
+                redis,
+                learner_plane,
+                RepeatedAddSource(build_tokenizer()),
+                prompts_per_step=1,
+                group_size=2,
+                max_staleness=1,
+            )
+            await dispatcher.dispatch(0)
+            async with asyncio.timeout(60):
+                await running
+            assert worker.version == 0 and worker.refused == {1}
+            timeline = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
+            reasons = [m.reason for m in timeline if isinstance(m, WorkerState)]
+            assert any("refused policy version 1, kept 0" in r and "sha256" in r for r in reasons), reasons
+            samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
+            assert [s.policy_version for s in samples] == [0, 0]
+        finally:
+            stop.set()
+            if running is not None:
+                await asyncio.wait_for(running, timeout=30)
 
 
 async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_the_next(
@@ -217,19 +244,6 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
     from tlt_stream.messages import PolicyVersion
     from tlt_stream.rl.checkpoint import policy_sha256
 
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    learner_plane = ControlPlane(bus_config, redis, role="learner", owns=["policy"])
-    worker_plane = ControlPlane(bus_config, redis, role="rollout")
-    stop = asyncio.Event()
-    planes = [asyncio.create_task(p.run(stop)) for p in (learner_plane, worker_plane)]
-    worker = RolloutWorker(
-        bus_config,
-        redis,
-        worker_plane,
-        worker_id="w0",
-        reward=reward,
-        settings=RolloutSettings(max_batch=2, max_len=64),
-    )
     copies = {v: shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1, 2)}
     real_verify = rollout_service.verify_policy
 
@@ -239,22 +253,20 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
             shutil.rmtree(location)
 
     monkeypatch.setattr(rollout_service, "verify_policy", verify_then_prune)
-    try:
-        async with asyncio.timeout(20):
-            await asyncio.gather(learner_plane.connected.wait(), worker_plane.connected.wait())
+    async with learner_and_worker_planes(bus_config) as planes:
+        settings = RolloutSettings(max_batch=2, max_len=64)
+        worker = RolloutWorker(
+            bus_config, planes.redis, planes.worker, worker_id="w0", reward=reward, settings=settings
+        )
         for version in (0, 1, 2):
             path = copies[version]
-            await learner_plane.publish(PolicyVersion(version=version, location=str(path), sha256=policy_sha256(path)))
+            await planes.learner.publish(PolicyVersion(version=version, location=str(path), sha256=policy_sha256(path)))
             async with asyncio.timeout(20):
-                await worker_plane.wait_for("policy", version)
+                await planes.worker.wait_for("policy", version)
             await worker._maybe_load()
             if version == 1:
                 assert worker.version == 0 and worker.refused == {1}, "kept the version it had"
         assert worker.version == 2 and worker.refused == {1}
-    finally:
-        stop.set()
-        await asyncio.gather(*planes)
-        await redis.aclose()
 
 
 async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
@@ -263,36 +275,26 @@ async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
     """Waiting on `prompts` with nothing to generate is idle time (what drafter training runs in and the
     state timeline shows), also while the blocking read is in progress: here a read blocks for a minute."""
     config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, block_ms=60_000))
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    learner_plane = ControlPlane(config, redis, role="learner", owns=["policy"])
-    worker_plane = ControlPlane(config, redis, role="rollout")
-    stop = asyncio.Event()
-    planes = [asyncio.create_task(p.run(stop)) for p in (learner_plane, worker_plane)]
-    settings = RolloutSettings(max_batch=4, max_len=96)
-    worker = RolloutWorker(config, redis, worker_plane, worker_id="w0", reward=reward, settings=settings)
-    running = None
-    try:
-        async with asyncio.timeout(20):
-            await asyncio.gather(learner_plane.connected.wait(), worker_plane.connected.wait())
-        learner = LearnerService(config, redis, learner_plane, run_dir=tmp_path / "run", init_policy=init_policy)
+    async with learner_and_worker_planes(config) as planes:
+        redis = planes.redis
+        settings = RolloutSettings(max_batch=4, max_len=96)
+        worker = RolloutWorker(config, redis, planes.worker, worker_id="w0", reward=reward, settings=settings)
+        learner = LearnerService(config, redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy)
         await learner.start()
-        running = asyncio.create_task(worker.run(stop))
-        dispatcher = PolicyService(
-            config, redis, learner_plane, RepeatedAddSource(build_tokenizer()), prompts_per_step=1, group_size=2
-        )
-        await dispatcher.dispatch(0)
-        async with asyncio.timeout(30):
-            while worker.tasks_done < 1:
-                assert not running.done(), running.exception()
-                await asyncio.sleep(0.05)
-        async with asyncio.timeout(30):  # half the read's block: a worker that waits as GENERATING fails here
-            while worker.registry.state != WorkerStatus.IDLE:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        assert not running.done()
-    finally:
-        stop.set()
-        if running is not None:
+        running = asyncio.create_task(worker.run(planes.stop))
+        try:
+            dispatcher = PolicyService(
+                config, redis, planes.learner, RepeatedAddSource(build_tokenizer()), prompts_per_step=1, group_size=2
+            )
+            await dispatcher.dispatch(0)
+            async with asyncio.timeout(30):
+                while worker.tasks_done < 1:
+                    assert not running.done(), running.exception()
+                    await asyncio.sleep(0.05)
+            async with asyncio.timeout(30):  # half the read's block: a worker that waits as GENERATING fails here
+                while worker.registry.state != WorkerStatus.IDLE:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert not running.done()
+        finally:
             running.cancel()  # blocked in a one-minute read: nothing in flight to finish
             await asyncio.gather(running, return_exceptions=True)
-        await asyncio.gather(*planes)
-        await redis.aclose()

@@ -218,9 +218,11 @@ class RolloutWorker:
                     # we hold wait for the next policy version. Idle time: train the drafter if we may.
                     if self.registry.state not in (WorkerStatus.IDLE, WorkerStatus.TRAINING_DRAFTER):
                         await self.registry.set_state(WorkerStatus.IDLE)
-                    if self.idle_trainer is not None and self._loadable_policy() is None:
+                    if self._loadable_policy() is not None:
+                        continue  # a new version to load first (at the top of the loop)
+                    if self.idle_trainer is not None:
                         await self._train_while_idle(stop)
-                    elif self._loadable_policy() is None:
+                    else:
                         await self._wait_for_work()
         finally:
             await self.registry.set_state(WorkerStatus.STOPPED)
