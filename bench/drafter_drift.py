@@ -196,10 +196,18 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
         rows.append(row)
         log(f"update {update}: {row}")
     first, last = rows[0], rows[-1]
+    k = min(5, len(rows))  # one update's figure moves by ~0.1 with the 24 prompts' sampled responses
+
+    def mean(key: str, part: list[dict[str, Any]]) -> float:
+        return round(statistics.fmean(r[key] for r in part), 3)
+
     return {
         "updates": rows,
         "seconds": round(time.perf_counter() - started, 1),
         "static_change": round(last["static"] - first["static"], 3),
+        "static_first_last_mean": [mean("static", rows[:k]), mean("static", rows[-k:])],
+        "online_first_last_mean": [mean("online", rows[:k]), mean("online", rows[-k:])],
+        "static_over_oracle_first_last": [round(r["static"] / r["oracle"], 3) for r in (first, last)],
         "online_minus_static_last": round(last["online"] - last["static"], 3),
         "online_over_oracle_min": min(r["online_over_oracle"] for r in rows if "online_over_oracle" in r),
     }
@@ -290,8 +298,10 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     import torch
+    import transformers
 
     torch.set_num_threads(2)
+    transformers.utils.logging.disable_progress_bar()  # a checkpoint is saved and loaded every update
     world = Path(args.world)
     if not (world / "drafter").is_dir():
         sys.exit(f"{world}: no bootstrapped world (run `tlt-stream bootstrap --out {world}`)")

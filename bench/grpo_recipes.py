@@ -38,9 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clip-high", type=float, default=LearnerSettings.clip_high)
     p.add_argument("--max-grad-norm", type=float, default=LearnerSettings.max_grad_norm)
     p.add_argument("--kl-coef", type=float, default=LearnerSettings.kl_coef)
-    p.add_argument(
-        "--no-scale-advantages", action="store_true", help="centre rewards in the group only (Dr. GRPO)"
-    )
+    p.add_argument("--no-scale-advantages", action="store_true", help="centre rewards in the group only (Dr. GRPO)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per update")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--updates", type=int, default=50)

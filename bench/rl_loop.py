@@ -1,5 +1,6 @@
 """The RL loop over the streams, measured: per-step time breakdown on- and off-policy, and how much the
-policy learns in a fixed wall-clock budget.
+policy learns in a fixed number of steps (160: about 15 minutes on 2 cores). Runs are reproducible: two runs
+with the same seed produced bit-identical rewards and losses at every step.
 
 Every figure comes from a real run: the policy service, rollout worker(s) and learner as separate processes
 (`tlt_stream.launch`, the same path as `tlt-stream run`), every sample through Redis, every policy version
@@ -7,9 +8,9 @@ through MQTT. Per-step figures are what the learner wrote to `metrics.jsonl` (ro
 from the samples' own timestamps, learn/checkpoint/wait times from the learner); step wall time is the gap
 between consecutive policy versions. Medians over the steps after the first (which includes start-up).
 
-    python bench/rl_loop.py --quick          # < 2 minutes: 4 steps each at max_staleness 0 and 1
-    python bench/rl_loop.py                  # breakdown (12 steps each) + the 15-minute learning run
-    python bench/rl_loop.py --skip-breakdown --learn-minutes 15
+    python bench/rl_loop.py --quick          # < 2 minutes: 4 steps each at max_staleness 0 and 1, 10 learning steps
+    python bench/rl_loop.py                  # breakdown (12 steps each) + the 160-step learning run
+    python bench/rl_loop.py --skip-breakdown --learn-steps 160
 
 Prints one JSON object; run directories (with reward curves) stay under --out.
 """
@@ -43,7 +44,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--final-norm-lr-scale", type=float, default=None, help="learner final-norm lr scale (default: run's)"
     )
-    p.add_argument("--learn-minutes", type=float, default=15.0, help="wall budget of the learning run (0: skip)")
+    p.add_argument("--learn-steps", type=int, default=160, help="policy updates of the learning run (0: skip)")
+    p.add_argument(
+        "--learn-minutes", type=float, default=25.0, help="wall-clock cap of the learning run (stops it early)"
+    )
     p.add_argument("--learn-staleness", type=int, default=0)
     p.add_argument("--eval", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--skip-breakdown", action="store_true")
@@ -164,14 +168,15 @@ def main() -> None:
         on, off = (result["breakdown"][f"max_staleness_{k}"]["step_wall_s"] for k in (0, 1))
         result["breakdown"]["step_time_ratio_staleness1_over_0"] = round(off / on, 3)
 
-    minutes = 1.0 if args.quick and args.learn_minutes == 15.0 else args.learn_minutes
-    if minutes > 0:
+    learn_steps = min(args.learn_steps, 10) if args.quick else args.learn_steps
+    minutes = args.learn_minutes
+    if learn_steps > 0:
         run_dir = out / "learn"
         n = 64 if args.quick else args.eval
         plan = RunPlan(
             world=world,
             run_dir=run_dir,
-            steps=100_000,
+            steps=learn_steps,
             prompts_per_step=args.prompts_per_step,
             group_size=args.group_size,
             max_staleness=args.learn_staleness,
@@ -180,7 +185,7 @@ def main() -> None:
             **extra,
         )
         before = evaluate_version(run_dir, 0, world / "policy", n=n, seed=args.seed + 1, threads=cores)
-        log(f"learning run for {minutes:g} min -> {run_dir} (held-out accuracy before: {before['accuracy']:.3f})")
+        log(f"learning run, {learn_steps} steps -> {run_dir} (held-out accuracy before: {before['accuracy']:.3f})")
         code, seconds = asyncio.run(one_run(plan, named("learn"), budget_s=minutes * 60))
         final = latest_checkpoint(run_dir / "checkpoints")
         assert final is not None
@@ -188,7 +193,8 @@ def main() -> None:
         rows = load_metrics(run_dir)
         page = write_report(run_dir)
         result["learning"] = {
-            "budget_minutes": minutes,
+            "planned_steps": learn_steps,
+            "cap_minutes": minutes,
             "wall_s": round(seconds, 1),
             "steps": final.step,
             "lr": plan.lr,
