@@ -66,8 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--slice-steps", type=int, default=20, help="online drafter steps after each update")
-    p.add_argument("--online-lr", type=float, default=3e-4, help="the online drafter's peak learning rate")
-    p.add_argument("--online-warmup", type=int, default=10, help="the online drafter's warmup steps")
+    p.add_argument("--online-lr", type=float, default=None, help="the online drafter's lr (default: the worker's)")
+    p.add_argument("--online-warmup", type=int, default=None, help="its warmup steps (default: the worker's)")
     p.add_argument(
         "--oracle-steps", type=int, default=1600, help="the oracle's training (400 was far from converged: 3.8 vs 4.45)"
     )
@@ -164,7 +164,11 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
         online_drafter,
         buffer,
         OnlineTrainingConfig(
-            schedule=LrSchedule(base_lr=args.online_lr, warmup_steps=args.online_warmup), batch_pairs=1024
+            schedule=LrSchedule(
+                base_lr=LrSchedule.base_lr if args.online_lr is None else args.online_lr,
+                warmup_steps=LrSchedule.warmup_steps if args.online_warmup is None else args.online_warmup,
+            ),
+            batch_pairs=1024,
         ),
         policy_version=0,
     )
