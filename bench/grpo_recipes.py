@@ -73,9 +73,6 @@ def main() -> None:
         sys.exit(f"{world}: no bootstrapped world (run `tlt-stream bootstrap --out {world}`)")
     tokenizer, task = build_tokenizer(), RepeatedAddTask()
 
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
     hf = AutoModelForCausalLM.from_pretrained(world / "policy")
     settings = LearnerSettings(
         lr=args.lr,

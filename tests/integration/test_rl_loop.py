@@ -265,8 +265,42 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
                 await planes.worker.wait_for("policy", version)
             await worker._maybe_load()
             if version == 1:
-                assert worker.version == 0 and worker.refused == {1}, "kept the version it had"
-        assert worker.version == 2 and worker.refused == {1}
+                assert worker.version == 0, "kept the version it had"
+                assert worker.unavailable is not None and worker.unavailable[0] == 1 and not worker.refused
+        assert worker.version == 2 and not worker.refused and worker.unavailable is None
+
+
+async def test_a_policy_version_unreadable_for_a_while_is_loaded_once_it_is_back(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A checkpoint whose storage is away when the worker tries it (the newest version, which on-policy tasks
+    need) is tried again after a backoff, not refused for good: refusing it would stall the run."""
+    import shutil
+
+    from tlt_stream.messages import PolicyVersion
+    from tlt_stream.rl.checkpoint import policy_sha256
+
+    v0, v1 = (shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1))
+    sha1 = policy_sha256(v1)
+    away = v1.rename(tmp_path / "v1.away")
+    async with learner_and_worker_planes(bus_config) as planes:
+        settings = RolloutSettings(max_batch=2, max_len=64)
+        worker = RolloutWorker(
+            bus_config, planes.redis, planes.worker, worker_id="w0", reward=reward, settings=settings
+        )
+        for version, path, sha in ((0, v0, policy_sha256(v0)), (1, v1, sha1)):
+            await planes.learner.publish(PolicyVersion(version=version, location=str(path), sha256=sha))
+            async with asyncio.timeout(20):
+                await planes.worker.wait_for("policy", version)
+            await worker._maybe_load()
+        assert worker.version == 0 and not worker.refused
+        assert worker.unavailable is not None and worker.unavailable[0] == 1
+        assert worker._awaiting_retry() and worker._loadable_policy() is None, "backing off, not retrying at once"
+        away.rename(v1)
+        async with asyncio.timeout(20):
+            await worker._wait_to_retry(asyncio.Event())  # returns at the next try's time
+        await worker._maybe_load()
+        assert worker.version == 1 and worker.unavailable is None and not worker.refused
 
 
 async def test_a_worker_waiting_for_prompts_says_idle_not_generating(

@@ -152,6 +152,9 @@ class RolloutWorker:
         self.tokenizer: Any = None
         self.policy: PolicyVersion | None = None
         self.refused: set[int] = set()
+        self.unavailable: tuple[int, float, int] | None = None
+        """(version, monotonic time of the next try, tries so far) of an announced policy whose checkpoint
+        was not there when we tried to load it: tried again after a backoff unless a newer one comes first."""
         self.tasks: dict[str, _Task] = {}
         self.waiting: list[Delivery[PromptGroup]] = []
         self.samples_sent = 0
@@ -220,6 +223,9 @@ class RolloutWorker:
                         await self.registry.set_state(WorkerStatus.IDLE)
                     if self._loadable_policy() is not None:
                         continue  # a new version to load first (at the top of the loop)
+                    if self._awaiting_retry():
+                        await self._wait_to_retry(stop)
+                        continue
                     if self.idle_trainer is not None:
                         await self._train_while_idle(stop)
                     else:
@@ -293,8 +299,22 @@ class RolloutWorker:
         try:
             await asyncio.to_thread(self._load, announced)
         except (ChecksumMismatch, CheckpointError, OSError) as exc:
-            # A checkpoint can vanish while we load it (the learner prunes old versions and a slow worker
-            # may still be reading one): refused like a corrupt one, and a newer version is announced.
+            there = await asyncio.to_thread(Path(announced.location).is_dir)
+            if not isinstance(exc, ChecksumMismatch) and not there:
+                # Not there now: pruned by the learner for a newer version (which is announced next), or its
+                # storage away for a while. Refusing it for good would stall an on-policy run whose tasks
+                # need exactly this version, so try it again after a backoff unless a newer one comes first.
+                tries = self.unavailable[2] if self.unavailable and self.unavailable[0] == announced.version else 0
+                delay = min(10.0, 0.5 * 2**tries)
+                self.unavailable = (announced.version, time.monotonic() + delay, tries + 1)
+                log.warning("policy version %d unreadable (%s); trying again in %.1f s", announced.version, exc, delay)
+                self.registry.update_info(unreadable_policy=f"{announced.version}: {exc}")
+                if self.policy is not None:
+                    await self.registry.set_state(
+                        WorkerStatus.IDLE, f"policy version {announced.version} unreadable, kept {self.version}: {exc}"
+                    )
+                return
+            # Corrupt (its bytes do not match the announced sha256) or unusable: refused for good.
             self.refused.add(announced.version)
             log.error("refused policy version %d: %s", announced.version, exc)
             self.registry.update_info(refused_policy=f"{announced.version}: {exc}")
@@ -303,6 +323,7 @@ class RolloutWorker:
                     WorkerStatus.IDLE, f"refused policy version {announced.version}, kept {self.version}: {exc}"
                 )
             return
+        self.unavailable = None
         self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
 
@@ -367,7 +388,37 @@ class RolloutWorker:
         announced = self.control.current.get("policy")
         if not isinstance(announced, PolicyVersion) or announced.version <= self.version:
             return None
-        return None if announced.version in self.refused else announced
+        if announced.version in self.refused:
+            return None
+        if self.unavailable is not None and self.unavailable[0] == announced.version:
+            return announced if time.monotonic() >= self.unavailable[1] else None
+        return announced
+
+    def _awaiting_retry(self) -> bool:
+        """Whether the newest announced policy is one we could not read and will try again."""
+        announced = self.control.current.get("policy")
+        return (
+            self.unavailable is not None
+            and isinstance(announced, PolicyVersion)
+            and announced.version == self.unavailable[0] > self.version
+        )
+
+    async def _wait_to_retry(self, stop: asyncio.Event) -> None:
+        """Until the unreadable version's next try, a newer announcement, or `stop`."""
+        assert self.unavailable is not None
+        version, retry_at, _ = self.unavailable
+        waits = [
+            asyncio.ensure_future(self.control.wait_for("policy", version + 1)),
+            asyncio.ensure_future(stop.wait()),
+        ]
+        try:
+            await asyncio.wait(
+                waits, timeout=max(0.0, retry_at - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def _room(self) -> int:
         """How many tasks to read now: as many as fit at once (admitting one per engine hop would fill the
