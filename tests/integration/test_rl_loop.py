@@ -332,3 +332,36 @@ async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
         finally:
             running.cancel()  # blocked in a one-minute read: nothing in flight to finish
             await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_dispatch_interrupted_while_watching_the_cursor_is_retried_once(
+    bus_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py reports a connection lost during WATCH as a WatchError: the policy service must try the
+    step's transaction again (it wrote nothing), not die, and the step must reach `prompts` once."""
+    from redis.asyncio.client import Pipeline
+    from redis.exceptions import WatchError
+
+    real_execute, calls = Pipeline.execute, []
+
+    async def interrupted_once(self: Pipeline, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            await self.reset()
+            raise WatchError("A ConnectionError occurred while watching one or more keys")
+        return await real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "execute", interrupted_once)
+    async with learner_and_worker_planes(bus_config) as planes:
+        dispatcher = PolicyService(
+            bus_config,
+            planes.redis,
+            planes.learner,
+            RepeatedAddSource(build_tokenizer()),
+            prompts_per_step=2,
+            group_size=2,
+        )
+        ids = await dispatcher.dispatch(0)
+        assert len(calls) == 2 and len(ids) == 2
+        assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 2
+        assert await dispatcher.next_step() == 1
