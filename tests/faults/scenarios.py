@@ -101,13 +101,29 @@ async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> f
     read-only mode would not stop it): every save fails with an OSError until the directory is back."""
     checkpoints = run.plan.run_dir / "checkpoints"
     held = checkpoints.with_name("checkpoints.held")
-    checkpoints.rename(held)
-    checkpoints.write_text("not a directory\n")
-    deadline = time.monotonic() + 60
-    while "checkpoint of version" not in run.log_tail("learner", 400):  # the next save has failed, and says so
-        assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
-        assert time.monotonic() < deadline, "the learner never tried to save:\n" + run.log_tail("learner", 80)
-        await asyncio.sleep(0.1)
+    logs = [run.plan.run_dir / "logs" / f"{name}.log" for name in run.commands if name not in ("learner", "policy")]
+
+    def unreadable() -> int:  # the workers' "policy version N unreadable ... trying again" lines so far
+        return sum(path.read_text(errors="replace").count("unreadable") for path in logs if path.exists())
+
+    deadline = time.monotonic() + 90
+    while True:
+        before = unreadable()
+        checkpoints.rename(held)
+        checkpoints.write_text("not a directory\n")
+        while "checkpoint of version" not in run.log_tail("learner", 400):  # the next save failed, and said so
+            assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
+            assert time.monotonic() < deadline, "the learner never tried to save:\n" + run.log_tail("learner", 80)
+            if unreadable() > before:
+                break  # a worker had not loaded the newest version yet: no samples, so no save to fail
+            await asyncio.sleep(0.1)
+        else:
+            break
+        # Bring it back (the worker loads it at its next try, which is what a transient outage should
+        # cost) and inject the fault again once the run has moved on.
+        checkpoints.unlink()
+        held.rename(checkpoints)
+        await asyncio.sleep(2.0)
     at = run.version()
     await asyncio.sleep(6.0)  # retrying all along, publishing nothing
     assert run.version() == at, "an update was recorded while no checkpoint could be written"
