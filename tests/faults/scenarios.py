@@ -123,7 +123,7 @@ async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> f
         # cost) and inject the fault again once the run has moved on.
         checkpoints.unlink()
         held.rename(checkpoints)
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(0.5)
     at = run.version()
     await asyncio.sleep(6.0)  # retrying all along, publishing nothing
     assert run.version() == at, "an update was recorded while no checkpoint could be written"
@@ -158,6 +158,7 @@ SCENARIOS = [
         "checkpoint_unwritable",
         "the learner's checkpoint directory unwritable until a save has failed, then 6 s more",
         checkpoint_dir_unwritable,
+        {"steps": 12},  # room for a second injection when the first lands before a worker loaded its version
     ),
 ]
 
