@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
+from tlt_stream.aio import retry
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 WATCH_ATTEMPTS = 30
-"""Tries of one step's dispatch transaction (about a minute of backoff: a Redis restart takes seconds)."""
+"""Tries of one step's dispatch transaction (jittered backoff capped at 4 s: about a minute in all, and a
+Redis restart takes seconds)."""
 
 
 class TaskSource(Protocol):
@@ -107,29 +109,25 @@ class PolicyService:
             for i, (prompt_id, text, prompt_ids, answer) in enumerate(self.source.prompts(step, self.prompts_per_step))
         ]
         key = self.keys.stream("prompts")
-        for attempt in range(1, WATCH_ATTEMPTS + 1):
-            try:
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    await pipe.watch(self.cursor_key)
-                    current = await pipe.hget(self.cursor_key, "next_step")
-                    if (int(current) if current is not None else 0) != step:
-                        raise RuntimeError(
-                            f"dispatch of step {step} raced another policy service (cursor at {current})"
-                        )
-                    pipe.multi()
-                    for task in tasks:
-                        pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(task)})
-                    pipe.hset(self.cursor_key, "next_step", step + 1)
-                    replies = await pipe.execute()
-                break
-            except WatchError:
-                # The cursor changed, or the connection dropped while watching it (redis-py reports a Redis
-                # restart there as a WatchError, not a ConnectionError): nothing was written, so read the
-                # cursor again; a real race then fails the check above.
-                if attempt == WATCH_ATTEMPTS:
-                    raise
-                log.warning("dispatch of step %d: transaction interrupted (attempt %d); retrying", step, attempt)
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+
+        async def transaction() -> list[Any]:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(self.cursor_key)
+                current = await pipe.hget(self.cursor_key, "next_step")
+                if (int(current) if current is not None else 0) != step:
+                    raise RuntimeError(f"dispatch of step {step} raced another policy service (cursor at {current})")
+                pipe.multi()
+                for task in tasks:
+                    pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(task)})
+                pipe.hset(self.cursor_key, "next_step", step + 1)
+                return await pipe.execute()
+
+        # A WatchError: the cursor changed, or the connection dropped while watching it (redis-py reports a
+        # Redis restart there as a WatchError, not a ConnectionError). Nothing was written, so read the
+        # cursor again; a real race then fails the check above.
+        replies = await retry(
+            transaction, retry_on=(WatchError,), what=f"dispatch of step {step}", max_attempts=WATCH_ATTEMPTS, cap=4.0
+        )
         log.info("dispatched step %d: %d tasks x %d samples", step, len(tasks), self.group_size)
         return [r.decode() if isinstance(r, bytes) else r for r in replies[: len(tasks)]]
 

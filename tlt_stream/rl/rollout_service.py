@@ -299,8 +299,7 @@ class RolloutWorker:
         try:
             await asyncio.to_thread(self._load, announced)
         except (ChecksumMismatch, CheckpointError, OSError) as exc:
-            there = await asyncio.to_thread(Path(announced.location).is_dir)
-            if not isinstance(exc, ChecksumMismatch) and not there:
+            if not isinstance(exc, ChecksumMismatch) and not await asyncio.to_thread(Path(announced.location).is_dir):
                 # Not there now: pruned by the learner for a newer version (which is announced next), or its
                 # storage away for a while. Refusing it for good would stall an on-policy run whose tasks
                 # need exactly this version, so try it again after a backoff unless a newer one comes first.
