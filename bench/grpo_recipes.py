@@ -28,12 +28,13 @@ def log(message: str) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    from tlt_stream.rl.learner import LearnerSettings  # defaults: the learner's own
+    from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE, TINY_WORLD_LR  # defaults: `tlt-stream run`'s
+    from tlt_stream.rl.learner import LearnerSettings  # the rest: the learner's own
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--final-norm-lr-scale", type=float, default=50.0)
+    p.add_argument("--lr", type=float, default=TINY_WORLD_LR)
+    p.add_argument("--final-norm-lr-scale", type=float, default=TINY_WORLD_FINAL_NORM_LR_SCALE)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--clip-high", type=float, default=LearnerSettings.clip_high)
     p.add_argument("--max-grad-norm", type=float, default=LearnerSettings.max_grad_norm)
