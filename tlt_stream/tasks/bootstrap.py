@@ -7,7 +7,8 @@
    prompts with the rollout engine, take the target's hidden states over prompt + response, train with
    the unrolled EAGLE loss, save to `DIR/drafter`.
 Everything is seeded and deterministic for a seed and thread count. `DIR/bootstrap.json` records what was
-built; a second call with the same settings finds it and does nothing.
+built; a second call with the same settings finds it and does nothing, and one whose settings differ only in
+the drafter's keeps the policy and retrains the drafter.
 """
 
 from __future__ import annotations
@@ -226,6 +227,18 @@ def train_drafter(
     return {k: v for k, v in stats.items() if k.startswith(("loss", "top1"))}
 
 
+_DRAFTER_ONLY = ("drafter_samples", "drafter_steps", "drafter_lr")
+"""Settings that shape only the drafter (`max_len` also sets the policy's position limit)."""
+
+
+def _same_policy(found: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether the world `found` recorded has the policy `wanted` would train (it differs at most in the drafter)."""
+    if any(found.get(k) != wanted[k] for k in ("version", "seed", "size")) or "policy" not in found:
+        return False
+    old, new = found.get("settings") or {}, wanted["settings"]
+    return all(old.get(k) == v for k, v in new.items() if k not in _DRAFTER_ONLY)
+
+
 def bootstrap(out: str | Path, *, seed: int = 0, size: str = "default", progress: Progress = _silent) -> dict:
     """Build (or find) the tiny world in `out`; returns what `out/bootstrap.json` records."""
     if size not in SIZES:
@@ -234,19 +247,20 @@ def bootstrap(out: str | Path, *, seed: int = 0, size: str = "default", progress
     settings = SIZES[size]
     wanted = {"version": BOOTSTRAP_VERSION, "seed": seed, "size": size, "settings": asdict(settings)}
     marker = out / "bootstrap.json"
-    if marker.is_file():
-        found = json.loads(marker.read_text())
-        if (
-            all(found.get(k) == v for k, v in wanted.items())
-            and (out / "policy").is_dir()
-            and (out / "drafter").is_dir()
-        ):
-            return found
+    found: dict[str, Any] = json.loads(marker.read_text()) if marker.is_file() else {}
+    same_policy = (out / "policy").is_dir() and _same_policy(found, wanted)
+    if same_policy and found.get("settings") == wanted["settings"] and (out / "drafter").is_dir():
+        return found
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     record: dict[str, Any] = dict(wanted)
-    record["policy"] = train_policy(settings, seed, out / "policy", progress)
-    record["policy_seconds"] = round(time.perf_counter() - started, 1)
+    if same_policy:  # only the drafter's settings changed: its minutes are all that need redoing
+        record["policy"], record["policy_seconds"] = found["policy"], found.get("policy_seconds")
+        record["policy_kept"] = True
+    else:
+        marker.unlink(missing_ok=True)  # it describes a policy about to be replaced
+        record["policy"] = train_policy(settings, seed, out / "policy", progress)
+        record["policy_seconds"] = round(time.perf_counter() - started, 1)
     windows = drafter_windows(out / "policy", settings, seed, progress)
     record["drafter"] = train_drafter(out / "policy", windows, settings, seed, out / "drafter", progress)
     record["seconds"] = round(time.perf_counter() - started, 1)
