@@ -132,8 +132,9 @@ def run_tlt(
 
 def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) -> dict[str, Any]:
     """TRL's GRPOTrainer with the settings `tlt-stream run` uses: 16 prompts x 8 samples per update, one
-    update per generation batch, lr 2e-4 with 20 warmup steps, clip 0.2 / 0.28, no KL, token-level loss
-    (DAPO), group-normalised advantages, temperature 1, the same prompts in the same order."""
+    update per generation batch, `tlt-stream run`'s lr with 20 warmup steps (TRL has no final-norm lr scale:
+    its norm learns at the base lr), clip 0.2 / 0.28, no KL, token-level loss (DAPO), group-normalised
+    advantages, temperature 1, the same prompts in the same order."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
