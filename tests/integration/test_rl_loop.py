@@ -334,6 +334,53 @@ async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
             await asyncio.gather(running, return_exceptions=True)
 
 
+async def test_a_dispatch_whose_reply_was_lost_after_it_committed_is_not_sent_again(
+    bus_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis killed after it ran the transaction but before its reply arrived: redis-py raises the same
+    WatchError, the retry finds the cursor already past the step, marked by this dispatch, and returns the
+    entries written (the old code took it for another policy service and died; the fault suite caught it)."""
+    from redis.asyncio.client import Pipeline
+    from redis.exceptions import WatchError
+
+    real_execute, calls, written = Pipeline.execute, [], []
+
+    async def reply_lost_once(self: Pipeline, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        replies = await real_execute(self, *args, **kwargs)
+        if len(calls) == 1:
+            written.extend(r.decode() for r in replies[:-1])
+            raise WatchError("A ConnectionError occurred while watching one or more keys")
+        return replies
+
+    monkeypatch.setattr(Pipeline, "execute", reply_lost_once)
+    async with learner_and_worker_planes(bus_config) as planes:
+        dispatcher = PolicyService(
+            bus_config,
+            planes.redis,
+            planes.learner,
+            RepeatedAddSource(build_tokenizer()),
+            prompts_per_step=2,
+            group_size=2,
+        )
+        ids = await dispatcher.dispatch(0)
+        assert len(calls) == 1 and len(written) == 2 and ids == written
+        assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 2  # sent once
+        assert await dispatcher.next_step() == 1
+        await dispatcher.dispatch(1)  # the next step goes out as usual
+        assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 4
+        other = PolicyService(
+            bus_config,
+            planes.redis,
+            planes.learner,
+            RepeatedAddSource(build_tokenizer()),
+            prompts_per_step=2,
+            group_size=2,
+        )
+        with pytest.raises(RuntimeError, match="raced another policy service"):
+            await other.dispatch(1)  # a step someone else sent is still a race
+
+
 async def test_a_dispatch_interrupted_while_watching_the_cursor_is_retried_once(
     bus_config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,27 +110,44 @@ class PolicyService:
             for i, (prompt_id, text, prompt_ids, answer) in enumerate(self.source.prompts(step, self.prompts_per_step))
         ]
         key = self.keys.stream("prompts")
+        token = uuid.uuid4().hex  # this call's mark on the cursor: a retry can tell its own commit from a race
 
         async def transaction() -> list[Any]:
             async with self.redis.pipeline(transaction=True) as pipe:
                 await pipe.watch(self.cursor_key)
-                current = await pipe.hget(self.cursor_key, "next_step")
-                if (int(current) if current is not None else 0) != step:
-                    raise RuntimeError(f"dispatch of step {step} raced another policy service (cursor at {current})")
+                current, owner = await pipe.hmget(self.cursor_key, ["next_step", "dispatched_by"])
+                at = int(current) if current is not None else 0
+                if at == step + 1 and owner is not None and owner.decode() == token:
+                    return await self._committed_ids(key, tasks)  # an earlier try committed; its reply was lost
+                if at != step:
+                    raise RuntimeError(f"dispatch of step {step} raced another policy service (cursor at {at})")
                 pipe.multi()
                 for task in tasks:
                     pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(task)})
-                pipe.hset(self.cursor_key, "next_step", step + 1)
-                return await pipe.execute()
+                pipe.hset(self.cursor_key, mapping={"next_step": step + 1, "dispatched_by": token})
+                return (await pipe.execute())[: len(tasks)]
 
-        # A WatchError: the cursor changed, or the connection dropped while watching it (redis-py reports a
-        # Redis restart there as a WatchError, not a ConnectionError). Nothing was written, so read the
-        # cursor again; a real race then fails the check above.
+        # A WatchError: the cursor changed, or the connection dropped while the cursor was watched (redis-py
+        # reports a Redis restart there as a WatchError, not a ConnectionError), which may be before EXEC
+        # (nothing written) or after it (committed, reply lost). Read the cursor again: our own token on it
+        # means the step is out, a step still to send is sent, and anything else is a real race.
         replies = await retry(
             transaction, retry_on=(WatchError,), what=f"dispatch of step {step}", max_attempts=WATCH_ATTEMPTS, cap=4.0
         )
         log.info("dispatched step %d: %d tasks x %d samples", step, len(tasks), self.group_size)
-        return [r.decode() if isinstance(r, bytes) else r for r in replies[: len(tasks)]]
+        return [r.decode() if isinstance(r, bytes) else r for r in replies]
+
+    async def _committed_ids(self, key: str, tasks: list[PromptGroup]) -> list[Any]:
+        """The entry ids of `tasks`, already in `prompts` (the newest entries: only this service adds there)."""
+        wanted = {task.task_id: i for i, task in enumerate(tasks)}
+        ids: list[Any] = [None] * len(tasks)
+        for entry_id, fields in await self.redis.xrevrange(key, count=len(tasks)):
+            task = self.codec.decode(fields[PAYLOAD_FIELD])
+            if task.task_id in wanted:
+                ids[wanted[task.task_id]] = entry_id
+        if any(i is None for i in ids):
+            raise RuntimeError(f"the cursor says step {tasks[0].step} was dispatched but its tasks are not in {key}")
+        return ids
 
     async def run(self, stop: asyncio.Event) -> None:
         """Dispatch each step as soon as the window allows, until `stop` or `total_steps` are dispatched."""
