@@ -56,6 +56,18 @@ async def learner_and_worker_planes(config: Config) -> AsyncIterator[Planes]:
         await redis.aclose()
 
 
+def policy_service(config: Config, planes: Planes, prompts_per_step: int = 2) -> PolicyService:
+    """A policy service on the learner's plane, `prompts_per_step` groups of 2 a step."""
+    return PolicyService(
+        config,
+        planes.redis,
+        planes.learner,
+        RepeatedAddSource(build_tokenizer()),
+        prompts_per_step=prompts_per_step,
+        group_size=2,
+    )
+
+
 async def test_on_policy_loop_trains_every_dispatched_group_once(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
@@ -317,10 +329,7 @@ async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
         await learner.start()
         running = asyncio.create_task(worker.run(planes.stop))
         try:
-            dispatcher = PolicyService(
-                config, redis, planes.learner, RepeatedAddSource(build_tokenizer()), prompts_per_step=1, group_size=2
-            )
-            await dispatcher.dispatch(0)
+            await policy_service(config, planes, prompts_per_step=1).dispatch(0)
             async with asyncio.timeout(30):
                 while worker.tasks_done < 1:
                     assert not running.done(), running.exception()
@@ -355,28 +364,14 @@ async def test_a_dispatch_whose_reply_was_lost_after_it_committed_is_not_sent_ag
 
     monkeypatch.setattr(Pipeline, "execute", reply_lost_once)
     async with learner_and_worker_planes(bus_config) as planes:
-        dispatcher = PolicyService(
-            bus_config,
-            planes.redis,
-            planes.learner,
-            RepeatedAddSource(build_tokenizer()),
-            prompts_per_step=2,
-            group_size=2,
-        )
+        dispatcher = policy_service(bus_config, planes)
         ids = await dispatcher.dispatch(0)
         assert len(calls) == 1 and len(written) == 2 and ids == written
         assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 2  # sent once
         assert await dispatcher.next_step() == 1
         await dispatcher.dispatch(1)  # the next step goes out as usual
         assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 4
-        other = PolicyService(
-            bus_config,
-            planes.redis,
-            planes.learner,
-            RepeatedAddSource(build_tokenizer()),
-            prompts_per_step=2,
-            group_size=2,
-        )
+        other = policy_service(bus_config, planes)
         with pytest.raises(RuntimeError, match="raced another policy service"):
             await other.dispatch(1)  # a step someone else sent is still a race
 
@@ -400,14 +395,7 @@ async def test_a_dispatch_interrupted_while_watching_the_cursor_is_retried_once(
 
     monkeypatch.setattr(Pipeline, "execute", interrupted_once)
     async with learner_and_worker_planes(bus_config) as planes:
-        dispatcher = PolicyService(
-            bus_config,
-            planes.redis,
-            planes.learner,
-            RepeatedAddSource(build_tokenizer()),
-            prompts_per_step=2,
-            group_size=2,
-        )
+        dispatcher = policy_service(bus_config, planes)
         ids = await dispatcher.dispatch(0)
         assert len(calls) == 2 and len(ids) == 2
         assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 2
