@@ -292,8 +292,9 @@ def test_bad_policy_checkpoints_are_refused_in_one_line(
 
 
 def test_control_messages_over_the_size_limit_are_refused_before_decoding() -> None:
-    """A valid policy version padded past `CONTROL_MAX_BYTES` on its topic is ignored (never decoded or
-    adopted); the same message at its normal size is adopted; garbage of any size never raises."""
+    """A valid policy version padded past `CONTROL_MAX_BYTES` on its topic is refused (never decoded); the
+    same message at its normal size parses (adopting it is then the Redis mirror's word: test_control.py);
+    garbage of any size never raises."""
     import aiomqtt
 
     from tlt_stream.bus.control import CONTROL_MAX_BYTES, ControlPlane
@@ -304,15 +305,14 @@ def test_control_messages_over_the_size_limit_are_refused_before_decoding() -> N
     plane = ControlPlane(config, None, role="test")  # type: ignore[arg-type] - Redis is never touched here
     topic = plane.topic("policy")
 
-    def deliver(payload: bytes) -> None:
-        plane._on_mqtt(aiomqtt.Message(topic, payload, qos=1, retain=True, mid=1, properties=None))
+    def deliver(payload: bytes):
+        return plane._parse(aiomqtt.Message(topic, payload, qos=1, retain=True, mid=1, properties=None))
 
     padded = PolicyVersion(version=2, location="/x" + " " * CONTROL_MAX_BYTES, sha256="0" * 64, step=2)
     assert len(CONTROL_CODEC.encode(padded)) > CONTROL_MAX_BYTES
-    deliver(CONTROL_CODEC.encode(padded))
-    assert plane.version("policy") < 2
+    assert deliver(CONTROL_CODEC.encode(padded)) is None
     for garbage in (b"\xff" * 10, b"{}", b"[1,2]", b'{"kind":"policy"}', b"x" * (CONTROL_MAX_BYTES + 1)):
-        deliver(garbage)
-    assert plane.version("policy") < 1
-    deliver(CONTROL_CODEC.encode(PolicyVersion(version=1, location="/ckpt", sha256="0" * 64, step=1)))
-    assert plane.version("policy") == 1
+        assert deliver(garbage) is None
+    genuine = PolicyVersion(version=1, location="/ckpt", sha256="0" * 64, step=1)
+    assert deliver(CONTROL_CODEC.encode(genuine)) == genuine
+    assert plane.version("policy") == -1, "parsing adopts nothing"

@@ -1,10 +1,13 @@
-"""The control plane: retained versions reach late subscribers, versions only move forward, Redis mirrors."""
+"""The control plane: retained versions reach late subscribers, versions only move forward, Redis mirrors, and
+an MQTT message the mirror does not confirm (forged on the broker) changes nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterator
 
 import aiomqtt
 import msgspec
@@ -16,11 +19,19 @@ from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.embedded import EmbeddedServers, free_port
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.messages import CONTROL_CODEC, DrafterVersion, PolicyVersion, SdArmChoice, SdConfigVersion
+from tlt_stream.messages import (
+    CONTROL_CODEC,
+    ControlMessage,
+    DrafterVersion,
+    PolicyVersion,
+    SdArmChoice,
+    SdConfigVersion,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
 SHA = "ab" * 32
+EVIL_SHA = "cd" * 32
 
 
 def policy(version: int) -> PolicyVersion:
@@ -40,6 +51,79 @@ async def running(plane: ControlPlane) -> AsyncIterator[ControlPlane]:
         await asyncio.wait_for(task, timeout=15)
 
 
+@contextlib.asynccontextmanager
+async def raw_client(config: Config) -> AsyncIterator[aiomqtt.Client]:
+    """A plain MQTT client on the broker, bypassing ControlPlane (what a forger or a stray tool would use)."""
+    assert config.bus.mqtt_url is not None
+    async with mqtt_params(config.bus.mqtt_url).client(identifier=f"raw-{uuid.uuid4().hex[:8]}") as raw:
+        yield raw
+
+
+async def forge(config: Config, message: ControlMessage | bytes, *, retain: bool = True) -> None:
+    """Publish straight to the broker on the message's topic (the kind of a raw payload: policy)."""
+    payload = message if isinstance(message, bytes) else CONTROL_CODEC.encode(message)
+    kind = "policy" if isinstance(message, bytes) else message.kind
+    async with raw_client(config) as raw:
+        await raw.publish(f"{config.topic_prefix}{kind}", payload, qos=1, retain=retain)
+
+
+async def retained(config: Config, kind: str, min_version: int = 0) -> ControlMessage:
+    """The first message of `kind` at `min_version` or later that the broker delivers to a fresh subscriber
+    (its retained one, or a later publish): what the broker holds, whatever any ControlPlane believes.
+    Deliveries on other topics are skipped (the embedded broker can hand a new session another one's)."""
+    topic = f"{config.topic_prefix}{kind}"
+    async with raw_client(config) as raw:
+        await raw.subscribe(topic, qos=1)
+        async for delivery in raw.messages:
+            if str(delivery.topic) != topic:
+                continue
+            message = CONTROL_CODEC.decode(delivery.payload)  # type: ignore[arg-type]
+            if message.version >= min_version:
+                return message
+    raise AssertionError("the broker closed the subscription")
+
+
+async def adopted_until(plane: ControlPlane, kind: str, version: int) -> list[ControlMessage]:
+    """Every message of `kind` that `plane` adopts from now until it holds `version` (start it as a task
+    before the updates happen, and bound it)."""
+    adopted: list[ControlMessage] = []
+    async for message in plane.updates():
+        if message.kind == kind:
+            adopted.append(message)
+        if plane.version(kind) >= version:
+            return adopted
+    raise AssertionError("updates() ended")
+
+
+class Recorder(logging.Handler):
+    """Collects the control plane's log records and wakes a waiter when one contains `needle`."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.needle = needle
+        self.records: list[logging.LogRecord] = []
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        if self.needle in record.getMessage():
+            self.seen.set()
+
+
+@contextlib.contextmanager
+def recording(needle: str) -> Iterator[Recorder]:
+    logger = logging.getLogger("tlt_stream.bus.control")
+    recorder = Recorder(needle)
+    level = logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield recorder
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+
+
 async def test_late_subscriber_gets_retained_versions(bus_config: Config) -> None:
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
     async with running(ControlPlane(bus_config, redis, role="policy", owns=["policy", "drafter", "sd_config"])) as pub:
@@ -51,9 +135,13 @@ async def test_late_subscriber_gets_retained_versions(bus_config: Config) -> Non
             SdArmChoice(max_batch=64, depth=0, topk=0, verify=0, enabled=False),
         ]
         assert await pub.publish(SdConfigVersion(version=1, drafter_version=1, table=table))
-    # The publisher is gone; a worker joining now still learns the current state from the broker.
+    # The publisher is gone; the broker still holds the current state, exactly as the mirror does.
+    mirror = await read_mirror(redis, Keys(bus_config.run))
+    async with asyncio.timeout(10):
+        for kind in ("policy", "drafter", "sd_config"):
+            assert await retained(bus_config, kind) == mirror[kind]
+    # A worker joining now learns it (each retained message is a notification the mirror confirms).
     late_redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    await late_redis.delete(Keys(bus_config.run).versions)  # prove it came over MQTT, not the mirror
     async with running(ControlPlane(bus_config, late_redis, role="worker")) as late:
         async with asyncio.timeout(10):
             await late.wait_for("policy", 2)
@@ -62,6 +150,7 @@ async def test_late_subscriber_gets_retained_versions(bus_config: Config) -> Non
         assert late.current["policy"].location == "/ckpt/policy-2"
         assert late.current["drafter"].policy_version == 2
         assert sd.table == table
+        assert late.counters() == {"ignored": late.ignored, "forged": 0}
     await redis.aclose()
     await late_redis.aclose()
 
@@ -81,8 +170,7 @@ async def test_versions_only_move_forward(bus_config: Config) -> None:
         assert not await pub.publish(policy(3)), "a duplicate version is refused"
         assert not await pub.publish(policy(2)), "an older version is refused"
         # A stray older retained message sent straight to the broker is ignored by subscribers.
-        params = mqtt_params(bus_config.bus.mqtt_url)
-        async with aiomqtt.Client(params.host, params.port, protocol=aiomqtt.ProtocolVersion.V311) as raw:
+        async with raw_client(bus_config) as raw:
             await raw.publish(pub.topic("policy"), CONTROL_CODEC.encode(policy(1)), qos=1)
             await raw.publish(pub.topic("policy"), b"{not json", qos=1)
         assert await pub.publish(policy(4))
@@ -90,7 +178,7 @@ async def test_versions_only_move_forward(bus_config: Config) -> None:
             await worker.wait_for("policy", 4)
         await asyncio.sleep(0.3)
         collector.cancel()
-        assert updates == [3, 4]
+        assert updates in ([3, 4], [4])  # 3 is skipped when the mirror already holds 4 as its notification lands
         assert worker.version("policy") == 4 and worker.ignored >= 1
         mirror = await read_mirror(redis, Keys(bus_config.run))
         assert mirror["policy"].version == 4
@@ -140,7 +228,7 @@ async def test_a_version_published_while_the_broker_is_down_goes_out_on_reconnec
         broker.start_mqtt(port=port)
         async with asyncio.timeout(15):
             await publisher.connected.wait()
-        await redis.delete(Keys(bus_config.run).versions)  # the late worker must learn it from the broker
+            assert (await retained(offline, "policy", 9)).location == "/ckpt/policy-9"  # it reached the broker
         async with running(ControlPlane(offline, redis, role="worker")) as late:
             async with asyncio.timeout(10):
                 assert (await late.wait_for("policy", 9)).location == "/ckpt/policy-9"
@@ -176,3 +264,129 @@ async def test_purge_run_leaves_nothing_of_the_run_and_spares_other_runs(bus_con
     finally:
         await redis.delete(f"tlt:{other.run}:keep")
         await redis.aclose()
+
+
+# ------------------------------------------------------------------------------------------ forged and replayed
+
+
+async def test_a_forged_future_version_on_the_broker_changes_nothing(bus_config: Config) -> None:
+    """The reproduction: version 2**62 published straight to the broker used to win for good, so every
+    genuine version after it was ignored. Now the mirror does not confirm it, and genuine versions still land."""
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    worker = ControlPlane(bus_config, redis, role="worker")
+    forged = PolicyVersion(version=2**62, location="/evil/policy", sha256=EVIL_SHA, step=0)
+    async with running(ControlPlane(bus_config, redis, role="policy", owns=["policy"])) as pub, running(worker):
+        assert await pub.publish(policy(1))
+        async with asyncio.timeout(10):
+            await worker.wait_for("policy", 1)
+        await forge(bus_config, forged)  # retained, so it also greets every later subscriber
+        late = ControlPlane(bus_config, redis, role="late")
+        async with running(late):
+            assert await pub.publish(policy(2))
+            async with asyncio.timeout(10):
+                for plane in (worker, late):
+                    adopted = await plane.wait_for("policy", 2)
+                    assert (adopted.version, adopted.location, adopted.sha256) == (2, "/ckpt/policy-2", SHA)
+                    assert plane.forged >= 1 and plane.counters()["forged"] == plane.forged
+    assert (await read_mirror(redis, Keys(bus_config.run)))["policy"].version == 2
+    await redis.aclose()
+
+
+async def test_a_forged_location_for_a_genuine_version_is_not_adopted(bus_config: Config) -> None:
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    worker = ControlPlane(bus_config, redis, role="worker")
+    async with running(ControlPlane(bus_config, redis, role="policy", owns=["policy"])) as pub, running(worker):
+        assert await pub.publish(policy(5))
+        async with asyncio.timeout(10):
+            await worker.wait_for("policy", 5)
+        collector = asyncio.create_task(adopted_until(worker, "policy", 6))
+        # The version the mirror holds, and the one just after it, each pointing at another checkpoint.
+        await forge(bus_config, PolicyVersion(version=5, location="/evil/policy-5", sha256=EVIL_SHA, step=5))
+        await forge(bus_config, PolicyVersion(version=6, location="/evil/policy-6", sha256=EVIL_SHA, step=6))
+        assert await pub.publish(policy(6))
+        adopted = await asyncio.wait_for(collector, timeout=10)
+        assert [(m.version, m.location, m.sha256) for m in adopted] == [(6, "/ckpt/policy-6", SHA)]
+        assert worker.current["policy"] == adopted[0] and worker.forged == 2
+    await redis.aclose()
+
+
+async def test_a_replayed_genuine_message_changes_nothing(bus_config: Config) -> None:
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    worker = ControlPlane(bus_config, redis, role="worker")
+    first = policy(1)
+    async with running(ControlPlane(bus_config, redis, role="policy", owns=["policy"])) as pub, running(worker):
+        assert await pub.publish(first)
+        assert await pub.publish(policy(2))
+        async with asyncio.timeout(10):
+            await worker.wait_for("policy", 2)
+        collector = asyncio.create_task(adopted_until(worker, "policy", 3))
+        ignored = worker.ignored
+        await forge(bus_config, CONTROL_CODEC.encode(first))  # byte for byte what was once genuine
+        assert await pub.publish(policy(3))
+        adopted = await asyncio.wait_for(collector, timeout=10)
+        assert [m.version for m in adopted] == [3]
+        assert worker.ignored > ignored and worker.forged == 0
+    await redis.aclose()
+
+
+async def test_a_forged_message_is_counted_each_time_and_logged_once(bus_config: Config) -> None:
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    worker = ControlPlane(bus_config, redis, role="worker")
+    forged = PolicyVersion(version=2**62, location="/evil/policy", sha256=EVIL_SHA, step=0)
+    with recording("forged") as log:
+        async with running(ControlPlane(bus_config, redis, role="policy", owns=["policy"])) as pub, running(worker):
+            assert await pub.publish(policy(1))
+            async with asyncio.timeout(10):
+                await worker.wait_for("policy", 1)
+            await forge(bus_config, forged, retain=False)
+            await forge(bus_config, forged, retain=False)
+            assert await pub.publish(policy(2))
+            async with asyncio.timeout(10):
+                await worker.wait_for("policy", 2)
+            assert worker.counters()["forged"] == 2 and pub.counters()["forged"] == 2  # pub subscribes too
+    warnings = [r.getMessage() for r in log.records if r.levelno == logging.WARNING and "forged" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per plane, not one per message
+    assert all(str(2**62) in w and "unconfirmed" in w for w in warnings), warnings
+    await redis.aclose()
+
+
+async def test_a_notification_redis_cannot_confirm_waits_for_the_mirror(bus_config: Config) -> None:
+    """With the mirror unreadable a notification is not adopted on its word; once Redis answers, the
+    recheck adopts the mirror's version without waiting for another notification."""
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    assert await ControlPlane(bus_config, redis, role="policy").publish(policy(1))
+    async with raw_client(bus_config) as raw:  # the retained notification, as `publish` would send it
+        mirrored = (await read_mirror(redis, Keys(bus_config.run)))["policy"]
+        await raw.publish(f"{bus_config.topic_prefix}policy", CONTROL_CODEC.encode(mirrored), qos=1, retain=True)
+    fast = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reconnect_max_s=0.5))
+    unreachable = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    worker = ControlPlane(fast, unreachable, role="worker", mirror_timeout_s=1.0)
+    with recording("to confirm policy version 1") as log:
+        async with running(worker):
+            async with asyncio.timeout(10):
+                await log.seen.wait()
+            assert worker.version("policy") == -1 and worker.forged == 0
+            worker.redis = redis  # Redis is back
+            async with asyncio.timeout(10):
+                assert (await worker.wait_for("policy", 1)).location == "/ckpt/policy-1"
+    await unreachable.aclose()
+    await redis.aclose()
+
+
+async def test_the_mirror_ignores_garbage_and_misfiled_messages(bus_config: Config) -> None:
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    keys = Keys(bus_config.run)
+    drafter = DrafterVersion(version=3, location="/ckpt/drafter-3", sha256=SHA, policy_version=1)
+    await redis.hset(
+        keys.versions,
+        mapping={
+            "policy": b"\xff not a message",
+            "sd_config": CONTROL_CODEC.encode(drafter),  # a drafter message filed under sd_config
+            "drafter": CONTROL_CODEC.encode(drafter),
+        },
+    )
+    assert await read_mirror(redis, keys) == {"drafter": drafter}
+    worker = ControlPlane(bus_config, redis, role="worker")
+    assert await worker.refresh_from_mirror()
+    assert worker.current == {"drafter": drafter}
+    await redis.aclose()

@@ -5,9 +5,17 @@ QoS 1 JSON message with the latest version (MQTT 3.1.1, so any broker works). A 
 late receives the current state at once. Versions only move forward: an older or repeated version is
 ignored everywhere. Publishing goes through a compare-and-set on the Redis hash `tlt:{run}:versions`
 first, so two publishers can never move a version backwards, and the monitor or a restarted service can
-read the state without a broker. The connection is kept up with capped, jittered reconnect backoff; on
-every (re)connect the mirror is read (catching up while the broker was away) and the kinds this process
-owns are re-published (a broker that lost its retained store gets them back).
+read the state without a broker.
+
+The mirror is the authority; an MQTT message is only a notification. Anyone who can publish on the broker
+could otherwise announce version 2**62 (and every genuine version after it would be "older") or point
+workers at another checkpoint, so a notification makes the receiver read the mirror, and only the
+mirror's message is ever adopted: a notification the mirror does not confirm changes nothing and is
+counted as forged. When the mirror cannot be read, what we know stands until a later notification or the
+recheck that follows the failed read. The connection is kept up with capped, jittered reconnect backoff;
+on every (re)connect the mirror is read (catching up while the broker was away) and the kinds this
+process owns are re-published as the mirror holds them (a broker that lost its retained store gets them
+back).
 """
 
 from __future__ import annotations
@@ -25,7 +33,14 @@ from tlt_stream.aio import Backoff, sleep_or_stop
 from tlt_stream.bus.connect import REDIS_RETRYABLE, mqtt_params
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config, redact_url
-from tlt_stream.messages import CONTROL_CODEC, CONTROL_KINDS, ControlMessage
+from tlt_stream.messages import (
+    CONTROL_CODEC,
+    CONTROL_KINDS,
+    ControlMessage,
+    DrafterVersion,
+    PolicyVersion,
+    SdConfigVersion,
+)
 
 __all__ = ["ControlPlane", "read_mirror"]
 
@@ -34,6 +49,15 @@ log = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 1024
 """A control message (a version: numbers, a path, a hash) is a few hundred bytes; anything larger on a
 control topic is refused before it is decoded."""
+
+MIRROR_READ_TIMEOUT_S = 2.0
+"""Bound on one read of the Redis mirror made by the control plane (services' Redis clients retry through
+outages for minutes): a slow or absent Redis holds up the MQTT receive loop for at most this long."""
+
+FORGED_LOG_LIMIT = 1024
+"""How many distinct (kind, version) forged notifications are remembered so each is logged only once."""
+
+_MIRROR_ERRORS: tuple[type[Exception], ...] = (TimeoutError, aioredis.RedisError, *REDIS_RETRYABLE)
 
 _CAS_SCRIPT = """
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1] .. ':version') or '-1')
@@ -45,18 +69,27 @@ return 0
 """
 
 
+def _decode_mirrored(kind: str, payload: bytes) -> ControlMessage | None:
+    try:
+        message = CONTROL_CODEC.decode(payload)
+    except (msgspec.DecodeError, TypeError) as exc:
+        log.error("the Redis mirror holds an undecodable %s message (%s); ignoring it", kind, exc)
+        return None
+    if message.kind != kind:
+        log.error("the Redis mirror holds a %s message in its %s field; ignoring it", message.kind, kind)
+        return None
+    return message
+
+
 async def read_mirror(redis: aioredis.Redis, keys: Keys) -> dict[str, ControlMessage]:
-    """The control state as mirrored in Redis (kinds never published are absent)."""
+    """The control state as mirrored in Redis (kinds never published, garbage, or a message filed under
+    another kind's field are absent)."""
     raw = await redis.hgetall(keys.versions)
     found: dict[str, ControlMessage] = {}
     for kind in CONTROL_KINDS:
         payload = raw.get(kind.encode())
-        if payload is None:
-            continue
-        try:
-            found[kind] = CONTROL_CODEC.decode(payload)
-        except msgspec.DecodeError as exc:
-            log.error("the Redis mirror holds an undecodable %s message (%s); ignoring it", kind, exc)
+        if payload is not None and (message := _decode_mirrored(kind, payload)) is not None:
+            found[kind] = message
     return found
 
 
@@ -65,6 +98,8 @@ class ControlPlane:
 
     `owns` names the kinds this process publishes (re-published after reconnects). Use `run(stop)` as a
     task; `current` holds the latest known message per kind; `updates()` yields each accepted newer one.
+    `ignored` counts older or repeated versions (replays), `forged` the MQTT notifications the Redis
+    mirror did not confirm; `counters()` gives both for registry info and the monitor.
     """
 
     def __init__(
@@ -74,6 +109,7 @@ class ControlPlane:
         *,
         role: str,
         owns: Iterable[str] = (),
+        mirror_timeout_s: float = MIRROR_READ_TIMEOUT_S,
     ) -> None:
         if config.bus.mqtt_url is None:
             raise ValueError("ControlPlane needs an MQTT URL (resolve embedded servers first)")
@@ -87,8 +123,12 @@ class ControlPlane:
         self.params = mqtt_params(config.bus.mqtt_url)
         self.client_id = f"tlt-{config.run}-{role}-{uuid.uuid4().hex[:8]}"
         self.current: dict[str, ControlMessage] = {}
+        self.mirror_timeout_s = mirror_timeout_s
         self.ignored = 0
+        self.forged = 0
         self.connected = asyncio.Event()
+        self._recheck = asyncio.Event()
+        self._reported: dict[tuple[str, int], None] = {}
         self._client: aiomqtt.Client | None = None
         self._subscribers: list[asyncio.Queue[ControlMessage]] = []
 
@@ -99,6 +139,10 @@ class ControlPlane:
         """The latest known version of `kind`, or -1."""
         message = self.current.get(kind)
         return message.version if message is not None else -1
+
+    def counters(self) -> dict[str, int]:
+        """Refused control messages: `ignored` (older or repeated versions), `forged` (unconfirmed)."""
+        return {"ignored": self.ignored, "forged": self.forged}
 
     # ------------------------------------------------------------------------------------------ receiving
 
@@ -137,34 +181,93 @@ class ControlPlane:
             self._subscribers.remove(queue)
         return self.current[kind]
 
-    async def refresh_from_mirror(self) -> None:
+    async def _read_mirror(self, purpose: str) -> dict[str, ControlMessage] | None:
+        """The mirror, read within `mirror_timeout_s`; None (logged) when Redis cannot answer."""
         try:
-            mirrored = await read_mirror(self.redis, self.keys)
-        except REDIS_RETRYABLE as exc:
-            log.warning("cannot read the version mirror from Redis (%s); keeping what we know", exc)
-            return
+            async with asyncio.timeout(self.mirror_timeout_s):
+                return await read_mirror(self.redis, self.keys)
+        except _MIRROR_ERRORS as exc:
+            log.warning("cannot read the version mirror from Redis to %s (%r); keeping what we know", purpose, exc)
+            return None
+
+    async def refresh_from_mirror(self) -> bool:
+        """Adopt whatever the mirror holds that is newer; False when the mirror could not be read."""
+        mirrored = await self._read_mirror("catch up")
+        if mirrored is None:
+            return False
         for message in mirrored.values():
             self.offer(message, "redis mirror")
+        return True
 
-    def _on_mqtt(self, message: aiomqtt.Message) -> None:
-        if not message.payload:  # an empty retained message clears a topic; nothing to adopt
-            return
+    def _parse(self, message: aiomqtt.Message) -> ControlMessage | None:
+        """The control message an MQTT delivery announces; None for an empty (a cleared topic), oversized,
+        undecodable or misfiled one. Parsing adopts nothing: see `_on_mqtt`."""
+        if not message.payload:
+            return None
         size = len(message.payload)  # type: ignore[arg-type]
         if size > CONTROL_MAX_BYTES:
             log.error(
                 "control message of %d bytes on %s exceeds %d; ignoring it", size, message.topic, CONTROL_MAX_BYTES
             )
-            return
+            return None
         try:
             decoded = CONTROL_CODEC.decode(message.payload)  # type: ignore[arg-type]
         except (msgspec.DecodeError, TypeError) as exc:
             log.error("undecodable control message on %s: %s", message.topic, exc)
-            return
+            return None
         expected = self.topic(decoded.kind)
         if str(message.topic) != expected:
             log.error("control message of kind %s arrived on %s; ignoring it", decoded.kind, message.topic)
+            return None
+        return decoded
+
+    async def _on_mqtt(self, message: aiomqtt.Message) -> None:
+        """A notification: adopt the mirror's message for its kind, never the notification itself."""
+        announced = self._parse(message)
+        if announced is None:
             return
-        self.offer(decoded, "mqtt")
+        kind = announced.kind
+        held = self.current.get(kind)
+        if held is not None and announced.version <= held.version:
+            # What we hold came from the mirror or our own compare-and-set: no read needed to judge this.
+            if announced.version == held.version and announced != held:
+                self._refuse_forged(announced, held)
+            else:
+                self._ignore(announced, held)
+            return
+        mirrored = await self._read_mirror(f"confirm {kind} version {announced.version}")
+        if mirrored is None:
+            self._recheck.set()
+            return
+        truth = mirrored.get(kind)
+        if truth is not None and truth.version > self.version(kind):
+            self.offer(truth, "mqtt, confirmed by the redis mirror" if truth == announced else "redis mirror")
+        if truth == announced:
+            return
+        if truth is not None and announced.version < truth.version:
+            self._ignore(announced, truth)
+        else:
+            self._refuse_forged(announced, truth)
+
+    def _ignore(self, announced: ControlMessage, newer: ControlMessage) -> None:
+        self.ignored += 1
+        log.debug("ignored %s version %d from mqtt (have %d)", announced.kind, announced.version, newer.version)
+
+    def _refuse_forged(self, announced: ControlMessage, truth: ControlMessage | None) -> None:
+        self.forged += 1
+        key = (announced.kind, announced.version)
+        if key in self._reported:
+            return
+        if len(self._reported) >= FORGED_LOG_LIMIT:
+            del self._reported[next(iter(self._reported))]
+        self._reported[key] = None
+        log.warning(
+            "ignoring an unconfirmed (forged?) %s version %d from MQTT (%s): the Redis mirror holds %s",
+            announced.kind,
+            announced.version,
+            _describe(announced),
+            f"version {truth.version} ({_describe(truth)})" if truth is not None else "no such version",
+        )
 
     # ------------------------------------------------------------------------------------------ publishing
 
@@ -175,8 +278,7 @@ class ControlPlane:
         """
         kind = message.kind
         payload = CONTROL_CODEC.encode(message)
-        accepted = await self.redis.eval(_CAS_SCRIPT, 1, self.keys.versions, kind, message.version, payload)
-        if not int(accepted):
+        if not await self._compare_and_set(message, payload):
             log.warning("not publishing %s version %d: the mirror holds a newer or equal one", kind, message.version)
             return False
         self.offer(message, "self")
@@ -190,11 +292,37 @@ class ControlPlane:
             log.warning("MQTT is down: %s v%d is in the Redis mirror and goes out on reconnect", kind, message.version)
         return True
 
+    async def _compare_and_set(self, message: ControlMessage, payload: bytes) -> bool:
+        accepted = await self.redis.eval(_CAS_SCRIPT, 1, self.keys.versions, message.kind, message.version, payload)
+        return bool(int(accepted))
+
     async def _republish_owned(self, client: aiomqtt.Client) -> None:
+        """Re-announce each owned kind as the mirror holds it; an owned version the mirror lost (a Redis that
+        restarted empty) goes back through the compare-and-set first, or receivers would refuse it."""
+        if not self.owns:
+            return
+        mirrored = await self._read_mirror("re-publish owned versions")
         for kind in sorted(self.owns):
-            message = self.current.get(kind)
-            if message is not None:
-                await client.publish(self.topic(kind), CONTROL_CODEC.encode(message), qos=1, retain=True)
+            truth = (mirrored or {}).get(kind)
+            held = self.current.get(kind)
+            message = held if truth is None or (held is not None and held.version > truth.version) else truth
+            if message is None:
+                continue
+            payload = CONTROL_CODEC.encode(message)
+            if mirrored is not None and message != truth and not await self._restore(message, payload):
+                continue
+            await client.publish(self.topic(kind), payload, qos=1, retain=True)
+
+    async def _restore(self, message: ControlMessage, payload: bytes) -> bool:
+        try:
+            async with asyncio.timeout(self.mirror_timeout_s):
+                restored = await self._compare_and_set(message, payload)
+        except _MIRROR_ERRORS as exc:
+            log.warning("cannot restore %s version %d in the mirror (%r)", message.kind, message.version, exc)
+            return False
+        if restored:
+            log.warning("restored %s version %d in the Redis mirror, which had lost it", message.kind, message.version)
+        return restored
 
     # ------------------------------------------------------------------------------------------ connection
 
@@ -238,20 +366,46 @@ class ControlPlane:
             self.connected.set()
             try:
                 await self._republish_owned(client)
-                receiver = asyncio.create_task(self._receive(client), name="mqtt-receive")
-                stopper = asyncio.create_task(stop.wait(), name="mqtt-stop")
+                tasks = [
+                    asyncio.create_task(self._receive(client), name="mqtt-receive"),
+                    asyncio.create_task(self._recheck_mirror(stop), name="mqtt-mirror-recheck"),
+                    asyncio.create_task(stop.wait(), name="mqtt-stop"),
+                ]
                 try:
-                    await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    receiver.cancel()
-                    stopper.cancel()
-                    outcome = await asyncio.gather(receiver, stopper, return_exceptions=True)
-                if isinstance(outcome[0], aiomqtt.MqttError):
-                    raise outcome[0]
+                    for task in tasks:
+                        task.cancel()
+                    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                for outcome in outcomes:
+                    if isinstance(outcome, Exception):
+                        raise outcome
             finally:
                 self._client = None
                 self.connected.clear()
 
     async def _receive(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
-            self._on_mqtt(message)
+            await self._on_mqtt(message)
+
+    async def _recheck_mirror(self, stop: asyncio.Event) -> None:
+        """After a notification could not be confirmed (Redis unreadable), re-read the mirror with backoff
+        until it answers: the version announced then is adopted without waiting for another notification."""
+        backoff = Backoff(base=0.2, cap=self.config.bus.reconnect_max_s)
+        while True:
+            await self._recheck.wait()
+            if await sleep_or_stop(stop, backoff.next_delay()):
+                return
+            self._recheck.clear()
+            if await self.refresh_from_mirror():
+                backoff.reset()
+            else:
+                self._recheck.set()
+
+
+def _describe(message: ControlMessage) -> str:
+    match message:
+        case PolicyVersion() | DrafterVersion():
+            return f"{message.location}, sha256 {message.sha256}"
+        case SdConfigVersion():
+            return f"a table of {len(message.table)} arms"
