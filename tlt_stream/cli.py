@@ -538,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the final norm's gain (the policy's inverse temperature) trains at lr x this (default 1)",
     )
     learn.add_argument("--max-updates", type=_positive, help="stop after this many updates (default: run on)")
+    learn.add_argument(
+        "--keep-checkpoints", type=_positive, default=3, help="complete checkpoints kept on disk (the newest)"
+    )
     learn.add_argument("--threads", type=_positive, default=1, help="torch threads")
     _add_device_arg(learn)
     _add_config_args(learn)

@@ -91,6 +91,13 @@ class BusConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     ] = 10.0
     mqtt_keepalive_s: Annotated[int, _doc("MQTT keepalive interval in seconds.", ge=5)] = 30
     reconnect_max_s: Annotated[float, _doc("Cap on the reconnect backoff for Redis and MQTT, seconds.", gt=0)] = 30.0
+    store_root: Annotated[
+        str | None,
+        _doc(
+            "Checkpoint store: policy and drafter locations announced on the control plane are read only when "
+            "they resolve inside this directory (`tlt-stream run` and compose set it). None: not confined."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         _check_url(self.redis_url, REDIS_SCHEMES, "redis_url")

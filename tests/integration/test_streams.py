@@ -222,9 +222,11 @@ async def test_an_entry_that_keeps_failing_is_dead_lettered_after_max_deliveries
     await reader.ensure_group()
     await producer.send("prompts", [prompt(0)])
     seen = []
-    for _ in range(10):  # handler "fails": never acks; reclaim hands it back until it is given up
+    for _ in range(10):  # handler "fails": abandons it unacked; reclaim hands it back until it is given up
         await asyncio.sleep(0.01)
-        seen += await reader.read(block_ms=20)
+        batch = await reader.read(block_ms=20)
+        reader.abandon([d.entry_id for d in batch])
+        seen += batch
         if reader.dead:
             break
     assert [d.deliveries for d in seen] == [1, 2, 3]

@@ -2,14 +2,24 @@
 
 `StreamReader.read()` returns decoded deliveries in this order of preference:
 1. after a (re)start, this consumer's own pending entries (work it took but never acked);
-2. entries other consumers left pending for longer than `bus.reclaim_idle_ms` (XAUTOCLAIM), checked at
-   most every half idle time;
+2. entries pending for longer than `bus.reclaim_idle_ms` whose owner is gone, checked at most every half
+   idle time: an owner is gone when its registry heartbeat (`tlt:{run}:worker:{consumer}`) has expired, or
+   when it never had one; this consumer's own entries count as gone only once it let go of them (`abandon`);
 3. new entries, waiting with `XREADGROUP ... BLOCK` (never sleep-polling).
+
+A delivered entry is *held* until the caller acks or abandons it. While held it is never handed out again,
+not even to this consumer, however long the caller keeps it (a learner's open group, a worker's
+minutes-long generation): the reader refreshes the idle time of what it holds (`XCLAIM ... JUSTID`, which
+leaves the delivery count alone) so that the PEL shows it alive, and other consumers do not take over
+entries whose owner still heartbeats. Before this rule a learner that held a sample longer than the reclaim
+time claimed it back from itself, took it for a duplicate and acked it while it existed only in memory.
 
 An entry that is missing its payload, is larger than `bus.max_message_bytes`, fails to decode or validate,
 or has been delivered more than `bus.max_deliveries` times goes to the `dead` stream with the reason and
 origin, is acked, and the reader goes on. Entries are acked only when the caller says so (`ack`), after
-its handler succeeded; `consume()` wraps that into a loop with bounded concurrency.
+its handler succeeded; a handler that failed `abandon`s its entry, which is then redelivered after the
+reclaim time (and dead-lettered past `max_deliveries`); `consume()` wraps that into a loop with bounded
+concurrency.
 """
 
 from __future__ import annotations
@@ -111,14 +121,20 @@ class StreamReader(Generic[T]):
         self.key = keys.stream(stream)
         self.codec = codec_for(stream)
         self._history_cursor: str | None = "0"
-        self._claim_cursor = "0-0"
+        self._claim_cursor = "-"
         self._next_claim = 0.0
+        self._next_refresh = 0.0
+        self.held: set[str] = set()
+        """Entries handed to the caller and not yet acked, abandoned or dead-lettered."""
         self._group_ready = False
         self._durable = spec(stream).durable
         self._channel = keys.acked_channel(stream)
         self.dead = 0
         self.acked = 0
         self.reclaimed = 0
+        self.refreshed = 0
+        self.lost: set[str] = set()
+        """Held entries another consumer took over (this one was presumed dead): their ack is still safe."""
 
     @property
     def origin(self) -> str:
@@ -143,6 +159,7 @@ class StreamReader(Generic[T]):
             await self.ensure_group()
         count = count or self.bus.read_count
         block = self.bus.block_ms if block_ms is None else block_ms
+        await self.maybe_refresh()
 
         if self._history_cursor is not None:
             reply = await self.redis.xreadgroup(
@@ -180,30 +197,82 @@ class StreamReader(Generic[T]):
             return []
 
     async def _reclaim(self, count: int) -> list[Delivery[T]]:
-        next_cursor, entries, deleted = await self._xautoclaim(count)
-        self._claim_cursor = _text(next_cursor)
-        if self._claim_cursor == "0-0":
+        """Claim up to `count` entries idle past the reclaim time whose owner is gone (one page of the PEL
+        per call, from a cursor that wraps around)."""
+        page = await self.redis.xpending_range(
+            self.key, self.group, min=self._claim_cursor, max="+", count=max(count, 64), idle=self.bus.reclaim_idle_ms
+        )
+        if len(page) < max(count, 64):
+            self._claim_cursor = "-"
             self._next_claim = time.monotonic() + self.bus.reclaim_idle_ms / 2000
-        if deleted:
-            log.warning("%d entries of %s were deleted while pending; dropped from the PEL", len(deleted), self.key)
+        else:
+            self._claim_cursor = _after(_text(page[-1]["message_id"]))
+        owners = {_text(row["consumer"]) for row in page}
+        gone = {owner for owner in owners if not await self._alive(owner)}
+        candidates = [
+            _text(row["message_id"])
+            for row in page
+            if _text(row["consumer"]) in gone and _text(row["message_id"]) not in self.held
+        ][:count]
+        if not candidates:
+            return []
+        # XCLAIM re-checks the idle time atomically: an owner that refreshed meanwhile keeps its entry.
+        entries = await self.redis.xclaim(
+            self.key, self.group, self.consumer, min_idle_time=self.bus.reclaim_idle_ms, message_ids=candidates
+        )
+        claimed = {_text(e[0]) for e in entries}
+        deleted = [i for i in candidates if i not in claimed]
+        if deleted:  # trimmed or deleted while pending, or refreshed by a live owner: nothing to take
+            log.debug("%d of %d reclaim candidates on %s were not claimable", len(deleted), len(candidates), self.key)
+        entries = [e for e in entries if e[1] is not None]
         if not entries:
             return []
         self.reclaimed += len(entries)
-        log.warning("%s reclaimed %d entries idle > %d ms", self.origin, len(entries), self.bus.reclaim_idle_ms)
+        log.warning(
+            "%s reclaimed %d entries idle > %d ms from %s",
+            self.origin,
+            len(entries),
+            self.bus.reclaim_idle_ms,
+            ", ".join(sorted(gone)),
+        )
         return await self._accept(entries, lookup_deliveries=True)
 
-    async def _xautoclaim(self, count: int) -> tuple[Any, list, list]:
-        reply = await self.redis.xautoclaim(
-            self.key,
-            self.group,
-            self.consumer,
-            min_idle_time=self.bus.reclaim_idle_ms,
-            start_id=self._claim_cursor,
-            count=count,
-        )
-        next_cursor, entries = reply[0], reply[1]
-        deleted = reply[2] if len(reply) > 2 else []
-        return next_cursor, entries, deleted
+    async def _alive(self, consumer: str) -> bool:
+        """Whether `consumer` still holds its entries: this reader itself (its held entries are skipped one
+        by one), or a process whose registry heartbeat has not expired."""
+        if consumer == self.consumer:
+            return False
+        return bool(await self.redis.exists(self.keys.worker(consumer)))
+
+    async def maybe_refresh(self) -> None:
+        """`refresh()` when a quarter of the reclaim time has passed since the last one (cheap otherwise)."""
+        now = time.monotonic()
+        if self.held and now >= self._next_refresh:
+            await self.refresh()
+
+    async def refresh(self) -> list[str]:
+        """Reset the idle time of every held entry this consumer still owns; returns the ids another consumer
+        has taken over (removed from `held`; acking them later is harmless)."""
+        self._next_refresh = time.monotonic() + self.bus.reclaim_idle_ms / 4000
+        held = sorted(self.held)
+        lost: list[str] = []
+        for start in range(0, len(held), 256):
+            chunk = held[start : start + 256]
+            reply = await self.redis.eval(_REFRESH_OWNED, 1, self.key, self.group, self.consumer, *chunk)
+            lost += [_text(i) for i in reply]
+        self.refreshed += len(held) - len(lost)
+        if lost:
+            self.held.difference_update(lost)
+            self.lost.update(lost)
+            log.warning(
+                "%s: %d held entries of %s were taken over by another consumer", self.origin, len(lost), self.key
+            )
+        return lost
+
+    def abandon(self, entry_ids: list[str]) -> None:
+        """Let go of held entries without acking them (their handler failed): they are redelivered, to this
+        consumer or another, once idle past the reclaim time."""
+        self.held.difference_update(entry_ids)
 
     async def _delivery_counts(self, first: str, last: str, n: int) -> dict[str, int]:
         rows = await self.redis.xpending_range(
@@ -230,6 +299,7 @@ class StreamReader(Generic[T]):
             if reason is None:
                 try:
                     found.append(Delivery(entry_id, self.codec.decode(payload), deliveries))
+                    self.held.add(entry_id)
                     continue
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     reason = f"undecodable {self.stream} entry: {exc}"
@@ -270,6 +340,7 @@ class StreamReader(Generic[T]):
         trip either way: the durable case is one small Lua script)."""
         if not entry_ids:
             return 0
+        self.held.difference_update(entry_ids)
         if self._durable:
             acked = await self.redis.eval(_ACK_AND_NOTIFY, 2, self.key, self._channel, self.group, *entry_ids)
         else:
@@ -277,6 +348,25 @@ class StreamReader(Generic[T]):
         self.acked += int(acked)
         return int(acked)
 
+
+def _after(entry_id: str) -> str:
+    """The smallest stream id greater than `entry_id` (an exclusive range start that every server accepts)."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+_REFRESH_OWNED = """
+local lost = {}
+for i = 3, #ARGV do
+  local row = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #row == 1 and row[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
 
 _ACK_AND_NOTIFY = """
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
@@ -309,6 +399,7 @@ async def consume(
             handled.append(delivery.entry_id)
         except Exception:
             log.exception("%s: handler failed on %s (it will be redelivered)", reader.origin, delivery.entry_id)
+            reader.abandon([delivery.entry_id])
         finally:
             in_flight -= 1
             freed.set()

@@ -1,0 +1,112 @@
+"""Held entries against real servers: whoever holds an entry keeps it, however long, while it is alive.
+
+The evidence is Redis' own PEL (XPENDING: owner, idle time, delivery count), not the reader's counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.consumer import StreamReader
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config
+from tlt_stream.messages import PromptGroup
+
+pytestmark = [pytest.mark.redis]
+
+IDLE_MS = 200
+
+
+def prompt(i: int) -> PromptGroup:
+    return PromptGroup(task_id=f"task-{i}", prompt_id=f"p{i}", prompt_ids=[1, 2, i], answer=str(i), group_size=2)
+
+
+def short_reclaim(config: Config) -> Config:
+    return msgspec.structs.replace(config, bus=msgspec.structs.replace(config.bus, reclaim_idle_ms=IDLE_MS))
+
+
+async def pel(redis: aioredis.Redis, key: str) -> dict[str, tuple[str, int]]:
+    rows = await redis.xpending_range(key, "rollout", "-", "+", 100)
+    return {r["message_id"].decode(): (r["consumer"].decode(), int(r["times_delivered"])) for r in rows}
+
+
+async def read_for(reader: StreamReader, seconds: float) -> list[str]:
+    """Everything `reader` is handed over `seconds` of back-to-back reads (well past the reclaim time)."""
+    got: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while loop.time() < deadline:
+        got += [d.entry_id for d in await reader.read(block_ms=50)]
+    return got
+
+
+async def test_an_entry_held_past_the_reclaim_time_is_never_handed_out_again(bus_config: Config) -> None:
+    config = short_reclaim(bus_config)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "learner-like")
+    await reader.ensure_group()
+    (entry,) = await producer.send("prompts", [prompt(0)])
+    assert [d.entry_id for d in await reader.read(block_ms=100)] == [entry]
+    # Held for 8x the reclaim time while reading on (a learner with an open group does exactly this).
+    assert await read_for(reader, 8 * IDLE_MS / 1000) == []
+    assert await pel(redis, keys.stream("prompts")) == {entry: ("learner-like", 1)}, "delivered once, still pending"
+    rows = await redis.xpending_range(keys.stream("prompts"), "rollout", "-", "+", 10)
+    assert rows[0]["time_since_delivered"] < 8 * IDLE_MS, "its owner refreshed it"
+    assert reader.refreshed > 0
+    # Once acked it is gone for good.
+    assert await reader.ack([entry]) == 1
+    assert await pel(redis, keys.stream("prompts")) == {}
+    await redis.aclose()
+
+
+async def test_a_live_owner_keeps_its_entries_and_a_dead_ones_are_taken_over(bus_config: Config) -> None:
+    config = short_reclaim(bus_config)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    owner: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w-owner")
+    other: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w-other")
+    await owner.ensure_group()
+    ids = await producer.send("prompts", [prompt(i) for i in range(3)])
+    await redis.hset(keys.worker("w-owner"), "state", "GENERATING")  # its registry heartbeat
+    assert [d.entry_id for d in await owner.read(block_ms=100)] == ids
+    # The owner is busy (it reads nothing, refreshes nothing) but alive: nobody takes its work.
+    assert await read_for(other, 5 * IDLE_MS / 1000) == []
+    assert set((await pel(redis, keys.stream("prompts"))).values()) == {("w-owner", 1)}
+    # Its heartbeat expires: the other consumer takes every entry over, each delivered a second time.
+    await redis.delete(keys.worker("w-owner"))
+    taken = await read_for(other, 4 * IDLE_MS / 1000)
+    assert sorted(taken) == sorted(ids) and other.reclaimed == 3
+    assert await pel(redis, keys.stream("prompts")) == {i: ("w-other", 2) for i in ids}
+    # The owner wakes up: its refresh finds the entries taken and does not steal them back.
+    assert sorted(await owner.refresh()) == sorted(ids)
+    assert owner.held == set() and owner.lost == set(ids)
+    assert await pel(redis, keys.stream("prompts")) == {i: ("w-other", 2) for i in ids}
+    await redis.aclose()
+
+
+async def test_an_abandoned_entry_comes_back_to_its_own_consumer_with_its_count(bus_config: Config) -> None:
+    config = short_reclaim(bus_config)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w1")
+    await reader.ensure_group()
+    (entry,) = await producer.send("prompts", [prompt(0)])
+    (first,) = await reader.read(block_ms=100)
+    reader.abandon([first.entry_id])  # its handler failed
+    again: list = []
+    for _ in range(100):
+        again += await reader.read(block_ms=50)
+        if again:
+            break
+    assert [(d.entry_id, d.deliveries) for d in again] == [(entry, 2)]
+    assert await pel(redis, keys.stream("prompts")) == {entry: ("w1", 2)}
+    await redis.aclose()
