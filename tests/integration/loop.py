@@ -45,3 +45,10 @@ async def until_first_done(services: list[asyncio.Task[None]], seconds: float) -
 async def stats_of(redis: aioredis.Redis, keys: Keys, kind: type) -> list:
     entries = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
     return [e for e in entries if isinstance(e, kind)]
+
+
+async def keep_for_audit(redis: aioredis.Redis, keys: Keys, stream: str = "samples") -> None:
+    """Give `stream` an `audit` consumer group that never acks, so the learner's trimming (only entries every
+    group acked) keeps every entry for the test to read at the end, as an auditor's own group would."""
+    with contextlib.suppress(aioredis.ResponseError):  # BUSYGROUP: already there
+        await redis.xgroup_create(keys.stream(stream), "audit", id="0", mkstream=True)

@@ -12,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
+from tests.integration.loop import keep_for_audit
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
@@ -60,6 +61,7 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
 ) -> None:
     keys = Keys(bus_config.run)
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    await keep_for_audit(redis, keys)  # the learner trims what it checkpointed
     roles = {"learner": ["policy"], "policy": [], "rollout": ["drafter"]}
     async with planes(bus_config, roles) as control:
         learner = LearnerService(

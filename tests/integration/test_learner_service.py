@@ -239,3 +239,122 @@ async def test_a_learner_process_killed_between_updates_resumes_with_the_same_le
                 process.kill()
                 await process.wait()
         await redis.aclose()
+
+
+async def test_a_sample_held_past_the_reclaim_time_survives_a_restart(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A group stays open for many reclaim periods (the long tail); the learner is stopped (SIGTERM sets this
+    stop event) and started again. Before held entries were tracked, its own reclaim handed the waiting
+    sample back, it was taken for a duplicate and acked, and the restarted learner waited forever."""
+    import msgspec
+
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reclaim_idle_ms=300))
+    keys = Keys(config.run)
+    stream = keys.stream("samples")
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    (a0_entry,) = await producer.send("samples", [sample("a", 0, 1.0)])
+    async with service(config, run_dir, init_policy) as learner:
+        await learner.start()
+        stop = asyncio.Event()
+        running = asyncio.create_task(learner.run(stop))
+        await asyncio.sleep(3.0)  # ten reclaim periods with "a/0" alone in an open group
+        stop.set()
+        await asyncio.wait_for(running, timeout=30)
+        assert learner.assembler.redelivered == 0, "its own held entry was never handed back"
+    rows = await redis.xpending_range(stream, "learner", min="-", max="+", count=10)
+    assert [(r["message_id"].decode(), r["times_delivered"]) for r in rows] == [(a0_entry, 1)], "still pending"
+
+    await producer.send("samples", [sample("a", 1, 0.0), sample("b", 0, 1.0), sample("b", 1, 0.0)])
+    async with service(config, run_dir, init_policy) as restarted:
+        await restarted.start()
+        async with asyncio.timeout(60):
+            await restarted.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    assert ledger == {"a/0", "a/1", "b/0", "b/1"}
+    assert sorted(meta["extra"]["trained_groups"]) == ["a", "b"]
+    assert (await redis.xpending(stream, "learner"))["pending"] == 0
+    await redis.aclose()
+
+
+async def test_poison_samples_are_dead_lettered_and_the_learner_trains_on(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """Samples that decode but must not be trained on: each goes to `dead` with its reason, read back from
+    Redis, and the good groups are trained on as if the poison had never come."""
+    import math
+
+    import msgspec
+
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    keys = Keys(bus_config.run)
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    vocab = json.loads((init_policy / "config.json").read_text())["vocab_size"]
+    good = [sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1)]
+    poison = {
+        "reward": msgspec.structs.replace(sample("p", 0, 1.0), reward=math.nan),
+        "vocabulary": msgspec.structs.replace(
+            sample("q", 0, 1.0),
+            token_ids=Tensor.from_values([3, vocab + 5], "int32"),
+            logprobs=Tensor.from_values([-1.0, -1.0], "float32"),
+        ),
+        "newer": sample("r", 0, 1.0, version=7),
+        "group": msgspec.structs.replace(sample("a", 1, 0.0), sample_id="a/1", group_size=3),
+    }
+    # "a/1" with the wrong group size arrives after "a/0" and before the real "a/1".
+    await producer.send("samples", [good[0], poison["group"], poison["reward"], poison["vocabulary"], poison["newer"]])
+    await producer.send("samples", good[1:])
+    async with service(bus_config, run_dir, init_policy) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+    reasons = sorted(d.reason for d in dead)
+    assert len(dead) == 4 and all(d.stream == "samples" and d.origin == "learner/learner" for d in dead)
+    assert any("not finite" in r for r in reasons) and any("outside the policy's vocabulary" in r for r in reasons)
+    assert any("newer than the newest published" in r for r in reasons) and any("task a said 2" in r for r in reasons)
+    assert int(await redis.hget(keys.dead_counts, "samples")) == 4
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, _ = restore_checkpoint(found, restore_rng=False)
+    assert ledger == {"a/0", "a/1", "b/0", "b/1"}
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    await redis.aclose()
+
+
+async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    from tlt_stream.rl.checkpoint import complete_checkpoints, latest_checkpoint
+
+    run_dir = tmp_path / "run"
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    async with service(bus_config, run_dir, init_policy) as learner:
+        await learner.start()
+        await producer.send("samples", [sample(t, i, float(i == 0)) for t in ("a", "b", "c", "d") for i in (0, 1)])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=2)
+    newest = latest_checkpoint(run_dir / "checkpoints")
+    assert newest is not None and newest.step == 2
+    weights = newest.policy_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    async with service(bus_config, run_dir, init_policy) as restarted:
+        message = await restarted.start()
+        assert restarted.version == 1 and message.version == 1
+        assert restarted.assembler.ledger == {"a/0", "a/1", "b/0", "b/1"}
+    assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [0, 1]
+    assert [p.name.startswith("corrupt-step-00000002") for p in (run_dir / "checkpoints").iterdir()].count(True) == 1
+    await redis.aclose()

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 import redis.asyncio as aioredis
 
+from tests.integration.loop import keep_for_audit
 from tlt_stream.bus.streams import Keys
 from tlt_stream.cli import main
 from tlt_stream.config import Config
@@ -90,6 +91,7 @@ async def test_a_vllm_worker_keeps_one_engine_and_loads_every_version_into_it(
     CpuVllmEngine.built = []
     keys = Keys(bus_config.run)
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    await keep_for_audit(redis, keys)  # the learner trims what it checkpointed
     stop = asyncio.Event()
     services: list[asyncio.Task[None]] = []
     try:

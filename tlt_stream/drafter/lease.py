@@ -128,14 +128,17 @@ def _text(value: bytes | str) -> str:
 class DrafterLease:
     """The lease and its fence for one run; every method is one round trip (one Lua script)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_ms: int = 15_000) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_ms: int = 15_000, name: str = LEASE) -> None:
+        """`name` picks the lease: `drafter_lease` by default; the learner's single-instance lease reuses the
+        same machinery under its own name."""
         if ttl_ms < 10:
             raise ValueError(f"ttl_ms must be >= 10, got {ttl_ms}")
         self.redis = redis
         self.ttl_ms = ttl_ms
-        self.lease_key = keys.prefix + LEASE
-        self.fence_key = keys.prefix + FENCE
-        self.record_key = keys.prefix + RECORD
+        self.name = name
+        self.lease_key = keys.prefix + name
+        self.fence_key = keys.prefix + (FENCE if name == LEASE else f"{name}:fence")
+        self.record_key = keys.prefix + (RECORD if name == LEASE else f"{name}:record")
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
@@ -149,14 +152,14 @@ class DrafterLease:
         fence = int(await self._acquire(keys=[self.lease_key, self.fence_key], args=[owner, worker_id, self.ttl_ms]))
         if not fence:
             return None
-        log.info("worker %s took the drafter lease (fence %d, ttl %d ms)", worker_id, fence, self.ttl_ms)
+        log.info("%s took the %s (fence %d, ttl %d ms)", worker_id, self.name, fence, self.ttl_ms)
         return LeaseGrant(owner, worker_id, fence, self.ttl_ms, sent + self.ttl_ms / 1000)
 
     async def renew(self, grant: LeaseGrant) -> LeaseGrant | None:
         """Extend the lease by its ttl if `grant` still holds it: the grant with its new expiry, else None."""
         sent = time.monotonic()
         if not int(await self._renew(keys=[self.lease_key], args=[grant.owner, grant.ttl_ms])):
-            log.warning("worker %s lost the drafter lease (fence %d)", grant.worker_id, grant.fence)
+            log.warning("%s lost the %s (fence %d)", grant.worker_id, self.name, grant.fence)
             return None
         return LeaseGrant(grant.owner, grant.worker_id, grant.fence, grant.ttl_ms, sent + grant.ttl_ms / 1000)
 
@@ -164,7 +167,7 @@ class DrafterLease:
         """Free the lease at once if `grant` still holds it; False when it had already expired or moved on."""
         released = bool(int(await self._release(keys=[self.lease_key], args=[grant.owner])))
         if released:
-            log.info("worker %s released the drafter lease (fence %d)", grant.worker_id, grant.fence)
+            log.info("%s released the %s (fence %d)", grant.worker_id, self.name, grant.fence)
         return released
 
     async def holder(self) -> LeaseHolder | None:
@@ -216,9 +219,9 @@ class DrafterLease:
                 renewed = await self.renew(current)
             except REDIS_RETRYABLE as exc:
                 if current.remaining_s() <= 0:
-                    log.warning("drafter lease (fence %d) expired while Redis was unreachable", grant.fence)
+                    log.warning("%s (fence %d) expired while Redis was unreachable", self.name, grant.fence)
                     return False
-                log.warning("renewing the drafter lease failed (%s); retrying", exc)
+                log.warning("renewing the %s failed (%s); retrying", self.name, exc)
                 continue
             if renewed is None:
                 return False

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointInfo",
     "ChecksumMismatch",
+    "complete_checkpoints",
     "latest_checkpoint",
     "optimizer_state",
     "optimizer_tensors",
@@ -252,6 +253,12 @@ def _read_info(path: Path) -> CheckpointInfo | None:
     if not isinstance(meta, dict) or meta.get("step") != step or not isinstance(meta.get("policy_sha256"), str):
         return None
     return CheckpointInfo(path=path, step=step, policy_dir=path / POLICY, policy_sha256=meta["policy_sha256"])
+
+
+def complete_checkpoints(root: Path | str) -> list[CheckpointInfo]:
+    """Every complete checkpoint under `root`, oldest first (none when `root` is not a directory)."""
+    root = Path(root)
+    return _complete_checkpoints(root) if root.is_dir() else []
 
 
 def _complete_checkpoints(root: Path) -> list[CheckpointInfo]:

@@ -20,6 +20,7 @@ resumes from the newest complete checkpoint, or makes checkpoint 0 from the init
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -31,18 +32,28 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tlt_stream.aio import retry
-from tlt_stream.bus.consumer import StreamReader
+from tlt_stream.aio import retry, sleep_or_stop
+from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.producer import StreamProducer, trim_acked
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.messages import LearnerStats, PolicyVersion
+from tlt_stream.drafter.lease import DrafterLease, LeaseGrant
+from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
 from tlt_stream.model.loader import CheckpointError
-from tlt_stream.rl.checkpoint import CheckpointInfo, latest_checkpoint, restore_checkpoint, save_checkpoint
+from tlt_stream.rl.checkpoint import (
+    CheckpointInfo,
+    ChecksumMismatch,
+    complete_checkpoints,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+    verify_policy,
+)
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
+from tlt_stream.rl.validate import sample_problem
 
 __all__ = ["LearnerRunSettings", "LearnerService", "serve_learner"]
 
@@ -64,6 +75,14 @@ class LearnerRunSettings:
     def __post_init__(self) -> None:
         if self.groups_per_step < 1 or self.max_staleness < 0 or self.keep_checkpoints < 1:
             raise ValueError("need groups_per_step >= 1, max_staleness >= 0 and keep_checkpoints >= 1")
+
+
+class RunTaken(ValueError):
+    """Another learner, alive, already serves this run (there is exactly one learner per run)."""
+
+
+class UpdateFailed(Exception):
+    """An update raised before it was applied (the weights, the ledger and the version are unchanged)."""
 
 
 class LearnerService:
@@ -97,27 +116,131 @@ class LearnerService:
         self.ready: list[ReadyGroup] = []
         self._idle_since = time.perf_counter()
         self._stop: asyncio.Event | None = None
+        self.vocab_size = 0
+        self.max_positions: int | None = None
+        self.failures: dict[str, int] = {}
+        """Failed update attempts per task id: a group whose updates keep failing is dead-lettered."""
+        self.failed_updates = 0
+        self.invalid = 0
+        self.trimmed = 0
+        self.lease = DrafterLease(redis, self.keys, ttl_ms=int(config.bus.heartbeat_ttl_s * 1000), name="learner_lease")
+        self.grant: LeaseGrant | None = None
+        self._longest_update_s = 0.0
 
     @property
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
 
     async def start(self) -> PolicyVersion:
-        """Resume from the newest checkpoint (or create checkpoint 0) and publish the current version."""
+        """Take the run's learner lease, resume from the newest checkpoint (or create checkpoint 0) and publish
+        the current version."""
+        await self._take_lease()
         await asyncio.to_thread(self._load)
         assert self.checkpoint is not None
         message = await self._publish(self.checkpoint)
         self._idle_since = time.perf_counter()
         return message
 
+    async def _take_lease(self) -> None:
+        """One learner per run: a second one waits for the holder's lease to expire (a learner killed a
+        moment ago) and is refused when it is still being renewed (a live learner)."""
+        import os
+        import socket
+
+        me = f"learner@{socket.gethostname()}:{os.getpid()}"
+        deadline = time.monotonic() + 2 * self.lease.ttl_ms / 1000 + 1
+        announced = False
+        while (grant := await self.lease.acquire(me)) is None:
+            holder = await self.lease.holder()
+            if time.monotonic() > deadline:
+                who = holder.worker_id if holder is not None else "another learner"
+                raise RunTaken(
+                    f"run {self.config.run!r} already has a learner ({who}, lease renewed); stop it first or "
+                    "use another --run"
+                )
+            if not announced and holder is not None:
+                log.warning("%s holds the learner lease; waiting for it to expire", holder.worker_id)
+                announced = True
+            await asyncio.sleep(0.25)
+        self.grant = grant
+
+    async def _keep_lease(self, stop: asyncio.Event) -> None:
+        """Renew the learner lease; its ttl covers the longest update seen (updates block the loop). Losing it
+        (this process stalled past the ttl and another learner took over) stops the service."""
+        assert self.grant is not None
+        while not await sleep_or_stop(stop, self.lease.ttl_ms / 3000):
+            await self._renew_lease()
+            if self.grant is None:
+                log.error("lost the learner lease of run %r to another learner; stopping", self.config.run)
+                stop.set()
+                return
+
+    async def _renew_lease(self) -> None:
+        if self.grant is None:
+            return
+        import dataclasses
+
+        ttl_ms = int(self.lease.ttl_ms + 2000 * self._longest_update_s)
+        try:
+            renewed = await self.lease.renew(dataclasses.replace(self.grant, ttl_ms=ttl_ms))
+            if renewed is None:  # expired during an update longer than any before: ours again unless taken
+                renewed = await self.lease.acquire(self.grant.worker_id)
+                if renewed is not None:
+                    log.warning("the learner lease expired during a long update; taken again")
+            self.grant = renewed
+        except aioredis.RedisError as exc:  # Redis away: the loop's own calls retry; try again next time
+            log.warning("renewing the learner lease failed (%s)", exc)
+
     def _load(self) -> None:
+        """Resume from the newest checkpoint that verifies, falling back past damaged ones (set aside as
+        `corrupt-step-*`, and said so); with none at all, start version 0 from the initial policy."""
+        latest = latest_checkpoint(self.checkpoints, clean=True)
+        if latest is None:
+            self._build(self.init_policy)
+            self.version = 0
+            self.checkpoint = self._save({"initial_policy": str(self.init_policy)})
+            log.info("version 0 from %s", self.init_policy)
+            return
+        candidates = [latest, *(c for c in reversed(complete_checkpoints(self.checkpoints)) if c.step != latest.step)]
+        from safetensors import SafetensorError
+
+        for found in candidates:
+            try:  # verified before anything reads it; a checkpoint that fits no learner is the user's to fix
+                verify_policy(found.policy_dir, found.policy_sha256)
+                self._build(found.policy_dir)
+                assert self.core is not None
+                ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer)
+            except (ChecksumMismatch, OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                aside = found.path.with_name(f"corrupt-{found.path.name}-{int(time.time())}")
+                found.path.rename(aside)
+                log.error(
+                    "checkpoint %s is damaged (%s: %s); set aside as %s, falling back to the previous one "
+                    "(the samples its update trained were acked: they are not trained again)",
+                    found.path,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                    aside.name,
+                )
+                continue
+            self._recover_metrics_row(found, meta)
+            self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
+            self.version, self.checkpoint = found.step, found
+            self.core.updates = found.step  # the learning-rate schedule continues where it stopped
+            log.info("resumed from %s (version %d, %d samples in the ledger)", found.path, found.step, len(ledger))
+            return
+        raise CheckpointError(
+            f"{self.checkpoints}: no checkpoint verifies (each was set aside as corrupt-step-*); starting over from "
+            "the initial policy would train every sample again, so restore one or use a new --run-dir"
+        )
+
+    def _build(self, source: Path) -> None:
+        """The policy (safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled), its
+        tokenizer when it has one, and the learner core around them."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        found = latest_checkpoint(self.checkpoints, clean=True)
-        source = found.policy_dir if found is not None else self.init_policy
         if not source.is_dir():
             raise FileNotFoundError(f"{source}: initial policy directory does not exist")
-        try:  # safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled
+        try:
             model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).to(self.settings.device)
         except (OSError, ValueError, KeyError) as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -127,17 +250,8 @@ class LearnerService:
         except (OSError, ValueError):  # a checkpoint without a tokenizer is fine; workers bring their own
             self.tokenizer = None
         self.core = LearnerCore(model, self.settings.learner)
-        if found is not None:
-            ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer)
-            self._recover_metrics_row(found, meta)
-            self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
-            self.version, self.checkpoint = found.step, found
-            self.core.updates = found.step  # the learning-rate schedule continues where it stopped
-            log.info("resumed from %s (version %d, %d samples in the ledger)", found.path, found.step, len(ledger))
-        else:
-            self.version = 0
-            self.checkpoint = self._save({"initial_policy": str(self.init_policy)})
-            log.info("version 0 from %s", self.init_policy)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def _save(self, extra: dict[str, Any]) -> CheckpointInfo:
         assert self.core is not None
@@ -165,27 +279,98 @@ class LearnerService:
             await self.start()
         assert self.core is not None
         self._stop = stop
+        keeper = asyncio.create_task(self._keep_lease(stop), name="learner-lease")
+        try:
+            await self._consume(stop, max_updates)
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            if self.grant is not None:
+                with contextlib.suppress(aioredis.RedisError):
+                    await self.lease.release(self.grant)
+                self.grant = None
+
+    async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> None:
         applied = 0
         while not stop.is_set() and (max_updates is None or applied < max_updates):
             deliveries = await self.reader.read()
             to_ack: list[str] = []
             for delivery in deliveries:
-                offer = self.assembler.offer(delivery.message, delivery.entry_id, self.version)
-                if offer.status == "duplicate":
-                    to_ack.append(delivery.entry_id)
-                elif offer.status == "stale":
-                    assert offer.group is not None
-                    to_ack += offer.group.entry_ids
-                    log.warning("dropped stale group %s", offer.group.task_id)
-                elif offer.status == "ready":
-                    assert offer.group is not None
-                    self.ready.append(offer.group)
-            await self.reader.ack(to_ack)
+                to_ack += await self._take(delivery)
+            await self._ack(to_ack)
             while len(self.ready) >= self.settings.groups_per_step and (max_updates is None or applied < max_updates):
                 groups = self.ready[: self.settings.groups_per_step]
                 del self.ready[: self.settings.groups_per_step]
-                await self._update(groups)
-                applied += 1
+                if await self._try_update(groups):
+                    applied += 1
+                elif stop.is_set():
+                    break
+
+    async def _take(self, delivery: Delivery[Sample]) -> list[str]:
+        """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
+        sample = delivery.message
+        problem = sample_problem(
+            sample, vocab_size=self.vocab_size, max_positions=self.max_positions, newest_version=self.version
+        )
+        offer = None
+        if problem is None:
+            offer = self.assembler.offer(sample, delivery.entry_id, self.version)
+            if offer.status == "invalid":
+                problem = offer.reason
+        if problem is not None:  # poison: the same entry would fail the same way on every restart
+            self.invalid += 1
+            await self.reader.give_up(delivery, f"invalid sample: {problem}")
+            return []
+        assert offer is not None
+        if offer.status == "duplicate":
+            return [delivery.entry_id]
+        if offer.status == "stale":
+            assert offer.group is not None
+            log.warning("dropped stale group %s", offer.group.task_id)
+            return offer.group.entry_ids
+        if offer.status == "ready":
+            assert offer.group is not None
+            self.ready.append(offer.group)
+        return []  # waiting or held: the entry stays pending until its update is checkpointed
+
+    async def _ack(self, entry_ids: list[str]) -> None:
+        await self.reader.ack(entry_ids)
+        self.assembler.release(entry_ids)
+
+    async def _try_update(self, groups: list[ReadyGroup]) -> bool:
+        """One update over `groups`; an update that raises is not applied: its groups go back to the front of
+        the queue and are tried again after a pause, and a group that failed `bus.max_deliveries` times is
+        dead-lettered (a group that keeps breaking the update must not stop the run)."""
+        try:
+            await self._update(groups)
+            for group in groups:
+                self.failures.pop(group.task_id, None)
+            return True
+        except UpdateFailed as failed:
+            exc = failed.__cause__ or failed
+            self.failed_updates += 1
+            log.exception("update to version %d failed; it was not applied", self.version + 1)
+            limit = self.config.bus.max_deliveries
+            keep = []
+            for group in groups:
+                tries = self.failures[group.task_id] = self.failures.get(group.task_id, 0) + 1
+                if tries < limit:
+                    keep.append(group)
+                    continue
+                self.failures.pop(group.task_id, None)
+                reason = f"the update failed {tries} times on this group: {type(exc).__name__}: {exc}"
+                await self._dead_group(group, reason)
+            self.ready[:0] = keep
+            if self._stop is not None:
+                await sleep_or_stop(self._stop, min(10.0, 0.5 * 2 ** (self.failed_updates - 1)))
+            return False
+
+    async def _dead_group(self, group: ReadyGroup, reason: str) -> None:
+        """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised)."""
+        for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
+            await self.reader.give_up(Delivery(entry_id, sample, 0), reason)
+        self.assembler.drop(group)
+        self.assembler.release(group.entry_ids)
 
     async def _update(self, groups: list[ReadyGroup]) -> dict[str, float]:
         assert self.core is not None
@@ -193,9 +378,13 @@ class LearnerService:
         wait = started - self._idle_since  # since the last update (or start): waiting for complete groups
         staleness = [g.staleness(self.version) for g in groups]
         samples = [s for g in groups for s in g.samples]
+        await self._renew_lease()  # the update blocks the loop: the renewed ttl covers the longest one yet
         # On the loop's thread, as the rollout worker's decode steps: torch's CPU thread pool is markedly
         # slower driven from a secondary thread. Heartbeats and MQTT keepalives tolerate an update's pause.
-        metrics = self.core.step(groups)
+        try:
+            metrics = self.core.step(groups)
+        except Exception as exc:  # nothing was applied: LearnerCore.step fails before its optimizer step
+            raise UpdateFailed(str(exc)) from exc
         await asyncio.sleep(0)
         for group in groups:
             self.assembler.consume(group)
@@ -219,9 +408,10 @@ class LearnerService:
         # A full disk or an unwritable directory must not cost the update or its samples: nothing is acked or
         # published before the checkpoint exists, so retry (capped backoff, saying why) until it is written
         # or the service is stopped, which then exits non-zero with the samples still pending for a restart.
+        # Any error: inside safetensors' writer an I/O failure surfaces as SafetensorError, not OSError.
         self.checkpoint = await retry(
             lambda: asyncio.to_thread(self._save, extra),
-            retry_on=(OSError,),
+            retry_on=(Exception,),
             what=f"checkpoint of version {self.version}",
             max_attempts=None,
             base=0.5,
@@ -229,7 +419,8 @@ class LearnerService:
             stop=self._stop,
         )
         metrics["checkpoint_seconds"] = time.perf_counter() - saving
-        await self.reader.ack([entry for g in groups for entry in g.entry_ids])
+        await self._ack([entry for g in groups for entry in g.entry_ids])
+        await self._trim()
         await self._publish(self.checkpoint)
         # Groups assembled under the old version that the new one has left behind: drop them visibly.
         expired = self.assembler.evict_stale(self.version)
@@ -241,8 +432,9 @@ class LearnerService:
             else:
                 keep.append(group)
         self.ready = keep
-        await self.reader.ack([entry for g in expired for entry in g.entry_ids])
+        await self._ack([entry for g in expired for entry in g.entry_ids])
         metrics["update_seconds"] = time.perf_counter() - started
+        self._longest_update_s = max(self._longest_update_s, metrics["update_seconds"])
         await self.producer.send_one(
             "stats",
             LearnerStats(
@@ -276,6 +468,14 @@ class LearnerService:
         )
         self._idle_since = time.perf_counter()
         return metrics
+
+    async def _trim(self) -> None:
+        """Drop the `samples` entries every consumer group has acked: the checkpoint just written covers them
+        (a reader that needs them later, an audit say, keeps them by having its own group)."""
+        try:
+            self.trimmed += await trim_acked(self.redis, self.keys.stream("samples"))
+        except aioredis.RedisError as exc:  # only memory is at stake; the next update trims again
+            log.warning("could not trim the samples stream (%s); trying again after the next update", exc)
 
     def _append_metrics(self, line: dict[str, Any]) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -335,6 +535,7 @@ def serve_learner(config: Config, args: Any) -> int:
     settings = LearnerRunSettings(
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
+        keep_checkpoints=args.keep_checkpoints,
         learner=LearnerSettings(
             lr=args.lr, warmup_steps=args.warmup_steps, final_norm_lr_scale=args.final_norm_lr_scale
         ),
