@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from tests.integration.loop import keep_for_audit
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
@@ -73,6 +74,7 @@ async def test_on_policy_loop_trains_every_dispatched_group_once(
 ) -> None:
     keys = Keys(bus_config.run)
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    await keep_for_audit(redis, keys)  # the learner trims what it checkpointed
     planes = {
         role: ControlPlane(bus_config, redis, role=role, owns=["policy"] if role == "learner" else [])
         for role in ("learner", "policy", "rollout")
@@ -400,3 +402,102 @@ async def test_a_dispatch_interrupted_while_watching_the_cursor_is_retried_once(
         assert len(calls) == 2 and len(ids) == 2
         assert await planes.redis.xlen(Keys(bus_config.run).stream("prompts")) == 2
         assert await dispatcher.next_step() == 1
+
+
+async def test_poison_tasks_are_dead_lettered_and_the_worker_generates_on(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """Tasks that decode but cannot be generated (a prompt over max_len, a token outside the vocabulary, a
+    policy version nobody published) go to `dead` with their reasons; the good task behind them is done."""
+    import json
+
+    from tlt_stream.bus.producer import StreamProducer
+    from tlt_stream.messages import PromptGroup
+
+    keys = Keys(bus_config.run)
+    vocab = json.loads((init_policy / "config.json").read_text())["vocab_size"]
+    async with learner_and_worker_planes(bus_config) as planes:
+        redis = planes.redis
+        settings = RolloutSettings(max_batch=4, max_len=96)
+        worker = RolloutWorker(bus_config, redis, planes.worker, worker_id="w0", reward=reward, settings=settings)
+        learner = LearnerService(bus_config, redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy)
+        await learner.start()
+
+        def task(name: str, ids: list[int], min_version: int = 0) -> PromptGroup:
+            return PromptGroup(
+                task_id=name, prompt_id=name, prompt_ids=ids, answer="1", group_size=2, min_policy_version=min_version
+            )
+
+        good = build_tokenizer().encode("Start at 1 and add 2, 1 times.\n")
+        poison = [task("long", [5] * 96), task("vocab", [5, vocab + 1]), task("future", good, min_version=2**40)]
+        await StreamProducer(redis, keys, bus_config.bus).send("prompts", [*poison, task("good", good)])
+        async with asyncio.timeout(60):
+            await worker.run(planes.stop, max_tasks=1)
+    samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "samples")]
+    assert sorted(s.sample_id for s in samples) == ["good/0", "good/1"]
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "dead")]
+    by_task = {codec_for("prompts").decode(d.payload).task_id: d for d in dead}
+    assert set(by_task) == {"long", "vocab", "future"} and all(d.origin == "rollout/w0" for d in dead)
+    assert "max_len=96" in by_task["long"].reason and "vocabulary" in by_task["vocab"].reason
+    assert "newer than the newest published" in by_task["future"].reason
+    assert worker.invalid_tasks == 3
+
+
+async def redis_entries(config: Config, keys: Keys, stream: str) -> list:
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    try:
+        return await redis.xrange(keys.stream(stream))
+    finally:
+        await redis.aclose()
+
+
+async def test_a_task_generating_past_the_reclaim_time_stays_with_its_live_worker(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """Two workers, tasks that generate for many reclaim periods: no task is taken over by the other worker
+    while its owner heartbeats, none is redelivered or dead-lettered, and every sample is generated once
+    (read from Redis: the PEL's delivery counts while it runs, the `samples` and `dead` streams after)."""
+    from tlt_stream.bus.producer import StreamProducer
+    from tlt_stream.messages import PromptGroup
+
+    config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reclaim_idle_ms=150))
+    keys = Keys(config.run)
+    tokenizer = build_tokenizer()
+    async with learner_and_worker_planes(config) as planes:
+        redis = planes.redis
+        await keep_for_audit(redis, keys)
+        second = ControlPlane(config, redis, role="rollout")
+        plane_task = asyncio.create_task(second.run(planes.stop))
+        settings = RolloutSettings(max_batch=2, max_len=900, temperature=1.0)
+        workers = [
+            RolloutWorker(config, redis, plane, worker_id=f"w{i}", reward=reward, settings=settings)
+            for i, plane in enumerate((planes.worker, second))
+        ]
+        learner = LearnerService(config, redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy)
+        await learner.start()
+        prompt = tokenizer.encode("Start at 3 and add 4, 20 times.\n")
+        tasks = [
+            PromptGroup(task_id=f"t{i}", prompt_id=f"p{i}", prompt_ids=prompt, answer="83", group_size=2)
+            for i in range(4)
+        ]
+        await workers[0].reader.ensure_group()
+        await StreamProducer(redis, keys, config.bus).send("prompts", tasks)
+        running = [asyncio.create_task(w.run(planes.stop)) for w in workers]
+        most_delivered = 0
+        try:
+            async with asyncio.timeout(240):
+                while sum(w.tasks_done for w in workers) < len(tasks):
+                    for task in running:
+                        assert not task.done(), task.exception()
+                    rows = await redis.xpending_range(keys.stream("prompts"), "rollout", "-", "+", 10)
+                    most_delivered = max([most_delivered, *(int(r["times_delivered"]) for r in rows)])
+                    await asyncio.sleep(0.05)
+        finally:
+            planes.stop.set()
+            await asyncio.gather(*running, plane_task, return_exceptions=True)
+    samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis_entries(config, keys, "samples")]
+    assert sorted(s.sample_id for s in samples) == sorted(f"t{i}/{g}" for i in range(4) for g in range(2))
+    assert max(s.gen_seconds for s in samples) > 3 * 0.150, "the tasks really outlived the reclaim time"
+    assert most_delivered == 1, "no task was delivered twice while its worker was alive"
+    assert await redis_entries(config, keys, "dead") == []
+    assert all(w.reader.reclaimed == 0 for w in workers) and sum(w.reader.refreshed for w in workers) > 0

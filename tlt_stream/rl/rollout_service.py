@@ -50,6 +50,7 @@ from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
 from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.samples import hidden_window, make_sample
+from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.tuner import Arm, bucket_of
 
@@ -157,6 +158,9 @@ class RolloutWorker:
         was not there when we tried to load it: tried again after a backoff unless a newer one comes first."""
         self.tasks: dict[str, _Task] = {}
         self.waiting: list[Delivery[PromptGroup]] = []
+        self.vocab_size: int | None = None
+        """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
+        self.invalid_tasks = 0
         self.samples_sent = 0
         self.tasks_done = 0
         self._tokens = 0
@@ -207,6 +211,7 @@ class RolloutWorker:
                     await asyncio.sleep(0.2)
             done_before = self.tasks_done
             while not stop.is_set() and (max_tasks is None or self.tasks_done - done_before < max_tasks):
+                await self.reader.maybe_refresh()  # what we hold stays ours however long it generates
                 if not self.tasks:
                     await self._maybe_load()
                 await self._maybe_swap_drafter()
@@ -273,6 +278,8 @@ class RolloutWorker:
             return
 
         def load() -> None:
+            if problem := location_problem(announced.location, self.config.bus.store_root):
+                raise CheckpointError(problem)
             verify_policy(announced.location, announced.sha256)
             self.engine.load_drafter(announced.location)  # in place: in-flight requests go on
 
@@ -296,6 +303,11 @@ class RolloutWorker:
         if announced is None:
             return
         await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
+        if problem := location_problem(announced.location, self.config.bus.store_root):
+            self.refused.add(announced.version)
+            log.error("refused policy version %d: %s", announced.version, problem)
+            self.registry.update_info(refused_policy=f"{announced.version}: {problem}")
+            return
         try:
             await asyncio.to_thread(self._load, announced)
         except (ChecksumMismatch, CheckpointError, OSError) as exc:
@@ -349,6 +361,7 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         verify_policy(announced.location, announced.sha256)
+        self.vocab_size = _vocab_size(announced.location)
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
@@ -430,9 +443,35 @@ class RolloutWorker:
 
     async def _read_tasks(self, count: int, block_ms: int | None) -> None:
         deliveries = await self.reader.read(count=count, block_ms=block_ms)
-        if deliveries:
-            self._group_hint = max(1, deliveries[-1].message.group_size)
-        self.waiting += deliveries
+        usable = []
+        for delivery in deliveries:
+            if problem := await self._task_problem(delivery.message):
+                # Poison (it would fail the same way on every worker and every redelivery): dead-lettered,
+                # and the worker goes on.
+                self.invalid_tasks += 1
+                await self.reader.give_up(delivery, f"invalid task: {problem}")
+                continue
+            usable.append(delivery)
+        if usable:
+            self._group_hint = max(1, usable[-1].message.group_size)
+        self.waiting += usable
+
+    async def _task_problem(self, task: PromptGroup) -> str | None:
+        def problem() -> str | None:
+            return prompt_problem(
+                task,
+                vocab_size=self.vocab_size or 2**31,
+                max_len=self.settings.max_len,
+                newest_version=self.control.version("policy"),
+            )
+
+        found = problem()
+        if found is not None and task.min_policy_version > self.control.version("policy"):
+            # Our view may lag the mirror the dispatcher went by; a mirror we cannot read proves nothing.
+            if not await self.control.refresh_from_mirror():
+                return None
+            found = problem()
+        return found
 
     async def _wait_for_work(self) -> None:
         """Idle, and not training a drafter: wait up to `bus.block_ms` for what would end it. Holding tasks
@@ -464,9 +503,7 @@ class RolloutWorker:
         group = delivery.message
         if group.task_id in self.tasks:  # the same task redelivered while we still work on it
             return
-        budget = self.settings.max_len - len(group.prompt_ids)
-        if budget < 1:
-            raise ValueError(f"task {group.task_id}: prompt of {len(group.prompt_ids)} tokens leaves no room")
+        budget = self.settings.max_len - len(group.prompt_ids)  # >= 1: `_read_tasks` dead-letters the rest
         eos = [self.tokenizer.eos_token_id]
         for index in range(group.group_size):
             seed = int(hashlib.sha1(f"{group.task_id}/{index}".encode()).hexdigest()[:12], 16)
@@ -576,6 +613,17 @@ class RolloutWorker:
             if finished:
                 break
         return finished, engine.tokens_generated - tokens, engine.rounds + engine.plain_steps - forwards
+
+
+def _vocab_size(location: str) -> int | None:
+    """`vocab_size` from a Hugging Face checkpoint's config.json (None when it does not say)."""
+    import json
+
+    try:
+        value = json.loads((Path(location) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def serve_rollout_worker(config: Config, args: Any) -> int:
