@@ -80,6 +80,14 @@ class BusConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     hidden_maxlen: Annotated[
         int, _doc("Approximate bound on the `hidden` stream (a lossy drafter-training buffer).", ge=1)
     ] = 2000
+    hidden_max_bytes: Annotated[
+        int,
+        _doc(
+            "Approximate bound on the Redis memory the `hidden` stream holds, in bytes: its MAXLEN is lowered to "
+            "this over the typical entry size the producer measures (a running mean, allocator overhead included).",
+            ge=1024,
+        ),
+    ] = 256 * 2**20
     stats_maxlen: Annotated[int, _doc("Approximate bound on the `stats` stream.", ge=1)] = 100_000
     dead_maxlen: Annotated[int, _doc("Approximate bound on the `dead` stream.", ge=1)] = 100_000
     max_message_bytes: Annotated[

@@ -310,6 +310,102 @@ async def test_retention_durable_trims_only_acked_buffer_is_bounded(bus_config: 
         await producer.send(
             "hidden", [HiddenWindow(sample_id="s", policy_version=0, token_ids=[1, 2], hidden=window)] * 100
         )
-    assert await redis.xlen(keys.stream("hidden")) < 400, "MAXLEN ~ bounds the buffer stream"
+    assert await redis.xlen(keys.stream("hidden")) == 50, "a small MAXLEN bounds the buffer stream exactly"
     await producer.send_one("stats", WorkerState(worker_id="w", state=WorkerStatus.IDLE))
+    await redis.aclose()
+
+
+async def stream_ids(redis: aioredis.Redis, key: str) -> list[str]:
+    return [entry_id.decode() for entry_id, _ in await redis.xrange(key)]
+
+
+async def test_trim_acked_keeps_what_any_group_has_pending_or_not_yet_delivered(bus_config: Config) -> None:
+    keys = Keys(bus_config.run)
+    key = keys.stream("prompts")
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    ids = await producer.send("prompts", [prompt(i) for i in range(10)])
+    assert await trim_acked(redis, key) == 0, "a stream nobody reads yet keeps everything"
+    await redis.xgroup_create(key, "rollout", id="0")
+    assert await trim_acked(redis, key) == 0, "a group that delivered nothing keeps everything"
+    taken = await redis.xreadgroup("rollout", "w1", {key: ">"}, count=6)
+    assert await redis.xack(key, "rollout", *[entry_id for entry_id, _ in taken[0][1]]) == 6
+    assert (await redis.xpending(key, "rollout"))["pending"] == 0
+    assert await trim_acked(redis, key) == 6, "empty PEL: up to the last delivered entry"
+    assert await stream_ids(redis, key) == ids[6:], "entries after last-delivered-id stay"
+
+    await redis.xgroup_create(key, "audit", id="0")
+    assert await trim_acked(redis, key) == 0, "a second group that delivered nothing holds everything"
+    audit = await redis.xreadgroup("audit", "a1", {key: ">"}, count=2)
+    await redis.xack(key, "audit", audit[0][1][1][0])  # ids[7] acked, ids[6] pending in `audit`
+    rest = await redis.xreadgroup("rollout", "w1", {key: ">"})
+    await redis.xack(key, "rollout", *[entry_id for entry_id, _ in rest[0][1]])
+    assert await trim_acked(redis, key) == 0, "an entry pending in one group holds it and all after it"
+    assert await stream_ids(redis, key) == ids[6:]
+    await redis.xack(key, "audit", ids[6])
+    assert await trim_acked(redis, key) == 2, "audit's PEL is empty: up to its last delivered entry"
+    assert await stream_ids(redis, key) == ids[8:], "entries audit has not read yet stay"
+    later = await producer.send("prompts", [prompt(10)])
+    assert await trim_acked(redis, key) == 0
+    assert await stream_ids(redis, key) == ids[8:] + later
+    for group, consumer in (("rollout", "w1"), ("audit", "a1")):
+        got = await redis.xreadgroup(group, consumer, {key: ">"})
+        await redis.xack(key, group, *[entry_id for entry_id, _ in got[0][1]])
+    assert await trim_acked(redis, key) == 3
+    assert await redis.xlen(key) == 0
+    assert await trim_acked(redis, key) == 0, "an empty stream"
+    assert await trim_acked(redis, keys.stream("samples")) == 0, "no stream at all"
+    await redis.aclose()
+
+
+async def test_trim_acked_against_a_model_of_three_groups(bus_config: Config) -> None:
+    """Random adds, reads and acks by three groups; after each trim the stream holds exactly the entries from
+    the oldest one some group has pending or not yet delivered, and each group's PEL is untouched."""
+    import random
+
+    keys = Keys(bus_config.run)
+    key = keys.stream("samples")
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    rng = random.Random(7)
+    groups = ("learner", "audit", "late")
+    entries: list[str] = []
+    delivered = {g: 0 for g in groups}  # entries[:n] were delivered to g (XREADGROUP delivers in order)
+    pending: dict[str, set[str]] = {g: set() for g in groups}
+    await redis.xgroup_create(key, "learner", id="0", mkstream=True)
+    await redis.xgroup_create(key, "audit", id="0")
+    trimmed = 0
+    for step in range(120):
+        if step == 30:
+            await redis.xgroup_create(key, "late", id="0")
+        live = groups if step >= 30 else groups[:2]
+        action = rng.random()
+        if action < 0.35:
+            for _ in range(rng.randint(1, 4)):
+                entries.append((await redis.xadd(key, {PAYLOAD_FIELD: b"x"})).decode())
+        elif action < 0.65:
+            group = rng.choice(live)
+            got = await redis.xreadgroup(group, "c", {key: ">"}, count=rng.randint(1, 5))
+            for entry_id, _ in got[0][1] if got else []:
+                assert entry_id.decode() == entries[delivered[group]]
+                pending[group].add(entry_id.decode())
+                delivered[group] += 1
+        elif action < 0.9:
+            group = rng.choice(live)
+            if pending[group]:
+                acked = rng.sample(sorted(pending[group]), rng.randint(1, len(pending[group])))
+                assert await redis.xack(key, group, *acked) == len(acked)
+                pending[group] -= set(acked)
+        else:
+            before = await stream_ids(redis, key)
+            removed = await trim_acked(redis, key)
+            trimmed += removed
+            # What each group still needs starts at its oldest pending entry, else at its first undelivered one.
+            needed = [min([entries.index(i) for i in pending[g]] + [delivered[g]]) for g in live]
+            expected = entries[min(needed) :]
+            assert await stream_ids(redis, key) == expected
+            assert removed == len(before) - len(expected)
+            for g in live:
+                summary = await redis.xpending(key, g)
+                assert summary["pending"] == len(pending[g]), "trimming never touches a PEL"
+    assert trimmed > 0, "the run exercised trimming"
     await redis.aclose()

@@ -5,6 +5,10 @@ its heartbeats stop, plus an entry in the sorted set `tlt:{run}:workers` scored 
 the monitor can list workers without SCAN. A worker that dies simply stops refreshing: its hash expires
 after `bus.heartbeat_ttl_s` and `list_workers` prunes it from the index. Every state change is also
 written to the `stats` stream as a `WorkerState` entry: the state timeline.
+
+A Redis that refuses writes for memory (`maxmemory`) does not stop the heartbeat: it is logged once, the
+hash is kept from expiring (PEXPIRE, which Redis allows when full, so readers do not take a live worker's
+entries for a dead one's) and the full beat is tried again each period until Redis has room.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError
 
 from tlt_stream.aio import sleep_or_stop
 from tlt_stream.bus.connect import REDIS_RETRYABLE
@@ -72,7 +77,7 @@ class WorkerRegistry:
                 "stats", WorkerState(worker_id=self.worker_id, state=state, previous=previous, reason=reason)
             )
             await self.beat()
-        except REDIS_RETRYABLE as exc:
+        except (*REDIS_RETRYABLE, OutOfMemoryError) as exc:
             log.warning("%s: could not record state %s (%s); the next heartbeat will", self.worker_id, state, exc)
 
     async def beat(self) -> None:
@@ -86,11 +91,31 @@ class WorkerRegistry:
             pipe.zadd(self.keys.workers, {self.worker_id: now})
             await pipe.execute()
 
+    async def _keep_alive(self) -> None:
+        """Extend the hash's TTL only: what a full Redis still accepts."""
+        try:
+            await self.redis.pexpire(self.keys.worker(self.worker_id), int(self.bus.heartbeat_ttl_s * 1000))
+        except REDIS_RETRYABLE as exc:
+            log.warning("%s: heartbeat failed (%s); retrying", self.worker_id, exc)
+
     async def heartbeat(self, stop: asyncio.Event) -> None:
         """Refresh the registry every `bus.heartbeat_s` until `stop`; then record STOPPED."""
+        refused = False
         while True:
             try:
                 await self.beat()
+                if refused:
+                    log.info("%s: heartbeat written again (Redis has memory)", self.worker_id)
+                refused = False
+            except OutOfMemoryError as exc:
+                if not refused:
+                    log.warning(
+                        "%s: Redis refuses the heartbeat for memory (%s); keeping the entry alive, retrying each beat",
+                        self.worker_id,
+                        exc,
+                    )
+                refused = True
+                await self._keep_alive()
             except REDIS_RETRYABLE as exc:
                 log.warning("%s: heartbeat failed (%s); retrying", self.worker_id, exc)
             if await sleep_or_stop(stop, self.bus.heartbeat_s):

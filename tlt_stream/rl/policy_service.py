@@ -7,7 +7,11 @@ and step s+1 waits for the update that step s feeds. Larger windows let generati
 
 The dispatch cursor lives in Redis and moves in the same MULTI/EXEC transaction as the XADDs of its step,
 so a service restarted at any point dispatches every step exactly once. Tasks are deterministic for
-(seed, step), so a run is reproducible.
+(seed, step), so a run is reproducible. A Redis that refuses the transaction for memory (`maxmemory`) made
+no part of it happen, so it is retried with capped backoff until Redis has room; the service never exits.
+
+After each dispatch the service trims `prompts` of the tasks every consumer group has acked (`trim_acked`:
+never a pending or undelivered one), which keeps the stream's memory at the tasks in flight.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import OutOfMemoryError, WatchError
 
 from tlt_stream.aio import retry
+from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.bus.producer import PAYLOAD_FIELD
+from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S, PAYLOAD_FIELD, trim_acked
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.messages import PromptGroup, codec_for
@@ -89,6 +94,8 @@ class PolicyService:
         self.keys = Keys(config.run)
         self.cursor_key = f"{config.key_prefix}dispatch"
         self.codec = codec_for("prompts")
+        self.trimmed = 0
+        """`prompts` entries this service trimmed (acked by every group)."""
 
     async def next_step(self) -> int:
         value = await self.redis.hget(self.cursor_key, "next_step")
@@ -131,11 +138,40 @@ class PolicyService:
         # reports a Redis restart there as a WatchError, not a ConnectionError), which may be before EXEC
         # (nothing written) or after it (committed, reply lost). Read the cursor again: our own token on it
         # means the step is out, a step still to send is sent, and anything else is a real race.
+        async def dispatch_once() -> list[Any]:
+            try:
+                return await retry(
+                    transaction,
+                    retry_on=(WatchError,),
+                    what=f"dispatch of step {step}",
+                    max_attempts=WATCH_ATTEMPTS,
+                    cap=4.0,
+                )
+            except OutOfMemoryError:  # redis-py's message quotes the queued XADD, binary payload and all
+                raise OutOfMemoryError("Redis refused the transaction: used memory > 'maxmemory'") from None
+
+        # Out of memory, Redis refuses the queued XADD and aborts the whole transaction: nothing was written.
         replies = await retry(
-            transaction, retry_on=(WatchError,), what=f"dispatch of step {step}", max_attempts=WATCH_ATTEMPTS, cap=4.0
+            dispatch_once,
+            retry_on=(OutOfMemoryError,),
+            what=f"dispatch of step {step} (Redis out of memory)",
+            max_attempts=None,
+            cap=OOM_BACKOFF_CAP_S,
         )
         log.info("dispatched step %d: %d tasks x %d samples", step, len(tasks), self.group_size)
+        await self.trim()
         return [r.decode() if isinstance(r, bytes) else r for r in replies]
+
+    async def trim(self) -> int:
+        """Trim `prompts` of what every group has acked; a failure is logged and left to the next dispatch."""
+        try:
+            removed = await trim_acked(self.redis, self.keys.stream("prompts"))
+        except REDIS_RETRYABLE as exc:
+            log.warning("trimming prompts failed (%s); the next dispatch tries again", exc)
+            return 0
+        self.trimmed += removed
+        log.debug("trimmed %d acked prompts (%d in all)", removed, self.trimmed)
+        return removed
 
     async def _committed_ids(self, key: str, tasks: list[PromptGroup]) -> list[Any]:
         """The entry ids of `tasks`, already in `prompts` (the newest entries: only this service adds there)."""
