@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
+from tlt_stream.aio import retry
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys, spec
 from tlt_stream.config import BusConfig
@@ -80,15 +81,28 @@ async def dead_letter(
         payload=bytes(payload[:DEAD_PAYLOAD_LIMIT]),
         payload_size=len(payload),
     )
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(
-            keys.stream("dead"),
-            {PAYLOAD_FIELD: codec_for("dead").encode(letter)},
-            maxlen=bus.dead_maxlen,
-            approximate=True,
-        )
-        pipe.hincrby(keys.dead_counts, stream, 1)
-        await pipe.execute()
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                keys.stream("dead"),
+                {PAYLOAD_FIELD: codec_for("dead").encode(letter)},
+                maxlen=bus.dead_maxlen,
+                approximate=True,
+            )
+            pipe.hincrby(keys.dead_counts, stream, 1)
+            await pipe.execute()
+
+    # Never silently dropped: the caller acks the entry only after this returns, so a Redis at maxmemory
+    # (which refuses the write) is waited out, with capped backoff, rather than losing the letter.
+    await retry(
+        write,
+        retry_on=(aioredis.OutOfMemoryError,),
+        what=f"dead letter of {stream} {entry_id}",
+        max_attempts=None,
+        base=0.5,
+        cap=5.0,
+    )
     log.warning("dead-lettered %s entry %s from %s: %s", stream, entry_id, origin, reason)
 
 
