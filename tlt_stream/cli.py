@@ -7,7 +7,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 EXIT_CONFIG = 2
 
@@ -49,14 +52,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     import msgspec
 
-    from tlt_stream.config import describe
+    from tlt_stream.config import describe, redact_config
 
     if args.action == "describe":
         for key, default, text in describe():
             print(f"{key} = {default!r}\n    {text}")
         return 0
     config = load(args)
-    print(msgspec.json.format(msgspec.json.encode(config)).decode())
+    print(msgspec.json.format(msgspec.json.encode(redact_config(msgspec.to_builtins(config)))).decode())
     return 0
 
 
@@ -119,11 +122,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     from tlt_stream.aio import install_stop_signals
+    from tlt_stream.config import redact_text
     from tlt_stream.launch import RunPlan, ensure_new_run, evaluate_version, run_plan
     from tlt_stream.model import resolve_device
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
-    from tlt_stream.tasks.bootstrap import bootstrap
+    from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
 
     config = load(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -138,16 +142,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         try:
             asyncio.run(ensure_new_run(config))
         except RuntimeError as exc:
-            print(f"tlt-stream run: {exc}", file=sys.stderr)
+            print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return 1
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     with PhaseProgress() as progress:
-        if not (world / "policy").is_dir():
-            print(
-                f"tlt-stream run: no policy in {world}; bootstrapping the tiny world (a few minutes)", file=sys.stderr
-            )
-            bootstrap(world, progress=progress)
+        if (why := _world_to_build(world, args.sd)) is not None:
+            pending = unfinished(world) or {}
+            print(f"tlt-stream run: {why}; bootstrapping the tiny world (a few minutes)", file=sys.stderr)
+            size = pending.get("size") if pending.get("size") in SIZES else "default"
+            bootstrap(world, seed=pending.get("seed", 0), size=size, progress=progress)
         try:
             resolve_device(args.device)  # a bad --device fails here, not in every service after start-up
             plan = RunPlan(
@@ -171,7 +175,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 cores=cores,
             )
         except (FileNotFoundError, ValueError) as exc:
-            print(f"tlt-stream run: {exc}", file=sys.stderr)
+            print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return EXIT_CONFIG
         print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
         if args.eval and not (out / "eval.jsonl").exists():
@@ -204,8 +208,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         try:
             code = asyncio.run(main())
-        except (RuntimeError, FileNotFoundError, ValueError) as exc:
-            print(f"tlt-stream run: {exc}", file=sys.stderr)
+        except (RuntimeError, FileNotFoundError, ValueError) as exc:  # a service's log tail among them
+            print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return 1
     seconds = time.perf_counter() - started
     if code == 0 and args.eval:
@@ -221,6 +225,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
         where = "no step finished, so no report"
     print(f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; {where}", file=sys.stderr)
     return code
+
+
+DEFAULT_WORLD = "artifacts/world"
+
+
+def _world_to_build(world: Path, sd: str) -> str | None:
+    """Why `tlt-stream run` must bootstrap `world` first (None: it holds what the run needs). The default world
+    is the command's own, built until it has a drafter; one given with --world is used as it is (a bootstrap
+    left unfinished in it is finished), so a world of one's own without a drafter is refused, not replaced."""
+    from pathlib import Path
+
+    from tlt_stream.tasks.bootstrap import unfinished
+
+    if unfinished(world) is not None:
+        return f"{world} holds an unfinished bootstrap"
+    if not (world / "policy").is_dir():
+        return f"no policy in {world}"
+    if sd == "eagle" and not (world / "drafter").is_dir() and world.resolve() == Path(DEFAULT_WORLD).resolve():
+        return f"no drafter in {world}"
+    return None
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -470,7 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=_positive, default=60, help="policy updates to run")
     run.add_argument("--workers", type=_positive, default=1, help="rollout worker processes")
     run.add_argument("--out", help="run directory (default runs/RUN-TIMESTAMP)")
-    run.add_argument("--world", default="artifacts/world", help="tiny world directory (built when missing)")
+    run.add_argument(
+        "--world",
+        default=DEFAULT_WORLD,
+        help=f"tiny world directory (built or finished when missing or unfinished; {DEFAULT_WORLD}, the default, "
+        "also when it lacks the drafter --sd eagle needs)",
+    )
     run.add_argument("--prompts-per-step", type=_positive, default=16)
     run.add_argument("--group-size", type=_positive, default=8)
     run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
@@ -658,14 +687,21 @@ def load(args: argparse.Namespace) -> Any:
     return load_config(args.config, overrides=args.overrides, extra=extra)
 
 
+class RedactingFormatter(logging.Formatter):
+    """Log lines (tracebacks included) with every URL password and password-like value replaced by `***`:
+    whatever a library or a service logs, no secret reaches a terminal or a run's logs."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from tlt_stream.config import redact_text
+
+        return redact_text(super().format(record))
+
+
 def setup_logging(verbosity: int) -> None:
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def _exit_on_sigterm() -> None:
@@ -698,12 +734,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", 0))
     handler: Callable[[argparse.Namespace], int] = args.handler
-    from tlt_stream.config import ConfigError
+    from tlt_stream.config import ConfigError, redact_text
 
     try:
         return handler(args)
-    except ConfigError as exc:
-        print(f"tlt-stream: configuration error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # its text may quote a --set or a value with a password in it
+        print(f"tlt-stream: configuration error: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:
         print("tlt-stream: interrupted", file=sys.stderr)

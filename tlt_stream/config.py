@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -29,6 +29,8 @@ __all__ = [
     "ConfigError",
     "describe",
     "load_config",
+    "redact_config",
+    "redact_text",
     "redact_url",
 ]
 
@@ -144,17 +146,41 @@ ENV_PREFIX = "TLT_"
 ENV_SEPARATOR = "__"
 
 
+SECRET_KEY = r"[\w.-]*(?:pass(?:wd|word|phrase)?|pwd|token|secret|credentials?|auth|api[_-]?key|private[_-]?key)"
+"""A setting or query parameter whose name ends in one of these holds a secret (`password`, `ssl_password`,
+`passwd`, `pass`, `access_token`, `client_secret`, `auth`, `api_key`, ...; not `tokens` or `password_file`)."""
+
+_SECRET_KEY_RE = re.compile(rf"^{SECRET_KEY}$", re.IGNORECASE)
+_USERINFO_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/'\"]*):[^\s'\"]*@")
+_ASSIGNMENT_RE = re.compile(rf"(?P<head>(?<![\w.-]){SECRET_KEY}=)[^\s&#;'\"]*", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_text(text: str) -> str:
+    """`text` with every secret it may carry replaced by `***`: URL passwords (`scheme://user:PASSWORD@host`,
+    the password reaching to the last `@` of the URL, so an unescaped `@` or `/` in it hides nothing) and
+    password-like assignments (`?password=...`, `&token=...`, `--set bus.x_secret=...`)."""
+    text = _USERINFO_RE.sub(rf"\g<head>:{REDACTED}@", text)
+    return _ASSIGNMENT_RE.sub(rf"\g<head>{REDACTED}", text)
+
+
 def redact_url(url: str | None) -> str | None:
-    """The URL with any password replaced by `***`, for logs and error messages."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """The URL with its password and any password-like query parameter replaced by `***`, for logs and
+    error messages; never raises, whatever the URL."""
+    return None if url is None else redact_text(url)
+
+
+def redact_config(tree: Any) -> Any:
+    """A copy of a configuration tree (builtins, as `msgspec.to_builtins(config)` gives) fit to print:
+    password-like keys hold `***`, and every string value (URLs among them) has its secrets redacted."""
+    if isinstance(tree, dict):
+        return {
+            key: REDACTED if _SECRET_KEY_RE.match(str(key)) and value not in (None, "") else redact_config(value)
+            for key, value in tree.items()
+        }
+    if isinstance(tree, list | tuple):
+        return [redact_config(value) for value in tree]
+    return redact_text(tree) if isinstance(tree, str) else tree
 
 
 def _parse_scalar(text: str) -> Any:
@@ -190,7 +216,7 @@ def parse_assignment(text: str) -> tuple[tuple[str, ...], Any]:
     """`section.key=value` from a `--set` flag."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example bus.block_ms=500")
+        raise ConfigError(redact_text(f"--set {text!r}: expected KEY=VALUE, for example bus.block_ms=500"))
     return tuple(key.strip().split(".")), _parse_scalar(value.strip())
 
 
@@ -235,7 +261,9 @@ def _friendly(error: msgspec.ValidationError, origin: str, tree: dict[str, Any])
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
     got = f" (value: {value!r})" if path and not isinstance(value, dict | type(None)) else ""
-    return f"{origin}: {where}: {body}{got}"
+    if path and _SECRET_KEY_RE.match(path[-1]):
+        got = ""
+    return redact_text(f"{origin}: {where}: {body}{got}")
 
 
 def load_config(

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tlt_stream.config import Config
+from tlt_stream.config import Config, redact_url
 
 __all__ = [
     "RunPlan",
@@ -282,8 +282,8 @@ async def ensure_new_run(config: Config) -> None:
         await redis.aclose()
     if used:
         raise RuntimeError(
-            f"run {config.run!r} already has state in Redis ({config.bus.redis_url}); choose another --run name "
-            f"(or delete its keys: redis-cli --scan --pattern '{config.key_prefix}*' | xargs redis-cli del)"
+            f"run {config.run!r} already has state in Redis ({redact_url(config.bus.redis_url)}); choose another "
+            f"--run name (or delete its keys: redis-cli --scan --pattern '{config.key_prefix}*' | xargs redis-cli del)"
         )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.config import Config, ConfigError, describe, load_config, redact_url
+from tlt_stream.config import Config, ConfigError, describe, load_config, redact_config, redact_text, redact_url
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -50,6 +50,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"overrides": ["bus.read_count"]}, "expected KEY=VALUE"),
         ({"environ": {"TLT_RUN": "has space"}}, "run: expected `str` matching regex"),
         ({"environ": {"TLT_MQTT_URL": "http://user:hunter2@h"}}, "mqtt_url must start with one of mqtt://, mqtts://"),
+        ({"environ": {"TLT_REDIS_URL": "http://h/0?password=hunter2"}}, "redis_url must start with one of redis://"),
         ({"environ": {"TLT_BUS__HEARTBEAT_S": "60"}}, "heartbeat_ttl_s must be greater than heartbeat_s"),
     ],
 )
@@ -83,9 +84,42 @@ def test_unrelated_environment_is_ignored() -> None:
     assert config == Config()
 
 
-def test_redact_url_hides_passwords() -> None:
-    assert redact_url("rediss://app:s3cret@host:6380/0") == "rediss://app:***@host:6380/0"
-    assert redact_url("redis://host:6379") == "redis://host:6379"
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("rediss://app:s3cret@host:6380/0", "rediss://app:***@host:6380/0"),
+        ("redis://:s3cret@[::1]:6379/0", "redis://:***@[::1]:6379/0"),
+        ("redis://host:6379/0?password=s3cret&db=1", "redis://host:6379/0?password=***&db=1"),
+        ("unix:///run/redis.sock?db=0&Password=s3cret", "unix:///run/redis.sock?db=0&Password=***"),
+        ("mqtts://broker?ca_file=/ca.pem&token=s3cret#x", "mqtts://broker?ca_file=/ca.pem&token=***#x"),
+        ("redis://h?passwd=s3cret;pass=s3cret", "redis://h?passwd=***;pass=***"),
+        ("redis://h?ssl_password=s3cret&client_secret=s3cret", "redis://h?ssl_password=***&client_secret=***"),
+        ("mqtt://u:p@s3cret/x@host:1883", "mqtt://u:***@host:1883"),  # unescaped @ and / in the password
+        ("redis://u:s3cret@h:notaport", "redis://u:***@h:notaport"),  # unparseable as a URL: still redacted
+        ("redis://host:6379", "redis://host:6379"),
+        ("redis://app@host/0?db=2", "redis://app@host/0?db=2"),
+    ],
+)
+def test_redact_url_hides_passwords(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    assert "s3cret" not in redact_text(f"failed: {url!r}, retrying")
+
+
+def test_redact_url_and_config_leave_what_holds_no_secret() -> None:
+    assert redact_url(None) is None
+    tree = {
+        "run": "r",
+        "bus": {"redis_url": "redis://:pw@h/0", "mqtt_url": None, "block_ms": 5, "mqtt_password": "pw"},
+        "tls": {"key_passphrase": "", "api_key": 7, "hosts": ["mqtt://u:pw@a", "b"]},
+        "other": {"password_file": "/run/pw", "tokens": 3, "store_root": "/data"},
+    }
+    assert redact_config(tree) == {
+        "run": "r",
+        "bus": {"redis_url": "redis://:***@h/0", "mqtt_url": None, "block_ms": 5, "mqtt_password": "***"},
+        "tls": {"key_passphrase": "", "api_key": "***", "hosts": ["mqtt://u:***@a", "b"]},
+        "other": {"password_file": "/run/pw", "tokens": 3, "store_root": "/data"},
+    }
+    assert redact_text("tokens=12 passed=3 author=x") == "tokens=12 passed=3 author=x"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
