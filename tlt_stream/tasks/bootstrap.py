@@ -8,14 +8,20 @@
    the unrolled EAGLE loss, save to `DIR/drafter`.
 Everything is seeded and deterministic for a seed and thread count. `DIR/bootstrap.json` records what was
 built; a second call with the same settings finds it and does nothing, and one whose settings differ only in
-the drafter's keeps the policy and retrains the drafter.
+the drafter's keeps the policy and retrains the drafter. Parts are built in `DIR/.bootstrap-partial` and
+renamed into place when complete, the record last: a build stopped half-way (Ctrl-C after the policy, before
+the drafter) is never taken for a world, and the next call picks it up where it stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
+import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -27,7 +33,7 @@ import torch
 from tlt_stream.tasks.repeated_add import Problem, RepeatedAddTask
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
-__all__ = ["SIZES", "BootstrapSettings", "bootstrap"]
+__all__ = ["SIZES", "BootstrapSettings", "bootstrap", "unfinished"]
 
 BOOTSTRAP_VERSION = 3
 
@@ -239,32 +245,115 @@ def _same_policy(found: dict[str, Any], wanted: dict[str, Any]) -> bool:
     return all(old.get(k) == v for k, v in new.items() if k not in _DRAFTER_ONLY)
 
 
+MARKER = "bootstrap.json"
+STAGING = ".bootstrap-partial"
+"""Where parts are built, inside the world directory (next to the parts it replaces, on their filesystem): a
+part is renamed into place only once complete, and the marker, written last, is what makes the world one."""
+
+
+def _read(marker: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _write(marker: Path, record: dict[str, Any]) -> None:
+    partial = marker.with_name(marker.name + ".tmp")
+    partial.write_text(json.dumps(record, indent=2))
+    partial.replace(marker)  # atomic: a reader sees the old record or the new one, never half of one
+
+
+def _finished(out: Path, found: dict[str, Any]) -> bool:
+    return {"policy", "drafter"} <= found.keys() and (out / "policy").is_dir() and (out / "drafter").is_dir()
+
+
+def unfinished(out: str | Path) -> dict[str, Any] | None:
+    """The record of a bootstrap begun in `out` and never finished (its `seed` and `size`, when known), or None
+    when `out` holds a finished world or no bootstrap at all: what `tlt-stream run` resumes before it starts."""
+    out = Path(out)
+    found = _read(out / MARKER)
+    if _finished(out, found):
+        return None
+    if (out / STAGING).is_dir():
+        return _read(out / STAGING / MARKER) or found
+    return found or None
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """One bootstrap at a time in `out`: under the lock, whatever is in the staging directory was left by a
+    build that died."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without flock: builds are not serialised, no more
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _install(stage: Path, out: Path, part: str) -> None:
+    """Rename the finished `stage/part` into `out/part`, replacing what was there."""
+    old = stage / f"{part}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if (out / part).exists():
+        (out / part).rename(old)
+    (stage / part).rename(out / part)
+
+
 def bootstrap(out: str | Path, *, seed: int = 0, size: str = "default", progress: Progress = _silent) -> dict:
-    """Build (or find) the tiny world in `out`; returns what `out/bootstrap.json` records."""
+    """Build (or find, or finish) the tiny world in `out`; returns what `out/bootstrap.json` records.
+
+    Parts are built in `out/.bootstrap-partial` and renamed into place when complete, the marker last, so an
+    interrupted build never passes for a finished one: the next call resumes it (a policy the staging
+    directory's marker records is kept) or, when its settings differ, starts the staging directory afresh.
+    """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     out = Path(out)
     settings = SIZES[size]
     wanted = {"version": BOOTSTRAP_VERSION, "seed": seed, "size": size, "settings": asdict(settings)}
-    marker = out / "bootstrap.json"
-    found: dict[str, Any] = json.loads(marker.read_text()) if marker.is_file() else {}
-    same_policy = (out / "policy").is_dir() and _same_policy(found, wanted)
-    if same_policy and found.get("settings") == wanted["settings"] and (out / "drafter").is_dir():
-        return found
     out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    record: dict[str, Any] = dict(wanted)
-    if same_policy:  # only the drafter's settings changed: its minutes are all that need redoing
-        record["policy"], record["policy_seconds"] = found["policy"], found.get("policy_seconds")
-        record["policy_kept"] = True
-    else:
-        marker.unlink(missing_ok=True)  # it describes a policy about to be replaced
-        record["policy"] = train_policy(settings, seed, out / "policy", progress)
-        record["policy_seconds"] = round(time.perf_counter() - started, 1)
-    windows = drafter_windows(out / "policy", settings, seed, progress)
-    record["drafter"] = train_drafter(out / "policy", windows, settings, seed, out / "drafter", progress)
-    record["seconds"] = round(time.perf_counter() - started, 1)
-    marker.write_text(json.dumps(record, indent=2))
+    with _locked(out):
+        stage = out / STAGING
+        found = _read(out / MARKER)
+        if _finished(out, found) and _same_policy(found, wanted) and found["settings"] == wanted["settings"]:
+            shutil.rmtree(stage, ignore_errors=True)  # a leftover of an abandoned build for other settings
+            return found
+        started = time.perf_counter()
+        record: dict[str, Any] = dict(wanted)
+        staged = _read(stage / MARKER)
+        if (out / "policy").is_dir() and _same_policy(found, wanted):  # only the drafter's settings changed
+            shutil.rmtree(stage, ignore_errors=True)
+            record["policy"], record["policy_seconds"] = found["policy"], found.get("policy_seconds")
+            record["policy_kept"] = True
+            policy = out / "policy"
+        elif (stage / "policy").is_dir() and _same_policy(staged, wanted):  # an interrupted build's policy
+            record["policy"], record["policy_seconds"] = staged["policy"], staged.get("policy_seconds")
+            policy = stage / "policy"
+        else:
+            shutil.rmtree(stage, ignore_errors=True)
+            stage.mkdir()
+            policy = stage / "policy"
+            record["policy"] = train_policy(settings, seed, policy, progress)
+            record["policy_seconds"] = round(time.perf_counter() - started, 1)
+            _write(stage / MARKER, record)
+        shutil.rmtree(stage / "drafter", ignore_errors=True)
+        stage.mkdir(exist_ok=True)
+        windows = drafter_windows(policy, settings, seed, progress)
+        record["drafter"] = train_drafter(policy, windows, settings, seed, stage / "drafter", progress)
+        record["seconds"] = round(time.perf_counter() - started, 1)
+        _write(stage / MARKER, record)
+        if record.get("policy_kept"):  # the world keeps its policy but is unfinished until the new drafter is in
+            _write(out / MARKER, {k: v for k, v in found.items() if k != "drafter"})
+        else:
+            (out / MARKER).unlink(missing_ok=True)
+            _install(stage, out, "policy")
+        _install(stage, out, "drafter")
+        _write(out / MARKER, record)
+        shutil.rmtree(stage)
     return record
 
 
