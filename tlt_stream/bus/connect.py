@@ -18,7 +18,15 @@ from redis.backoff import AbstractBackoff
 from tlt_stream.bus.embedded import EmbeddedServers
 from tlt_stream.config import Config, redact_url
 
-__all__ = ["REDIS_RETRYABLE", "MqttParams", "connect_redis", "endpoints", "mqtt_params", "purge_run"]
+__all__ = [
+    "REDIS_RETRYABLE",
+    "MqttParams",
+    "connect_redis",
+    "endpoints",
+    "mqtt_params",
+    "purge_run",
+    "redis_socket_timeout",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,25 +83,41 @@ outage (a Redis restart, a failover) are ridden out in place; a longer one stops
 supervisor (compose's restart policy) restarts it."""
 
 
+def redis_socket_timeout(block_ms: int) -> float:
+    """Seconds a Redis reply may take before the connection is presumed dead: longer than any blocking
+    read this project makes (`bus.block_ms`), so only a silent peer (a partition that drops packets instead
+    of refusing them) trips it, and then the command is retried like any outage instead of hanging."""
+    return max(10.0, 2 * block_ms / 1000 + 5.0)
+
+
 def connect_redis(
-    url: str, *, cap_s: float = 5.0, name: str | None = None, retries: int = REDIS_OUTAGE_RETRIES
+    url: str,
+    *,
+    cap_s: float = 5.0,
+    name: str | None = None,
+    retries: int = REDIS_OUTAGE_RETRIES,
+    block_ms: int = 1000,
 ) -> aioredis.Redis:
     """An asyncio Redis client (bytes replies) that rides out outages: a failed command is retried with
     capped backoff (logged) for about three minutes before its error reaches the caller; tools that must
     answer at once (`doctor`, `monitor --once`) pass a small `retries`.
 
     Connecting is lazy; the first command opens the connection. Credentials and TLS (`rediss://`) come
-    from the URL.
+    from the URL. Timeouts are explicit whatever the installed redis-py's defaults: connecting 5 s, a reply
+    `redis_socket_timeout(block_ms)`; with TLS the certificate and its hostname are always checked.
     """
+    tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if urlsplit(url).scheme == "rediss" else {}
     return aioredis.Redis.from_url(
         url,
         decode_responses=False,
         health_check_interval=30,
         socket_keepalive=True,
         socket_connect_timeout=5,
+        socket_timeout=redis_socket_timeout(block_ms),
         retry=OutageRetry(OutageBackoff(url, cap=cap_s), retries=retries),
         retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
         client_name=name,
+        **tls,
     )
 
 

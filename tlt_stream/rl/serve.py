@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.config import Config
+from tlt_stream.config import Config, redact_text, redact_url
 from tlt_stream.errors import CheckpointError
 
 __all__ = ["Body", "device_or_refuse", "serve"]
@@ -42,7 +42,7 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
 
     async def main(config: Config) -> None:
         assert config.bus.redis_url is not None
-        redis = connect_redis(config.bus.redis_url, name=role)
+        redis = connect_redis(config.bus.redis_url, name=role, block_ms=config.bus.block_ms)
         control = ControlPlane(config, redis, role=role, owns=owns)
         stop = asyncio.Event()
         install_stop_signals(stop)
@@ -60,4 +60,30 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
     except (FileNotFoundError, ValueError, CheckpointError) as exc:
         print(f"tlt-stream {role}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        outage = _outage(exc)
+        if outage is None:
+            raise
+        # Past the retry budget (REDIS_OUTAGE_RETRIES, about three minutes): one line, a non-zero exit for the
+        # supervisor, and a restart resumes from the checkpoints and the pending entries.
+        print(
+            f"tlt-stream {role}: Redis {redact_url(config.bus.redis_url)} unreachable past the retry budget "
+            f"({type(outage).__name__}: {redact_text(str(outage))}); restart me once it is back: I resume from "
+            "my checkpoints and pending entries",
+            file=sys.stderr,
+        )
+        return 3
     return 0
+
+
+def _outage(exc: BaseException) -> BaseException | None:
+    """The Redis outage error inside `exc` (itself, or one inside an exception group), or None."""
+    import redis.asyncio as aioredis
+
+    if isinstance(exc, aioredis.ConnectionError | aioredis.TimeoutError | ConnectionError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _outage(inner)) is not None:
+                return found
+    return None
