@@ -343,6 +343,8 @@ async def run_plan(
     with endpoints(config) as resolved:
         await ensure_new_run(resolved)
         supervisor = Supervisor(service_commands(plan, resolved), resolved, plan.run_dir / "logs")
+        if resolved.bus.store_root is None:  # every checkpoint the run announces lives under its run directory
+            supervisor.env["TLT_BUS__STORE_ROOT"] = str(plan.run_dir.resolve())
         seen = len(load_metrics(plan.run_dir))
 
         async def watch() -> None:
