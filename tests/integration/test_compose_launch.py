@@ -104,10 +104,10 @@ def localize(text: str, data: Path, ports: dict[str, str]) -> str:
     return text
 
 
-def process_env(service: dict[str, Any], config: Config, credentials: bool) -> dict[str, str]:
+def process_env(service: dict[str, Any], config: Config, credentials: bool, data: Path) -> dict[str, str]:
     assert config.bus.redis_url and config.bus.mqtt_url
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
-    compose = environment(service)
+    compose = {k: localize(v, data, {}) for k, v in environment(service).items()}  # TLT_BUS__STORE_ROOT=/data
     compose["TLT_REDIS_URL"] = on_loopback(compose["TLT_REDIS_URL"], config.bus.redis_url, credentials=credentials)
     compose["TLT_MQTT_URL"] = on_loopback(compose["TLT_MQTT_URL"], config.bus.mqtt_url, credentials=credentials)
     return {**env, **compose, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}  # the image's /app and ENV
@@ -122,7 +122,7 @@ async def start(
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
             *line,
-            env=process_env(service, config, credentials),
+            env=process_env(service, config, credentials, tmp_path / "data"),
             stdout=out,
             stderr=out,
             cwd=tmp_path,
