@@ -41,7 +41,8 @@ async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
             for name, stream_spec in STREAMS.items():
                 key = keys.stream(name)
                 entry: dict[str, Any] = {"length": int(await redis.xlen(key)), "groups": {}}
-                if stream_spec.group is not None and entry["length"]:
+                # A stream trimmed to nothing (prompts, samples once acked) still has its groups to show.
+                if stream_spec.group is not None and (entry["length"] or await redis.exists(key)):
                     try:
                         for group in await redis.xinfo_groups(key):
                             entry["groups"][_text(group["name"])] = {

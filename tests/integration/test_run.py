@@ -128,7 +128,8 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
             stdout, monitor_err = await monitor.communicate()
         assert monitor.returncode == 0, monitor_err.decode()[-2000:]
         snap = json.loads(stdout)
-        assert snap["reachable"] and snap["streams"]["samples"]["length"] > 0
+        # samples is trimmed after each checkpoint, so its length may be 0: its learner group shows it is read.
+        assert snap["reachable"] and snap["streams"]["samples"]["groups"]["learner"]["consumers"] == 1
         assert snap["streams"]["prompts"]["groups"]["rollout"]["consumers"] == 1
         assert [w["worker_id"] for w in snap["workers"] if w["role"] == "rollout"] == ["rollout-0"]
         assert snap["versions"]["policy"]["version"] >= 1 and snap["learner"]["step"] >= 1
