@@ -101,6 +101,14 @@ class BusConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     ] = 10.0
     mqtt_keepalive_s: Annotated[int, _doc("MQTT keepalive interval in seconds.", ge=5)] = 30
     reconnect_max_s: Annotated[float, _doc("Cap on the reconnect backoff for Redis and MQTT, seconds.", gt=0)] = 30.0
+    redis_retries: Annotated[
+        int,
+        _doc(
+            "Retries of one Redis command (capped backoff, 5 s) before a service gives up on an outage and exits "
+            "with code 3 for its supervisor to restart it (40: about three minutes).",
+            ge=0,
+        ),
+    ] = 40
     store_root: Annotated[
         str | None,
         _doc(

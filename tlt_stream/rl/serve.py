@@ -42,7 +42,9 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
 
     async def main(config: Config) -> None:
         assert config.bus.redis_url is not None
-        redis = connect_redis(config.bus.redis_url, name=role, block_ms=config.bus.block_ms)
+        redis = connect_redis(
+            config.bus.redis_url, name=role, block_ms=config.bus.block_ms, retries=config.bus.redis_retries
+        )
         control = ControlPlane(config, redis, role=role, owns=owns)
         stop = asyncio.Event()
         install_stop_signals(stop)
