@@ -419,28 +419,39 @@ async def test_poison_tasks_are_dead_lettered_and_the_worker_generates_on(
     async with learner_and_worker_planes(bus_config) as planes:
         redis = planes.redis
         settings = RolloutSettings(max_batch=4, max_len=96)
-        worker = RolloutWorker(bus_config, redis, planes.worker, worker_id="w0", reward=reward, settings=settings)
+
+        def fragile(text: str, answer: str) -> float:  # a user's reward that cannot parse one answer
+            return float(int(answer)) * reward(text, answer)
+
+        worker = RolloutWorker(bus_config, redis, planes.worker, worker_id="w0", reward=fragile, settings=settings)
         learner = LearnerService(bus_config, redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy)
         await learner.start()
 
-        def task(name: str, ids: list[int], min_version: int = 0) -> PromptGroup:
+        def task(name: str, ids: list[int], min_version: int = 0, answer: str = "1") -> PromptGroup:
             return PromptGroup(
-                task_id=name, prompt_id=name, prompt_ids=ids, answer="1", group_size=2, min_policy_version=min_version
+                task_id=name,
+                prompt_id=name,
+                prompt_ids=ids,
+                answer=answer,
+                group_size=2,
+                min_policy_version=min_version,
             )
 
         good = build_tokenizer().encode("Start at 1 and add 2, 1 times.\n")
         poison = [task("long", [5] * 96), task("vocab", [5, vocab + 1]), task("future", good, min_version=2**40)]
+        poison.append(task("reward", good, answer="not a number"))
         await StreamProducer(redis, keys, bus_config.bus).send("prompts", [*poison, task("good", good)])
         async with asyncio.timeout(60):
-            await worker.run(planes.stop, max_tasks=1)
+            while not (worker.tasks_done == 1 and worker.invalid_tasks == 4):
+                await worker.run(planes.stop, max_tasks=1)
     samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "samples")]
-    assert sorted(s.sample_id for s in samples) == ["good/0", "good/1"]
+    assert sorted(s.sample_id for s in samples) == ["good/0", "good/1"], "nothing of the reward's task was sent"
     dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "dead")]
     by_task = {codec_for("prompts").decode(d.payload).task_id: d for d in dead}
-    assert set(by_task) == {"long", "vocab", "future"} and all(d.origin == "rollout/w0" for d in dead)
+    assert set(by_task) == {"long", "vocab", "future", "reward"} and all(d.origin == "rollout/w0" for d in dead)
     assert "max_len=96" in by_task["long"].reason and "vocabulary" in by_task["vocab"].reason
     assert "newer than the newest published" in by_task["future"].reason
-    assert worker.invalid_tasks == 3
+    assert "the reward raised: ValueError" in by_task["reward"].reason
 
 
 async def redis_entries(config: Config, keys: Keys, stream: str) -> list:

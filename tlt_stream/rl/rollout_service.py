@@ -124,6 +124,9 @@ class _Task:
     policy_version: int
     started: float
     samples: dict[int, Sample] = field(default_factory=dict)
+    failed: str | None = None
+    """Why the task cannot be scored (its reward raised): dead-lettered whole once its rows are done, never
+    sent with some samples scored 0, which would bias the update."""
 
 
 class RolloutWorker:
@@ -534,11 +537,18 @@ class RolloutWorker:
             task = self.tasks[task_id]
             group = task.delivery.message
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            try:
+                reward = float(self.reward(text, group.answer))
+            except Exception as exc:  # a task whose answer breaks the reward must not stop the worker
+                if task.failed is None:
+                    log.exception("%s: the reward raised on task %s; it goes to dead", self.worker_id, task_id)
+                task.failed = task.failed or f"the reward raised: {type(exc).__name__}: {exc}"
+                reward = 0.0
             sample = make_sample(
                 result,
                 group,
                 index,
-                reward=self.reward(text, group.answer),
+                reward=reward,
                 policy_version=task.policy_version,
                 drafter_version=self.drafter_version,
                 worker_id=self.worker_id,
@@ -557,6 +567,11 @@ class RolloutWorker:
         self._forwards += forwards
         self._seconds += seconds
         for task in complete:
+            if task.failed is not None:
+                self.invalid_tasks += 1
+                await self.reader.give_up(task.delivery, f"invalid task: {task.failed}")
+                del self.tasks[task.delivery.message.task_id]
+                continue
             samples = [task.samples[i] for i in range(task.delivery.message.group_size)]
             await self.producer.send("samples", samples)
             await self.reader.ack([task.delivery.entry_id])
