@@ -1,6 +1,6 @@
-"""Fault injection on a whole run: private Redis and Mosquitto servers this harness may kill and restart, the
-services as real processes (the command lines `tlt-stream run` and compose use), and the audit that says
-whether every dispatched prompt group was trained on exactly once.
+"""Fault injection on a whole run: private Redis and Mosquitto servers this harness may kill and restart, and
+the services as real processes (the command lines `tlt-stream run` and compose use), each startable, killable
+and restartable alone; `FaultRun.collect()` reads the evidence that `tests/faults/audit.py` judges.
 
 Used by `tests/faults/` (assertions) and `bench/faults.py` (the figures in docs/reliability.md).
 """
@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import json
 import os
+import re
 import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from tests.faults.audit import AuditResult, RunRecord, audit, read_checkpoints
 from tests.worlds import build_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,63 +189,22 @@ async def _stop(process: asyncio.subprocess.Process | None, sig: int) -> None:
         await process.wait()
 
 
-@dataclass
-class AuditResult:
-    dispatched: int
-    trained: int
-    lost: list[str]
-    duplicated: list[str]
-    versions: list[int]
-    regressions: list[str] = field(default_factory=list)
-    """Places where a version went backwards (learner rows, or one worker's samples)."""
-
-    @property
-    def clean(self) -> bool:
-        return not self.lost and not self.duplicated and not self.regressions
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "dispatched": self.dispatched,
-            "trained": self.trained,
-            "lost": len(self.lost),
-            "duplicated": len(self.duplicated),
-            "versions": f"{self.versions[0]}..{self.versions[-1]}" if self.versions else "none",
-            "regressions": len(self.regressions),
-        }
-
-
-def audit(run_dir: Path, expected_groups: set[str], samples: list[Any] = ()) -> AuditResult:
-    """Every dispatched group trained exactly once? From the learner's `metrics.jsonl` (each update's groups;
-    an update whose line a crash cut short is rewritten from its checkpoint on restart) and, for the
-    workers' side, the `samples` stream (per worker, policy versions never go back)."""
-    from tlt_stream.report import read_jsonl
-
-    rows = read_jsonl(run_dir / "metrics.jsonl")  # every line, repeats included (load_metrics would merge them)
-    versions = [int(r["version"]) for r in rows]
-    regressions = [f"learner row {a} then {b}" for a, b in itertools.pairwise(versions) if b != a + 1]
-    counts: dict[str, int] = {}
-    for r in rows:
-        for group in r.get("trained_groups", []):
-            counts[group] = counts.get(group, 0) + 1
-    seen: dict[str, int] = {}
-    for s in samples:
-        if s.policy_version < seen.get(s.worker_id, -1):
-            regressions.append(f"{s.worker_id}: sample {s.sample_id} of version {s.policy_version} after a newer one")
-        seen[s.worker_id] = max(seen.get(s.worker_id, -1), s.policy_version)
-    return AuditResult(
-        dispatched=len(expected_groups),
-        trained=sum(1 for g in counts if g in expected_groups),
-        lost=sorted(expected_groups - set(counts)),
-        duplicated=sorted(g for g, n in counts.items() if n > 1),
-        versions=versions,
-        regressions=regressions,
-    )
+_MARK = "=== fault harness: start "
 
 
 class FaultRun:
     """One run's services as processes against `servers`, each startable, killable and restartable alone."""
 
-    def __init__(self, servers: PrivateServers, world: Path, run_dir: Path, *, run: str, **plan: Any) -> None:
+    def __init__(
+        self,
+        servers: PrivateServers,
+        world: Path,
+        run_dir: Path,
+        *,
+        run: str,
+        env: dict[str, str] | None = None,
+        **plan: Any,
+    ) -> None:
         from tlt_stream.config import BusConfig, Config
         from tlt_stream.launch import RunPlan, service_commands
 
@@ -252,10 +213,23 @@ class FaultRun:
         self.plan = RunPlan(world=world, run_dir=run_dir, **{"cores": 2, **plan})
         bus = BusConfig(redis_url=servers.redis_url, mqtt_url=servers.mqtt_url)
         self.config = Config(run=run, bus=bus)
-        self.commands = {c.name: c.argv for c in service_commands(self.plan, self.config)}
+        # -v: the services' INFO lines are the evidence that a recovery path ran; every checkpoint is kept, as
+        # consecutive ledgers are what says which update trained which sample.
+        self.commands = {c.name: [*c.argv, "-v"] for c in service_commands(self.plan, self.config)}
+        self.commands["learner"] += ["--keep-checkpoints", "1000"]
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.killed: set[str] = set()
         """Services this harness killed on purpose (and has not restarted)."""
+        self.forced: set[str] = set()
+        """Services that ignored SIGTERM in `stop_all` and were killed: never a clean stop."""
+        self.exit_codes: dict[str, int] = {}
+        """Services a scenario expects to exit by themselves with another code than 0."""
+        self.starts: dict[str, int] = {}
+        self.injected: dict[tuple[str, str], str] = {}
+        """(stream, entry id) of poison written straight into a stream -> words its dead letter's reason has."""
+        self.notes: dict[str, Any] = {}
+        """What a fault's injection saw (its victim, the entries held at a kill), for its evidence check."""
+        self._version = 0
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("TLT_")},
             "TLT_REDIS_URL": servers.redis_url,
@@ -263,17 +237,33 @@ class FaultRun:
             "TLT_BUS__RECLAIM_IDLE_MS": "3000",  # a dead consumer's entries move on after 3 s, not a minute
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(ROOT),
+            **(env or {}),
         }
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     @property
-    def expected_groups(self) -> set[str]:
-        return {f"s{s:06d}-{i:04d}" for s in range(self.plan.steps) for i in range(self.plan.prompts_per_step)}
+    def keys(self) -> Any:
+        from tlt_stream.bus.streams import Keys
+
+        return Keys(self.run)
+
+    @contextlib.asynccontextmanager
+    async def redis(self) -> AsyncIterator[Any]:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(self.servers.redis_url)
+        try:
+            yield client
+        finally:
+            await client.aclose()
 
     async def start(self, name: str) -> None:
         self.killed.discard(name)
+        self.starts[name] = self.starts.get(name, 0) + 1
         log = (self.plan.run_dir / "logs" / f"{name}.log").open("ab")
         try:
+            log.write(f"\n{_MARK}{name} #{self.starts[name]} at {time.time():.3f} ===\n".encode())
+            log.flush()
             self.processes[name] = await asyncio.create_subprocess_exec(
                 *self.commands[name], env=self.env, stdout=log, stderr=log, cwd=ROOT, process_group=0
             )
@@ -281,7 +271,12 @@ class FaultRun:
             log.close()
 
     async def start_all(self) -> None:
-        for name in self.commands:
+        """The audit's own consumer group on each durable stream first: services trim what every group acked,
+        and the audit reads every entry at the end."""
+        async with self.redis() as redis:
+            for stream in ("prompts", "samples"):
+                await redis.xgroup_create(self.keys.stream(stream), "audit", id="0", mkstream=True)
+        for name in list(self.commands):
             await self.start(name)
 
     def signal(self, name: str, sig: int) -> None:
@@ -291,73 +286,187 @@ class FaultRun:
         self.killed.add(name)
         await _stop(self.processes[name], signal.SIGKILL)
 
-    def log_tail(self, name: str, lines: int = 40) -> str:
+    async def wait_exit(self, name: str, timeout: float) -> int:
+        """The exit code of `name`, which must exit by itself within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(self.processes[name].wait(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"{name} still running after {timeout:.0f} s:\n{self.log_tail(name)}") from None
+
+    def log_text(self, name: str, start: int | None = None) -> str:
+        """The log of `name`, or of its `start`-th start only (1 = the first)."""
         path = self.plan.run_dir / "logs" / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if start is None:
+            return text
+        parts = text.split(_MARK)
+        return parts[start] if start < len(parts) else ""
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        return "\n".join(self.log_text(name).splitlines()[-lines:])
+
+    def expect_log(self, name: str, pattern: str, *, start: int | None = None, absent: bool = False) -> str:
+        """The first line of `name`'s log (or of one start of it) matching `pattern`; with `absent`, assert no
+        line does. The evidence that a recovery path ran (or that a wrong one did not)."""
+        text = self.log_text(name, start)
+        found = re.search(pattern, text)
+        where = f"{name}'s log" + (f" (start #{start})" if start else "")
+        if absent:
+            assert found is None, f"{where} says {found and found.group(0)!r}:\n{self.log_tail(name, 60)}"
+            return ""
+        assert found is not None, f"no /{pattern}/ in {where}:\n{self.log_tail(name, 60)}"
+        return text[text.rfind("\n", 0, found.start()) + 1 : text.find("\n", found.end())]
+
+    def adopted(self, name: str, start: int) -> list[int]:
+        """The policy versions one start of `name` adopted, in order (its control plane logs each one)."""
+        return [int(v) for v in re.findall(r"\bpolicy version (\d+) \(from ", self.log_text(name, start))]
 
     def version(self) -> int:
-        """The newest version the learner wrote a metrics line for (0 before the first update)."""
-        from tlt_stream.report import load_metrics
+        """The newest checkpoint's step (the learner's version), read from `LATEST` and its meta.json; while
+        the checkpoint directory is away (a fault), the last one seen."""
+        root = self.plan.run_dir / "checkpoints"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            name = (root / "LATEST").read_text().strip()
+            self._version = int(json.loads((root / name / "meta.json").read_text())["step"])
+        return self._version
 
-        rows = load_metrics(self.plan.run_dir)
-        return rows[-1]["version"] if rows else 0
+    async def published(self) -> int:
+        """The policy version in the Redis mirror (-1 before the first)."""
+        async with self.redis() as redis:
+            value = await redis.hget(self.keys.versions, "policy:version")
+        return int(value) if value is not None else -1
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.returncode not in (None, self.exit_codes.get(name, 0)) and name not in self.killed:
+                raise AssertionError(f"{name} exited with {process.returncode}:\n{self.log_tail(name)}")
 
     async def wait_version(self, version: int, timeout: float) -> float:
-        """Seconds until the learner reaches `version`; fails with the logs when a service died or time ran out."""
+        """Seconds until checkpoint `version` exists; fails with the logs when a service died or time ran out."""
         started = time.monotonic()
         while self.version() < version:
-            for name, process in self.processes.items():
-                if process.returncode not in (None, 0) and name not in self.killed:
-                    raise AssertionError(f"{name} exited with {process.returncode}:\n{self.log_tail(name)}")
+            self._check_alive()
             if time.monotonic() - started > timeout:
                 logs = "\n".join(f"== {n}\n{self.log_tail(n, 15)}" for n in self.processes)
                 raise AssertionError(f"version {version} not reached in {timeout:.0f} s (at {self.version()})\n{logs}")
             await asyncio.sleep(0.1)
         return time.monotonic() - started
 
+    async def wait_published(self, version: int, timeout: float) -> None:
+        """Until the mirror holds `version` (published after its samples were acked)."""
+        deadline = time.monotonic() + timeout
+        while await self.published() < version:
+            self._check_alive()
+            assert time.monotonic() < deadline, f"version {version} not published:\n{self.log_tail('learner')}"
+            await asyncio.sleep(0.1)
+
     async def wait_any(self, state: str, timeout: float) -> str:
         """The first rollout worker seen in `state` (whichever it is: a worker that admits a whole step's
         tasks leaves the other idle, so a fault aimed at "rollout-0" could wait forever). Polls the registry
         on one connection, every few ms: a state can last only tens of ms on the tests' tiny model."""
-        import redis.asyncio as aioredis
-
         from tlt_stream.bus.registry import list_workers
-        from tlt_stream.bus.streams import Keys
 
         workers = [name for name in self.commands if name.startswith("rollout")]
         deadline = time.monotonic() + timeout
-        redis = aioredis.Redis.from_url(self.servers.redis_url)
-        try:
+        async with self.redis() as redis:
             while True:
-                states = {
-                    w["worker_id"]: w.get("state") for w in await list_workers(redis, Keys(self.run), self.config.bus)
-                }
+                states = {w["worker_id"]: w.get("state") for w in await list_workers(redis, self.keys, self.config.bus)}
                 for worker in workers:
                     if worker not in self.killed and states.get(worker) == state:
                         return worker
                 if time.monotonic() > deadline:
                     raise AssertionError(f"no worker {state} in {timeout:.0f} s:\n{self.log_tail(workers[0])}")
                 await asyncio.sleep(0.005)
-        finally:
-            await redis.aclose()
 
-    async def samples(self) -> list[Any]:
-        import redis.asyncio as aioredis
+    async def held(self, group: str = "learner", stream: str = "samples") -> dict[str, tuple[str, int]]:
+        """Entries `group` holds (delivered, not acked) -> (owner, ms since the entry was added, server clock)."""
+        async with self.redis() as redis:
+            seconds, micros = await redis.time()
+            rows = await redis.xpending_range(self.keys.stream(stream), group, "-", "+", 10_000)
+        now_ms = seconds * 1000 + micros // 1000
+        return {
+            _text(r["message_id"]): (_text(r["consumer"]), now_ms - int(_text(r["message_id"]).split("-")[0]))
+            for r in rows
+        }
 
-        from tlt_stream.bus.streams import Keys
-        from tlt_stream.messages import codec_for
+    async def settle(self, timeout: float = 15.0) -> None:
+        """Until the services' consumer groups hold nothing (an ack may trail the update it fed by a moment);
+        what is still pending after `timeout` is the audit's to report."""
+        deadline = time.monotonic() + timeout
+        async with self.redis() as redis:
+            while time.monotonic() < deadline:
+                pending = [
+                    (await redis.xpending(self.keys.stream(stream), group))["pending"]
+                    for stream, group in (("samples", "learner"), ("prompts", "rollout"))
+                ]
+                if not any(pending):
+                    return
+                await asyncio.sleep(0.1)
 
-        redis = aioredis.Redis.from_url(self.servers.redis_url)
-        try:
-            entries = await redis.xrange(Keys(self.run).stream("samples"))
-        finally:
-            await redis.aclose()
-        return [codec_for("samples").decode(f[b"m"]) for _, f in entries]
+    async def collect(self) -> RunRecord:
+        """Read the evidence: Redis (through the audit group's untrimmed view), the broker, the checkpoints."""
+        from tlt_stream.messages import CONTROL_CODEC, codec_for
 
-    async def audit(self) -> AuditResult:
-        return audit(self.plan.run_dir, self.expected_groups, await self.samples())
+        def decode(stream: str, payload: bytes | None) -> Any:
+            try:
+                return codec_for(stream).decode(payload) if payload is not None else None
+            except ValueError:  # msgspec's DecodeError and ValidationError
+                return None
+
+        keys = self.keys
+        async with self.redis() as redis:
+            streams = {s: await redis.xrange(keys.stream(s)) for s in ("prompts", "samples", "dead")}
+            added = {}
+            for stream in ("prompts", "samples"):
+                added[stream] = int((await redis.xinfo_stream(keys.stream(stream)))["entries-added"])
+            pending = {}
+            for stream, group in (("samples", "learner"), ("prompts", "rollout")):
+                groups = {_text(g["name"]): g for g in await redis.xinfo_groups(keys.stream(stream))}
+                pending[f"{stream}/{group}"] = int(groups[group]["pending"]) if group in groups else 0
+            counts = {_text(k): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
+            mirrored = await redis.hget(keys.versions, "policy")
+        entries = {s: [(_text(i), decode(s, f.get(b"m"))) for i, f in rows] for s, rows in streams.items()}
+        checkpoints, set_aside = read_checkpoints(self.plan.run_dir / "checkpoints")
+        return RunRecord(
+            prompts=entries["prompts"],
+            samples=entries["samples"],
+            added=added,
+            pending=pending,
+            dead=[d for _, d in entries["dead"] if d is not None],
+            dead_counts=counts,
+            mirror=CONTROL_CODEC.decode(mirrored) if mirrored is not None else None,
+            retained=await self.retained("policy"),
+            checkpoints=checkpoints,
+            set_aside=set_aside,
+        )
+
+    async def retained(self, kind: str, timeout: float = 5.0) -> Any:
+        """The broker's retained message on `tlt/{run}/{kind}` (None when there is none)."""
+        from tlt_stream.bus.connect import mqtt_params
+        from tlt_stream.messages import CONTROL_CODEC
+
+        client = mqtt_params(self.servers.mqtt_url).client(identifier=f"audit-{os.getpid()}-{time.monotonic_ns()}")
+        async with client:
+            await client.subscribe(self.config.topic_prefix + kind, qos=1)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    async for message in client.messages:
+                        return CONTROL_CODEC.decode(message.payload) if message.payload else None
+        return None
+
+    async def audit(self, scenario: str = "") -> AuditResult:
+        return audit(
+            await self.collect(),
+            scenario=scenario or self.run,
+            steps=self.plan.steps,
+            prompts_per_step=self.plan.prompts_per_step,
+            max_staleness=self.plan.max_staleness,
+            injected=self.injected,
+        )
 
     async def stop_all(self) -> dict[str, int | None]:
+        """SIGTERM every live service and wait for it (20 s); one still running then is killed and recorded in
+        `forced`: it did not stop cleanly, whatever its code."""
         for process in self.processes.values():
             if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -368,10 +477,27 @@ class FaultRun:
             try:
                 codes[name] = await asyncio.wait_for(process.wait(), timeout=20)
             except TimeoutError:
+                self.forced.add(name)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 codes[name] = await process.wait()
         return codes
+
+    def unclean_stops(self, codes: dict[str, int | None]) -> dict[str, str]:
+        """Services that did not stop as they should: each exits by itself on SIGTERM with 0 (or the code a
+        scenario expects); only one this harness killed on purpose may show -9."""
+        bad = {}
+        for name, code in codes.items():
+            wanted = -signal.SIGKILL if name in self.killed else self.exit_codes.get(name, 0)
+            if name in self.forced:
+                bad[name] = f"ignored SIGTERM for 20 s and was killed (exit code {code})"
+            elif code != wanted:
+                bad[name] = f"exit code {code}, expected {wanted}"
+        return bad
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 __all__ = [

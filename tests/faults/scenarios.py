@@ -1,16 +1,25 @@
 """The faults, one coroutine each: inject it into a running `FaultRun` and return the recovery seconds (from
-the fault, or from its repair when it lasts, to the learner's next policy version)."""
+the fault, or from its repair when it lasts, to the learner's next policy version), plus for each the evidence
+that its recovery path really ran, read from the services' logs (`evidence`), and what the system is allowed
+to lose to it (`may_lose`; nothing, except where a scenario says otherwise)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import re
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from tests.faults.audit import AuditResult
 from tests.faults.harness import FaultRun, PrivateServers
+
+Check = Callable[[FaultRun, AuditResult], None]
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,18 @@ class Scenario:
     inject: Callable[[FaultRun, PrivateServers], Awaitable[float]]
     plan: dict[str, Any] = field(default_factory=dict)
     """RunPlan settings beyond the common small ones."""
+    evidence: Check | None = None
+    """Asserts from the services' logs that the recovery path under test ran (a reclaim, a retry, a fallback)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment for every service of the run (TLT_BUS__* settings)."""
+    may_lose: Callable[[FaultRun, AuditResult], list[str]] | None = None
+    """The sample ids this fault may cost (what the system promises to lose; None: nothing)."""
+    prepare: Callable[[FaultRun], contextlib.AbstractAsyncContextManager[None]] | None = None
+    """Set up around the whole run (before the services start, after they stopped)."""
+    extended: bool = False
+    """Left out of CI (tests run it with TLT_FAULTS_EXTENDED=1; `bench/faults.py` always does)."""
+    known_bug: str | None = None
+    """A product bug this scenario exposes: expected to fail (strictly) until it is fixed."""
 
 
 async def _next_version_after(run: FaultRun, started: float, timeout: float = 120.0) -> float:
@@ -28,9 +49,27 @@ async def _next_version_after(run: FaultRun, started: float, timeout: float = 12
     return time.monotonic() - started
 
 
+def _rollouts(run: FaultRun) -> list[str]:
+    return [name for name in run.commands if name.startswith("rollout")]
+
+
+def _victim_reclaimed(run: FaultRun, result: AuditResult) -> None:
+    """Another worker reclaimed the tasks of the worker the fault was aimed at (`notes["victim"]`)."""
+    victim = run.notes["victim"]
+    pattern = rf"rollout/rollout-\d+ reclaimed \d+ entries idle > \d+ ms from [^\n]*\b{victim}\b"
+    others = [w for w in _rollouts(run) if w != victim]
+    assert any(re.search(pattern, run.log_text(w)) for w in others), (
+        f"no worker reclaimed {victim}'s tasks:\n" + "\n".join(run.log_tail(w, 30) for w in others)
+    )
+
+
+# --------------------------------------------------------------------------------------- rollout workers
+
+
 async def kill_worker_generating(run: FaultRun, servers: PrivateServers) -> float:
     worker = await run.wait_any("GENERATING", 60)
-    await run.kill(worker)  # its task stays pending; the other worker reclaims it after reclaim_idle_ms
+    await run.kill(worker)  # its task stays pending; once its heartbeat expires the other worker reclaims it
+    run.notes["victim"] = worker
     return await _next_version_after(run, time.monotonic())
 
 
@@ -42,9 +81,55 @@ async def kill_worker_training(run: FaultRun, servers: PrivateServers) -> float:
     run.signal("learner", signal.SIGSTOP)
     trainer = await run.wait_any("TRAINING_DRAFTER", 60)  # the lease holder, inside a slice
     await run.kill(trainer)
+    run.notes["victim"] = trainer
     started = time.monotonic()
+    async with run.redis() as redis:  # what the dead holder left: its lease, and the last committed state
+        lease = await redis.hgetall(run.keys.prefix + "drafter_lease")
+        record = await redis.hgetall(run.keys.prefix + "drafter_lease:record")
+    run.notes["lease"] = {k.decode(): v.decode() for k, v in lease.items()}
+    run.notes["record"] = {k.decode(): v.decode() for k, v in record.items()}
     run.signal("learner", signal.SIGCONT)
     return await _next_version_after(run, started)
+
+
+def _trainer_evidence(run: FaultRun, result: AuditResult) -> None:
+    """Killed inside a slice while holding the lease; the committed record names a whole state directory
+    (each is written under a temporary name and renamed before its fenced write), never the slice cut short."""
+    victim, lease, record = run.notes["victim"], run.notes["lease"], run.notes["record"]
+    assert lease.get("worker") == victim, f"{victim} did not hold the drafter lease when killed: {lease}"
+    run.expect_log(victim, rf"-> TRAINING_DRAFTER \(lease fence {lease['fence']}\)")
+    if record:
+        state = Path(record["state"])
+        assert state.is_dir() and not state.name.startswith("."), record
+        assert int(record["fence"]) <= int(lease["fence"]), (record, lease)
+
+
+async def freeze_worker(run: FaultRun, servers: PrivateServers) -> float:
+    """A worker frozen (SIGSTOP) while it holds a task, for longer than its heartbeat's ttl plus the reclaim
+    time: the other worker must take its task over (a live owner's tasks are never taken), and the frozen
+    one, continued, must find it gone."""
+    deadline = time.monotonic() + 90
+    while True:
+        worker = await run.wait_any("GENERATING", 60)
+        run.signal(worker, signal.SIGSTOP)
+        if any(owner == worker for owner, _ in (await run.held("rollout", "prompts")).values()):
+            break
+        run.signal(worker, signal.SIGCONT)  # it had just finished its tasks: try the next step
+        assert time.monotonic() < deadline, "never froze a worker holding a task"
+        await asyncio.sleep(0.05)
+    run.notes["victim"] = worker
+    started = time.monotonic()
+    await asyncio.sleep(10.0)  # 2 x (heartbeat ttl 2 s + reclaim 3 s): the other worker takes its tasks over
+    run.signal(worker, signal.SIGCONT)  # its late samples and ack must change nothing
+    return await _next_version_after(run, started)
+
+
+def _freeze_evidence(run: FaultRun, result: AuditResult) -> None:
+    _victim_reclaimed(run, result)
+    run.expect_log(run.notes["victim"], r"held entries of \S+ were taken over by another consumer")
+
+
+# --------------------------------------------------------------------------------------- the learner
 
 
 async def kill_learner(run: FaultRun, servers: PrivateServers) -> float:
@@ -62,6 +147,255 @@ async def kill_learner(run: FaultRun, servers: PrivateServers) -> float:
     return await _next_version_after(run, started)
 
 
+def _restarted_learner(*, after_kill: bool) -> Check:
+    def check(run: FaultRun, result: AuditResult) -> None:
+        wait = r"holds the learner lease; waiting for it to expire"
+        run.expect_log("learner", wait, start=2, absent=not after_kill)  # a clean stop released the lease
+        run.expect_log("learner", r"resumed from \S+ \(version \d+, \d+ samples in the ledger\)", start=2)
+
+    return check
+
+
+async def _hold_samples(run: FaultRun, ms: int) -> dict[str, int]:
+    """Until the learner holds samples (delivered, un-acked: groups waiting for the step's tail) that were
+    added more than `ms` ago; returns them (entry id -> age in ms)."""
+    deadline = time.monotonic() + 90
+    while True:
+        held = {e: age for e, (owner, age) in (await run.held()).items() if owner == "learner" and age > ms}
+        if held:
+            return held
+        assert time.monotonic() < deadline, f"the learner never held a sample for {ms} ms"
+        assert run.version() < run.plan.steps, f"the run ended before the learner held a sample for {ms} ms"
+        await asyncio.sleep(0.02)
+
+
+SLOW_TAIL_RECLAIM_MS = 300
+
+
+async def kill_learner_holding(run: FaultRun, servers: PrivateServers) -> float:
+    """A learner holding samples for several reclaim times (incomplete steps wait for their tail) must keep
+    them pending (never reclaim them from itself and take them for duplicates); killed then, the restarted
+    learner trains them from its own pending list."""
+    run.notes["held"] = await _hold_samples(run, 2 * SLOW_TAIL_RECLAIM_MS)
+    await run.kill("learner")
+    still = await run.held()
+    assert set(run.notes["held"]) <= set(still), "samples held by the killed learner were acked or taken"
+    started = time.monotonic()
+    await run.start("learner")
+    return await _next_version_after(run, started)
+
+
+async def stop_learner_holding(run: FaultRun, servers: PrivateServers) -> float:
+    """The same learner stopped with SIGTERM instead: it exits by itself (code 0) with the samples it holds
+    still pending, releases its lease, and the next learner starts at once and trains them."""
+    run.notes["held"] = await _hold_samples(run, 2 * SLOW_TAIL_RECLAIM_MS)
+    started = time.monotonic()
+    run.signal("learner", signal.SIGTERM)
+    code = await run.wait_exit("learner", 60)
+    assert code == 0, f"the learner exited with {code} on SIGTERM:\n{run.log_tail('learner')}"
+    assert set(run.notes["held"]) <= set(await run.held()), "samples held at the stop were acked untrained"
+    await run.start("learner")
+    return await _next_version_after(run, started)
+
+
+def _slow_tail_evidence(*, after_kill: bool) -> Check:
+    restarted = _restarted_learner(after_kill=after_kill)
+
+    def check(run: FaultRun, result: AuditResult) -> None:
+        restarted(run, result)
+        run.expect_log("learner", r"reclaimed \d+ entries", start=1, absent=True)  # never from itself
+        run.expect_log("learner", r"taken over by another consumer", absent=True)
+        if not after_kill:
+            run.expect_log("learner", r"released the learner_lease", start=1)
+
+    return check
+
+
+async def second_learner(run: FaultRun, servers: PrivateServers) -> float:
+    """A second learner for the same run while the first serves it. The policy service is frozen meanwhile
+    so that the run cannot end (and the first learner release its lease) before the second one gave up;
+    returns the seconds the second one took to refuse."""
+    run.commands["learner-2"] = run.commands["learner"]
+    run.exit_codes["learner-2"] = 2
+    run.signal("policy", signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await run.start("learner-2")
+        code = await run.wait_exit("learner-2", 120)
+        refused = time.monotonic() - started
+    finally:
+        run.signal("policy", signal.SIGCONT)
+    assert code == 2, f"the second learner exited with {code}:\n{run.log_tail('learner-2')}"
+    assert run.processes["learner"].returncode is None, run.log_tail("learner")
+    return refused
+
+
+def _second_learner_evidence(run: FaultRun, result: AuditResult) -> None:
+    run.expect_log("learner-2", rf"run '{re.escape(run.run)}' already has a learner \(learner@")
+    run.expect_log("learner", r"lost the learner lease|lease expired", absent=True)
+    assert run.starts["learner"] == 1
+
+
+async def corrupt_newest_checkpoint(run: FaultRun, servers: PrivateServers) -> float:
+    """The learner stopped (SIGTERM, clean), one byte of the newest checkpoint's weights flipped, the learner
+    started again: it must set that checkpoint aside and resume from the one before."""
+    run.signal("learner", signal.SIGTERM)
+    code = await run.wait_exit("learner", 60)
+    assert code == 0, run.log_tail("learner")
+    root = run.plan.run_dir / "checkpoints"
+    newest = root / (root / "LATEST").read_text().strip()
+    weights = newest / "policy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+    run.notes["corrupted"] = newest.name
+    started = time.monotonic()
+    await run.start("learner")
+    return await _next_version_after(run, started, timeout=60)
+
+
+def _fallback_evidence(run: FaultRun, result: AuditResult) -> None:
+    name = run.notes["corrupted"]
+    run.expect_log(
+        "learner",
+        rf"checkpoint \S+{name} is damaged \(ChecksumMismatch: [^\n]*set aside as corrupt-{name}-\d+, falling back",
+        start=2,
+    )
+    assert [c for c in result.discarded if c.startswith(f"corrupt-{name}-")], result.discarded
+
+
+def _discarded_update(run: FaultRun, result: AuditResult) -> list[str]:
+    """The set-aside update's samples were acked when it was checkpointed: nothing sends them again, so they
+    are lost (the learner says so in its fallback line)."""
+    return sorted(s for samples in result.discarded.values() for s in samples)
+
+
+FALLBACK_STALLS = (
+    "product bug: after falling back from checkpoint k to k-1 the learner is at version k-1 while the mirror "
+    "holds k (the compare-and-set refuses to republish k-1); it dead-letters every sample of version k as "
+    "'newer than the newest published (k-1)', the policy service waits for version k+1 to dispatch step k+1, "
+    "and the run stalls for good"
+)
+
+
+async def _readers_idle(run: FaultRun) -> None:
+    """Freeze the learner, then wait until every worker has loaded the published version: from then on nobody
+    reads the checkpoint directory (a worker reads it only to load a newer version) until the learner is let
+    go. A directory swapped away while a worker hashes it is another fault, which the workers do not survive yet
+    (the hash of a vanished directory is that of an empty one: the version is refused for good)."""
+    run.signal("learner", signal.SIGSTOP)
+    published = await run.published()
+    deadline = time.monotonic() + 60
+    while not all(re.search(rf"loaded policy version {published}\b", run.log_text(w)) for w in _rollouts(run)):
+        if time.monotonic() > deadline:
+            run.signal("learner", signal.SIGCONT)
+            raise AssertionError(f"not every worker loaded version {published}:\n" + run.log_tail(_rollouts(run)[0]))
+        await asyncio.sleep(0.05)
+
+
+async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> float:
+    """The learner's checkpoint directory replaced by a plain file (root ignores permission bits, so a
+    read-only mode would not stop it): every save fails with an OSError until the directory is back."""
+    checkpoints = run.plan.run_dir / "checkpoints"
+    held = checkpoints.with_name("checkpoints.held")
+    logs = [run.plan.run_dir / "logs" / f"{name}.log" for name in _rollouts(run)]
+
+    def unreadable() -> int:  # the workers' "policy version N unreadable ... trying again" lines so far
+        return sum(path.read_text(errors="replace").count("unreadable") for path in logs if path.exists())
+
+    def failed_saves() -> int:
+        return run.log_text("learner").count("checkpoint of version")
+
+    deadline = time.monotonic() + 90
+    while True:
+        before, saves = unreadable(), failed_saves()
+        await _readers_idle(run)
+        checkpoints.rename(held)
+        checkpoints.write_text("not a directory\n")
+        run.signal("learner", signal.SIGCONT)
+        while failed_saves() == saves:  # the next save failed, and said so
+            assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
+            assert time.monotonic() < deadline, "the learner never tried to save:\n" + run.log_tail("learner", 80)
+            if unreadable() > before:
+                break  # a checkpoint saved before the freeze went out after it: no worker can load it, no save
+            await asyncio.sleep(0.1)
+        else:
+            break
+        # Bring it back (the worker loads it at its next try, which is what a transient outage should
+        # cost) and inject the fault again once the run has moved on.
+        checkpoints.unlink()
+        held.rename(checkpoints)
+        await asyncio.sleep(0.5)
+    at = run.version()
+    await asyncio.sleep(6.0)  # retrying all along, publishing nothing
+    assert run.version() == at, "an update was recorded while no checkpoint could be written"
+    assert await run.published() == at, "a version was published while no checkpoint could be written"
+    assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
+    checkpoints.unlink()
+    held.rename(checkpoints)
+    return await _next_version_after(run, time.monotonic())
+
+
+def _save_retried(reason: str = "") -> Check:
+    def check(run: FaultRun, result: AuditResult) -> None:
+        run.expect_log("learner", rf"checkpoint of version \d+ failed \([^\n]*{reason}[^\n]*\); retry \d+ in")
+
+    return check
+
+
+@contextlib.asynccontextmanager
+async def small_disk(run: FaultRun) -> AsyncIterator[None]:
+    """A 16 MiB tmpfs mounted on the run's checkpoint directory (a real file system that can fill up)."""
+    import pytest
+
+    async def sh(*argv: str) -> tuple[int, str]:
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+        except OSError as exc:  # no mount(8) at all
+            return 127, str(exc)
+        out, _ = await process.communicate()
+        return process.returncode or 0, out.decode(errors="replace").strip()
+
+    target = run.plan.run_dir / "checkpoints"
+    target.mkdir(parents=True, exist_ok=True)
+    code, said = await sh("mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(target))
+    if code != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {said}")
+    try:
+        yield
+    finally:
+        if (await sh("umount", str(target)))[0] != 0:
+            await sh("umount", "-l", str(target))
+
+
+async def fill_disk(run: FaultRun, servers: PrivateServers) -> float:
+    """Fill the checkpoint file system (ENOSPC) until a save has failed and the learner said so, 3 s more, then
+    free it: nothing may be published meanwhile, and nothing lost."""
+    root = run.plan.run_dir / "checkpoints"
+    filler = root / "filler"
+    saves = run.log_text("learner").count("checkpoint of version")
+    with filler.open("wb", buffering=0) as out:
+        for chunk in (1 << 20, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while out.write(b"\0" * chunk):
+                    pass
+    deadline = time.monotonic() + 90
+    while run.log_text("learner").count("checkpoint of version") == saves:
+        assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
+        assert time.monotonic() < deadline, "no save failed on the full disk:\n" + run.log_tail("learner", 80)
+        await asyncio.sleep(0.1)
+    at = run.version()
+    await asyncio.sleep(3.0)
+    assert run.version() == at and await run.published() == at, "a version went out with the disk full"
+    filler.unlink()
+    return await _next_version_after(run, time.monotonic())
+
+
+# --------------------------------------------------------------------------------------- the policy service
+
+
 async def kill_policy(run: FaultRun, servers: PrivateServers) -> float:
     await run.kill("policy")
     started = time.monotonic()
@@ -69,11 +403,24 @@ async def kill_policy(run: FaultRun, servers: PrivateServers) -> float:
     return await _next_version_after(run, started)
 
 
+def _cursor_resumed(run: FaultRun, result: AuditResult) -> None:
+    line = run.expect_log("policy", r"policy: dispatching from step \d+", start=2)
+    assert int(line.rsplit(" ", 1)[1]) > 0, line
+
+
+# --------------------------------------------------------------------------------------- the servers
+
+
 async def restart_redis(run: FaultRun, servers: PrivateServers) -> float:
     await servers.stop_redis(signal.SIGKILL)  # a crash: append-only with fsync always keeps every write
     await asyncio.sleep(2.0)
     await servers.start_redis()
     return await _next_version_after(run, time.monotonic())
+
+
+def _redis_retried(run: FaultRun, result: AuditResult) -> None:
+    pattern = r"Redis \S+ unreachable \(attempt \d+\); retrying"
+    assert any(re.search(pattern, run.log_text(name)) for name in run.commands), "no service retried Redis"
 
 
 async def restart_broker(run: FaultRun, servers: PrivateServers) -> float:
@@ -87,78 +434,191 @@ async def restart_broker(run: FaultRun, servers: PrivateServers) -> float:
     return await _next_version_after(run, time.monotonic())
 
 
-async def freeze_worker(run: FaultRun, servers: PrivateServers) -> float:
-    worker = await run.wait_any("GENERATING", 60)
-    run.signal(worker, signal.SIGSTOP)
-    started = time.monotonic()
-    await asyncio.sleep(6.0)  # twice the reclaim idle time: the other worker takes its tasks over meanwhile
-    run.signal(worker, signal.SIGCONT)  # its late samples and ack must change nothing
+def _broker_lost(run: FaultRun, result: AuditResult) -> None:
+    for name in run.commands:
+        run.expect_log(name, r"MQTT \S+ unreachable or lost")
+
+
+# --------------------------------------------------------------------------------------- hostile input
+
+
+async def inject_poison(run: FaultRun, servers: PrivateServers) -> float:
+    """Poison written straight into the streams (a raw client, the right codec): a sample with a NaN reward,
+    one with a token id outside the vocabulary, a prompt longer than max_len. Each must be dead-lettered by
+    the service that reads it, which goes on."""
+    from tlt_stream.messages import PromptGroup, Sample, Tensor, codec_for
+
+    vocab = json.loads((run.plan.world / "policy" / "config.json").read_text())["vocab_size"]
+    version = await run.published()
+
+    def sample(task: str, reward: float, tokens: list[int]) -> Sample:
+        return Sample(
+            sample_id=f"{task}/0", task_id=task, prompt_id=task, index=0, group_size=2, prompt_ids=[3, 4],
+            token_ids=Tensor.from_values(tokens, "int32"), logprobs=Tensor.from_values([-1.0] * len(tokens), "float32"),
+            policy_version=version, drafter_version=-1, reward=reward, finish_reason="eos", worker_id="poisoner",
+        )  # fmt: skip
+
+    long = PromptGroup(
+        task_id="poison-long", prompt_id="poison-long", prompt_ids=[3] * run.plan.max_len, answer="0", group_size=2
+    )
+    poison = [
+        ("samples", sample("poison-nan", float("nan"), [3, 4]), "reward nan is not finite"),
+        ("samples", sample("poison-vocab", 1.0, [3, vocab]), f"token id {vocab}, outside the policy's vocabulary"),
+        ("prompts", long, "leaves no room for a response"),
+    ]
+    async with run.redis() as redis:
+        for stream, message, reason in poison:
+            entry = await redis.xadd(run.keys.stream(stream), {b"m": codec_for(stream).encode(message)})
+            run.injected[(stream, entry.decode())] = reason
+        started = time.monotonic()
+        while sum(int(v) for v in (await redis.hgetall(run.keys.dead_counts)).values()) < len(poison):
+            assert time.monotonic() - started < 60, "the poison was not dead-lettered"
+            await asyncio.sleep(0.05)
     return await _next_version_after(run, started)
 
 
-async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> float:
-    """The learner's checkpoint directory replaced by a plain file (root ignores permission bits, so a
-    read-only mode would not stop it): every save fails with an OSError until the directory is back."""
-    checkpoints = run.plan.run_dir / "checkpoints"
-    held = checkpoints.with_name("checkpoints.held")
-    logs = [run.plan.run_dir / "logs" / f"{name}.log" for name in run.commands if name not in ("learner", "policy")]
-
-    def unreadable() -> int:  # the workers' "policy version N unreadable ... trying again" lines so far
-        return sum(path.read_text(errors="replace").count("unreadable") for path in logs if path.exists())
-
-    deadline = time.monotonic() + 90
-    while True:
-        before = unreadable()
-        checkpoints.rename(held)
-        checkpoints.write_text("not a directory\n")
-        while "checkpoint of version" not in run.log_tail("learner", 400):  # the next save failed, and said so
-            assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
-            assert time.monotonic() < deadline, "the learner never tried to save:\n" + run.log_tail("learner", 80)
-            if unreadable() > before:
-                break  # a worker had not loaded the newest version yet: no samples, so no save to fail
-            await asyncio.sleep(0.1)
-        else:
-            break
-        # Bring it back (the worker loads it at its next try, which is what a transient outage should
-        # cost) and inject the fault again once the run has moved on.
-        checkpoints.unlink()
-        held.rename(checkpoints)
-        await asyncio.sleep(0.5)
-    at = run.version()
-    await asyncio.sleep(6.0)  # retrying all along, publishing nothing
-    assert run.version() == at, "an update was recorded while no checkpoint could be written"
-    assert run.processes["learner"].returncode is None, run.log_tail("learner", 80)
-    checkpoints.unlink()
-    held.rename(checkpoints)
-    return await _next_version_after(run, time.monotonic())
+def _poison_evidence(run: FaultRun, result: AuditResult) -> None:
+    run.expect_log("learner", r"dead-lettered samples entry \S+ from learner/learner: invalid sample: reward nan")
+    run.expect_log("learner", r"dead-lettered samples entry \S+ from learner/learner: invalid sample: token_ids")
+    pattern = r"dead-lettered prompts entry \S+ from rollout/rollout-\d+: invalid task: prompt of \d+ tokens"
+    assert any(re.search(pattern, run.log_text(w)) for w in _rollouts(run)), "no worker dead-lettered the prompt"
 
 
-LONG_ROLLOUTS = {"max_len": 1024, "prompts_per_step": 8}
-"""For faults aimed at a worker mid-generation: the tiny test policy's rollouts at the small plan's max_len
-take ~10 ms a step, too short a window to be caught in reliably."""
+FORGED_VERSION = 2**62
+
+
+async def forge_control(run: FaultRun, servers: PrivateServers) -> float:
+    """A raw MQTT client on the policy topic: a forged version 2**62 pointing at a checkpoint that does not
+    exist, then a replay of an older genuine retained message (both retained, as an attacker would)."""
+    from tlt_stream.bus.connect import mqtt_params
+    from tlt_stream.messages import CONTROL_CODEC, PolicyVersion
+
+    genuine = await run.retained("policy")
+    assert isinstance(genuine, PolicyVersion), genuine
+    await run.wait_version(genuine.version + 1, 60)  # the captured message is an old one now
+    forged = PolicyVersion(version=FORGED_VERSION, location="/nonexistent/forged", sha256="f" * 64, step=FORGED_VERSION)
+    started = time.monotonic()
+    async with mqtt_params(servers.mqtt_url).client(identifier="forger") as client:
+        for message in (forged, genuine):
+            await client.publish(run.config.topic_prefix + "policy", CONTROL_CODEC.encode(message), qos=1, retain=True)
+    deadline = time.monotonic() + 30
+    while not all("unconfirmed (forged?)" in run.log_text(name) for name in run.commands):
+        assert time.monotonic() < deadline, "not every service refused the forged version"
+        await asyncio.sleep(0.1)
+    return await _next_version_after(run, started)
+
+
+def _forgery_evidence(run: FaultRun, result: AuditResult) -> None:
+    for name in run.commands:
+        run.expect_log(name, rf"ignoring an unconfirmed \(forged\?\) policy version {FORGED_VERSION} from MQTT")
+        assert FORGED_VERSION not in run.adopted(name, 1), f"{name} adopted the forged version"
+
+
+LONG_ROLLOUTS = {"max_len": 256, "prompts_per_step": 8, "max_batch": 4}
+"""For faults aimed at a worker mid-generation, or at groups waiting for their step's tail: the tiny test
+policy's rollouts at the small plan's max_len take ~10 ms a step, too short a window to be caught in
+reliably. 256 is the test policy's context (the learner dead-letters a longer sample); 4 rows a worker make
+each step's 16 responses run in waves."""
+
+SLOW_TAIL = {"max_len": 256, "prompts_per_step": 16, "max_batch": 1}
+"""Steps of ~1.5 s (16 responses a worker, one at a time): a step's first groups wait at the learner for well
+over the slow-tail scenarios' reclaim time (300 ms) while the rest is generated."""
 
 SCENARIOS = [
     Scenario(
-        "kill9_rollout_generating", "kill -9 a rollout worker mid-generation", kill_worker_generating, LONG_ROLLOUTS
+        "kill9_rollout_generating",
+        "kill -9 a rollout worker mid-generation",
+        kill_worker_generating,
+        LONG_ROLLOUTS,
+        _victim_reclaimed,
     ),
     Scenario(
         "kill9_rollout_training",
         "kill -9 the rollout worker inside a drafter-training slice",
         kill_worker_training,
         {"sd": "eagle", "prompts_per_step": 4, "hidden_share": 1.0},  # every window: training starts early
+        _trainer_evidence,
     ),
-    Scenario("kill9_learner", "kill -9 the learner mid-update (inside its checkpoint save), restart it", kill_learner),
-    Scenario("kill9_policy", "kill -9 the policy service, restart it", kill_policy),
-    Scenario("restart_redis", "kill -9 Redis (append-only), restart it 2 s later", restart_redis),
-    Scenario("restart_broker", "kill -9 the MQTT broker for 10 s (training must go on)", restart_broker),
     Scenario(
-        "sigstop_rollout", "freeze a rollout worker (SIGSTOP) for 2x the reclaim time", freeze_worker, LONG_ROLLOUTS
+        "kill9_learner",
+        "kill -9 the learner mid-update (inside its checkpoint save), restart it",
+        kill_learner,
+        evidence=_restarted_learner(after_kill=True),
+    ),
+    Scenario("kill9_policy", "kill -9 the policy service, restart it", kill_policy, evidence=_cursor_resumed),
+    Scenario(
+        "restart_redis", "kill -9 Redis (append-only), restart it 2 s later", restart_redis, evidence=_redis_retried
+    ),
+    Scenario(
+        "restart_broker",
+        "kill -9 the MQTT broker for 10 s (training must go on)",
+        restart_broker,
+        evidence=_broker_lost,
+    ),
+    Scenario(
+        "sigstop_rollout",
+        "freeze a rollout worker holding a task (SIGSTOP) for 2 x (heartbeat ttl + reclaim time)",
+        freeze_worker,
+        LONG_ROLLOUTS,
+        _freeze_evidence,
+        env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
     ),
     Scenario(
         "checkpoint_unwritable",
         "the learner's checkpoint directory unwritable until a save has failed, then 6 s more",
         checkpoint_dir_unwritable,
         {"steps": 12},  # room for a second injection when the first lands before a worker loaded its version
+        _save_retried(),
+    ),
+    Scenario(
+        "slow_tail_kill9_learner",
+        "samples held at the learner > 2 x the reclaim time (300 ms), the learner killed -9 then, restarted",
+        kill_learner_holding,
+        SLOW_TAIL,
+        _slow_tail_evidence(after_kill=True),
+        env={"TLT_BUS__RECLAIM_IDLE_MS": str(SLOW_TAIL_RECLAIM_MS)},
+    ),
+    Scenario(
+        "slow_tail_sigterm_learner",
+        "samples held at the learner > 2 x the reclaim time (300 ms), the learner stopped (SIGTERM), restarted",
+        stop_learner_holding,
+        SLOW_TAIL,
+        _slow_tail_evidence(after_kill=False),
+        env={"TLT_BUS__RECLAIM_IDLE_MS": str(SLOW_TAIL_RECLAIM_MS)},
+    ),
+    Scenario(
+        "poison",
+        "a NaN-reward sample, a sample with a token id >= vocab and a prompt longer than max_len, written raw",
+        inject_poison,
+        evidence=_poison_evidence,
+    ),
+    Scenario(
+        "forged_control",
+        "a forged policy version 2**62 and a replayed old retained one, published raw on the policy topic",
+        forge_control,
+        evidence=_forgery_evidence,
+    ),
+    Scenario(
+        "two_learners",
+        "a second learner started for the run (recovery: seconds until it refused)",
+        second_learner,
+        evidence=_second_learner_evidence,
+    ),
+    Scenario(
+        "corrupt_checkpoint",
+        "one byte flipped in the newest checkpoint's weights while the learner was stopped, restarted",
+        corrupt_newest_checkpoint,
+        evidence=_fallback_evidence,
+        may_lose=_discarded_update,
+        extended=True,
+        known_bug=FALLBACK_STALLS,
+    ),
+    Scenario(
+        "disk_full",
+        "the checkpoint file system (a 16 MiB tmpfs) full until a save has failed, then 3 s more",
+        fill_disk,
+        evidence=_save_retried("No space left"),
+        prepare=small_disk,
     ),
 ]
 
