@@ -244,3 +244,25 @@ def test_restore_refuses_optimizer_state_from_different_parameter_groups(tmp_pat
     core = LearnerCore(make_model(seed=0), LearnerSettings(final_norm_lr_scale=10.0))  # two
     with pytest.raises(CheckpointError, match=r"does not fit this learner.*final_norm_lr_scale"):
         restore_checkpoint(info, optimizer=core.optimizer, restore_rng=False)
+
+
+def test_a_policy_directory_that_vanishes_while_hashed_is_missing_not_mismatched(tmp_path) -> None:
+    """A worker hashing a directory the learner prunes at that moment read it as empty and refused the version
+    for good as a checksum mismatch; missing is retried."""
+    from unittest import mock
+
+    import pytest
+
+    from tlt_stream.rl.checkpoint import policy_sha256
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "model.safetensors").write_bytes(b"x")
+    real_walk = os.walk
+
+    def walk_after_prune(root, **kwargs):  # the directory goes between is_dir() and the walk
+        os.rename(policy, tmp_path / "pruned")
+        return real_walk(root, **kwargs)
+
+    with mock.patch("tlt_stream.rl.checkpoint.os.walk", walk_after_prune), pytest.raises(FileNotFoundError):
+        policy_sha256(policy)

@@ -95,7 +95,11 @@ class ChecksumMismatch(Exception):
 def _policy_files(root: Path) -> list[str]:
     """Relative POSIX names of every file under `root`, sorted; symlinked files count as their target."""
     names = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def vanished(error: OSError) -> None:  # os.walk skips an unreadable directory silently: an empty digest
+        raise FileNotFoundError(f"{root}: policy directory vanished or unreadable while hashed ({error})")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=vanished):
         for d in dirnames:
             if os.path.islink(os.path.join(dirpath, d)):
                 raise ValueError(f"{root}: symlinked directory {d!r} is not supported in a policy directory")

@@ -364,7 +364,12 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         verify_policy(announced.location, announced.sha256)
-        self.vocab_size = _vocab_size(announced.location)
+        self.vocab_size, positions = _policy_limits(announced.location)
+        if positions is not None and self.settings.max_len > positions:  # every long sample would be poison
+            raise ValueError(
+                f"--max-len {self.settings.max_len} is longer than the policy's {positions} positions "
+                f"(max_position_embeddings of {announced.location}): use --max-len {positions} or less"
+            )
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
@@ -630,15 +635,21 @@ class RolloutWorker:
         return finished, engine.tokens_generated - tokens, engine.rounds + engine.plain_steps - forwards
 
 
-def _vocab_size(location: str) -> int | None:
-    """`vocab_size` from a Hugging Face checkpoint's config.json (None when it does not say)."""
+def _policy_limits(location: str) -> tuple[int | None, int | None]:
+    """(`vocab_size`, `max_position_embeddings`) from a Hugging Face checkpoint's config.json (None for what
+    it does not say)."""
     import json
 
     try:
-        value = json.loads((Path(location) / "config.json").read_text()).get("vocab_size")
+        config = json.loads((Path(location) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
+        return None, None
+
+    def positive(name: str) -> int | None:
+        value = config.get(name) if isinstance(config, dict) else None
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    return positive("vocab_size"), positive("max_position_embeddings")
 
 
 def serve_rollout_worker(config: Config, args: Any) -> int:
