@@ -358,3 +358,34 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [0, 1]
     assert [p.name.startswith("corrupt-step-00000002") for p in (run_dir / "checkpoints").iterdir()].count(True) == 1
     await redis.aclose()
+
+
+async def test_a_group_with_a_poison_member_is_trained_without_it(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """On-policy, a group that never completes stalls the run: the poison member is dead-lettered and the group
+    is trained on its other members (read back from the checkpoint and `dead`)."""
+    import math
+
+    import msgspec
+
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    keys = Keys(bus_config.run)
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    nan = msgspec.structs.replace(sample("c", 1, 0.0), reward=math.nan)
+    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), nan, sample("a", 1, 0.0)])
+    async with service(bus_config, run_dir, init_policy) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0", "c/1"}
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+    assert [codec_for("samples").decode(d.payload).sample_id for d in dead] == ["c/1"]
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    await redis.aclose()

@@ -151,3 +151,23 @@ def test_any_interleaving_with_redeliveries_yields_every_group_exactly_once(
     delivered = {a[0] for a in arrivals}
     assert sorted(ready) == sorted({f"t{t}" for t in range(len(sizes))} & {a[1] for a in arrivals})
     assert acked == delivered, "every delivered entry is acked once its effect is durable"
+
+
+def test_a_group_completes_without_its_dead_lettered_members() -> None:
+    """A poison member must not keep its siblings waiting forever (an on-policy run would stall on it)."""
+    assembler = GroupAssembler(max_staleness=0)
+    assert assembler.offer(sample("a", 0, size=3), "1-0", 0).status == "waiting"
+    assert assembler.mark_dead(sample("a", 1, size=3)).status == "waiting"
+    offer = assembler.offer(sample("a", 2, size=3), "1-2", 0)
+    assert offer.status == "ready" and offer.group is not None
+    assert offer.group.sample_ids == ["a/0", "a/2"] and offer.group.dead_ids == ["a/1"]
+    assembler.consume(offer.group)
+    assert {"a/0", "a/1", "a/2"} <= assembler.ledger
+    assert assembler.offer(sample("a", 1, size=3), "9-1", 0).status == "duplicate", "a late copy reopens nothing"
+    # A group of poison only is forgotten, counted; a bogus copy (another group size) marks nothing.
+    assert assembler.mark_dead(sample("b", 0, size=2)).status == "waiting"
+    assert assembler.mark_dead(sample("b", 1, size=2)).status == "waiting"
+    assert assembler.dead_groups == 1 and assembler.open_groups == 0 and {"b/0", "b/1"} <= assembler.ledger
+    assembler.offer(sample("c", 0, size=2), "2-0", 0)
+    assert assembler.mark_dead(sample("c", 1, size=5)).status == "waiting"
+    assert assembler.offer(sample("c", 1, size=2), "2-1", 0).status == "ready"

@@ -41,6 +41,9 @@ class ReadyGroup:
     task_id: str
     samples: list[Sample]
     entry_ids: list[str]
+    dead_ids: list[str] = field(default_factory=list)
+    """Members that were dead-lettered (poison): the group is trained without them, and their ids join the
+    ledger with the group's so that no later copy reopens it."""
 
     @property
     def sample_ids(self) -> list[str]:
@@ -58,6 +61,16 @@ class ReadyGroup:
 class _Open:
     group_size: int
     by_index: dict[int, tuple[Sample, str]] = field(default_factory=dict)
+    dead: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """Index -> (sample id, policy version) of members dead-lettered as poison."""
+
+    @property
+    def filled(self) -> int:
+        return len(self.by_index) + len(self.dead)
+
+    def oldest_version(self) -> int:
+        versions = [s.policy_version for s, _ in self.by_index.values()] or [v for _, v in self.dead.values()]
+        return min(versions)
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class GroupAssembler:
         self._holding: set[str] = set()  # entry ids taken in and not yet released (acked) by the caller
         self.duplicates = 0
         self.redelivered = 0
+        self.dead_groups = 0
         self.dropped_groups = 0
         self.dropped_samples = 0
 
@@ -130,17 +144,39 @@ class GroupAssembler:
                 f"earlier samples of task {sample.task_id} said {group.group_size}"
             )
             return Offer("invalid", reason=reason)
-        if sample.index in group.by_index:
+        if sample.index in group.by_index or sample.index in group.dead:
             self.duplicates += 1
             return Offer("duplicate")
         group.by_index[sample.index] = (sample, entry_id)
         self._holding.add(entry_id)
         if learner_version - sample.policy_version > self.max_staleness:
             return Offer("stale", self._drop(sample.task_id))
-        if len(group.by_index) < group.group_size:
+        return self._complete(sample.task_id, group)
+
+    def mark_dead(self, sample: Sample) -> Offer:
+        """Count a member that was dead-lettered as poison (its entry is already acked): its group completes
+        without it, so one poison sample does not keep its siblings waiting forever (an on-policy run would
+        stall). "ready" when that completed a group with members left to train on; "waiting" otherwise (a
+        group of poison only is forgotten, counted in `dead_groups`)."""
+        if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger:
             return Offer("waiting")
-        del self._open[sample.task_id]
-        ready = _ready(sample.task_id, group)
+        group = self._open.get(sample.task_id)
+        if group is None:
+            group = self._open[sample.task_id] = _Open(sample.group_size)
+        if group.group_size != sample.group_size or sample.index in group.by_index or sample.index in group.dead:
+            return Offer("waiting")  # a bogus copy: it neither stands for nor completes the real member
+        group.dead[sample.index] = (sample.sample_id, sample.policy_version)
+        return self._complete(sample.task_id, group)
+
+    def _complete(self, task_id: str, group: _Open) -> Offer:
+        if group.filled < group.group_size:
+            return Offer("waiting")
+        del self._open[task_id]
+        ready = _ready(task_id, group)
+        if not ready.samples:
+            self.dead_groups += 1
+            self.ledger.update(ready.dead_ids)
+            return Offer("waiting")
         self._issued.update(ready.sample_ids)
         return Offer("ready", ready)
 
@@ -149,7 +185,7 @@ class GroupAssembler:
         stale = [
             task_id
             for task_id, group in self._open.items()
-            if learner_version - min(s.policy_version for s, _ in group.by_index.values()) > self.max_staleness
+            if learner_version - group.oldest_version() > self.max_staleness
         ]
         return [self._drop(task_id) for task_id in stale]
 
@@ -163,6 +199,7 @@ class GroupAssembler:
     def consume(self, group: ReadyGroup) -> None:
         """Record that an update applied `group` (or that it was dropped): its ids join the ledger."""
         self.ledger.update(group.sample_ids)
+        self.ledger.update(group.dead_ids)
         self._issued.difference_update(group.sample_ids)
 
     def release(self, entry_ids: Iterable[str]) -> None:
@@ -178,4 +215,5 @@ class GroupAssembler:
 
 def _ready(task_id: str, group: _Open) -> ReadyGroup:
     ordered = [group.by_index[i] for i in sorted(group.by_index)]
-    return ReadyGroup(task_id, [s for s, _ in ordered], [e for _, e in ordered])
+    dead = [group.dead[i][0] for i in sorted(group.dead)]
+    return ReadyGroup(task_id, [s for s, _ in ordered], [e for _, e in ordered], dead)

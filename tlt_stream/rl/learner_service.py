@@ -320,6 +320,12 @@ class LearnerService:
         if problem is not None:  # poison: the same entry would fail the same way on every restart
             self.invalid += 1
             await self.reader.give_up(delivery, f"invalid sample: {problem}")
+            if offer is None:  # its group is trained without it (or, if it contradicted its siblings, ignores it)
+                offer = self.assembler.mark_dead(sample)
+                if offer.status == "ready":
+                    assert offer.group is not None
+                    log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
+                    self.ready.append(offer.group)
             return []
         assert offer is not None
         if offer.status == "duplicate":
