@@ -568,6 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     learn.add_argument("--max-updates", type=_positive, help="stop after this many updates (default: run on)")
     learn.add_argument(
+        "--until-version",
+        type=_positive,
+        help="stop once the policy reaches this version, counting what a resumed checkpoint already holds",
+    )
+    learn.add_argument(
         "--keep-checkpoints", type=_positive, default=3, help="complete checkpoints kept on disk (the newest)"
     )
     learn.add_argument("--threads", type=_positive, default=1, help="torch threads")

@@ -156,7 +156,7 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                 *("--groups-per-step", str(plan.prompts_per_step), "--max-staleness", str(plan.max_staleness)),
                 *("--lr", str(plan.lr), "--warmup-steps", str(plan.warmup_steps)),
                 *("--final-norm-lr-scale", str(plan.final_norm_lr_scale)),
-                *("--max-updates", str(plan.steps), "--threads", str(learner_threads)),
+                *("--until-version", str(plan.steps), "--threads", str(learner_threads)),
                 *("--device", plan.device),
             ],
         )

@@ -334,7 +334,7 @@ async def test_poison_samples_are_dead_lettered_and_the_learner_trains_on(
 async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
-    from tlt_stream.rl.checkpoint import complete_checkpoints, latest_checkpoint
+    from tlt_stream.rl.checkpoint import complete_checkpoints, latest_checkpoint, restore_checkpoint
 
     run_dir = tmp_path / "run"
     keys = Keys(bus_config.run)
@@ -343,8 +343,13 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     async with service(bus_config, run_dir, init_policy) as learner:
         await learner.start()
         await producer.send("samples", [sample(t, i, float(i == 0)) for t in ("a", "b", "c", "d") for i in (0, 1)])
+        stop = asyncio.Event()  # stopped as SIGTERM stops it, not by finishing its updates
+        running = asyncio.create_task(learner.run(stop))
         async with asyncio.timeout(60):
-            await learner.run(asyncio.Event(), max_updates=2)
+            while learner.version < 2:  # noqa: ASYNC110 (the service's state, polled)
+                await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(running, timeout=30)
     newest = latest_checkpoint(run_dir / "checkpoints")
     assert newest is not None and newest.step == 2
     weights = newest.policy_dir / "model.safetensors"
@@ -352,11 +357,24 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     data[len(data) // 2] ^= 0x10  # one bit of one weight
     weights.write_bytes(bytes(data))
     async with service(bus_config, run_dir, init_policy) as restarted:
-        message = await restarted.start()
-        assert restarted.version == 1 and message.version == 1
-        assert restarted.assembler.ledger == {"a/0", "a/1", "b/0", "b/1"}
-    assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [0, 1]
-    assert [p.name.startswith("corrupt-step-00000002") for p in (run_dir / "checkpoints").iterdir()].count(True) == 1
+        await restarted.start()
+        assert restarted.version == 1 and restarted.assembler.ledger == {"a/0", "a/1", "b/0", "b/1"}
+        assert [p.name.startswith("corrupt-step-00000002") for p in (run_dir / "checkpoints").iterdir()].count(
+            True
+        ) == 1
+        # The discarded update's samples were still pending (acked only after the next checkpoint): trained again.
+        async with asyncio.timeout(60):
+            await restarted.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 2
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    assert ledger == {f"{t}/{i}" for t in "abcd" for i in (0, 1)} and sorted(meta["extra"]["trained_groups"]) == [
+        "c",
+        "d",
+    ]
+    assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [0, 1, 2]
+    assert found.policy_sha256 == newest.policy_sha256, "the update redone from the same state is the same update"
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
     await redis.aclose()
 
 

@@ -155,7 +155,7 @@ def test_the_plan_gives_each_process_its_threads_and_the_learner_the_step_count(
     commands = {c.name: c.argv for c in service_commands(plan, Config(run="r1"))}
     assert list(commands) == ["policy", "rollout-0", "rollout-1", "learner"]
     learner = commands["learner"]
-    assert learner[learner.index("--max-updates") + 1] == "5" and learner[learner.index("--threads") + 1] == "2"
+    assert learner[learner.index("--until-version") + 1] == "5" and learner[learner.index("--threads") + 1] == "2"
     assert commands["rollout-1"][commands["rollout-1"].index("--threads") + 1] == "3"
     assert all(argv[argv.index("--run") + 1] == "r1" for argv in commands.values())
     assert "--no-hidden" in commands["rollout-0"], "no drafter training without SD eagle: nobody reads `hidden`"

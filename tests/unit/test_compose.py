@@ -174,7 +174,7 @@ def test_the_roles_agree_on_one_run_and_keep_its_files_on_the_shared_volume(monk
     spec = services(KNOBS)
     parsed = {name: parse(name, spec[name], monkeypatch) for name in ("bootstrap", "policy", "rollout", "learner")}
     boot, policy, rollout, learner = parsed.values()
-    assert policy.steps == learner.max_updates == 3
+    assert policy.steps == learner.until_version == 3
     assert policy.prompts_per_step == learner.groups_per_step == 5
     assert policy.max_staleness == learner.max_staleness == 1
     assert rollout.max_len == 64

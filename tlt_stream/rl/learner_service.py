@@ -121,6 +121,8 @@ class LearnerService:
         self.failures: dict[str, int] = {}
         """Failed update attempts per task id: a group whose updates keep failing is dead-lettered."""
         self.failed_updates = 0
+        self.last_update_entries: list[str] = []
+        """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
         self.invalid = 0
         self.trimmed = 0
         self.lease = DrafterLease(redis, self.keys, ttl_ms=int(config.bus.heartbeat_ttl_s * 1000), name="learner_lease")
@@ -215,7 +217,7 @@ class LearnerService:
                 found.path.rename(aside)
                 log.error(
                     "checkpoint %s is damaged (%s: %s); set aside as %s, falling back to the previous one "
-                    "(the samples its update trained were acked: they are not trained again)",
+                    "(its update's samples are still pending: that update is trained again)",
                     found.path,
                     type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "",
@@ -281,7 +283,10 @@ class LearnerService:
         self._stop = stop
         keeper = asyncio.create_task(self._keep_lease(stop), name="learner-lease")
         try:
-            await self._consume(stop, max_updates)
+            finished = await self._consume(stop, max_updates)
+            if finished and self.last_update_entries:  # done: nothing to redo, whatever happens to the disk
+                await self._ack(self.last_update_entries)
+                self.last_update_entries = []
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -290,7 +295,10 @@ class LearnerService:
                     await self.lease.release(self.grant)
                 self.grant = None
 
-    async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> None:
+    async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> bool:
+        """Read, assemble and update until `stop` or `max_updates`; True when the updates asked for are done
+        (a stop leaves the newest update's entries pending: a restart finds them in the ledger, or, past a
+        damaged checkpoint, trains them again)."""
         applied = 0
         while not stop.is_set() and (max_updates is None or applied < max_updates):
             deliveries = await self.reader.read()
@@ -305,12 +313,16 @@ class LearnerService:
                     applied += 1
                 elif stop.is_set():
                     break
+        return max_updates is not None and applied >= max_updates
 
     async def _take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
         sample = delivery.message
+        # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
+        # the update whose version the workers already generate with.
+        newest = max(self.version, self.control.version("policy"))
         problem = sample_problem(
-            sample, vocab_size=self.vocab_size, max_positions=self.max_positions, newest_version=self.version
+            sample, vocab_size=self.vocab_size, max_positions=self.max_positions, newest_version=newest
         )
         offer = None
         if problem is None:
@@ -425,7 +437,11 @@ class LearnerService:
             stop=self._stop,
         )
         metrics["checkpoint_seconds"] = time.perf_counter() - saving
-        await self._ack([entry for g in groups for entry in g.entry_ids])
+        # The previous update's entries are acked now, this one's after the next checkpoint: a newest
+        # checkpoint found damaged on restart is fallen back from, and its update's samples are then still
+        # pending, so they are trained again instead of lost.
+        await self._ack(self.last_update_entries)
+        self.last_update_entries = [entry for g in groups for entry in g.entry_ids]
         await self._trim()
         await self._publish(self.checkpoint)
         # Groups assembled under the old version that the new one has left behind: drop them visibly.
@@ -554,7 +570,11 @@ def serve_learner(config: Config, args: Any) -> int:
         )
         message = await service.start()
         print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
-        await service.run(stop, max_updates=args.max_updates)
+        updates = args.max_updates
+        if args.until_version is not None:  # a restarted learner counts what its checkpoint already holds
+            left = max(0, args.until_version - service.version)
+            updates = left if updates is None else min(updates, left)
+        await service.run(stop, max_updates=updates)
         print(f"learner: stopped at policy version {service.version}", file=sys.stderr)
 
     return serve(config, "learner", ["policy"], body)
