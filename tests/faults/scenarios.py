@@ -264,8 +264,6 @@ def _fallback_evidence(run: FaultRun, result: AuditResult) -> None:
     assert [c for c in result.discarded if c.startswith(f"corrupt-{name}-")], result.discarded
 
 
-
-
 async def _readers_idle(run: FaultRun) -> None:
     """Freeze the learner, then wait until every worker has loaded the published version: from then on nobody
     reads the checkpoint directory (a worker reads it only to load a newer version) until the learner is let
