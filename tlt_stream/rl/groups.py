@@ -42,8 +42,8 @@ class ReadyGroup:
     samples: list[Sample]
     entry_ids: list[str]
     dead_ids: list[str] = field(default_factory=list)
-    """Members that were dead-lettered (poison): the group is trained without them, and their ids join the
-    ledger with the group's so that no later copy reopens it."""
+    """Members that were dead-lettered (poison): the group is trained without them. Their ids stay out of the
+    ledger (nothing trained them); a later copy is recognised while this process runs."""
 
     @property
     def sample_ids(self) -> list[str]:
@@ -102,6 +102,7 @@ class GroupAssembler:
         self._dropped_tasks: set[str] = set()
         self._issued: set[str] = set()  # ids of groups handed out as ready, not yet consumed
         self._holding: set[str] = set()  # entry ids taken in and not yet released (acked) by the caller
+        self._dead: set[str] = set()  # ids of members dead-lettered as poison (out of the ledger: never trained)
         self.duplicates = 0
         self.redelivered = 0
         self.dead_groups = 0
@@ -126,7 +127,7 @@ class GroupAssembler:
         if entry_id in self._holding:
             self.redelivered += 1
             return Offer("held")
-        if sample.sample_id in self.ledger or sample.sample_id in self._issued:
+        if sample.sample_id in self.ledger or sample.sample_id in self._issued or sample.sample_id in self._dead:
             self.duplicates += 1
             return Offer("duplicate")
         if sample.task_id in self._dropped_tasks:  # a late member of a group already dropped as stale
@@ -158,7 +159,7 @@ class GroupAssembler:
         without it, so one poison sample does not keep its siblings waiting forever (an on-policy run would
         stall). "ready" when that completed a group with members left to train on; "waiting" otherwise (a
         group of poison only is forgotten, counted in `dead_groups`)."""
-        if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger:
+        if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger or sample.sample_id in self._dead:
             return Offer("waiting")
         group = self._open.get(sample.task_id)
         if group is None:
@@ -166,6 +167,7 @@ class GroupAssembler:
         if group.group_size != sample.group_size or sample.index in group.by_index or sample.index in group.dead:
             return Offer("waiting")  # a bogus copy: it neither stands for nor completes the real member
         group.dead[sample.index] = (sample.sample_id, sample.policy_version)
+        self._dead.add(sample.sample_id)
         return self._complete(sample.task_id, group)
 
     def _complete(self, task_id: str, group: _Open) -> Offer:
@@ -175,7 +177,6 @@ class GroupAssembler:
         ready = _ready(task_id, group)
         if not ready.samples:
             self.dead_groups += 1
-            self.ledger.update(ready.dead_ids)
             return Offer("waiting")
         self._issued.update(ready.sample_ids)
         return Offer("ready", ready)
@@ -199,7 +200,6 @@ class GroupAssembler:
     def consume(self, group: ReadyGroup) -> None:
         """Record that an update applied `group` (or that it was dropped): its ids join the ledger."""
         self.ledger.update(group.sample_ids)
-        self.ledger.update(group.dead_ids)
         self._issued.difference_update(group.sample_ids)
 
     def release(self, entry_ids: Iterable[str]) -> None:
