@@ -296,6 +296,7 @@ async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> f
     while True:
         before, saves = unreadable(), failed_saves()
         await _readers_idle(run)
+        at = run.version()  # read while the directory is there and the learner frozen: nothing newer can appear
         checkpoints.rename(held)
         checkpoints.write_text("not a directory\n")
         run.signal("learner", signal.SIGCONT)
@@ -312,7 +313,6 @@ async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> f
         checkpoints.unlink()
         held.rename(checkpoints)
         await asyncio.sleep(0.5)
-    at = run.version()
     await asyncio.sleep(6.0)  # retrying all along, publishing nothing
     assert run.version() == at, "an update was recorded while no checkpoint could be written"
     assert await run.published() == at, "a version was published while no checkpoint could be written"
