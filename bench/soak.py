@@ -31,35 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def tiny_policy(out: Path) -> Path:
-    """The tests' tiny random Llama policy with the character tokenizer (tests/conftest.py's `init_policy`)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tlt_stream.tasks.tokenizer import build_tokenizer
-
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 async def soak(args: argparse.Namespace, tmp: Path) -> dict:
     import redis.asyncio as aioredis
 
     from tests.faults.harness import PrivateServers
-    from tests.worlds import build_world
+    from tests.worlds import build_world, tiny_policy
     from tlt_stream.bus.streams import STREAMS, Keys
     from tlt_stream.config import BusConfig, Config
     from tlt_stream.launch import RunPlan, service_commands

@@ -95,24 +95,6 @@ async def _cleanup(config: Config) -> None:
 @pytest.fixture
 def init_policy(tmp_path: Path) -> Path:
     """A tiny random Llama policy with the character tokenizer, saved as a Hugging Face checkpoint."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.worlds import tiny_policy
 
-    from tlt_stream.tasks.tokenizer import build_tokenizer
-
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )
-    out = tmp_path / "init"
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return tiny_policy(tmp_path / "init")

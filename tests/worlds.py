@@ -17,3 +17,28 @@ def build_world(init_policy: Path, world: Path) -> None:
     shutil.copytree(init_policy, world / "policy")
     torch.manual_seed(1)
     save_drafter(Drafter(load_model(world / "policy").spec), world / "drafter")
+
+
+def tiny_policy(out: Path) -> Path:
+    """A tiny random Llama policy with the character tokenizer, saved as a Hugging Face checkpoint in `out`
+    (the tests' `init_policy`; `bench/soak.py` runs on it too)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
