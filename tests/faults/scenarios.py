@@ -487,16 +487,26 @@ async def forge_control(run: FaultRun, servers: PrivateServers) -> float:
     async with mqtt_params(servers.mqtt_url).client(identifier="forger") as client:
         for message in (forged, genuine):
             await client.publish(run.config.topic_prefix + "policy", CONTROL_CODEC.encode(message), qos=1, retain=True)
+    # Every service still running must refuse it; one that finished its work meanwhile (the policy service
+    # once it dispatched the last step, on a fast run) cannot hear it, and is exempt.
     deadline = time.monotonic() + 30
-    while not all("unconfirmed (forged?)" in run.log_text(name) for name in run.commands):
-        assert time.monotonic() < deadline, "not every service refused the forged version"
+    while not all("unconfirmed (forged?)" in run.log_text(name) for name in _running(run)):
+        assert time.monotonic() < deadline, "not every running service refused the forged version"
         await asyncio.sleep(0.1)
+    run.notes["refused_forgery"] = [name for name in run.commands if "unconfirmed (forged?)" in run.log_text(name)]
     return await _next_version_after(run, started)
 
 
+def _running(run: FaultRun) -> list[str]:
+    return [name for name, process in run.processes.items() if process.returncode is None]
+
+
 def _forgery_evidence(run: FaultRun, result: AuditResult) -> None:
-    for name in run.commands:
+    refused = run.notes["refused_forgery"]
+    assert set(_rollouts(run)) <= set(refused), f"a rollout worker did not refuse the forgery: {refused}"
+    for name in refused:
         run.expect_log(name, rf"ignoring an unconfirmed \(forged\?\) policy version {FORGED_VERSION} from MQTT")
+    for name in run.commands:
         assert FORGED_VERSION not in run.adopted(name, 1), f"{name} adopted the forged version"
 
 

@@ -173,5 +173,6 @@ async def test_fault(scenario: Scenario, tmp_path: Path, init_policy: Path) -> N
     assert result.recovery_s is not None and result.recovery_s < 120
     if os.environ.get("TLT_FAULTS_REPORT"):
         row = {**result.row(), "what": scenario.what, "wall_s": round(time.monotonic() - started, 1)}
+        row["hung_after_stop"] = sorted(run.hung_after_stop)  # a known open bug, recorded (see unclean_stops)
         with Path(os.environ["TLT_FAULTS_REPORT"]).open("a") as out:  # noqa: ASYNC230 - one small line
             out.write(json.dumps(row) + "\n")
