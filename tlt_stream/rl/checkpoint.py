@@ -468,15 +468,18 @@ def restore_checkpoint(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     restore_rng: bool = True,
+    verified: bool = False,
 ) -> tuple[set[str], dict[str, Any]]:
     """Verify the policy hash, load what is given (weights, optimizer state, RNG streams); return (ledger, meta).
 
-    Raises `ChecksumMismatch` when the policy files no longer hash to the recorded sha256.
+    Raises `ChecksumMismatch` when the policy files no longer hash to the recorded sha256. `verified=True`
+    skips that one check for a caller that has just made it (hashing a real policy costs a full read).
     """
     meta = json.loads((info.path / "meta.json").read_text(encoding="utf-8"))
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{info.path}: checkpoint format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    verify_policy(info.policy_dir, info.policy_sha256)
+    if not verified:
+        verify_policy(info.policy_dir, info.policy_sha256)
     if model is not None:
         _load_weights(model, info.policy_dir)
     if optimizer is not None:

@@ -211,7 +211,7 @@ class LearnerService:
                 verify_policy(found.policy_dir, found.policy_sha256)
                 self._build(found.policy_dir)
                 assert self.core is not None
-                ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer)
+                ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer, verified=True)
             except (ChecksumMismatch, OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 aside = found.path.with_name(f"corrupt-{found.path.name}-{int(time.time())}")
                 found.path.rename(aside)
