@@ -11,36 +11,14 @@ import json
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from tests.faults.audit import AuditResult
 from tests.faults.harness import FaultRun, PrivateServers
-
-Check = Callable[[FaultRun, AuditResult], None]
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    what: str
-    inject: Callable[[FaultRun, PrivateServers], Awaitable[float]]
-    plan: dict[str, Any] = field(default_factory=dict)
-    """RunPlan settings beyond the common small ones."""
-    evidence: Check | None = None
-    """Asserts from the services' logs that the recovery path under test ran (a reclaim, a retry, a fallback)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment for every service of the run (TLT_BUS__* settings)."""
-    may_lose: Callable[[FaultRun, AuditResult], list[str]] | None = None
-    """The sample ids this fault may cost (what the system promises to lose; None: nothing)."""
-    prepare: Callable[[FaultRun], contextlib.AbstractAsyncContextManager[None]] | None = None
-    """Set up around the whole run (before the services start, after they stopped)."""
-    extended: bool = False
-    """Left out of CI (tests run it with TLT_FAULTS_EXTENDED=1; `bench/faults.py` always does)."""
-    known_bug: str | None = None
-    """A product bug this scenario exposes: expected to fail (strictly) until it is fixed."""
+from tests.faults.partition import PARTITION_SCENARIOS
+from tests.faults.redis_faults import REDIS_FAULTS_SCENARIOS
+from tests.faults.scenario import Check, Scenario
 
 
 async def _next_version_after(run: FaultRun, started: float, timeout: float = 120.0) -> float:
@@ -614,5 +592,7 @@ SCENARIOS = [
         prepare=small_disk,
     ),
 ]
+
+SCENARIOS += REDIS_FAULTS_SCENARIOS + PARTITION_SCENARIOS
 
 SMALL = {"workers": 2, "steps": 6, "prompts_per_step": 2, "group_size": 2, "max_len": 64, "max_batch": 8}

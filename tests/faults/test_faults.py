@@ -22,7 +22,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from tests.faults.audit import AuditResult, Checkpoint, RunRecord, audit
-from tests.faults.harness import FaultRun, PrivateServers, build_world, have_servers
+from tests.faults.harness import FaultRun, build_world, have_servers
 from tests.faults.scenarios import SCENARIOS, SMALL, Scenario
 
 EXTENDED = bool(os.environ.get("TLT_FAULTS_EXTENDED"))
@@ -33,7 +33,7 @@ async def run_scenario(scenario: Scenario, tmp_path: Path, init_policy: Path) ->
     None for one still running then)."""
     build_world(init_policy, tmp_path / "world")
     plan = {**SMALL, **scenario.plan}
-    async with PrivateServers(tmp_path / "servers") as servers:
+    async with scenario.servers(tmp_path / "servers") as servers:
         run = FaultRun(
             servers, tmp_path / "world", tmp_path / "run", run=f"fault-{scenario.name}", env=scenario.env, **plan
         )
@@ -140,6 +140,8 @@ def _params() -> list:
     params = []
     for s in SCENARIOS:
         marks = [skip] if s.extended else []
+        if s.unavailable is not None and (why := s.unavailable()) is not None:
+            marks.append(pytest.mark.skip(reason=why))
         if s.known_bug is not None:
             marks.append(pytest.mark.xfail(strict=True, reason=s.known_bug))
         params.append(pytest.param(s, id=s.name, marks=marks))

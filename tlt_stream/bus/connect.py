@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import inspect
 import logging
 import ssl
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff
 
 from tlt_stream.bus.embedded import EmbeddedServers
-from tlt_stream.config import Config, redact_url
+from tlt_stream.config import Config, redact_text, redact_url
 
 __all__ = [
     "REDIS_RETRYABLE",
@@ -54,7 +56,9 @@ class OutageBackoff(AbstractBackoff):
 
         delay = Backoff(base=self.base, cap=self.cap, attempt=failures - 1).next_delay()
         if failures == 2 or failures % 10 == 0:  # the first retry is routine (a dropped idle connection)
-            log.warning("Redis %s unreachable (attempt %d); retrying in %.1fs", self.where, failures, delay)
+            error = _last_error.get()
+            why = f" ({type(error).__name__}: {redact_text(str(error))[:120]})" if error is not None else ""
+            log.warning("Redis %s unreachable (attempt %d); retrying in %.1fs%s", self.where, failures, delay, why)
         return delay
 
 
@@ -74,7 +78,16 @@ class OutageRetry(Retry):
         def retryable(exc: Exception) -> bool:
             return not _permanent(exc) and (is_retryable is None or is_retryable(exc))
 
-        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+        async def failed(*args: Any) -> Any:  # the error, for the backoff's log line (a silent peer: a timeout)
+            _last_error.set(args[0] if args else None)
+            result = fail(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        return await super().call_with_retry(do, failed, retryable, with_failure_count)
+
+
+_last_error: contextvars.ContextVar[BaseException | None] = contextvars.ContextVar("redis_last_error", default=None)
+"""The error that made the calling command retry (each asyncio task has its own context)."""
 
 
 REDIS_OUTAGE_RETRIES = 40
