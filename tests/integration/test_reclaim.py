@@ -110,3 +110,27 @@ async def test_an_abandoned_entry_comes_back_to_its_own_consumer_with_its_count(
     assert [(d.entry_id, d.deliveries) for d in again] == [(entry, 2)]
     assert await pel(redis, keys.stream("prompts")) == {entry: ("w1", 2)}
     await redis.aclose()
+
+
+async def test_an_entry_pending_for_us_that_we_do_not_hold_is_read_again_at_once(bus_config: Config) -> None:
+    """What a Redis restarted from an append-only file that lost its last writes leaves: an entry this
+    consumer handled and acked is pending for it again (the ack was lost), though it holds nothing. Reading
+    on, the reader finds it in the PEL and hands it out again without waiting out the reclaim time (an hour
+    here), so a worker redoes its task and a learner acks a sample its ledger has."""
+    config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reclaim_idle_ms=3_600_000))
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w-resync")
+    await reader.ensure_group()
+    held, lost = await producer.send("prompts", [prompt(0), prompt(1)])
+    assert [d.entry_id for d in await reader.read(count=1, block_ms=100)] == [held]
+    # The second entry lands in our PEL behind the reader's back, as the restarted Redis has it.
+    await redis.xreadgroup("rollout", "w-resync", {keys.stream("prompts"): ">"}, count=1)
+    assert set(await pel(redis, keys.stream("prompts"))) == {held, lost}
+    reader._next_resync = 0.0  # the quarter reclaim time since the last look has passed
+    again = [d.entry_id for d in await reader.read(block_ms=50)]
+    assert again == [lost], "the stray entry is handed out again; the held one is not"
+    assert reader.resynced == 1 and reader.reclaimed == 0
+    assert await pel(redis, keys.stream("prompts")) == {held: ("w-resync", 1), lost: ("w-resync", 2)}
+    await redis.aclose()

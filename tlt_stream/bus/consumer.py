@@ -25,6 +25,7 @@ concurrency.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -140,6 +141,10 @@ class StreamReader(Generic[T]):
         self._next_refresh = 0.0
         self.held: set[str] = set()
         """Entries handed to the caller and not yet acked, abandoned or dead-lettered."""
+        self.abandoned: set[str] = set()
+        """Entries the caller let go of (their handler failed): redelivered only after the reclaim time."""
+        self._next_resync = 0.0
+        self.resynced = 0
         self._group_ready = False
         self._durable = spec(stream).durable
         self._channel = keys.acked_channel(stream)
@@ -156,12 +161,34 @@ class StreamReader(Generic[T]):
 
     async def ensure_group(self) -> None:
         """Create the consumer group (reading from the start of the stream) unless it exists."""
-        try:
-            await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
-        except aioredis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+
+        async def create() -> None:
+            try:
+                await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+            except aioredis.OutOfMemoryError:  # refused before Redis looked: maybe there is nothing to create
+                if not await self._group_exists():
+                    raise
+            except aioredis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+        # A Redis at maxmemory refuses XGROUP CREATE even for a group that exists: waited out, never raised.
+        await retry(
+            create,
+            retry_on=(aioredis.OutOfMemoryError,),
+            what=f"creating consumer group {self.group} on {self.key} (Redis out of memory)",
+            max_attempts=None,
+            base=0.5,
+            cap=5.0,
+        )
         self._group_ready = True
+
+    async def _group_exists(self) -> bool:
+        try:
+            groups = await self.redis.xinfo_groups(self.key)
+        except aioredis.ResponseError:  # no such stream
+            return False
+        return any(_text(g["name"]) == self.group for g in groups)
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery[T]]:
         """The next deliveries (possibly none when the block time passes with nothing new).
@@ -174,6 +201,8 @@ class StreamReader(Generic[T]):
         count = count or self.bus.read_count
         block = self.bus.block_ms if block_ms is None else block_ms
         await self.maybe_refresh()
+        if found := await self._maybe_resync():
+            return found
 
         if self._history_cursor is not None:
             reply = await self.redis.xreadgroup(
@@ -182,6 +211,10 @@ class StreamReader(Generic[T]):
             entries = reply[0][1] if reply else []
             if entries:
                 self._history_cursor = _text(entries[-1][0])
+                known = self.held | self.abandoned  # being handled, or waiting out the reclaim time
+                entries = [e for e in entries if _text(e[0]) not in known]
+                if not entries:
+                    return await self.read(count, block_ms)
                 found = await self._accept(entries, lookup_deliveries=True)
                 if found:
                     return found
@@ -197,6 +230,37 @@ class StreamReader(Generic[T]):
         reply = await self._xreadgroup_new(count, block)
         entries = reply[0][1] if reply else []
         return await self._accept(entries, lookup_deliveries=False)
+
+    async def _maybe_resync(self) -> list[Delivery[T]]:
+        """Every quarter reclaim time, look for entries of ours in the PEL that we neither hold nor abandoned:
+        a Redis restarted from an append-only file that lost its last writes brings back entries whose ack it
+        lost. Those are handed out again at once (claimed to ourselves, which counts a delivery for them
+        alone), instead of waiting out the reclaim time, so nothing stays pending and a lost task is redone
+        promptly."""
+        now = time.monotonic()
+        if now < self._next_resync or self._history_cursor is not None:
+            return []
+        self._next_resync = now + self.bus.reclaim_idle_ms / 4000
+        known = self.held | self.abandoned
+        rows = await self.redis.xpending_range(
+            self.key, self.group, min="-", max="+", count=len(known) + 1, consumername=self.consumer
+        )
+        mine = {_text(r["message_id"]) for r in rows}
+        if len(rows) <= len(known):  # the whole of our PEL: forget abandoned entries another consumer took
+            self.abandoned &= mine
+        stray = sorted(mine - known)
+        if not stray:
+            return []
+        entries = await self.redis.xclaim(self.key, self.group, self.consumer, min_idle_time=0, message_ids=stray)
+        self.resynced += len(entries)
+        log.warning(
+            "%s: %d entries of %s were pending for us though we did not hold them (an ack Redis lost); "
+            "handling them again",
+            self.origin,
+            len(entries),
+            self.key,
+        )
+        return await self._accept(entries, lookup_deliveries=True)
 
     async def _xreadgroup_new(self, count: int, block: int) -> Any:
         try:
@@ -242,6 +306,7 @@ class StreamReader(Generic[T]):
         if not entries:
             return []
         self.reclaimed += len(entries)
+        self.abandoned.difference_update(_text(e[0]) for e in entries)
         log.warning(
             "%s reclaimed %d entries idle > %d ms from %s",
             self.origin,
@@ -283,10 +348,26 @@ class StreamReader(Generic[T]):
             )
         return lost
 
+    async def own_pending(self) -> list[tuple[str, T]]:
+        """Every entry pending for this consumer that decodes, as (entry id, message), read without taking
+        anything new or changing what is held (a clean stop's last look at what it leaves behind)."""
+        found: list[tuple[str, T]] = []
+        cursor = "0"
+        while True:
+            reply = await self.redis.xreadgroup(self.group, self.consumer, {self.key: cursor}, count=256)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return found
+            cursor = _text(entries[-1][0])
+            for raw_id, fields in entries:
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, TypeError, KeyError):
+                    found.append((_text(raw_id), self.codec.decode(fields[PAYLOAD_FIELD])))
+
     def abandon(self, entry_ids: list[str]) -> None:
         """Let go of held entries without acking them (their handler failed): they are redelivered, to this
         consumer or another, once idle past the reclaim time."""
         self.held.difference_update(entry_ids)
+        self.abandoned.update(entry_ids)
 
     async def _delivery_counts(self, first: str, last: str, n: int) -> dict[str, int]:
         rows = await self.redis.xpending_range(
@@ -355,6 +436,7 @@ class StreamReader(Generic[T]):
         if not entry_ids:
             return 0
         self.held.difference_update(entry_ids)
+        self.abandoned.difference_update(entry_ids)
         if self._durable:
             acked = await self.redis.eval(_ACK_AND_NOTIFY, 2, self.key, self._channel, self.group, *entry_ids)
         else:

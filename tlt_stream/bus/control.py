@@ -15,7 +15,8 @@ counted as forged. When the mirror cannot be read, what we know stands until a l
 recheck that follows the failed read. The connection is kept up with capped, jittered reconnect backoff;
 on every (re)connect the mirror is read (catching up while the broker was away) and the kinds this
 process owns are re-published as the mirror holds them (a broker that lost its retained store gets them
-back).
+back). Every second an owner also checks that the mirror still holds what it published, and writes back a
+version a Redis restarted from a short append-only file lost.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import aiomqtt
 import msgspec
 import redis.asyncio as aioredis
 
-from tlt_stream.aio import Backoff, sleep_or_stop
+from tlt_stream.aio import Backoff, retry, sleep_or_stop
 from tlt_stream.bus.connect import REDIS_RETRYABLE, mqtt_params
+from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config, redact_url
 from tlt_stream.messages import (
@@ -53,6 +56,9 @@ control topic is refused before it is decoded."""
 MIRROR_READ_TIMEOUT_S = 2.0
 """Bound on one read of the Redis mirror made by the control plane (services' Redis clients retry through
 outages for minutes): a slow or absent Redis holds up the MQTT receive loop for at most this long."""
+
+OWNED_CHECK_S = 1.0
+"""How often a publisher checks that the mirror still holds the versions it published."""
 
 FORGED_LOG_LIMIT = 1024
 """How many distinct (kind, version) forged notifications are remembered so each is logged only once."""
@@ -293,7 +299,19 @@ class ControlPlane:
         return True
 
     async def _compare_and_set(self, message: ControlMessage, payload: bytes) -> bool:
-        accepted = await self.redis.eval(_CAS_SCRIPT, 1, self.keys.versions, message.kind, message.version, payload)
+        """The mirror's compare-and-set. A Redis at `maxmemory` refuses it (the script's HSET): waited out
+        with capped backoff, as every durable write is, never raised (a publisher must not die of it)."""
+
+        async def cas() -> Any:
+            return await self.redis.eval(_CAS_SCRIPT, 1, self.keys.versions, message.kind, message.version, payload)
+
+        accepted = await retry(
+            cas,
+            retry_on=(aioredis.OutOfMemoryError,),
+            what=f"{message.kind} version {message.version} into the mirror (Redis out of memory)",
+            max_attempts=None,
+            cap=OOM_BACKOFF_CAP_S,
+        )
         return bool(int(accepted))
 
     async def _republish_owned(self, client: aiomqtt.Client) -> None:
@@ -312,6 +330,37 @@ class ControlPlane:
             if mirrored is not None and message != truth and not await self._restore(message, payload):
                 continue
             await client.publish(self.topic(kind), payload, qos=1, retain=True)
+
+    async def guard_owned(self) -> None:
+        """Write back every owned version the mirror no longer holds (a Redis restarted from an append-only
+        file that lost its last second of writes): receivers adopt only what the mirror confirms, so a version
+        missing there would stall them. Cheap (one HGETALL); called every `OWNED_CHECK_S`."""
+        if not self.owns or not any(kind in self.current for kind in self.owns):
+            return
+        mirrored = await self._read_mirror("check the owned versions")
+        if mirrored is None:
+            return
+        for kind in sorted(self.owns):
+            held, truth = self.current.get(kind), mirrored.get(kind)
+            if held is None or (truth is not None and truth.version >= held.version):
+                continue
+            log.warning(
+                "the Redis mirror holds %s version %s, older than ours (%d): Redis lost its newest writes; "
+                "writing ours back",
+                kind,
+                truth.version if truth is not None else "none",
+                held.version,
+            )
+            payload = CONTROL_CODEC.encode(held)
+            if await self._restore(held, payload) and self._client is not None:
+                try:
+                    await self._client.publish(self.topic(kind), payload, qos=1, retain=True)
+                except aiomqtt.MqttError as exc:
+                    log.warning("MQTT publish of %s v%d failed (%s); it goes out on reconnect", kind, held.version, exc)
+
+    async def _guard_owned_loop(self, stop: asyncio.Event) -> None:
+        while not await sleep_or_stop(stop, OWNED_CHECK_S):
+            await self.guard_owned()
 
     async def _restore(self, message: ControlMessage, payload: bytes) -> bool:
         try:
@@ -353,6 +402,7 @@ class ControlPlane:
             if await sleep_or_stop(stop, min(every_s, remaining)):
                 return True
             await self.refresh_from_mirror()
+            await self.guard_owned()
         return stop.is_set()
 
     async def _session(self, stop: asyncio.Event) -> None:
@@ -369,6 +419,7 @@ class ControlPlane:
                 tasks = [
                     asyncio.create_task(self._receive(client), name="mqtt-receive"),
                     asyncio.create_task(self._recheck_mirror(stop), name="mqtt-mirror-recheck"),
+                    asyncio.create_task(self._guard_owned_loop(stop), name="mqtt-guard-owned"),
                     asyncio.create_task(stop.wait(), name="mqtt-stop"),
                 ]
                 try:

@@ -287,6 +287,8 @@ class LearnerService:
             if finished and self.last_update_entries:  # done: nothing to redo, whatever happens to the disk
                 await self._ack(self.last_update_entries)
                 self.last_update_entries = []
+            if finished:
+                await self._ack_trained_leftovers()
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -294,6 +296,16 @@ class LearnerService:
                 with contextlib.suppress(aioredis.RedisError):
                     await self.lease.release(self.grant)
                 self.grant = None
+
+    async def _ack_trained_leftovers(self) -> None:
+        """Done: ack whatever is still pending for us and already in the ledger (duplicates, or entries whose
+        ack a Redis restarted from a short append-only file lost and brought back). Entries whose samples are
+        not in the ledger stay pending for the next learner of the run."""
+        pending = await self.reader.own_pending()
+        to_ack = [entry_id for entry_id, sample in pending if sample.sample_id in self.assembler.ledger]
+        if to_ack:
+            log.info("acked %d leftover entries whose samples the ledger already holds", len(to_ack))
+            await self.reader.ack(to_ack)
 
     async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> bool:
         """Read, assemble and update until `stop` or `max_updates`; True when the updates asked for are done

@@ -9,6 +9,8 @@ The dispatch cursor lives in Redis and moves in the same MULTI/EXEC transaction 
 so a service restarted at any point dispatches every step exactly once. Tasks are deterministic for
 (seed, step), so a run is reproducible. A Redis that refuses the transaction for memory (`maxmemory`) made
 no part of it happen, so it is retried with capped backoff until Redis has room; the service never exits.
+A cursor found *behind* the steps this service sent means Redis lost its newest writes (restarted from an
+append-only file fsynced once a second): those steps are sent again, with the same task ids.
 
 After each dispatch the service trims `prompts` of the tasks every consumer group has acked (`trim_acked`:
 never a pending or undelivered one), which keeps the stream's memory at the tasks in flight.
@@ -25,7 +27,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, WatchError
 
-from tlt_stream.aio import retry
+from tlt_stream.aio import retry, sleep_or_stop
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S, PAYLOAD_FIELD, trim_acked
@@ -37,6 +39,9 @@ __all__ = ["PolicyService", "RepeatedAddSource", "SdConfigPublisher", "TaskSourc
 
 log = logging.getLogger(__name__)
 
+
+CURSOR_CHECK_S = 1.0
+"""How often the policy service checks that Redis still holds its dispatch cursor (one HGET)."""
 
 WATCH_ATTEMPTS = 30
 """Tries of one step's dispatch transaction (jittered backoff capped at 4 s: about a minute in all, and a
@@ -64,6 +69,15 @@ class RepeatedAddSource:
             (p.prompt_id, p.prompt, self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"], p.answer)
             for p in problems
         ]
+
+
+class CursorBehind(Exception):
+    """The dispatch cursor is behind the steps this service already sent: Redis lost them (a restart from an
+    append-only file without its last second of writes). They are sent again, with the same task ids."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(f"dispatch cursor at step {at}")
+        self.at = at
 
 
 class PolicyService:
@@ -126,6 +140,8 @@ class PolicyService:
                 at = int(current) if current is not None else 0
                 if at == step + 1 and owner is not None and owner.decode() == token:
                     return await self._committed_ids(key, tasks)  # an earlier try committed; its reply was lost
+                if at < step:  # only this service moves the cursor: Redis lost our newest writes
+                    raise CursorBehind(at)
                 if at != step:
                     raise RuntimeError(f"dispatch of step {step} raced another policy service (cursor at {at})")
                 pipe.multi()
@@ -186,18 +202,58 @@ class PolicyService:
         return ids
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Dispatch each step as soon as the window allows, until `stop` or `total_steps` are dispatched."""
+        """Dispatch each step as soon as the window allows, until `stop`, or until every one of `total_steps`
+        is dispatched and trained (the learner published version `total_steps`): until then the cursor is
+        checked every `CURSOR_CHECK_S`, and steps Redis lost are sent again."""
         step = await self.next_step()
-        while not stop.is_set() and (self.total_steps is None or step < self.total_steps):
-            if self.control.version("policy") >= step - self.max_staleness:
-                await self.dispatch(step)
-                step += 1
+        while not stop.is_set():
+            if (at := await self.next_step()) < step:
+                step = await self._resend_from(at, step, stop)
                 continue
-            waiter = asyncio.create_task(self.control.wait_for("policy", step - self.max_staleness))
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+            if self.total_steps is not None and step >= self.total_steps:
+                if self.control.version("policy") >= self.total_steps:
+                    return
+                await self._wait_policy(self.total_steps, stop)
+            elif self.control.version("policy") >= step - self.max_staleness:
+                try:
+                    await self.dispatch(step)
+                except CursorBehind as behind:
+                    step = await self._resend_from(behind.at, step, stop)
+                    continue
+                step += 1
+            else:
+                await self._wait_policy(step - self.max_staleness, stop)
+
+    async def _wait_policy(self, version: int, stop: asyncio.Event) -> None:
+        """Until policy `version` is adopted, `stop`, or `CURSOR_CHECK_S` pass."""
+        waiter = asyncio.create_task(self.control.wait_for("policy", version), name="policy-wait-version")
+        stopper = asyncio.create_task(stop.wait(), name="policy-wait-stop")
+        try:
+            await asyncio.wait([waiter, stopper], timeout=CURSOR_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
             waiter.cancel()
             stopper.cancel()
+            await asyncio.gather(waiter, stopper, return_exceptions=True)
+
+    async def _resend_from(self, at: int, sent: int, stop: asyncio.Event) -> int:
+        """The cursor is at `at`, behind the `sent` steps this service dispatched: Redis lost the newest writes
+        (a restart from an append-only file without its last second). Wait until the mirror holds the policy
+        version step `at` asks for (its owner writes back what Redis lost; a worker refuses a task asking for
+        a version the mirror does not hold), then dispatch from `at` again, with the same task ids."""
+        log.warning(
+            "the dispatch cursor is at step %d, behind the %d steps this service sent (Redis lost its newest "
+            "writes); dispatching again from step %d with the same task ids",
+            at,
+            sent,
+            at,
+        )
+        wanted = at - self.max_staleness
+        while not stop.is_set():
+            value = await self.redis.hget(self.keys.versions, "policy:version")
+            if value is not None and int(value) >= wanted:
+                break
+            await sleep_or_stop(stop, CURSOR_CHECK_S)
+        return at
 
 
 class SdConfigPublisher:
@@ -276,7 +332,8 @@ class SdConfigPublisher:
 
 
 def serve_policy(config: Config, args: Any) -> int:
-    """`tlt-stream policy` / `services/policy.py`: dispatch steps until SIGTERM/SIGINT or --steps."""
+    """`tlt-stream policy` / `services/policy.py`: dispatch steps until SIGTERM/SIGINT, or until all --steps are
+    dispatched and trained."""
     import sys
 
     from tlt_stream.rl.serve import serve
