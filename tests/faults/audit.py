@@ -73,6 +73,9 @@ class RunRecord:
     retained: Any
     checkpoints: list[Checkpoint]
     set_aside: list[Checkpoint]
+    lost_samples: list[tuple[str, Any]] = field(default_factory=list)
+    """`samples` entries the harness read from Redis before a fault made Redis lose them (its newest writes):
+    the copies the learner may have trained, which the stream no longer shows."""
 
 
 @dataclass
@@ -123,6 +126,11 @@ READERS = {"samples": "learner/", "prompts": "rollout/"}
 """The consumer group that reads each stream: the origin of its dead letters."""
 
 
+def _stream_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _task_of(sample_id: str) -> str:
     return sample_id.rsplit("/", 1)[0]
 
@@ -160,7 +168,8 @@ def audit(
     expected = {f"{t}/{i}" for t, task in tasks.items() for i in range(task.group_size)}
     copies: dict[str, list[Any]] = {}
     newest: dict[str, int] = {}
-    for entry_id, sample in record.samples:
+    by_id = {entry_id: sample for entry_id, sample in [*record.lost_samples, *record.samples]}
+    for entry_id, sample in sorted(by_id.items(), key=lambda item: _stream_order(item[0])):
         if ("samples", entry_id) in injected:
             continue
         if sample is None:

@@ -50,9 +50,16 @@ class PrivateServers:
         (root / "redis").mkdir(parents=True, exist_ok=True)
         (root / "mqtt").mkdir(parents=True, exist_ok=True)
 
+    redis_host = "127.0.0.1"
+    """The address Redis binds and the services reach it at."""
+
+    def redis_launcher(self) -> list[str]:
+        """What `redis-server` runs under (nothing here; `ip netns exec NS` for a Redis behind a cuttable link)."""
+        return []
+
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return f"redis://{self.redis_host}:{self.redis_port}/0"
 
     @property
     def mqtt_url(self) -> str:
@@ -61,15 +68,16 @@ class PrivateServers:
     async def start_redis(self) -> None:
         log = (self.root / "redis.log").open("ab")
         self.redis = await asyncio.create_subprocess_exec(
+            *self.redis_launcher(),
             "redis-server",
-            *("--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(self.root / "redis")),
-            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+            *("--port", str(self.redis_port), "--bind", self.redis_host, "--dir", str(self.root / "redis")),
+            *self.redis_persistence(),
             *self.redis_security(),
             stdout=log,
             stderr=log,
         )
         log.close()
-        await _wait_port(self.redis_port)
+        await _wait_port(self.redis_port, self.redis_host)
 
     async def start_broker(self) -> None:
         conf = self.root / "mosquitto.conf"
@@ -83,6 +91,9 @@ class PrivateServers:
         self.broker = await asyncio.create_subprocess_exec("mosquitto", "-c", str(conf), stdout=log, stderr=log)
         log.close()
         await _wait_port(self.mqtt_port)
+
+    def redis_persistence(self) -> list[str]:
+        return ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
 
     def redis_security(self) -> list[str]:
         return []
@@ -169,16 +180,16 @@ def make_certificates(where: Path) -> None:
         "-out", "server.crt", "-days", "2", "-extfile", "san.cnf")  # fmt: skip
 
 
-async def _wait_port(port: int, timeout: float = 20.0) -> None:
+async def _wait_port(port: int, host: str = "127.0.0.1", timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            _, writer = await asyncio.open_connection(host, port)
             writer.close()
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on 127.0.0.1:{port}") from None
+                raise TimeoutError(f"nothing listens on {host}:{port}") from None
             await asyncio.sleep(0.05)
 
 
@@ -228,6 +239,8 @@ class FaultRun:
         self.starts: dict[str, int] = {}
         self.injected: dict[tuple[str, str], str] = {}
         """(stream, entry id) of poison written straight into a stream -> words its dead letter's reason has."""
+        self.lost_samples: list[tuple[str, bytes]] = []
+        """Raw `samples` entries (id, payload) a fault made Redis lose, read by the scenario beforehand."""
         self.notes: dict[str, Any] = {}
         """What a fault's injection saw (its victim, the entries held at a kill), for its evidence check."""
         self._version = 0
@@ -440,6 +453,7 @@ class FaultRun:
             retained=await self.retained("policy"),
             checkpoints=checkpoints,
             set_aside=set_aside,
+            lost_samples=[(i, decode("samples", payload)) for i, payload in self.lost_samples],
         )
 
     async def retained(self, kind: str, timeout: float = 5.0) -> Any:
