@@ -171,3 +171,23 @@ def test_a_group_completes_without_its_dead_lettered_members() -> None:
     assembler.offer(sample("c", 0, size=2), "2-0", 0)
     assert assembler.mark_dead(sample("c", 1, size=5)).status == "waiting"
     assert assembler.offer(sample("c", 1, size=2), "2-1", 0).status == "ready"
+
+
+def test_a_sample_whose_entry_redis_lost_takes_its_next_copy_as_its_entry() -> None:
+    """Redis restarted from an append-only file that lost its last writes: the entries of samples held in an
+    open group and in a group handed out are gone. Acking their regenerated copies as duplicates would leave
+    those samples in memory only (a learner crash before the next checkpoint would lose them for good), so
+    each copy becomes its sample's entry: held, and acked with the group."""
+    assembler = GroupAssembler(max_staleness=0)
+    assert assembler.offer(sample("a", 0, size=2), "1-0", 0).status == "waiting"
+    ready = assembler.offer(sample("b", 0, size=1), "1-1", 0).group
+    assert ready is not None and ready.entry_ids == ["1-1"]
+    assert sorted(assembler.vanished(["1-0", "1-1", "9-9"])) == ["a/0", "b/0"]
+    assert assembler.holding == 0
+    assert assembler.offer(sample("a", 0, size=2), "2-0", 0).status == "held"  # the copy: not acked
+    assert assembler.offer(sample("b", 0, size=1), "2-1", 0).status == "held"
+    assert ready.entry_ids == ["2-1"], "the group handed out is acked through its new entry"
+    assert assembler.offer(sample("a", 0, size=2), "2-2", 0).status == "duplicate"  # a third copy: backed now
+    group = assembler.offer(sample("a", 1, size=2), "2-3", 0).group
+    assert group is not None and group.entry_ids == ["2-0", "2-3"]
+    assert assembler.holding == 3 and assembler.rebacked == 2

@@ -314,6 +314,8 @@ class LearnerService:
         applied = 0
         while not stop.is_set() and (max_updates is None or applied < max_updates):
             deliveries = await self.reader.read()
+            if self.reader.lost:
+                self._entries_vanished()
             to_ack: list[str] = []
             for delivery in deliveries:
                 to_ack += await self._take(delivery)
@@ -326,6 +328,21 @@ class LearnerService:
                 elif stop.is_set():
                     break
         return max_updates is not None and applied >= max_updates
+
+    def _entries_vanished(self) -> None:
+        """Held entries that are no longer ours in Redis (one learner per run: Redis lost them). The samples
+        they carried exist only in memory until a checkpoint covers them; the assembler makes the next copy
+        of each (a worker redoes the task whose ack Redis lost too) their entry, rather than a duplicate."""
+        gone = sorted(self.reader.lost)
+        self.reader.lost.clear()
+        unbacked = self.assembler.vanished(gone)
+        if unbacked:
+            log.warning(
+                "%d held samples lost their stream entries (Redis lost its newest writes); their next copies "
+                "take their place (e.g. %s)",
+                len(unbacked),
+                unbacked[0],
+            )
 
     async def _take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
