@@ -219,7 +219,7 @@ class Supervisor:
                     code = task.result()
                     if who == name:
                         return code
-                    if code != 0:  # the policy service ends on its own once it dispatched every step
+                    if code != 0:  # the policy service ends on its own once every step is trained
                         raise RuntimeError(
                             f"service {who} exited with code {code} before {name} finished; "
                             f"last lines of its log:\n{self.log_tail(who)}"
