@@ -57,7 +57,7 @@ class OutageBackoff(AbstractBackoff):
         delay = Backoff(base=self.base, cap=self.cap, attempt=failures - 1).next_delay()
         if failures == 2 or failures % 10 == 0:  # the first retry is routine (a dropped idle connection)
             error = _last_error.get()
-            why = f" ({type(error).__name__}: {redact_text(str(error))[:120]})" if error is not None else ""
+            why = f" ({error})" if error is not None else ""
             log.warning("Redis %s unreachable (attempt %d); retrying in %.1fs%s", self.where, failures, delay, why)
         return delay
 
@@ -79,14 +79,14 @@ class OutageRetry(Retry):
             return not _permanent(exc) and (is_retryable is None or is_retryable(exc))
 
         async def failed(*args: Any) -> Any:  # the error, for the backoff's log line (a silent peer: a timeout)
-            _last_error.set(args[0] if args else None)
+            _last_error.set(f"{type(args[0]).__name__}: {redact_text(str(args[0]))[:120]}" if args else None)
             result = fail(*args)
             return await result if inspect.isawaitable(result) else result
 
         return await super().call_with_retry(do, failed, retryable, with_failure_count)
 
 
-_last_error: contextvars.ContextVar[BaseException | None] = contextvars.ContextVar("redis_last_error", default=None)
+_last_error: contextvars.ContextVar[str | None] = contextvars.ContextVar("redis_last_error", default=None)
 """The error that made the calling command retry (each asyncio task has its own context)."""
 
 

@@ -178,8 +178,12 @@ class StreamProducer:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in messages]
         reusable = False
         try:
-            for message, buffer in zip(messages, buffers, strict=True):
-                codec.encode_into(message, buffer)
+            for i, message in enumerate(messages):
+                try:
+                    codec.encode_into(message, buffers[i])
+                except BufferError:  # still viewed by a retried pipeline's traceback (a cycle): not reusable
+                    buffers[i] = bytearray()
+                    codec.encode_into(message, buffers[i])
             maxlen = self._maxlen(stream, buffers)
             ids: list[str | None] = [None] * len(buffers)
             if stream_spec.durable:

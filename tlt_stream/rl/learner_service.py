@@ -128,6 +128,7 @@ class LearnerService:
         self.lease = DrafterLease(redis, self.keys, ttl_ms=int(config.bus.heartbeat_ttl_s * 1000), name="learner_lease")
         self.grant: LeaseGrant | None = None
         self._longest_update_s = 0.0
+        self._lease_lock = asyncio.Lock()
 
     @property
     def checkpoints(self) -> Path:
@@ -178,6 +179,10 @@ class LearnerService:
                 return
 
     async def _renew_lease(self) -> None:
+        async with self._lease_lock:
+            await self._renew_lease_locked()
+
+    async def _renew_lease_locked(self) -> None:
         if self.grant is None:
             return
         import dataclasses
