@@ -228,7 +228,8 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
     from tlt_stream.config import load_config
     from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.report import load_metrics, read_jsonl, state_intervals
+    from tlt_stream.report import state_intervals
+    from tlt_stream.rl.records import load_metrics, read_jsonl
 
     base = load_config(None, environ=os.environ)
     out = Path(tempfile.mkdtemp(prefix="drafter-drift-runs-"))

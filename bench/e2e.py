@@ -106,7 +106,8 @@ def run_tlt(
     import msgspec
 
     from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.report import load_metrics, write_report
+    from tlt_stream.report import write_report
+    from tlt_stream.rl.records import load_metrics
 
     plan = RunPlan(
         world=world, run_dir=run_dir, steps=steps, prompts_per_step=prompts, seed=seed, cores=cores, **CONFIGS[name]
@@ -140,7 +141,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
     from trl import GRPOConfig, GRPOTrainer
 
     from tlt_stream.launch import RunPlan
-    from tlt_stream.rl.policy_service import RepeatedAddSource
+    from tlt_stream.roles.policy import RepeatedAddSource
     from tlt_stream.tasks.repeated_add import reward
 
     plan = RunPlan(world=world, run_dir=run_dir, steps=steps, prompts_per_step=prompts, seed=seed)

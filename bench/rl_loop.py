@@ -114,8 +114,9 @@ def main() -> None:
 
     from tlt_stream.config import load_config
     from tlt_stream.launch import RunPlan, evaluate_version
-    from tlt_stream.report import load_metrics, write_report
+    from tlt_stream.report import write_report
     from tlt_stream.rl.checkpoint import latest_checkpoint
+    from tlt_stream.rl.records import load_metrics
 
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)

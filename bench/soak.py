@@ -39,7 +39,7 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict:
     from tlt_stream.bus.streams import STREAMS, Keys
     from tlt_stream.config import BusConfig, Config
     from tlt_stream.launch import RunPlan, service_commands
-    from tlt_stream.report import load_metrics
+    from tlt_stream.rl.records import load_metrics
 
     build_world(tiny_policy(tmp / "init"), tmp / "world")
     run_dir = tmp / "run"

@@ -262,7 +262,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_learner(args: argparse.Namespace) -> int:
     import torch
 
-    from tlt_stream.rl.learner_service import serve_learner
+    from tlt_stream.roles.learner import serve_learner
 
     torch.set_num_threads(args.threads)
     return serve_learner(load(args), args)
@@ -271,14 +271,14 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 def _cmd_rollout_worker(args: argparse.Namespace) -> int:
     import torch
 
-    from tlt_stream.rl.rollout_service import serve_rollout_worker
+    from tlt_stream.roles.rollout_worker import serve_rollout_worker
 
     torch.set_num_threads(args.threads)
     return serve_rollout_worker(load(args), args)
 
 
 def _cmd_policy(args: argparse.Namespace) -> int:
-    from tlt_stream.rl.policy_service import serve_policy
+    from tlt_stream.roles.policy import serve_policy
 
     return serve_policy(load(args), args)
 

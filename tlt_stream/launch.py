@@ -337,7 +337,7 @@ async def run_plan(
     retained messages from the servers (benchmarks on shared servers; the run directory keeps the figures).
     """
     from tlt_stream.bus.connect import endpoints
-    from tlt_stream.report import load_metrics
+    from tlt_stream.rl.records import load_metrics
 
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     with endpoints(config) as resolved:

@@ -6,34 +6,15 @@ evaluation ran), as PNGs plus one HTML page that shows them. `tlt-stream report 
 from __future__ import annotations
 
 import html
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_metrics", "read_jsonl", "state_intervals", "write_report"]
+from tlt_stream.rl.records import load_metrics, read_jsonl
+
+__all__ = ["state_intervals", "write_report"]
 
 log = logging.getLogger(__name__)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:  # a line torn by a killed writer: its row is rewritten whole
-                log.warning("%s:%d: skipped a line that is not JSON (%s)", path, number, exc)
-    return rows
-
-
-def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The learner's per-step lines, one per policy version, in version order (a resumed run's repeats
-    of a version keep the last line written)."""
-    by_version = {row["version"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}
-    return [by_version[v] for v in sorted(by_version)]
 
 
 def _figure():

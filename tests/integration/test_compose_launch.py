@@ -45,8 +45,8 @@ from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.registry import list_workers
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import BusConfig, Config
-from tlt_stream.report import load_metrics
 from tlt_stream.rl.checkpoint import latest_checkpoint
+from tlt_stream.rl.records import load_metrics
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt, pytest.mark.slow]
 

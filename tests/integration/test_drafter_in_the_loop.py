@@ -21,11 +21,11 @@ from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.drafter.online import OnlineTrainingConfig
 from tlt_stream.messages import DrafterStats, HiddenWindow, SdArmReport, codec_for
 from tlt_stream.model import load_model
-from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
-from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
-from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
-from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
 from tlt_stream.rl.samples import hidden_window
+from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
+from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
+from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
 from tlt_stream.rollout.adaptive import AdaptiveSettings
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer

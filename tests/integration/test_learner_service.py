@@ -18,7 +18,7 @@ from tlt_stream.config import Config
 from tlt_stream.messages import Sample, Tensor, codec_for
 from tlt_stream.rl.checkpoint import policy_sha256
 from tlt_stream.rl.learner import LearnerSettings
-from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
+from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 

@@ -28,7 +28,7 @@ from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import BusConfig, Config
 from tlt_stream.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
-from tlt_stream.rl.policy_service import PolicyService
+from tlt_stream.roles.policy import PolicyService
 
 pytestmark = [pytest.mark.redis]
 

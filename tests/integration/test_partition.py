@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.connect import connect_redis, redis_socket_timeout
-from tlt_stream.rl.serve import _outage
+from tlt_stream.roles.serve import _outage
 
 
 def test_the_reply_timeout_outlasts_every_blocking_read() -> None:

@@ -17,9 +17,9 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.messages import WorkerStatus, codec_for
-from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
-from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
-from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker, streams_hidden
+from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
+from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker, streams_hidden
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -254,7 +254,7 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
     It must refuse that version and load the next one, not die."""
     import shutil
 
-    import tlt_stream.rl.rollout_service as rollout_service
+    import tlt_stream.roles.rollout_worker as rollout_service
     from tlt_stream.messages import PolicyVersion
     from tlt_stream.rl.checkpoint import policy_sha256
 

@@ -22,9 +22,9 @@ from tlt_stream.bus.streams import Keys
 from tlt_stream.cli import main
 from tlt_stream.config import Config
 from tlt_stream.messages import RolloutStats, codec_for
-from tlt_stream.rl.learner_service import LearnerRunSettings, LearnerService
-from tlt_stream.rl.policy_service import PolicyService, RepeatedAddSource
-from tlt_stream.rl.rollout_service import RolloutSettings, RolloutWorker
+from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
+from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
 from tlt_stream.rollout import vllm_backend
 from tlt_stream.rollout.adaptive import AdaptiveSettings
 from tlt_stream.tasks.repeated_add import reward

@@ -45,7 +45,7 @@ from tlt_stream.config import BusConfig, Config
 
 SERVICE_ROLES = ("policy", "rollout", "learner")
 PUBLISHER = {"policy": "learner", "drafter": "rollout", "sd_config": "policy"}
-"""Who publishes each control kind: the `owns` of `serve(config, role, owns, ...)` in tlt_stream/rl/."""
+"""Who publishes each control kind: the `owns` of `serve(config, role, owns, ...)` in tlt_stream/roles/."""
 RUN = "sec"
 
 
@@ -221,7 +221,7 @@ ACK_SCRIPT = "local n = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]); redis.cal
 
 
 def data_plane(r: redis.Redis) -> dict[str, Any]:
-    """The commands of the bus layer and the roles (tlt_stream/bus, drafter/lease.py, rl/*_service.py)."""
+    """The commands of the bus layer and the roles (tlt_stream/bus and tlt_stream/roles)."""
     stream, channel = f"{K}stream:samples", f"{K}acked:samples"
 
     def transaction() -> None:
@@ -415,7 +415,7 @@ def client(port: int, env: dict[str, str], role: str, **options: Any) -> aiomqtt
 
 def test_the_broker_acl_grants_each_kind_to_the_role_that_owns_it_in_the_code() -> None:
     owns: dict[str, str] = {}
-    for path in sorted((ROOT / "tlt_stream" / "rl").glob("*.py")):
+    for path in sorted((ROOT / "tlt_stream" / "roles").glob("*.py")):
         for role, kinds in re.findall(r'serve\(config, "(\w+)", (.*?), body\)', path.read_text()):
             for kind in re.findall(r'"(\w+)"', kinds):
                 assert kind not in owns, f"{kind} has two publishers: {owns[kind]} and {role}"

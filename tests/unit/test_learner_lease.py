@@ -16,9 +16,9 @@ import asyncio
 
 import fakeredis.aioredis
 
+from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.streams import Keys
-from tlt_stream.drafter.lease import DrafterLease, LeaseGrant
-from tlt_stream.rl.learner_service import LearnerService
+from tlt_stream.roles.learner import LearnerService
 
 ME = "learner@host:1"
 

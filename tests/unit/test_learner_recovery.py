@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from tlt_stream.report import load_metrics
 from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
-from tlt_stream.rl.learner_service import LearnerService
+from tlt_stream.rl.records import load_metrics
+from tlt_stream.roles.learner import LearnerService
 
 
 def bare_service(run_dir: Path) -> LearnerService:

@@ -86,8 +86,8 @@ def test_the_sample_carries_the_group_the_versions_and_tokens_per_forward(model)
 
 
 def test_hidden_share_picks_a_stable_uniform_subset_apart_from_the_held_out_split() -> None:
-    from tlt_stream.rl.drafter_worker import _held_out
-    from tlt_stream.rl.rollout_service import RolloutSettings, streams_hidden
+    from tlt_stream.roles.drafter_trainer import _held_out
+    from tlt_stream.roles.rollout_worker import RolloutSettings, streams_hidden
 
     ids = [f"s{step:06d}-{p:04d}/{g}" for step in range(50) for p in range(16) for g in range(8)]
     quarter = RolloutSettings(hidden_share=0.25)

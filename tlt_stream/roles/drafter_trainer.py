@@ -2,7 +2,7 @@
 
 TLT's first half (DESIGN section 6). A worker with no generation work (its tasks done while the long tail
 runs elsewhere, or waiting for the next policy version) is IDLE; it tries to take the drafter-training
-lease (`drafter/lease.py`). The holder, in state TRAINING_DRAFTER:
+lease (`bus/lease.py`). The holder, in state TRAINING_DRAFTER:
 
 1. drains new hidden-state windows from `hidden` (group `drafter`) into its window buffer, holding back a
    fixed share (by a hash of the sample id) as the guard rail's evaluation set;
@@ -40,11 +40,11 @@ from typing import Any
 
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.drafter.lease import DrafterLease, LeaseGrant
 from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
 from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
 

@@ -35,10 +35,10 @@ import redis.asyncio as aioredis
 from tlt_stream.aio import retry, sleep_or_stop
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer, trim_acked
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.drafter.lease import DrafterLease, LeaseGrant
 from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import (
@@ -552,7 +552,7 @@ class LearnerService:
         extra = meta.get("extra", {})
         if "metrics" not in extra:
             return
-        from tlt_stream.report import load_metrics  # skips a line torn by the crash: the row is rewritten
+        from tlt_stream.rl.records import load_metrics  # skips a line torn by the crash: the row is rewritten
 
         rows = load_metrics(self.run_dir)
         if found.step > (rows[-1]["version"] if rows else 0):
@@ -577,7 +577,7 @@ class LearnerService:
 
 def serve_learner(config: Config, args: Any) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
-    from tlt_stream.rl.serve import device_or_refuse, serve
+    from tlt_stream.roles.serve import device_or_refuse, serve
 
     if args.max_staleness < 0 or args.warmup_steps < 0:
         print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)

@@ -35,7 +35,7 @@ from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.messages import PromptGroup, codec_for
 
-__all__ = ["PolicyService", "RepeatedAddSource", "SdConfigPublisher", "TaskSource", "serve_policy"]
+__all__ = ["PolicyService", "RepeatedAddSource", "TaskSource", "serve_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -256,87 +256,12 @@ class PolicyService:
         return at
 
 
-class SdConfigPublisher:
-    """Aggregates every worker's `SdArmReport`s from `stats` into per-bucket best arms and publishes them
-    as a new `sd_config` version whenever the table changes (workers exploit it, late joiners start from it).
-
-    Reports are pooled over the newest `window` of them (total tokens / total seconds per bucket and arm,
-    `rollout.tuner.aggregate_reports`); drafter-arm reports from an older drafter than the newest are left
-    out, so a new drafter's arms are judged on their own measurements.
-    """
-
-    def __init__(self, redis: aioredis.Redis, keys: Keys, control: ControlPlane, *, window: int = 2000) -> None:
-        from collections import deque
-
-        from tlt_stream.rollout.tuner import DEFAULT_EDGES
-
-        self.redis = redis
-        self.keys = keys
-        self.control = control
-        self.edges = DEFAULT_EDGES
-        self.reports: deque[Any] = deque(maxlen=window)
-        self.last_id = "0-0"
-        self.published: dict[int, Any] | None = None
-        self.codec = codec_for("stats")
-
-    async def poll(self) -> bool:
-        """Read new reports and publish a new version if the table changed; returns whether it published."""
-        from tlt_stream.messages import SdArmChoice, SdArmReport, SdConfigVersion
-        from tlt_stream.rollout.tuner import aggregate_reports
-
-        stream = self.keys.stream("stats")
-        while True:
-            replies = await self.redis.xread({stream: self.last_id}, count=1000)
-            if not replies:
-                break
-            for entry_id, fields in replies[0][1]:
-                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                try:
-                    message = self.codec.decode(fields[PAYLOAD_FIELD])
-                except Exception:  # a malformed stats entry is the dead-letter path's business, not ours
-                    continue
-                if isinstance(message, SdArmReport):
-                    self.reports.append(message)
-        if not self.reports:
-            return False
-        table = aggregate_reports(self.reports)
-        if dict(table.best) == self.published:
-            return False
-        last = len(self.edges)
-        choices = [
-            SdArmChoice(
-                max_batch=self.edges[bucket] if bucket < last else self.edges[-1] + 1,
-                depth=arm.depth,
-                topk=arm.topk,
-                verify=arm.verify,
-                enabled=arm.kind != "plain",
-                proposer=arm.kind,
-            )
-            for bucket, arm in sorted(table.best.items())
-        ]
-        message = SdConfigVersion(
-            version=max(1, self.control.version("sd_config") + 1), drafter_version=table.drafter_version, table=choices
-        )
-        if not await self.control.publish(message):
-            return False
-        self.published = dict(table.best)
-        summary = ", ".join(f"bucket {b}: {table.best[b].label}" for b in sorted(table.best))
-        log.info("published sd_config version %d: %s", message.version, summary)
-        return True
-
-    async def run(self, stop: asyncio.Event, *, every_s: float = 5.0) -> None:
-        from tlt_stream.aio import sleep_or_stop
-
-        while not await sleep_or_stop(stop, every_s):
-            await self.poll()
-
-
 def serve_policy(config: Config, args: Any) -> int:
     """`tlt-stream policy` / `services/policy.py`: dispatch steps until SIGTERM/SIGINT, or until all --steps are
     dispatched and trained."""
     import sys
 
-    from tlt_stream.rl.serve import serve
+    from tlt_stream.roles.serve import serve
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
@@ -352,6 +277,8 @@ def serve_policy(config: Config, args: Any) -> int:
         )
         print(f"policy: dispatching from step {await service.next_step()}", file=sys.stderr)
         done = asyncio.Event()
+        from tlt_stream.roles.sd_config import SdConfigPublisher
+
         tables = asyncio.create_task(SdConfigPublisher(redis, Keys(config.run), control).run(done))
         try:
             await service.run(stop)

@@ -48,9 +48,9 @@ from tlt_stream.messages import (
 )
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
-from tlt_stream.rl.drafter_worker import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
+from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.tuner import Arm, bucket_of
 
@@ -658,7 +658,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
     import socket
 
     from tlt_stream.rl.rewards import REWARDS
-    from tlt_stream.rl.serve import device_or_refuse, serve
+    from tlt_stream.roles.serve import device_or_refuse, serve
 
     if args.train_drafter and args.drafter in (None, "ngram"):
         print(
