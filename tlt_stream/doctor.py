@@ -14,14 +14,11 @@ from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis, endpoints, mq
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.registry import list_workers
 from tlt_stream.bus.streams import STREAMS, Keys
+from tlt_stream.common import as_text
 from tlt_stream.config import Config, redact_url
 from tlt_stream.messages import CONTROL_CODEC
 
 __all__ = ["doctor", "inspect_mqtt", "inspect_redis"]
-
-
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
@@ -45,7 +42,7 @@ async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
                 if stream_spec.group is not None and (entry["length"] or await redis.exists(key)):
                     try:
                         for group in await redis.xinfo_groups(key):
-                            entry["groups"][_text(group["name"])] = {
+                            entry["groups"][as_text(group["name"])] = {
                                 "pending": int(group["pending"]),
                                 "lag": group.get("lag"),
                                 "consumers": int(group["consumers"]),
@@ -54,7 +51,7 @@ async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
                         pass
                 streams[name] = entry
             report["streams"] = streams
-            report["dead_counts"] = {_text(k): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
+            report["dead_counts"] = {as_text(k): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
             report["workers"] = await list_workers(redis, keys, config.bus)
             report["versions"] = {
                 kind: msgspec.to_builtins(message) for kind, message in (await read_mirror(redis, keys)).items()
@@ -84,7 +81,7 @@ async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:
                         break
                     topic = str(message.topic)
                     if topic == "$SYS/broker/version":
-                        report["server"] = _text(message.payload)
+                        report["server"] = as_text(message.payload)
                         continue
                     try:
                         decoded = CONTROL_CODEC.decode(message.payload)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys
+from tlt_stream.common import as_text
 from tlt_stream.config import Config, ConfigError, redact_url
 from tlt_stream.doctor import inspect_redis
 from tlt_stream.messages import CONTROL_KINDS, DrafterStats, LearnerStats, RolloutStats, codec_for
@@ -67,10 +68,6 @@ return n
 """
 
 
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _number(value: Any, kind: type = float) -> Any:
     try:
         return kind(value)
@@ -80,11 +77,11 @@ def _number(value: Any, kind: type = float) -> Any:
 
 def entry_seconds(entry_id: bytes | str) -> float:
     """When Redis added a stream entry (its id's millisecond part), in seconds."""
-    return int(_text(entry_id).partition("-")[0]) / 1000
+    return int(as_text(entry_id).partition("-")[0]) / 1000
 
 
 def next_entry_id(entry_id: bytes | str) -> str:
-    ms, _, seq = _text(entry_id).partition("-")
+    ms, _, seq = as_text(entry_id).partition("-")
     return f"{ms}-{int(seq or 0) + 1}"
 
 
@@ -100,7 +97,7 @@ def group_lag(group: Mapping[str, Any], length: int) -> int | None:
     lag = group.get("lag")
     if lag is not None:
         return int(lag)
-    if _text(group.get("last-delivered-id", "0-0")) == "0-0":
+    if as_text(group.get("last-delivered-id", "0-0")) == "0-0":
         return length
     return None
 
@@ -111,10 +108,10 @@ def pending_age(oldest: Mapping[str, Any] | None, now: float) -> dict[str, Any]:
     if oldest is None:
         return {"oldest_pending_id": None, "oldest_pending_age_s": None, "oldest_pending_idle_s": None}
     return {
-        "oldest_pending_id": _text(oldest["message_id"]),
+        "oldest_pending_id": as_text(oldest["message_id"]),
         "oldest_pending_age_s": max(0.0, now - entry_seconds(oldest["message_id"])),
         "oldest_pending_idle_s": int(oldest["time_since_delivered"]) / 1000,
-        "oldest_pending_consumer": _text(oldest["consumer"]),
+        "oldest_pending_consumer": as_text(oldest["consumer"]),
         "oldest_pending_deliveries": int(oldest["times_delivered"]),
     }
 
@@ -233,7 +230,7 @@ async def _group_detail(redis: aioredis.Redis, key: str, name: str, reported: Ma
     lag, source = reported.get("lag"), "redis"
     if lag is None:
         source = "counted"
-        found = [g for g in await redis.xinfo_groups(key) if _text(g["name"]) == name]
+        found = [g for g in await redis.xinfo_groups(key) if as_text(g["name"]) == name]
         lag = group_lag(found[0], length) if found else None
         if lag is None and found:
             start = next_entry_id(found[0]["last-delivered-id"])
@@ -248,7 +245,7 @@ async def _group_detail(redis: aioredis.Redis, key: str, name: str, reported: Ma
     return {
         "consumers": int(reported.get("consumers", 0)),
         "pending": int(summary["pending"]),
-        "pending_per_consumer": {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []},
+        "pending_per_consumer": {as_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []},
         "lag": lag,
         "lag_source": source,
         **pending_age(oldest[0] if oldest else None, now),
@@ -282,7 +279,7 @@ async def _read_stats(
             entries.append((oldest, message))
         if len(page) < wanted:  # the start of the stream
             return entries, undecodable, oldest, False
-        cursor = _text(page[-1][0])
+        cursor = as_text(page[-1][0])
         if learner_seen and entry_seconds(cursor) < now - window_s:
             return entries, undecodable, oldest, False
     return entries, undecodable, oldest, True
@@ -292,7 +289,7 @@ async def _recent_dead(redis: aioredis.Redis, keys: Keys, now: float) -> list[di
     codec = codec_for("dead")
     recent = []
     for entry_id, fields in await redis.xrevrange(keys.stream("dead"), count=DEAD_RECENT):
-        row: dict[str, Any] = {"id": _text(entry_id), "age_s": max(0.0, now - entry_seconds(entry_id))}
+        row: dict[str, Any] = {"id": as_text(entry_id), "age_s": max(0.0, now - entry_seconds(entry_id))}
         try:
             letter = codec.decode(fields[PAYLOAD_FIELD])
         except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 from tlt_stream.aio import retry
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys, spec
+from tlt_stream.common import as_text
 from tlt_stream.config import BusConfig
 from tlt_stream.messages import DeadLetter, codec_for
 
@@ -105,10 +106,6 @@ async def dead_letter(
         cap=5.0,
     )
     log.warning("dead-lettered %s entry %s from %s: %s", stream, entry_id, origin, reason)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class StreamReader(Generic[T]):
@@ -188,7 +185,7 @@ class StreamReader(Generic[T]):
             groups = await self.redis.xinfo_groups(self.key)
         except aioredis.ResponseError:  # no such stream
             return False
-        return any(_text(g["name"]) == self.group for g in groups)
+        return any(as_text(g["name"]) == self.group for g in groups)
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery[T]]:
         """The next deliveries (possibly none when the block time passes with nothing new).
@@ -210,9 +207,9 @@ class StreamReader(Generic[T]):
             )
             entries = reply[0][1] if reply else []
             if entries:
-                self._history_cursor = _text(entries[-1][0])
+                self._history_cursor = as_text(entries[-1][0])
                 known = self.held | self.abandoned  # being handled, or waiting out the reclaim time
-                entries = [e for e in entries if _text(e[0]) not in known]
+                entries = [e for e in entries if as_text(e[0]) not in known]
                 if not entries:
                     return await self.read(count, block_ms)
                 found = await self._accept(entries, lookup_deliveries=True)
@@ -245,7 +242,7 @@ class StreamReader(Generic[T]):
         rows = await self.redis.xpending_range(
             self.key, self.group, min="-", max="+", count=len(known) + 1, consumername=self.consumer
         )
-        mine = {_text(r["message_id"]) for r in rows}
+        mine = {as_text(r["message_id"]) for r in rows}
         if len(rows) <= len(known):  # the whole of our PEL: forget abandoned entries another consumer took
             self.abandoned &= mine
         stray = sorted(mine - known)
@@ -284,13 +281,13 @@ class StreamReader(Generic[T]):
             self._claim_cursor = "-"
             self._next_claim = time.monotonic() + self.bus.reclaim_idle_ms / 2000
         else:
-            self._claim_cursor = _after(_text(page[-1]["message_id"]))
-        owners = {_text(row["consumer"]) for row in page}
+            self._claim_cursor = _after(as_text(page[-1]["message_id"]))
+        owners = {as_text(row["consumer"]) for row in page}
         gone = {owner for owner in owners if not await self._alive(owner)}
         candidates = [
-            _text(row["message_id"])
+            as_text(row["message_id"])
             for row in page
-            if _text(row["consumer"]) in gone and _text(row["message_id"]) not in self.held
+            if as_text(row["consumer"]) in gone and as_text(row["message_id"]) not in self.held
         ][:count]
         if not candidates:
             return []
@@ -298,7 +295,7 @@ class StreamReader(Generic[T]):
         entries = await self.redis.xclaim(
             self.key, self.group, self.consumer, min_idle_time=self.bus.reclaim_idle_ms, message_ids=candidates
         )
-        claimed = {_text(e[0]) for e in entries}
+        claimed = {as_text(e[0]) for e in entries}
         deleted = [i for i in candidates if i not in claimed]
         if deleted:  # trimmed or deleted while pending, or refreshed by a live owner: nothing to take
             log.debug("%d of %d reclaim candidates on %s were not claimable", len(deleted), len(candidates), self.key)
@@ -306,7 +303,7 @@ class StreamReader(Generic[T]):
         if not entries:
             return []
         self.reclaimed += len(entries)
-        self.abandoned.difference_update(_text(e[0]) for e in entries)
+        self.abandoned.difference_update(as_text(e[0]) for e in entries)
         log.warning(
             "%s reclaimed %d entries idle > %d ms from %s",
             self.origin,
@@ -338,7 +335,7 @@ class StreamReader(Generic[T]):
         for start in range(0, len(held), 256):
             chunk = held[start : start + 256]
             reply = await self.redis.eval(_REFRESH_OWNED, 1, self.key, self.group, self.consumer, *chunk)
-            lost += [_text(i) for i in reply]
+            lost += [as_text(i) for i in reply]
         self.refreshed += len(held) - len(lost)
         if lost:
             self.held.difference_update(lost)
@@ -358,10 +355,10 @@ class StreamReader(Generic[T]):
             entries = reply[0][1] if reply else []
             if not entries:
                 return found
-            cursor = _text(entries[-1][0])
+            cursor = as_text(entries[-1][0])
             for raw_id, fields in entries:
                 with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, TypeError, KeyError):
-                    found.append((_text(raw_id), self.codec.decode(fields[PAYLOAD_FIELD])))
+                    found.append((as_text(raw_id), self.codec.decode(fields[PAYLOAD_FIELD])))
 
     def abandon(self, entry_ids: list[str]) -> None:
         """Let go of held entries without acking them (their handler failed): they are redelivered, to this
@@ -373,17 +370,17 @@ class StreamReader(Generic[T]):
         rows = await self.redis.xpending_range(
             self.key, self.group, min=first, max=last, count=n, consumername=self.consumer
         )
-        return {_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return {as_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     async def _accept(self, entries: list, *, lookup_deliveries: bool) -> list[Delivery[T]]:
         if not entries:
             return []
         counts: dict[str, int] = {}
         if lookup_deliveries:
-            counts = await self._delivery_counts(_text(entries[0][0]), _text(entries[-1][0]), len(entries))
+            counts = await self._delivery_counts(as_text(entries[0][0]), as_text(entries[-1][0]), len(entries))
         found: list[Delivery[T]] = []
         for raw_id, fields in entries:
-            entry_id = _text(raw_id)
+            entry_id = as_text(raw_id)
             deliveries = counts.get(entry_id, 1)
             if not fields:  # deleted or trimmed while pending: nothing left to process
                 log.warning("%s entry %s has no data (deleted while pending); acking", self.key, entry_id)

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from tlt_stream.aio import sleep_or_stop
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.streams import Keys
+from tlt_stream.common import as_text
 
 __all__ = ["DrafterLease", "FencedRecord", "LeaseGrant", "LeaseHolder"]
 
@@ -121,10 +122,6 @@ class FencedRecord:
     fields: dict[str, bytes]
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 class DrafterLease:
     """The lease and its fence for one run; every method is one round trip (one Lua script)."""
 
@@ -175,7 +172,7 @@ class DrafterLease:
         if not reply:
             return None
         worker, fence, pttl = reply
-        return LeaseHolder(_text(worker), int(fence), int(pttl))
+        return LeaseHolder(as_text(worker), int(fence), int(pttl))
 
     async def check_fence(self, fence: int) -> bool:
         """Whether a write with `fence` would be accepted now (it is the newest grant's fence)."""
@@ -204,7 +201,7 @@ class DrafterLease:
         raw = await self.redis.hgetall(self.record_key)
         if not raw:
             return None
-        fields = {_text(k): v if isinstance(v, bytes) else v.encode() for k, v in raw.items()}
+        fields = {as_text(k): v if isinstance(v, bytes) else v.encode() for k, v in raw.items()}
         return FencedRecord(int(fields.pop("fence")), fields)
 
     async def keep_alive(self, grant: LeaseGrant, stop: asyncio.Event, *, every_s: float | None = None) -> bool:

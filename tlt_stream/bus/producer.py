@@ -27,6 +27,7 @@ from redis.exceptions import OutOfMemoryError
 
 from tlt_stream.aio import retry
 from tlt_stream.bus.streams import Keys, spec
+from tlt_stream.common import as_text
 from tlt_stream.config import BusConfig
 from tlt_stream.messages import codec_for
 
@@ -58,10 +59,6 @@ def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
 def _next_id(entry_id: bytes | str) -> tuple[int, int]:
     ms, seq = _parse_id(entry_id)
     return (ms, seq + 1) if seq < MAX_SEQ else (ms + 1, 0)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def stored_bytes(payload_bytes: int) -> int:
@@ -239,7 +236,7 @@ class StreamProducer:
             elif isinstance(reply, Exception):
                 raise reply
             else:
-                ids[i] = _text(reply)
+                ids[i] = as_text(reply)
         return refused, error
 
     async def _append_durable(self, stream: str, key: str, buffers: Sequence[bytearray], ids: list[str | None]) -> bool:

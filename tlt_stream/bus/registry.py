@@ -27,16 +27,13 @@ from tlt_stream.aio import sleep_or_stop
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
+from tlt_stream.common import as_text
 from tlt_stream.config import BusConfig
 from tlt_stream.messages import WorkerState, WorkerStatus
 
 __all__ = ["WorkerRegistry", "list_workers"]
 
 log = logging.getLogger(__name__)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class WorkerRegistry:
@@ -127,7 +124,7 @@ async def list_workers(redis: aioredis.Redis, keys: Keys, bus: BusConfig) -> lis
     """Live workers (heartbeat within the TTL), each as its registry hash plus `worker_id`."""
     cutoff = time.time() - bus.heartbeat_ttl_s
     await redis.zremrangebyscore(keys.workers, "-inf", cutoff)
-    ids = [_text(i) for i in await redis.zrange(keys.workers, 0, -1)]
+    ids = [as_text(i) for i in await redis.zrange(keys.workers, 0, -1)]
     if not ids:
         return []
     async with redis.pipeline(transaction=False) as pipe:
@@ -138,7 +135,7 @@ async def list_workers(redis: aioredis.Redis, keys: Keys, bus: BusConfig) -> lis
     for worker_id, raw in zip(ids, hashes, strict=True):
         if not raw:  # expired between the two reads
             continue
-        entry = {_text(k): _text(v) for k, v in raw.items()}
+        entry = {as_text(k): as_text(v) for k, v in raw.items()}
         entry["worker_id"] = worker_id
         workers.append(entry)
     return workers

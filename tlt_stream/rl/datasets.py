@@ -9,12 +9,13 @@ one line naming the file, the row and the field.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tlt_stream.common import stable_hex
 
 __all__ = ["DatasetError", "Example", "load_examples"]
 
@@ -115,7 +116,7 @@ def load_examples(
         if not isinstance(answer, str) or not answer.strip():
             raise DatasetError(f"{where}: field {answer_field!r} must be a non-empty string or number")
         text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}")
-        prompt_id = hashlib.sha1(f"{text}\x00{answer}".encode()).hexdigest()[:16]
+        prompt_id = stable_hex(f"{text}\x00{answer}", 16)
         examples.append(Example(prompt_id, text, answer))
     if not examples:
         raise DatasetError(f"{path}: no rows")

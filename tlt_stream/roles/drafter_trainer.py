@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -44,6 +43,7 @@ from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
+from tlt_stream.common import stable_int
 from tlt_stream.config import Config
 from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
 from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
@@ -100,7 +100,7 @@ def _lower_priority() -> None:
 
 def _stable_hash(text: str) -> int:
     """A 32-bit hash of `text` that is the same in every process (Python's `hash` of a str is salted)."""
-    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16)
+    return stable_int(text, 8)
 
 
 def _held_out(sample_id: str, percent: int) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import sys
 import time
@@ -34,6 +33,7 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
+from tlt_stream.common import stable_int
 from tlt_stream.config import Config
 from tlt_stream.messages import (
     DrafterVersion,
@@ -64,7 +64,7 @@ def streams_hidden(sample_id: str, settings: RolloutSettings) -> bool:
     same in every process and on redelivery; salted apart from the drafter trainer's held-out split)."""
     if settings.hidden_share >= 1:
         return True
-    digest = int(hashlib.sha1(f"hidden-share/{sample_id}".encode()).hexdigest()[:8], 16)
+    digest = stable_int(f"hidden-share/{sample_id}", 8)
     return digest < settings.hidden_share * 2**32
 
 
@@ -514,7 +514,7 @@ class RolloutWorker:
         budget = self.settings.max_len - len(group.prompt_ids)  # >= 1: `_read_tasks` dead-letters the rest
         eos = [self.tokenizer.eos_token_id]
         for index in range(group.group_size):
-            seed = int(hashlib.sha1(f"{group.task_id}/{index}".encode()).hexdigest()[:12], 16)
+            seed = stable_int(f"{group.task_id}/{index}", 12)
             self.engine.add_request(
                 group.prompt_ids,
                 budget,

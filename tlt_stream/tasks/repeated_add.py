@@ -19,10 +19,11 @@ of the prompt, so the two never overlap whatever their size.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
+
+from tlt_stream.common import stable_hex
 
 __all__ = ["ANSWER_RE", "Problem", "RepeatedAddTask", "reward", "step_text"]
 
@@ -41,7 +42,7 @@ class Problem:
 
     @property
     def prompt_id(self) -> str:
-        return hashlib.sha1(self.prompt.encode()).hexdigest()[:16]
+        return stable_hex(self.prompt, 16)
 
 
 def reward(response: str, answer: str) -> float:
