@@ -235,7 +235,7 @@ async def test_a_worker_refuses_a_corrupted_policy_and_keeps_generating_with_the
             await dispatcher.dispatch(0)
             async with asyncio.timeout(60):
                 await running
-            assert worker.version == 0 and worker.refused == {1}
+            assert worker.version == 0 and worker.versions.refused == {1}
             timeline = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
             reasons = [m.reason for m in timeline if isinstance(m, WorkerState)]
             assert any("refused policy version 1, kept 0" in r and "sha256" in r for r in reasons), reasons
@@ -280,8 +280,8 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
             await worker._maybe_load()
             if version == 1:
                 assert worker.version == 0, "kept the version it had"
-                assert worker.unavailable is not None and worker.unavailable[0] == 1 and not worker.refused
-        assert worker.version == 2 and not worker.refused and worker.unavailable is None
+                assert worker.versions.unavailable == 1 and not worker.versions.refused
+        assert worker.version == 2 and not worker.versions.refused and worker.versions.unavailable is None
 
 
 async def test_a_policy_version_unreadable_for_a_while_is_loaded_once_it_is_back(
@@ -307,14 +307,14 @@ async def test_a_policy_version_unreadable_for_a_while_is_loaded_once_it_is_back
             async with asyncio.timeout(20):
                 await planes.worker.wait_for("policy", version)
             await worker._maybe_load()
-        assert worker.version == 0 and not worker.refused
-        assert worker.unavailable is not None and worker.unavailable[0] == 1
+        assert worker.version == 0 and not worker.versions.refused
+        assert worker.versions.unavailable == 1
         assert worker._awaiting_retry() and worker._loadable_policy() is None, "backing off, not retrying at once"
         away.rename(v1)
         async with asyncio.timeout(20):
             await worker._wait_to_retry(asyncio.Event())  # returns at the next try's time
         await worker._maybe_load()
-        assert worker.version == 1 and worker.unavailable is None and not worker.refused
+        assert worker.version == 1 and worker.versions.unavailable is None and not worker.versions.refused
 
 
 async def test_a_worker_waiting_for_prompts_says_idle_not_generating(

@@ -53,6 +53,7 @@ from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.tuner import Arm, bucket_of
+from tlt_stream.rollout.versions import PolicyVersions
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -155,10 +156,9 @@ class RolloutWorker:
         self.engine: Any = None
         self.tokenizer: Any = None
         self.policy: PolicyVersion | None = None
-        self.refused: set[int] = set()
-        self.unavailable: tuple[int, float, int] | None = None
-        """(version, monotonic time of the next try, tries so far) of an announced policy whose checkpoint
-        was not there when we tried to load it: tried again after a backoff unless a newer one comes first."""
+        self.versions = PolicyVersions()
+        """Refused policy versions, and one that was not there when we tried to load it (tried again after
+        a backoff unless a newer one comes first)."""
         self.tasks: dict[str, _Task] = {}
         self.waiting: list[Delivery[PromptGroup]] = []
         self.vocab_size: int | None = None
@@ -307,7 +307,7 @@ class RolloutWorker:
             return
         await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
         if problem := location_problem(announced.location, self.config.bus.store_root):
-            self.refused.add(announced.version)
+            self.versions.refuse(announced.version)
             log.error("refused policy version %d: %s", announced.version, problem)
             self.registry.update_info(refused_policy=f"{announced.version}: {problem}")
             return
@@ -318,9 +318,7 @@ class RolloutWorker:
                 # Not there now: pruned by the learner for a newer version (which is announced next), or its
                 # storage away for a while. Refusing it for good would stall an on-policy run whose tasks
                 # need exactly this version, so try it again after a backoff unless a newer one comes first.
-                tries = self.unavailable[2] if self.unavailable and self.unavailable[0] == announced.version else 0
-                delay = min(10.0, 0.5 * 2**tries)
-                self.unavailable = (announced.version, time.monotonic() + delay, tries + 1)
+                delay = self.versions.unreadable(announced.version, time.monotonic())
                 log.warning("policy version %d unreadable (%s); trying again in %.1f s", announced.version, exc, delay)
                 self.registry.update_info(unreadable_policy=f"{announced.version}: {exc}")
                 if self.policy is not None:
@@ -329,7 +327,7 @@ class RolloutWorker:
                     )
                 return
             # Corrupt (its bytes do not match the announced sha256) or unusable: refused for good.
-            self.refused.add(announced.version)
+            self.versions.refuse(announced.version)
             log.error("refused policy version %d: %s", announced.version, exc)
             self.registry.update_info(refused_policy=f"{announced.version}: {exc}")
             if self.policy is not None:  # keep generating with the version we have, and say why
@@ -337,7 +335,7 @@ class RolloutWorker:
                     WorkerStatus.IDLE, f"refused policy version {announced.version}, kept {self.version}: {exc}"
                 )
             return
-        self.unavailable = None
+        self.versions.loaded(announced.version)
         self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
 
@@ -403,30 +401,25 @@ class RolloutWorker:
         if self.settings.adaptive is not None and proposer is not None:
             self.adaptive = AdaptiveSd(self.engine, self.settings.adaptive, drafter_version=self.drafter_version)
 
-    def _loadable_policy(self) -> PolicyVersion | None:
-        """The announced policy version when it is newer than ours and not one we refused, else None."""
+    def _announced(self) -> PolicyVersion | None:
         announced = self.control.current.get("policy")
-        if not isinstance(announced, PolicyVersion) or announced.version <= self.version:
-            return None
-        if announced.version in self.refused:
-            return None
-        if self.unavailable is not None and self.unavailable[0] == announced.version:
-            return announced if time.monotonic() >= self.unavailable[1] else None
-        return announced
+        return announced if isinstance(announced, PolicyVersion) else None
+
+    def _loadable_policy(self) -> PolicyVersion | None:
+        """The announced policy version when it is newer than ours, not refused and past its backoff."""
+        announced = self._announced()
+        number = announced.version if announced is not None else None
+        return announced if self.versions.loadable(number, self.version, time.monotonic()) else None
 
     def _awaiting_retry(self) -> bool:
         """Whether the newest announced policy is one we could not read and will try again."""
-        announced = self.control.current.get("policy")
-        return (
-            self.unavailable is not None
-            and isinstance(announced, PolicyVersion)
-            and announced.version == self.unavailable[0] > self.version
-        )
+        announced = self._announced()
+        return self.versions.awaiting_retry(announced.version if announced is not None else None, self.version)
 
     async def _wait_to_retry(self, stop: asyncio.Event) -> None:
         """Until the unreadable version's next try, a newer announcement, or `stop`."""
-        assert self.unavailable is not None
-        version, retry_at, _ = self.unavailable
+        assert self.versions.unavailable is not None
+        version, retry_at = self.versions.unavailable, self.versions.retry_at
         waits = [
             asyncio.ensure_future(self.control.wait_for("policy", version + 1)),
             asyncio.ensure_future(stop.wait()),
