@@ -116,7 +116,7 @@ def world_prompts(world: Path, count: int, *, heldout: bool, seed: int) -> tuple
 
 
 def build_engine(args: argparse.Namespace, world: Path, *, arm: str | None, temperature: float) -> Any:
-    from tlt_stream.rollout.vllm_backend import VllmEngine, VllmSettings
+    from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
 
     settings = VllmSettings(
         max_batch=BATCH,

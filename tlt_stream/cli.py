@@ -68,7 +68,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from tlt_stream.generate import GenerateOptions, InputError, run_generate
     from tlt_stream.model import CheckpointError
-    from tlt_stream.rollout.vllm_backend import BackendUnavailable
+    from tlt_stream.rollout.vllm.backend import BackendUnavailable
 
     sd = args.sd or ("on" if args.drafter else "off")
     if sd == "on" and not args.drafter:

@@ -3,7 +3,7 @@
 Input rows are `{"prompt_ids": [...]}` or `{"prompt": "..."}` (tokenised with the checkpoint's tokenizer);
 output rows, in input order, are `{"token_ids", "logprobs", "finish_reason", "accept_lengths"}`. A bad row
 stops the command before any generation with one line naming the file and line. `--backend vllm` runs the
-same rows on vLLM (`rollout/vllm_backend.py`; EAGLE chains and n-gram only), refused in one line when vLLM
+same rows on vLLM (`rollout/vllm/backend.py`; EAGLE chains and n-gram only), refused in one line when vLLM
 is not installed.
 """
 
@@ -132,7 +132,7 @@ def _stderr_console() -> Any:
 
 
 def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
-    from tlt_stream.rollout.vllm_backend import VllmEngine, VllmSettings
+    from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
 
     label = None
     if arm is not None:
@@ -158,7 +158,7 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     if opts.backend not in ("torch", "vllm"):
         raise ValueError(f"unknown backend {opts.backend!r} (torch, vllm)")
     if opts.backend == "vllm":
-        from tlt_stream.rollout.vllm_backend import require_vllm
+        from tlt_stream.rollout.vllm.backend import require_vllm
 
         require_vllm()  # before reading anything: one line when it is missing
     arm = None

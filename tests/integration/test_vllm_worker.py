@@ -25,8 +25,8 @@ from tlt_stream.messages import RolloutStats, codec_for
 from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
-from tlt_stream.rollout import vllm_backend
 from tlt_stream.rollout.adaptive import AdaptiveSettings
+from tlt_stream.rollout.vllm import backend as vllm_backend
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
 

@@ -25,7 +25,7 @@ from tlt_stream.drafter.export import export_drafter
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.vllm_backend import (
+from tlt_stream.rollout.vllm.backend import (
     INSTALL_HINT,
     WORKER_EXTENSION,
     BackendUnavailable,
@@ -261,7 +261,7 @@ def test_importing_tlt_stream_never_imports_vllm(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "import tlt_stream, tlt_stream.cli, tlt_stream.generate, tlt_stream.drafter.export\n"
-        "import tlt_stream.rollout.vllm_backend, tlt_stream.rollout.vllm_config\n"
+        "import tlt_stream.rollout.vllm.backend, tlt_stream.rollout.vllm.config\n"
         "tlt_stream.cli.build_parser()\n"
         "assert 'vllm' not in sys.modules, 'vllm in sys.modules'\n"
         "print('ok')\n"

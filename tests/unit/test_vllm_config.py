@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tlt_stream.rollout.proposers import SdArm
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, bucket_of
-from tlt_stream.rollout.vllm_config import (
+from tlt_stream.rollout.vllm.config import (
     SpecTranslation,
     UnsupportedSetting,
     dynamic_schedule,

@@ -57,7 +57,7 @@ drafts (`EagleLlamaForCausalLM.load_weights` returns no loaded-name set, so the 
 skipped), so a mismatch would run wrong weights without complaint. The export writes exactly the tensors
 its config implies.
 
-Tree drafting (top-k > 1) is a runtime setting, not part of the export; see `rollout/vllm_config.py`.
+Tree drafting (top-k > 1) is a runtime setting, not part of the export; see `rollout/vllm/config.py`.
 """
 
 from __future__ import annotations

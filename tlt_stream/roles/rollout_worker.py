@@ -98,7 +98,7 @@ class RolloutSettings:
     device: str = "cpu"
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
     backend: str = "torch"
-    """"torch" (this project's engine) or "vllm" (`rollout/vllm_backend.py`, optional extra, GPU; one engine
+    """"torch" (this project's engine) or "vllm" (`rollout/vllm/backend.py`, optional extra, GPU; one engine
     for the worker's life: policy versions and drafters are loaded into it in place)."""
 
     def __post_init__(self) -> None:
@@ -340,7 +340,7 @@ class RolloutWorker:
         log.info("loaded policy version %d", announced.version)
 
     def _build_vllm(self, announced: PolicyVersion) -> None:
-        from tlt_stream.rollout.vllm_backend import VllmEngine, VllmSettings
+        from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
 
         arm = None
         if self.settings.drafter is not None:
@@ -665,7 +665,7 @@ def serve_rollout_worker(config: Config, args: Any) -> int:
         )
         return 2
     if args.backend == "vllm":
-        from tlt_stream.rollout.vllm_backend import BackendUnavailable, require_vllm
+        from tlt_stream.rollout.vllm.backend import BackendUnavailable, require_vllm
 
         if args.adaptive_sd:
             print(

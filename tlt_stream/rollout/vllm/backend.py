@@ -11,7 +11,7 @@ version changes the worker makes:
 - **Generation.** One `vllm.LLM` in token-id mode (`skip_tokenizer_init`), continuously batched by vLLM;
   `add_request`/`step` drive `LLM.llm_engine` (`LLMEngine.add_request`, `.step`). Requests stop exactly at
   the given EOS ids, and each sampled token comes back with its behaviour log-prob, log softmax(logits / T)
-  (raw log-softmax at T = 0), the convention of `rollout/sampling.py` (`vllm_config.sampling_params`). vLLM
+  (raw log-softmax at T = 0), the convention of `rollout/sampling.py` (`vllm/config.py`, `sampling_params`). vLLM
   seeds each request's sampler with the request's seed, but its random streams are not this project's, so
   sampled outputs differ from the torch engine's for the same seed (distributions are the same).
 - **Policy versions in place** (`load_policy`): `LLM.collective_rpc("tlt_reload_policy", ...)` reaches
@@ -25,7 +25,7 @@ version changes the worker makes:
   `load_weights` (the embedding and LM head stay shared with the target, so they follow policy reloads).
   Allowed with requests in flight: SD stays lossless whatever the drafter proposes.
 - **Speculative decoding**: EAGLE chains only, fixed when the engine is built: a static arm, or the adaptive
-  switch and per-bucket chain lengths as vLLM's batch-size schedule (`vllm_config.dynamic_schedule`). Trees,
+  switch and per-bucket chain lengths as vLLM's batch-size schedule (`vllm/config.py`, `dynamic_schedule`). Trees,
   per-step epsilon-greedy exploration and hysteresis have no vLLM equivalent; a new `sd_config` table takes
   a new engine (`close()` this one first). See docs/vllm.md.
 - **Hidden states** for drafter training: vLLM returns no final-norm hidden states with EAGLE on (its
@@ -59,7 +59,7 @@ from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import FinishReason
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm
-from tlt_stream.rollout.vllm_config import (
+from tlt_stream.rollout.vllm.config import (
     UnsupportedSetting,
     as_arm,
     dynamic_schedule,

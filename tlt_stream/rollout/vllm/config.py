@@ -1,6 +1,6 @@
 """This project's SD arms and sampling settings as the dicts vLLM takes: pure code, no vllm import.
 
-`rollout/vllm_backend.py` passes these to `vllm.LLM(**llm_kwargs(...))` and `vllm.SamplingParams(**...)`;
+`rollout/vllm/backend.py` passes these to `vllm.LLM(**llm_kwargs(...))` and `vllm.SamplingParams(**...)`;
 CI tests them without vLLM. Fields were read in vLLM 0.33.0 (`vllm/config/speculative.py`
 `SpeculativeConfig`, `vllm/engine/arg_utils.py` `EngineArgs`, `vllm/sampling_params.py` `SamplingParams`);
 the pyproject extra allows `vllm>=0.10`, so version-dependent keys are emitted only when the caller passes
