@@ -52,6 +52,7 @@ from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.protocol import RolloutEngine
 from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
 
@@ -153,7 +154,7 @@ class RolloutWorker:
         self.reader = StreamReader(redis, self.keys, config.bus, "prompts", worker_id)
         self.producer = StreamProducer(redis, self.keys, config.bus)
         self.registry = WorkerRegistry(redis, self.keys, config.bus, self.producer, worker_id, role="rollout")
-        self.engine: Any = None
+        self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
         self.policy: PolicyVersion | None = None
         self.versions = PolicyVersions()

@@ -1,0 +1,62 @@
+"""The one engine surface every rollout backend offers: what the rollout worker, the drafter trainer and
+`tlt-stream generate` call, whichever backend (`engine.GenerationEngine` on torch, `vllm.backend.VllmEngine`
+on vLLM) was built. `tests/unit/test_engine_protocol.py` checks that both classes have every member with the
+same parameters, so a change to one backend's surface that the other lacks fails a test, not a GPU run."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tlt_stream.rollout.engine import GenerationResult
+
+__all__ = ["RolloutEngine"]
+
+
+class RolloutEngine(Protocol):
+    tokens_generated: int
+    """Tokens emitted since the engine was built (SD's bonus and accepted tokens included)."""
+    rounds: int
+    """Speculative rounds run (one target forward each)."""
+    plain_steps: int
+    """Plain decode steps run (one target forward each)."""
+    arm: object
+    """The SD arm the next steps use; None for plain decoding (torch: an `SdArm`; vLLM: its label)."""
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or running."""
+        ...
+
+    @property
+    def num_running(self) -> int:
+        """Requests being decoded now."""
+        ...
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        eos_ids: Iterable[int] = (),
+        request_id: Hashable | None = None,
+        *,
+        return_hidden: bool = False,
+    ) -> Hashable:
+        """Queue a request; its id (a fresh one when `request_id` is None)."""
+        ...
+
+    def step(self) -> list[GenerationResult]:
+        """Advance every running request; the requests that finished."""
+        ...
+
+    def load_policy(self, path: str | Path) -> None:
+        """Another version of the policy, in place (only with nothing in flight)."""
+        ...
+
+    def load_drafter(self, path: str | Path) -> object:
+        """Another drafter, in place (rows in flight go on: SD is lossless whatever it proposes)."""
+        ...
