@@ -1,0 +1,21 @@
+"""The `tlt-stream` subcommands, one module each: `register(commands)` adds its parser (arguments and
+help), `handle(args)` runs it and imports what it needs (torch, redis, ...) only then, so `--help` answers
+at once."""
+
+from __future__ import annotations
+
+COMMANDS = (
+    "doctor",
+    "generate",
+    "bootstrap",
+    "evaluate",
+    "export_drafter",
+    "run",
+    "report",
+    "learner",
+    "rollout_worker",
+    "policy",
+    "monitor",
+    "config",
+)
+"""The subcommand modules, in the order `tlt-stream --help` lists them."""

@@ -1,0 +1,29 @@
+"""`tlt-stream doctor`: check Redis and MQTT: versions, streams, pending entries, workers, retained versions."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tlt_stream.commands.args import add_config_args, load
+
+__all__ = ["handle", "register"]
+
+
+def register(commands: Any) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check Redis and MQTT: versions, streams, pending entries, workers, retained versions",
+        description="Connect to the configured (or embedded) Redis and MQTT and report what is there. Exits 1 "
+        "when something is unreachable.",
+    )
+    add_config_args(doctor)
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each server")
+    doctor.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from tlt_stream.doctor import doctor
+
+    return doctor(load(args), as_json=args.json, timeout=args.timeout)

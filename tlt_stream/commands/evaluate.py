@@ -1,0 +1,70 @@
+"""`tlt-stream eval`: held-out accuracy and response lengths of a policy on the tiny task."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tlt_stream.commands.args import EXIT_CONFIG, positive
+
+__all__ = ["handle", "register"]
+
+
+def register(commands: Any) -> None:
+    ev = commands.add_parser(
+        "eval",
+        help="accuracy and response lengths on held-out prompts (and acceptance length with a drafter)",
+    )
+    ev.add_argument("--model", required=True, help="policy checkpoint directory")
+    ev.add_argument("--drafter", help="drafter checkpoint directory, or 'ngram'")
+    ev.add_argument("--n", type=positive, default=200, help="held-out prompts")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--batch-size", type=positive, default=32)
+    ev.add_argument("--depth", type=positive, default=4)
+    ev.add_argument("--topk", type=positive, default=1)
+    ev.add_argument("--threads", type=positive, default=2)
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument("-v", "--verbose", action="count", default=0)
+    ev.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from tlt_stream.model import CheckpointError
+    from tlt_stream.progress import PhaseProgress
+    from tlt_stream.tasks.evaluate import evaluate
+
+    torch.set_num_threads(args.threads)
+    try:
+        with PhaseProgress() as progress:
+            report = evaluate(
+                args.model,
+                drafter=args.drafter,
+                n=args.n,
+                temperature=args.temperature,
+                seed=args.seed,
+                batch_size=args.batch_size,
+                depth=args.depth,
+                topk=args.topk,
+                progress=lambda done, total: progress("eval", done, total, {}),
+            )
+    except CheckpointError as exc:
+        print(f"tlt-stream eval: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(report))
+    else:
+        length = report["length"]
+        print(f"accuracy {report['accuracy']:.1%} on {report['prompts']} held-out prompts (T={report['temperature']})")
+        print(
+            f"response length p50 {length['p50']:.0f}  p90 {length['p90']:.0f}  p99 {length['p99']:.0f}  "
+            f"max {length['max']}  (max/median {length['max_over_median']:.1f}x)"
+        )
+        if "mean_accept_length" in report:
+            print(f"mean acceptance length {report['mean_accept_length']:.2f} ({report['arm']})")
+    return 0
