@@ -256,17 +256,17 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
 
     import tlt_stream.roles.rollout_worker as rollout_service
     from tlt_stream.messages import PolicyVersion
-    from tlt_stream.rl.checkpoint import policy_sha256
+    from tlt_stream.store.digest import directory_sha256
 
     copies = {v: shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1, 2)}
-    real_verify = rollout_service.verify_policy
+    real_verify = rollout_service.verify_directory
 
     def verify_then_prune(location: str, sha256: str) -> None:
         real_verify(location, sha256)
         if location == str(copies[1]):  # the learner prunes it right after the worker checked it
             shutil.rmtree(location)
 
-    monkeypatch.setattr(rollout_service, "verify_policy", verify_then_prune)
+    monkeypatch.setattr(rollout_service, "verify_directory", verify_then_prune)
     async with learner_and_worker_planes(bus_config) as planes:
         settings = RolloutSettings(max_batch=2, max_len=64)
         worker = RolloutWorker(
@@ -274,7 +274,9 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
         )
         for version in (0, 1, 2):
             path = copies[version]
-            await planes.learner.publish(PolicyVersion(version=version, location=str(path), sha256=policy_sha256(path)))
+            await planes.learner.publish(
+                PolicyVersion(version=version, location=str(path), sha256=directory_sha256(path))
+            )
             async with asyncio.timeout(20):
                 await planes.worker.wait_for("policy", version)
             await worker._maybe_load()
@@ -292,17 +294,17 @@ async def test_a_policy_version_unreadable_for_a_while_is_loaded_once_it_is_back
     import shutil
 
     from tlt_stream.messages import PolicyVersion
-    from tlt_stream.rl.checkpoint import policy_sha256
+    from tlt_stream.store.digest import directory_sha256
 
     v0, v1 = (shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1))
-    sha1 = policy_sha256(v1)
+    sha1 = directory_sha256(v1)
     away = v1.rename(tmp_path / "v1.away")
     async with learner_and_worker_planes(bus_config) as planes:
         settings = RolloutSettings(max_batch=2, max_len=64)
         worker = RolloutWorker(
             bus_config, planes.redis, planes.worker, worker_id="w0", reward=reward, settings=settings
         )
-        for version, path, sha in ((0, v0, policy_sha256(v0)), (1, v1, sha1)):
+        for version, path, sha in ((0, v0, directory_sha256(v0)), (1, v1, sha1)):
             await planes.learner.publish(PolicyVersion(version=version, location=str(path), sha256=sha))
             async with asyncio.timeout(20):
                 await planes.worker.wait_for("policy", version)

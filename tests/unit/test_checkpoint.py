@@ -13,14 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tlt_stream.model import load_model
-from tlt_stream.rl.checkpoint import (
-    ChecksumMismatch,
-    latest_checkpoint,
-    policy_sha256,
-    restore_checkpoint,
-    save_checkpoint,
-    verify_policy,
-)
+from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from tlt_stream.store.digest import ChecksumMismatch, directory_sha256, verify_directory
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 VOCAB = 32
@@ -116,21 +110,21 @@ def test_policy_sha256_is_stable_and_catches_one_flipped_byte(tmp_path: Path) ->
     model, optimizer = trained()
     a = save(tmp_path / "a", 1, model, optimizer)
     b = save(tmp_path / "b", 5, model, optimizer)
-    assert a.policy_sha256 == b.policy_sha256 == policy_sha256(b.policy_dir)
-    verify_policy(a.policy_dir, a.policy_sha256.upper())
+    assert a.policy_sha256 == b.policy_sha256 == directory_sha256(b.policy_dir)
+    verify_directory(a.policy_dir, a.policy_sha256.upper())
 
     weights = b.policy_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01
     weights.write_bytes(bytes(data))
-    assert policy_sha256(b.policy_dir) != b.policy_sha256
+    assert directory_sha256(b.policy_dir) != b.policy_sha256
     with pytest.raises(ChecksumMismatch, match=str(b.policy_dir)) as err:
-        verify_policy(b.policy_dir, b.policy_sha256)
+        verify_directory(b.policy_dir, b.policy_sha256)
     assert "\n" not in str(err.value) and b.policy_sha256[:12] in str(err.value)
     with pytest.raises(ChecksumMismatch):
         restore_checkpoint(b, model=make_model(seed=1))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        verify_policy(tmp_path / "nowhere", a.policy_sha256)
+        verify_directory(tmp_path / "nowhere", a.policy_sha256)
 
 
 def test_policy_sha256_ignores_mtime_and_location_but_not_name_content_boundaries(tmp_path: Path) -> None:
@@ -138,13 +132,13 @@ def test_policy_sha256_ignores_mtime_and_location_but_not_name_content_boundarie
     (one / "sub").mkdir(parents=True)
     (one / "a").write_bytes(b"bc")
     (one / "sub" / "x").write_bytes(b"")
-    digest = policy_sha256(one)
+    digest = directory_sha256(one)
     os.utime(one / "a", (0, 0))
-    assert policy_sha256(shutil.move(one, tmp_path / "elsewhere")) == digest
+    assert directory_sha256(shutil.move(one, tmp_path / "elsewhere")) == digest
     (two / "sub").mkdir(parents=True)
     (two / "ab").write_bytes(b"c")
     (two / "sub" / "x").write_bytes(b"")
-    assert policy_sha256(two) != digest
+    assert directory_sha256(two) != digest
 
 
 def test_crash_before_rename_keeps_previous_and_clean_removes_leftover(
@@ -253,7 +247,7 @@ def test_a_policy_directory_that_vanishes_while_hashed_is_missing_not_mismatched
 
     import pytest
 
-    from tlt_stream.rl.checkpoint import policy_sha256
+    from tlt_stream.store.digest import directory_sha256
 
     policy = tmp_path / "policy"
     policy.mkdir()
@@ -265,4 +259,4 @@ def test_a_policy_directory_that_vanishes_while_hashed_is_missing_not_mismatched
         return real_walk(root, **kwargs)
 
     with mock.patch("tlt_stream.rl.checkpoint.os.walk", walk_after_prune), pytest.raises(FileNotFoundError):
-        policy_sha256(policy)
+        directory_sha256(policy)

@@ -22,7 +22,7 @@ LAYERS = {
     "roles": 3,
     "commands": 4,
 }
-CORES = {"model", "rollout", "drafter", "rl", "tasks"}
+CORES = {"model", "rollout", "drafter", "rl", "tasks", "store"}
 BASICS = {"__init__", "common", "config", "messages", "errors", "aio", "progress"}
 TRANSPORTS = ("redis", "aiomqtt", "fakeredis", "amqtt", "paho")
 """Third-party packages only the bus (and the layers above it) may import."""

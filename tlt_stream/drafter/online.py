@@ -39,7 +39,8 @@ from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, save_drafter
 from tlt_stream.drafter.train import PackedBatch, Window, eagle_loss, pack_windows
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.transformer import Transformer
-from tlt_stream.rl.checkpoint import atomic_directory, optimizer_state, optimizer_tensors
+from tlt_stream.store.durable import atomic_directory
+from tlt_stream.store.tensors import optimizer_state, optimizer_tensors
 
 __all__ = [
     "LrSchedule",

@@ -1,4 +1,4 @@
-"""Crash-safe learner checkpoints and the policy-version integrity check that rollout workers run.
+"""Crash-safe learner checkpoints: the layout of `step-*` directories, `LATEST`, saving and restoring.
 
 A learner can die at any instant (OOM, preemption, SIGKILL), and what it resumes from must be whole: the
 policy weights, the optimizer moments, the RNG streams and the ledger of consumed sample ids that makes
@@ -10,49 +10,49 @@ its rename; the next save discards it. `meta.json` is written last, so a step di
 taken for a checkpoint. Nothing in a checkpoint is a pickle: tensors are safetensors, the rest JSON, so
 loading one can never run code (a `.pt` where safetensors belong is refused, not unpickled).
 
-Workers load a policy version only after `verify_policy` matches the sha256 the learner published, so a torn
-copy or a flipped bit is refused before it can steer rollouts. The hash covers relative names and bytes,
-length-prefixed, never mtimes or absolute paths: the same weights hash the same wherever they are copied.
+The digest workers check before loading a version (`store/digest.py`), the durable writes
+(`store/durable.py`) and the optimizer/RNG tensors (`store/tensors.py`) are shared with the drafter; this
+module is the learner's layout on top of them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
-import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from tlt_stream.errors import CheckpointError
+from tlt_stream.store.digest import directory_sha256, verify_directory
+from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, fsync_dir, remove_dir, write_json
+from tlt_stream.store.tensors import (
+    load_tensors,
+    optimizer_state,
+    optimizer_tensors,
+    rng_tensors,
+    save_tensors,
+    set_rng_state,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "CheckpointInfo",
-    "ChecksumMismatch",
     "complete_checkpoints",
     "latest_checkpoint",
-    "optimizer_state",
-    "optimizer_tensors",
-    "policy_sha256",
     "restore_checkpoint",
     "save_checkpoint",
-    "verify_policy",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,7 @@ FORMAT_VERSION = 2
 """2: optimizer and RNG state as safetensors + JSON (1 pickled them with torch.save)."""
 LATEST = "LATEST"
 POLICY = "policy"
-TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step-(\d{8,})")
-_HASH_DOMAIN = b"tlt-stream policy sha256 v1\0"
-_HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,121 +75,10 @@ class CheckpointInfo:
     policy_dir: Path
     """The Hugging Face policy directory inside it (config.json + safetensors), what workers load."""
     policy_sha256: str
-    """sha256 of `policy_dir` as computed by `policy_sha256`, recorded at save time."""
-
-
-class ChecksumMismatch(Exception):
-    """A policy directory's contents do not hash to the expected sha256."""
-
-    def __init__(self, policy_dir: Path | str, expected: str, found: str) -> None:
-        self.policy_dir, self.expected, self.found = Path(policy_dir), expected, found
-        super().__init__(f"{policy_dir}: policy sha256 mismatch: expected {expected[:12]}..., found {found[:12]}...")
-
-
-# --- hashing ----------------------------------------------------------------------------------------------
-
-
-def _policy_files(root: Path) -> list[str]:
-    """Relative POSIX names of every file under `root`, sorted; symlinked files count as their target."""
-    names = []
-
-    def vanished(error: OSError) -> None:  # os.walk skips an unreadable directory silently: an empty digest
-        raise FileNotFoundError(f"{root}: policy directory vanished or unreadable while hashed ({error})")
-
-    for dirpath, dirnames, filenames in os.walk(root, onerror=vanished):
-        for d in dirnames:
-            if os.path.islink(os.path.join(dirpath, d)):
-                raise ValueError(f"{root}: symlinked directory {d!r} is not supported in a policy directory")
-        for f in filenames:
-            full = os.path.join(dirpath, f)
-            if not stat.S_ISREG(os.stat(full).st_mode):
-                raise ValueError(f"{full}: not a regular file")
-            names.append(Path(full).relative_to(root).as_posix())
-    return sorted(names)
-
-
-def policy_sha256(policy_dir: Path | str) -> str:
-    """Deterministic sha256 of a directory's files: their relative names (sorted) and bytes, each length-prefixed.
-
-    Files are streamed in 1 MiB chunks. The digest ignores mtimes, permissions and where the directory lives.
-    """
-    root = Path(policy_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: policy directory does not exist")
-    digest = hashlib.sha256(_HASH_DOMAIN)
-    for name in _policy_files(root):
-        encoded = name.encode("utf-8", "surrogateescape")
-        digest.update(len(encoded).to_bytes(8, "big"))
-        digest.update(encoded)
-        with open(root / name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            digest.update(size.to_bytes(8, "big"))
-            read = 0
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-                read += len(chunk)
-        if read != size:
-            raise OSError(f"{root / name}: file changed size while it was being hashed")
-    return digest.hexdigest()
-
-
-def verify_policy(policy_dir: Path | str, expected_sha256: str) -> None:
-    """Raise `ChecksumMismatch` unless `policy_dir` hashes to `expected_sha256` (FileNotFoundError if missing)."""
-    found = policy_sha256(policy_dir)
-    if found != expected_sha256.strip().lower():
-        raise ChecksumMismatch(policy_dir, expected_sha256, found)
+    """sha256 of `policy_dir` as computed by `directory_sha256`, recorded at save time."""
 
 
 # --- durable writes ---------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, so the whole tree is on disk before it is renamed."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for f in filenames:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], stem: Path) -> None:
-    """`stem.safetensors` + `stem.json`, each fsynced: no pickle anywhere in a checkpoint."""
-    data = save(tensors)
-    with open(stem.with_suffix(".safetensors"), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    _write_json(stem.with_suffix(".json"), meta)
-
-
-def _load_tensors(stem: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    pickled = stem.with_suffix(".pt")
-    if pickled.exists() and not stem.with_suffix(".safetensors").exists():
-        raise ValueError(f"{pickled}: a pickle; tlt-stream loads only safetensors + JSON (it never unpickles)")
-    try:
-        tensors = load_file(stem.with_suffix(".safetensors"))
-        meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, SafetensorError) as exc:
-        raise ValueError(f"{stem}: unreadable checkpoint part ({exc})") from exc
-    return tensors, meta
 
 
 def _write_pointer(root: Path, name: str) -> None:
@@ -207,34 +93,7 @@ def _write_pointer(root: Path, name: str) -> None:
     except Exception:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Build a directory that appears whole or not at all.
-
-    Yields a temporary sibling of `final` (named `.tmp-...`, which readers skip) to fill. On a clean exit
-    every file and directory in it is fsynced, it is renamed to `final` and the parent is fsynced. On an
-    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind.
-    """
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync_dir(final.parent)
-
-
-def _remove_dir(path: Path) -> None:
-    """Delete a checkpoint directory: first renamed to a `.tmp-` name (atomic), so no half-deleted one remains."""
-    trash = path.with_name(f"{TMP_PREFIX}trash-{path.name}-{uuid.uuid4().hex[:12]}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    fsync_dir(root)
 
 
 # --- reading ----------------------------------------------------------------------------------------------
@@ -309,51 +168,6 @@ def latest_checkpoint(root: Path | str, *, clean: bool = False) -> CheckpointInf
 # --- save / restore ---------------------------------------------------------------------------------------
 
 
-def optimizer_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer `state_dict` as safetensors tensors (`state.{param}.{slot}`) and JSON for the rest."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, slots in state["state"].items():
-        for slot, value in slots.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{slot}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(index), {})[slot] = value
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items()} for group in state["param_groups"]]
-    return tensors, {"scalars": scalars, "param_groups": groups}
-
-
-def optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of `optimizer_tensors`: a `state_dict` an optimizer loads."""
-    state: dict[int, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        _, index, slot = key.split(".", 2)
-        state.setdefault(int(index), {})[slot] = tensor
-    for index, slots in meta["scalars"].items():
-        state.setdefault(int(index), {}).update(slots)
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in meta["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _rng_tensors() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The RNG streams as tensors (torch, each CUDA device) and JSON (Python's `random`)."""
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    version, internal, gauss = random.getstate()
-    return tensors, {"python": [version, list(internal), gauss]}
-
-
-def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch"])
-    version, internal, gauss = meta["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            if f"cuda.{i}" in tensors:
-                torch.cuda.set_rng_state(tensors[f"cuda.{i}"], i)
-
-
 def save_checkpoint(
     root: Path | str,
     *,
@@ -397,7 +211,7 @@ def save_checkpoint(
         for stale in _complete_checkpoints(root):
             if stale.step > current.step:
                 log.warning("%s: discarding %s, a save that crashed before %s named it", root, stale.path.name, LATEST)
-                _remove_dir(stale.path)
+                remove_dir(stale.path)
     final = root / f"step-{step:08d}"
     if os.path.lexists(final):
         raise ValueError(f"{final}: checkpoint directory already exists; refusing to overwrite it")
@@ -407,10 +221,10 @@ def save_checkpoint(
         model.save_pretrained(policy, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(policy)
-        sha = policy_sha256(policy)
-        _save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / "optimizer")
-        _save_tensors(*_rng_tensors(), tmp / "rng")
-        _write_json(tmp / "ledger.json", ids)
+        sha = directory_sha256(policy)
+        save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / "optimizer")
+        save_tensors(*rng_tensors(), tmp / "rng")
+        write_json(tmp / "ledger.json", ids)
         meta = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -419,13 +233,13 @@ def save_checkpoint(
             "ledger_size": len(ids),
             "extra": extra,
         }
-        _write_json(tmp / "meta.json", meta)
+        write_json(tmp / "meta.json", meta)
     _write_pointer(root, final.name)
 
     for old in _complete_checkpoints(root)[:-keep]:
         if old.path != final:
             try:
-                _remove_dir(old.path)
+                remove_dir(old.path)
             except OSError as e:
                 log.warning("%s: could not prune %s: %s", root, old.path.name, e)
     return CheckpointInfo(path=final, step=step, policy_dir=final / POLICY, policy_sha256=sha)
@@ -479,11 +293,11 @@ def restore_checkpoint(
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{info.path}: checkpoint format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
     if not verified:
-        verify_policy(info.policy_dir, info.policy_sha256)
+        verify_directory(info.policy_dir, info.policy_sha256)
     if model is not None:
         _load_weights(model, info.policy_dir)
     if optimizer is not None:
-        state = optimizer_state(*_load_tensors(info.path / "optimizer"))  # refuses a pickle on its own
+        state = optimizer_state(*load_tensors(info.path / "optimizer"))  # refuses a pickle on its own
         try:
             optimizer.load_state_dict(state)
         except ValueError as exc:  # e.g. a different number of parameter groups
@@ -492,6 +306,6 @@ def restore_checkpoint(
                 "it was written with (final_norm_lr_scale 1 vs other values changes the parameter groups)"
             ) from None
     if restore_rng:
-        _set_rng_state(*_load_tensors(info.path / "rng"))
+        set_rng_state(*load_tensors(info.path / "rng"))
     ledger = json.loads((info.path / "ledger.json").read_text(encoding="utf-8"))
     return set(ledger), meta

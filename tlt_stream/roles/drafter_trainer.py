@@ -47,6 +47,7 @@ from tlt_stream.common import stable_int
 from tlt_stream.config import Config
 from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
 from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
+from tlt_stream.store.digest import directory_sha256
 
 __all__ = ["DrafterTrainingSettings", "IdleDrafterTrainer"]
 
@@ -338,13 +339,11 @@ class IdleDrafterTrainer:
         adopted = accept_new >= accept_current - self.settings.tolerance
         version = -1
         if adopted:
-            from tlt_stream.rl.checkpoint import policy_sha256
-
             location = str((done.path / "drafter").resolve())
             message = DrafterVersion(
                 version=max(self.control.version("drafter") + 1, 1),
                 location=location,
-                sha256=await self._low(policy_sha256, location),
+                sha256=await self._low(directory_sha256, location),
                 policy_version=done.policy_version,
             )
             if await self.control.publish(message):

@@ -43,17 +43,16 @@ from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import (
     CheckpointInfo,
-    ChecksumMismatch,
     complete_checkpoints,
     latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
-    verify_policy,
 )
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.validate import sample_problem
+from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 
 __all__ = ["LearnerRunSettings", "LearnerService", "serve_learner"]
 
@@ -213,7 +212,7 @@ class LearnerService:
 
         for found in candidates:
             try:  # verified before anything reads it; a checkpoint that fits no learner is the user's to fix
-                verify_policy(found.policy_dir, found.policy_sha256)
+                verify_directory(found.policy_dir, found.policy_sha256)
                 self._build(found.policy_dir)
                 assert self.core is not None
                 ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer, verified=True)

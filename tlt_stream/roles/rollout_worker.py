@@ -47,7 +47,6 @@ from tlt_stream.messages import (
     WorkerStatus,
 )
 from tlt_stream.model.loader import CheckpointError
-from tlt_stream.rl.checkpoint import ChecksumMismatch, verify_policy
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
@@ -55,6 +54,7 @@ from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.protocol import RolloutEngine
 from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
+from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -284,7 +284,7 @@ class RolloutWorker:
         def load() -> None:
             if problem := location_problem(announced.location, self.config.bus.store_root):
                 raise CheckpointError(problem)
-            verify_policy(announced.location, announced.sha256)
+            verify_directory(announced.location, announced.sha256)
             self.engine.load_drafter(announced.location)  # in place: in-flight requests go on
 
         try:
@@ -362,7 +362,7 @@ class RolloutWorker:
     def _load(self, announced: PolicyVersion) -> None:
         from transformers import AutoTokenizer
 
-        verify_policy(announced.location, announced.sha256)
+        verify_directory(announced.location, announced.sha256)
         self.vocab_size, positions = _policy_limits(announced.location)
         if positions is not None and self.settings.max_len > positions:  # every long sample would be poison
             raise ValueError(

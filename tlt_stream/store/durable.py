@@ -1,0 +1,73 @@
+"""Durable writes: a directory that appears whole or not at all, files and directories fsynced before they
+count. A process may die at any instant (OOM, preemption, SIGKILL); what it leaves is either the old state
+or the new one, plus `.tmp-*` leftovers that readers skip and the next writer clears."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TMP_PREFIX", "atomic_directory", "fsync_dir", "fsync_tree", "remove_dir", "write_json"]
+
+TMP_PREFIX = ".tmp-"
+"""Names that readers skip: a directory being built, or being removed."""
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the whole tree is on disk before it is renamed."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for f in filenames:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Build a directory that appears whole or not at all.
+
+    Yields a temporary sibling of `final` (named `.tmp-...`, which readers skip) to fill. On a clean exit
+    every file and directory in it is fsynced, it is renamed to `final` and the parent is fsynced. On an
+    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind.
+    """
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        os.rename(tmp, final)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(final.parent)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint directory: first renamed to a `.tmp-` name (atomic), so no half-deleted one remains."""
+    trash = path.with_name(f"{TMP_PREFIX}trash-{path.name}-{uuid.uuid4().hex[:12]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
