@@ -1,4 +1,9 @@
-"""`tlt-stream doctor`: can this run reach its servers, and what state is it in?"""
+"""`tlt-stream doctor`: can this run reach its servers, and what state is it in?
+
+The Redis half is the monitor's scan (`tlt_stream.monitor.snapshot.inspect_redis`: streams, groups, dead
+letters, workers, the versions mirror), so the two commands never disagree on what a run holds; the MQTT
+half reads the retained versions, which the monitor never looks at.
+"""
 
 from __future__ import annotations
 
@@ -10,57 +15,13 @@ from typing import Any
 import aiomqtt
 import msgspec
 
-from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis, endpoints, mqtt_params
-from tlt_stream.bus.control import read_mirror
-from tlt_stream.bus.registry import list_workers
-from tlt_stream.bus.streams import STREAMS, Keys
+from tlt_stream.bus.connect import endpoints, mqtt_params
 from tlt_stream.common import as_text
 from tlt_stream.config import Config, redact_url
 from tlt_stream.messages import CONTROL_CODEC
+from tlt_stream.monitor.snapshot import inspect_redis
 
 __all__ = ["doctor", "inspect_mqtt", "inspect_redis"]
-
-
-async def inspect_redis(config: Config, timeout: float) -> dict[str, Any]:
-    keys = Keys(config.run)
-    redis = connect_redis(config.bus.redis_url or "", name="tlt-doctor", retries=2)
-    report: dict[str, Any] = {"url": redact_url(config.bus.redis_url), "reachable": False}
-    try:
-        async with asyncio.timeout(timeout):
-            await redis.ping()
-            report["reachable"] = True
-            try:
-                info = await redis.info("server")
-                report["server"] = f"redis {info.get('redis_version', '?')}"
-            except Exception:  # fakeredis answers no INFO
-                report["server"] = "Redis protocol server without INFO (embedded fakeredis?)"
-            streams = {}
-            for name, stream_spec in STREAMS.items():
-                key = keys.stream(name)
-                entry: dict[str, Any] = {"length": int(await redis.xlen(key)), "groups": {}}
-                # A stream trimmed to nothing (prompts, samples once acked) still has its groups to show.
-                if stream_spec.group is not None and (entry["length"] or await redis.exists(key)):
-                    try:
-                        for group in await redis.xinfo_groups(key):
-                            entry["groups"][as_text(group["name"])] = {
-                                "pending": int(group["pending"]),
-                                "lag": group.get("lag"),
-                                "consumers": int(group["consumers"]),
-                            }
-                    except Exception:
-                        pass
-                streams[name] = entry
-            report["streams"] = streams
-            report["dead_counts"] = {as_text(k): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
-            report["workers"] = await list_workers(redis, keys, config.bus)
-            report["versions"] = {
-                kind: msgspec.to_builtins(message) for kind, message in (await read_mirror(redis, keys)).items()
-            }
-    except (*REDIS_RETRYABLE, TimeoutError) as exc:
-        report["error"] = f"cannot reach Redis at {redact_url(config.bus.redis_url)}: {exc or type(exc).__name__}"
-    finally:
-        await redis.aclose()
-    return report
 
 
 async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
@@ -56,6 +57,8 @@ LEARNER_METRICS = {
     "accept_length_mean": 2.5,
     "loss": 0.125,
 }
+ROW_FORWARD_TOKENS = 600 / (100 * 8 + 200 * 4 + 60 * 2)
+"""Tokens per row per target forward of the three rollout reports below: forwards times each one's batch."""
 
 
 def prompt(i: int) -> PromptGroup:
@@ -249,7 +252,7 @@ async def check_once(bus_config: Config, began: float) -> None:
     rollout_ = snap["rollout"]
     assert (rollout_["reports"], rollout_["tokens"], rollout_["window_s"]) == (3, 600, 60.0)
     assert rollout_["generation_tokens_per_s"] == pytest.approx(600 / 4.5)
-    assert rollout_["tokens_per_forward"] == pytest.approx(600 / 360)
+    assert rollout_["tokens_per_forward"] == pytest.approx(ROW_FORWARD_TOKENS)
     # A run younger than the window: from the start of its first report (w2's, 2 s before it was added).
     assert 2.0 <= rollout_["span_s"] <= finished - began + 2.5
     assert rollout_["tokens_per_s"] == pytest.approx(600 / rollout_["span_s"])
@@ -257,7 +260,7 @@ async def check_once(bus_config: Config, began: float) -> None:
     assert rollout_["workers"]["w1"]["sd_on"] is True and rollout_["workers"]["w2"]["sd_on"] is False
     assert rollout_["workers"]["w1"]["batch_size"] == 2
     assert rollout_["workers"]["w1"]["tokens_per_s"] == pytest.approx(200.0)
-    assert rollout_["workers"]["w1"]["tokens_per_forward"] == pytest.approx(5.0)
+    assert rollout_["workers"]["w1"]["tokens_per_forward"] == pytest.approx(300 / (60 * 2))
 
     learner = snap["learner"]
     assert (learner["step"], learner["policy_version"], learner["groups"], learner["samples"]) == (2, 2, 8, 64)
@@ -298,12 +301,11 @@ async def check_once(bus_config: Config, began: float) -> None:
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            name, labels, value = re.fullmatch(r"([a-z_]+)\{(.*)\} (\S+)", line).groups()  # type: ignore[union-attr]
-            samples[(name, frozenset(re.findall(r'([a-z_]+)="([^"]*)"', labels)))] = float(value)
-    return samples
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 async def test_prometheus_endpoint_serves_the_figures_and_stops_on_sigterm(bus_config: Config) -> None:
@@ -346,7 +348,7 @@ async def check_prometheus(bus_config: Config) -> None:
         assert value("tlt_worker_policy_version", worker="w1") == 3
         assert value("tlt_worker_sd_on", worker="w1") == 1 and value("tlt_worker_sd_on", worker="w2") == 0
         assert [value("tlt_version", kind=k) for k in ("policy", "drafter", "sd_config")] == [3, 2, 1]
-        assert value("tlt_rollout_tokens_per_forward") == pytest.approx(600 / 360)
+        assert value("tlt_rollout_tokens_per_forward") == pytest.approx(ROW_FORWARD_TOKENS)
         assert value("tlt_rollout_generation_tokens_per_second") == pytest.approx(600 / 4.5)
         assert value("tlt_rollout_tokens_per_second") > 0 and value("tlt_rollout_sd_on_workers") == 1
         assert value("tlt_learner_step") == 2

@@ -1,12 +1,13 @@
-"""The monitor's pure figures: consumer lag, pending age, rollout throughput, summaries, Prometheus text."""
+"""The monitor's pure figures: consumer lag, pending age, rollout throughput, summaries, Prometheus metrics."""
 
 from __future__ import annotations
 
-import re
+import math
 import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tlt_stream.config import ConfigError
 from tlt_stream.messages import DrafterStats, LearnerStats, RolloutStats
@@ -79,7 +80,7 @@ def test_rollout_throughput_over_a_long_run_uses_the_whole_window() -> None:
     assert summary["span_s"] == 30.0
     assert summary["tokens_per_s"] == pytest.approx(600 / 30)
     assert summary["generation_tokens_per_s"] == pytest.approx(600 / 4.5)
-    assert summary["tokens_per_forward"] == pytest.approx(600 / 260)
+    assert summary["tokens_per_forward"] == pytest.approx(600 / (60 * 2 + 100 * 4 + 100 * 4))  # per row
     assert summary["sd_on_workers"] == 1  # the latest report of each worker decides
     assert summary["workers"]["w1"] == {
         "sd_on": True,
@@ -87,10 +88,29 @@ def test_rollout_throughput_over_a_long_run_uses_the_whole_window() -> None:
         "policy_version": 2,
         "drafter_version": 1,
         "tokens_per_s": 200.0,
-        "tokens_per_forward": 5.0,
+        "tokens_per_forward": 2.5,
         "age_s": 1.0,
     }
     assert summary["workers"]["w2"]["sd_on"] is False and summary["workers"]["w2"]["age_s"] == 5.0
+
+
+def test_tokens_per_forward_is_per_row_not_summed_over_the_batch() -> None:
+    """A batch of 46 rows, each taking one token per target forward, reads 1.0 (not 46); with SD accepting 2.5
+    tokens per row per forward, 2.5: the acceptance length the learner line reports per sample."""
+    now = 1000.0
+    plain = rollout_summary([(999.0, rollout("w1", 46 * 100, 2.0, 100, batch=46))], now, window_s=60.0)
+    assert plain["tokens_per_forward"] == pytest.approx(1.0)
+    assert plain["workers"]["w1"]["tokens_per_forward"] == pytest.approx(1.0)
+    reports = [
+        (999.0, rollout("w1", int(46 * 40 * 2.5), 2.0, 40, sd_on=True, batch=46)),
+        (998.0, rollout("w2", 8 * 40 * 1, 2.0, 40, batch=8)),
+        (997.0, rollout("w3", 0, 0.0, 0, batch=0)),  # idle: no forwards, no rows, counted nowhere
+    ]
+    mixed = rollout_summary(reports, now, window_s=60.0)
+    assert mixed["workers"]["w1"]["tokens_per_forward"] == pytest.approx(2.5)
+    assert mixed["workers"]["w2"]["tokens_per_forward"] == pytest.approx(1.0)
+    assert mixed["workers"]["w3"]["tokens_per_forward"] is None
+    assert mixed["tokens_per_forward"] == pytest.approx((4600 + 320) / (46 * 40 + 8 * 40))
 
 
 def test_rollout_throughput_of_a_young_or_truncated_read_covers_only_what_was_seen() -> None:
@@ -145,15 +165,12 @@ def test_learner_drafter_and_worker_summaries() -> None:
 
 
 def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        match = re.fullmatch(r"([a-z_]+)\{(.*)\} (\S+)", line)
-        assert match, line
-        labels = frozenset(re.findall(r'([a-z_]+)="((?:[^"\\]|\\.)*)"', match[2]))
-        samples[(match[1], labels)] = float(match[3])
-    return samples
+    """(sample name, labels) -> value, read back with prometheus_client's own parser."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_prometheus_text_carries_the_figures_and_escapes_labels() -> None:
@@ -215,14 +232,15 @@ def test_prometheus_text_carries_the_figures_and_escapes_labels() -> None:
     assert not any(name == "tlt_group_oldest_pending_idle_seconds" for name, _ in samples)  # None: no sample
     assert value("tlt_dead_letters_total", stream="prompts") == 1
     assert value("tlt_workers", state="GENERATING") == 1 and value("tlt_workers", state="IDLE") == 0
-    escaped = 'w\\"1\\n'
-    assert value("tlt_worker_state", worker=escaped, role="rollout", state="GENERATING") == 1
-    assert value("tlt_worker_sd_on", worker=escaped) == 1
+    assert '{run="r1",worker="w\\"1\\n"}' in text  # quote and newline escaped in the exposition
+    worker = 'w"1\n'
+    assert value("tlt_worker_state", worker=worker, role="rollout", state="GENERATING") == 1
+    assert value("tlt_worker_sd_on", worker=worker) == 1
     assert value("tlt_version", kind="policy") == 3 and value("tlt_version", kind="sd_config") == 1
     assert not any(name == "tlt_version" and ("kind", "drafter") in labels for name, labels in samples)
     assert value("tlt_rollout_tokens_per_forward") == 1.5
     assert value("tlt_learner_step") == 2 and value("tlt_learner_metric", name="reward_mean") == 0.5
-    assert 'tlt_learner_metric{run="r1",name="nan"} NaN' in text
+    assert math.isnan(value("tlt_learner_metric", name="nan"))
 
     down = parse_metrics(prometheus_text({"run": "r1", "reachable": False}))
     assert down == {("tlt_up", frozenset({run})): 0.0}
@@ -233,9 +251,9 @@ def test_metrics_server_serves_what_was_published() -> None:
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(server.url, timeout=5)
         assert missing.value.code == 503
-        server.publish("tlt_up 1\n")
+        server.publish({"run": "r1", "reachable": False})
         with urllib.request.urlopen(server.url, timeout=5) as reply:
-            assert reply.read() == b"tlt_up 1\n"
+            assert parse_metrics(reply.read().decode()) == {("tlt_up", frozenset({("run", "r1")})): 0.0}
             assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         with pytest.raises(urllib.error.HTTPError) as elsewhere:
             urllib.request.urlopen(server.url.replace("/metrics", "/other"), timeout=5)

@@ -1,0 +1,213 @@
+"""The monitor's figures as pure functions of what a snapshot read: lag, pending age, rollout throughput and
+acceptance, the latest learner and drafter-training reports, the workers.
+
+Nothing here touches Redis or a clock: times come in as arguments (the Redis server's, from `TIME` and
+stream entry ids), so every figure is tested as a plain function and a replayed reading gives the same
+numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tlt_stream.common import as_text
+from tlt_stream.messages import DrafterStats, LearnerStats, RolloutStats
+
+__all__ = [
+    "drafter_summary",
+    "entry_seconds",
+    "group_lag",
+    "learner_summary",
+    "next_entry_id",
+    "pending_age",
+    "rollout_summary",
+    "stats_summary",
+    "worker_summary",
+]
+
+LEARNER_HEADLINES = (
+    "reward_mean",
+    "accuracy",
+    "staleness_max",
+    "staleness_mean",
+    "rollout_tokens_per_s",
+    "accept_length_mean",
+)
+"""The learner figures shown on their own; the rest stay under `metrics`."""
+
+
+def entry_seconds(entry_id: bytes | str) -> float:
+    """When Redis added a stream entry (its id's millisecond part), in seconds."""
+    return int(as_text(entry_id).partition("-")[0]) / 1000
+
+
+def next_entry_id(entry_id: bytes | str) -> str:
+    ms, _, seq = as_text(entry_id).partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+def _number(value: Any, kind: type = float) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def group_lag(group: Mapping[str, Any], length: int) -> int | None:
+    """Entries not yet delivered to a group, from its XINFO GROUPS record, or None when they must be counted.
+
+    Redis 7 reports `lag` unless deletions make it unknowable; older servers have no such field. With nothing
+    delivered yet, every entry of the stream is undelivered.
+    """
+    lag = group.get("lag")
+    if lag is not None:
+        return int(lag)
+    if as_text(group.get("last-delivered-id", "0-0")) == "0-0":
+        return length
+    return None
+
+
+def pending_age(oldest: Mapping[str, Any] | None, now: float) -> dict[str, Any]:
+    """The oldest pending entry of a group (an XPENDING range row): its age since it was added and since its
+    last delivery, who holds it and how often it was delivered."""
+    if oldest is None:
+        return {"oldest_pending_id": None, "oldest_pending_age_s": None, "oldest_pending_idle_s": None}
+    return {
+        "oldest_pending_id": as_text(oldest["message_id"]),
+        "oldest_pending_age_s": max(0.0, now - entry_seconds(oldest["message_id"])),
+        "oldest_pending_idle_s": int(oldest["time_since_delivered"]) / 1000,
+        "oldest_pending_consumer": as_text(oldest["consumer"]),
+        "oldest_pending_deliveries": int(oldest["times_delivered"]),
+    }
+
+
+def _row_forwards(report: RolloutStats) -> int:
+    """Row-forwards of a report: its batched target forwards times the rows decoded in each, taken as the
+    running batch at the report (0 when the worker had no rows then: its acceptance cannot be told)."""
+    return report.target_forwards * report.batch_size
+
+
+def rollout_summary(
+    reports: Iterable[tuple[float, RolloutStats]], now: float, window_s: float, horizon: float | None = None
+) -> dict[str, Any]:
+    """Rollout throughput over the last `window_s` seconds and each worker's latest report.
+
+    `reports` are (time added, entry), newest first. Throughput is the tokens reported in the window over the
+    span they cover: the window, or less when the run is younger (from the start of its first report) or
+    when nothing older than `horizon` was read. Generation speed is tokens over the workers' own generation
+    seconds. Tokens per forward is per row, the acceptance length the learner reports per sample: 1.0
+    without SD at any batch, not the batch times that.
+    """
+    reports = list(reports)
+    recent = [(t, r) for t, r in reports if t > now - window_s]
+    start = now - window_s
+    if horizon is not None:
+        start = max(start, horizon)
+    elif recent and len(recent) == len(reports):  # nothing older: the run is younger than the window
+        start = max(start, min(t - r.seconds for t, r in recent))
+    span = max(now - start, 1e-9)
+    tokens = sum(r.tokens for _, r in recent)
+    seconds = sum(r.seconds for _, r in recent)
+    counted = [r for _, r in recent if _row_forwards(r)]
+    row_forwards = sum(_row_forwards(r) for r in counted)
+    workers: dict[str, dict[str, Any]] = {}
+    for t, r in reports:
+        if r.worker_id not in workers:
+            workers[r.worker_id] = {
+                "sd_on": r.sd_on,
+                "batch_size": r.batch_size,
+                "policy_version": r.policy_version,
+                "drafter_version": r.drafter_version,
+                "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
+                "tokens_per_forward": r.tokens / _row_forwards(r) if _row_forwards(r) else None,
+                "age_s": max(0.0, now - t),
+            }
+    return {
+        "window_s": window_s,
+        "span_s": span if recent else 0.0,
+        "reports": len(recent),
+        "tokens": tokens,
+        "tokens_per_s": tokens / span if recent else 0.0,
+        "generation_tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "tokens_per_forward": sum(r.tokens for r in counted) / row_forwards if row_forwards else None,
+        "sd_on_workers": sum(w["sd_on"] for w in workers.values()),
+        "workers": workers,
+    }
+
+
+def learner_summary(entry: tuple[float, LearnerStats] | None, now: float) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    t, stats = entry
+    m = stats.metrics
+    return {
+        "step": stats.step,
+        "policy_version": stats.policy_version,
+        "groups": stats.groups,
+        "samples": stats.samples,
+        "age_s": max(0.0, now - t),
+        **{k: m.get(k) for k in LEARNER_HEADLINES},
+        "metrics": dict(m),
+    }
+
+
+def drafter_summary(latest: list[tuple[float, DrafterStats]], now: float) -> dict[str, Any] | None:
+    """The newest drafter-training slice (`latest` newest first), the newest judgement among those read (the
+    verdict fields are None when none was judged), and how many of those read were adopted."""
+    if not latest:
+        return None
+    t, d = latest[0]
+    fields = ("worker_id", "fence", "policy_version", "step", "steps", "seconds", "loss", "end", "windows")
+    verdict = ("accept_new", "accept_current", "adopted", "drafter_version", "judge_s")
+    judged = next((s for _, s in latest if s.judged), None)
+    return {
+        **{k: getattr(d, k) for k in fields},
+        **{k: getattr(judged, k) if judged is not None else None for k in verdict},
+        "judged_step": judged.step if judged is not None else None,
+        "age_s": max(0.0, now - t),
+        "slices_read": len(latest),
+        "adopted_read": sum(s.adopted for _, s in latest),
+    }
+
+
+def worker_summary(raw: Mapping[str, str], now: float) -> dict[str, Any]:
+    since, beat = _number(raw.get("since")), _number(raw.get("heartbeat"))
+    extra = {k: v for k, v in raw.items() if k not in ("worker_id", "role", "state", "since", "heartbeat")}
+    return {
+        "worker_id": raw["worker_id"],
+        "role": raw.get("role"),
+        "state": raw.get("state"),
+        "since": since,
+        "state_seconds": max(0.0, now - since) if since is not None else None,
+        "heartbeat_age_s": max(0.0, now - beat) if beat is not None else None,
+        "policy_version": _number(extra.get("policy_version"), int),
+        "drafter_version": _number(extra.get("drafter_version"), int),
+        "info": extra,
+    }
+
+
+def stats_summary(
+    stats: list[tuple[float, Any]],
+    undecodable: int,
+    oldest: float | None,
+    truncated: bool,
+    now: float,
+    window_s: float,
+) -> dict[str, Any]:
+    """The `rollout`, `learner`, `drafter` and `stats_read` parts of a snapshot from the `stats` entries read
+    (newest first), how many were undecodable, when the oldest read was added and whether the read was cut
+    short (then throughput covers only what was read)."""
+    rollouts = [(t, e) for t, e in stats if isinstance(e, RolloutStats)]
+    learner = next(((t, e) for t, e in stats if isinstance(e, LearnerStats)), None)
+    return {
+        "rollout": rollout_summary(rollouts, now, window_s, oldest if truncated else None),
+        "learner": learner_summary(learner, now),
+        "drafter": drafter_summary([(t, e) for t, e in stats if isinstance(e, DrafterStats)], now),
+        "stats_read": {
+            "entries": len(stats) + undecodable,
+            "undecodable": undecodable,
+            "truncated": truncated,
+            "covers_s": max(0.0, now - oldest) if oldest is not None else None,
+        },
+    }
