@@ -15,8 +15,8 @@ from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter
 from tlt_stream.messages import SdArmReport
 from tlt_stream.model import load_model
-from tlt_stream.roles.sd_config import SdConfigPublisher
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+from tlt_stream.roles.sd_config import SdConfigPublisher
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer
