@@ -412,3 +412,19 @@ async def test_an_owner_writes_back_a_version_the_mirror_lost(bus_config: Config
             async with running(late), asyncio.timeout(10):
                 assert (await late.wait_for("policy", 3)) == published
     await redis.aclose()
+
+
+async def test_publishing_the_same_message_again_is_not_refused(bus_config: Config) -> None:
+    """redis-py retries a command whose reply was lost, so the compare-and-set may run twice for one publish:
+    the second run must not call the version refused (the learner then never announced it on MQTT, and
+    workers that follow notifications waited for it). Another message for the same version stays refused."""
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    owner = ControlPlane(bus_config, redis, role="learner", owns=["policy"])
+    message = policy(4)
+    payload = CONTROL_CODEC.encode(message)
+    assert await owner._compare_and_set(message, payload)
+    assert await owner._compare_and_set(message, payload), "the retry of an applied call"
+    other = policy(4)  # same version, another created_at: a different message
+    assert not await owner._compare_and_set(other, CONTROL_CODEC.encode(other))
+    assert (await read_mirror(redis, Keys(bus_config.run)))["policy"] == message
+    await redis.aclose()

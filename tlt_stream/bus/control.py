@@ -71,8 +71,13 @@ if tonumber(ARGV[2]) > current then
   redis.call('HSET', KEYS[1], ARGV[1] .. ':version', ARGV[2], ARGV[1], ARGV[3])
   return 1
 end
+if tonumber(ARGV[2]) == current and redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[3] then
+  return 1
+end
 return 0
 """
+"""Move `kind` to a newer version. The very message already there counts as set: a call that redis-py
+retried after a lost reply (its first attempt applied) must not turn a published version into a refused one."""
 
 
 def _decode_mirrored(kind: str, payload: bytes) -> ControlMessage | None:
