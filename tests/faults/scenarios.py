@@ -245,16 +245,21 @@ def _fallback_evidence(run: FaultRun, result: AuditResult) -> None:
 async def _readers_idle(run: FaultRun) -> None:
     """Freeze the learner, then wait until every worker has loaded the published version: from then on nobody
     reads the checkpoint directory (a worker reads it only to load a newer version) until the learner is let
-    go. A directory swapped away while a worker hashes it is another fault, which the workers do not survive yet
-    (the hash of a vanished directory is that of an empty one: the version is refused for good)."""
-    run.signal("learner", signal.SIGSTOP)
-    published = await run.published()
-    deadline = time.monotonic() + 60
-    while not all(re.search(rf"loaded policy version {published}\b", run.log_text(w)) for w in _rollouts(run)):
+    go. A learner frozen between its compare-and-set on the mirror and its MQTT announcement has published a
+    version no worker was told of: it is let go for a moment to announce it, and frozen again."""
+    deadline = time.monotonic() + 90
+    while True:
+        run.signal("learner", signal.SIGSTOP)
+        published = await run.published()
+        settled = time.monotonic() + 10
+        while time.monotonic() < settled:
+            if all(re.search(rf"loaded policy version {published}\b", run.log_text(w)) for w in _rollouts(run)):
+                return
+            await asyncio.sleep(0.05)
+        run.signal("learner", signal.SIGCONT)
         if time.monotonic() > deadline:
-            run.signal("learner", signal.SIGCONT)
             raise AssertionError(f"not every worker loaded version {published}:\n" + run.log_tail(_rollouts(run)[0]))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
 
 
 async def checkpoint_dir_unwritable(run: FaultRun, servers: PrivateServers) -> float:
