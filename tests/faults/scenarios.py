@@ -57,11 +57,21 @@ async def kill_worker_training(run: FaultRun, servers: PrivateServers) -> float:
     killed inside that slice, and the learner let go."""
     await run.wait_version(3, 120)  # enough windows in `hidden` for a slice (min_windows)
     run.signal("learner", signal.SIGSTOP)
-    trainer = await run.wait_any("TRAINING_DRAFTER", 60)  # the lease holder, inside a slice
-    await run.kill(trainer)
-    run.notes["victim"] = trainer
-    started = time.monotonic()
-    async with run.redis() as redis:  # what the dead holder left: its lease, and the last committed state
+    deadline = time.monotonic() + 60
+    async with run.redis() as redis:
+        while True:  # the registry's state trails the lease: freeze the trainer, kill it only if it holds it
+            trainer = await run.wait_any("TRAINING_DRAFTER", 60)  # the lease holder, inside a slice
+            run.signal(trainer, signal.SIGSTOP)
+            lease = await redis.hgetall(run.keys.prefix + "drafter_lease")
+            if lease.get(b"worker") == trainer.encode():
+                break
+            run.signal(trainer, signal.SIGCONT)  # it had just let go of the lease: try the next slice
+            assert time.monotonic() < deadline, "never caught a worker holding the drafter lease"
+            await asyncio.sleep(0.01)
+        await run.kill(trainer)
+        run.notes["victim"] = trainer
+        started = time.monotonic()
+        # What the dead holder left: its lease, and the last committed state.
         lease = await redis.hgetall(run.keys.prefix + "drafter_lease")
         record = await redis.hgetall(run.keys.prefix + "drafter_lease:record")
     run.notes["lease"] = {k.decode(): v.decode() for k, v in lease.items()}
