@@ -224,5 +224,6 @@ PARTITION_SCENARIOS: list[Scenario] = [
         evidence=_timeouts_fired,
         servers=PartitionedServers,
         unavailable=partition_unavailable,
+        extended=True,  # CI time: tests/integration/test_partition.py and the regression tests of what it found
     )
 ]
