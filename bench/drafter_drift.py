@@ -44,7 +44,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE, TINY_WORLD_LR  # noqa: E402  (light: no torch)
+from tlt_stream.config import PRESETS, override  # noqa: E402  (light: no torch)
+
+TINY = PRESETS["tiny-world"]["learner"]
+"""The RL run's learner recipe (`tlt-stream run` on the tiny world)."""
 
 
 def log(message: str) -> None:
@@ -56,11 +59,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
     p.add_argument("--updates", type=int, default=20)
-    p.add_argument("--lr", type=float, default=TINY_WORLD_LR, help="policy learning rate (the RL run's)")
+    p.add_argument("--lr", type=float, default=TINY["lr"], help="policy learning rate (the RL run's)")
     p.add_argument(
         "--final-norm-lr-scale",
         type=float,
-        default=TINY_WORLD_FINAL_NORM_LR_SCALE,
+        default=TINY["final_norm_lr_scale"],
         help="policy final-norm lr scale (the RL run's, tlt-stream run's default)",
     )
     p.add_argument("--prompts", type=int, default=16)
@@ -224,7 +227,6 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
 
 def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
-    import msgspec
 
     from tlt_stream.config import load_config
     from tlt_stream.launch import RunPlan, run_plan
@@ -236,14 +238,16 @@ def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"online": [], "static": []}
     for repeat, train in itertools.product(range(args.repeats), (True, False)):
         name = "online" if train else "static"
-        config = msgspec.structs.replace(base, run=f"drift-{name}-{repeat}-{os.getpid()}-{int(time.time())}")
-        plan = RunPlan(world=world, run_dir=out / f"{name}-{repeat}", steps=args.pipeline_steps, sd="eagle",
-                       train_drafter=train, prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
-                       final_norm_lr_scale=args.final_norm_lr_scale,
-                       adaptive_sd=args.pipeline_adaptive_sd,
-                       **({} if args.hidden_share is None else {"hidden_share": args.hidden_share}))  # fmt: skip
+        config = override(base, {
+            "run": f"drift-{name}-{repeat}-{os.getpid()}-{int(time.time())}", "preset": "tiny-world",
+            "policy.steps": args.pipeline_steps, "launch.sd": "eagle", "drafter.train": train,
+            "policy.prompts_per_step": args.prompts, "policy.group_size": args.group, "learner.lr": args.lr,
+            "learner.final_norm_lr_scale": args.final_norm_lr_scale, "sd.adaptive": args.pipeline_adaptive_sd,
+            **({} if args.hidden_share is None else {"rollout.hidden_share": args.hidden_share}),
+        })  # fmt: skip
+        plan = RunPlan(world=world, run_dir=out / f"{name}-{repeat}", config=config)
         log(f"pipeline run {repeat + 1}/{args.repeats} with drafter training {'on' if train else 'off'}")
-        assert asyncio.run(run_plan(plan, config, purge=True)) == 0
+        assert asyncio.run(run_plan(plan, purge=True)) == 0
         rows = load_metrics(plan.run_dir)
         timeline = read_jsonl(plan.run_dir / "timeline.jsonl")  # the run's stats, saved by run_plan
         seconds = {"IDLE": 0.0, "TRAINING_DRAFTER": 0.0}

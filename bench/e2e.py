@@ -39,10 +39,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tlt_stream.config import override  # noqa: E402  (light: msgspec)
+
 CONFIGS: dict[str, dict[str, Any]] = {
-    "a_sync_plain": {"sd": "off", "max_staleness": 0},
-    "b_sync_tlt": {"sd": "eagle", "max_staleness": 0},
-    "c_stream_tlt": {"sd": "eagle", "max_staleness": 1},
+    "a_sync_plain": {"launch.sd": "off", "policy.max_staleness": 0},
+    "b_sync_tlt": {"launch.sd": "eagle", "policy.max_staleness": 0},
+    "c_stream_tlt": {"launch.sd": "eagle", "policy.max_staleness": 1},
 }
 GOALS = {"b_over_a": 1.7, "c_over_a": 2.2, "b_over_d": 3.0}
 
@@ -100,26 +102,29 @@ def tlt_steps(rows: list[dict[str, Any]], started: float) -> list[dict[str, floa
     ]
 
 
+def tiny_world(config: Any, *, steps: int, prompts: int, seed: int, extra: dict[str, Any] | None = None) -> Any:
+    """`config` as `tlt-stream run` runs the tiny world: its preset, and this benchmark's step shape."""
+    shape = {"policy.steps": steps, "policy.prompts_per_step": prompts, "policy.seed": seed}
+    return override(config, {"preset": "tiny-world", **shape, **(extra or {})})
+
+
 def run_tlt(
     name: str, world: Path, run_dir: Path, config, *, steps: int, prompts: int, seed: int, cores: int
 ) -> dict[str, Any]:
-    import msgspec
-
     from tlt_stream.launch import RunPlan, run_plan
     from tlt_stream.report import write_report
     from tlt_stream.rl.records import load_metrics
 
-    plan = RunPlan(
-        world=world, run_dir=run_dir, steps=steps, prompts_per_step=prompts, seed=seed, cores=cores, **CONFIGS[name]
-    )
-    named = msgspec.structs.replace(config, run=f"{config.run}-e2e-{name}-{time.strftime('%H%M%S')}")
+    named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=CONFIGS[name])
+    named = override(named, {"run": f"{config.run}-e2e-{name}-{time.strftime('%H%M%S')}"})
+    plan = RunPlan(world=world, run_dir=run_dir, config=named, cores=cores)
 
     def on_step(rows: list[dict[str, Any]]) -> None:
         for r in rows:
             log(f"  {name} step {r['version']}/{steps}: accuracy {r['reward_mean']:.3f}")
 
     started = time.time()
-    code = asyncio.run(run_plan(plan, named, on_step=on_step, purge=True))
+    code = asyncio.run(run_plan(plan, on_step=on_step, purge=True))
     if code != 0:
         raise RuntimeError(f"{name}: run ended with code {code}")
     per_step = tlt_steps(load_metrics(run_dir), started)
@@ -140,11 +145,11 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tlt_stream.launch import RunPlan
+    from tlt_stream.config import Config
     from tlt_stream.roles.policy import RepeatedAddSource
     from tlt_stream.tasks.repeated_add import reward
 
-    plan = RunPlan(world=world, run_dir=run_dir, steps=steps, prompts_per_step=prompts, seed=seed)
+    plan = tiny_world(Config(), steps=steps, prompts=prompts, seed=seed)  # the same recipe as (a)-(c)
     tokenizer = AutoTokenizer.from_pretrained(world / "policy")
     source = RepeatedAddSource(tokenizer, seed=seed)
     rows = [{"prompt": p, "answer": a} for step in range(steps) for _, p, _, a in source.prompts(step, prompts)]
@@ -154,24 +159,24 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
         return [reward(c, a) for c, a in zip(completions, answer, strict=True)]
 
     micro = 32  # 16 x 8 samples an update as 4 micro-batches of 32: one optimizer step per generation batch
-    if prompts * plan.group_size % micro:
-        micro = plan.group_size
+    if prompts * plan.policy.group_size % micro:
+        micro = plan.policy.group_size
     args = GRPOConfig(
         output_dir=str(run_dir),
         use_cpu=True,
         bf16=False,
         seed=seed,
         max_steps=steps,
-        learning_rate=plan.lr,
+        learning_rate=plan.learner.lr,
         lr_scheduler_type="constant_with_warmup",
-        warmup_steps=plan.warmup_steps,
+        warmup_steps=plan.learner.warmup_steps,
         max_grad_norm=1.0,
         weight_decay=0.0,
         per_device_train_batch_size=micro,
-        gradient_accumulation_steps=plan.prompts_per_step * plan.group_size // micro,
-        num_generations=plan.group_size,
+        gradient_accumulation_steps=prompts * plan.policy.group_size // micro,
+        num_generations=plan.policy.group_size,
         num_iterations=1,
-        max_completion_length=plan.max_len - prompt_len,
+        max_completion_length=plan.rollout.max_len - prompt_len,
         temperature=1.0,
         beta=0.0,
         epsilon=0.2,
@@ -195,7 +200,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs and per_step:
-                n = plan.prompts_per_step * plan.group_size
+                n = prompts * plan.policy.group_size
                 per_step[-1]["accuracy"] = float(logs["reward"])
                 per_step[-1]["tokens"] = float(logs.get("completions/mean_length", 0.0)) * n
                 log(f"  trl step {len(per_step)}/{steps}: accuracy {logs['reward']:.3f}")

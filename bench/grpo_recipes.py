@@ -28,14 +28,15 @@ def log(message: str) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE, TINY_WORLD_LR  # defaults: `tlt-stream run`'s
+    from tlt_stream.config import PRESETS  # defaults: `tlt-stream run`'s recipe on the tiny world
     from tlt_stream.rl.learner import LearnerSettings  # the rest: the learner's own
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
-    p.add_argument("--lr", type=float, default=TINY_WORLD_LR)
-    p.add_argument("--final-norm-lr-scale", type=float, default=TINY_WORLD_FINAL_NORM_LR_SCALE)
-    p.add_argument("--warmup-steps", type=int, default=20)
+    tiny = PRESETS["tiny-world"]["learner"]
+    p.add_argument("--lr", type=float, default=tiny["lr"])
+    p.add_argument("--final-norm-lr-scale", type=float, default=tiny["final_norm_lr_scale"])
+    p.add_argument("--warmup-steps", type=int, default=tiny["warmup_steps"])
     p.add_argument("--clip-high", type=float, default=LearnerSettings.clip_high)
     p.add_argument("--max-grad-norm", type=float, default=LearnerSettings.max_grad_norm)
     p.add_argument("--kl-coef", type=float, default=LearnerSettings.kl_coef)

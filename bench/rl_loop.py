@@ -88,7 +88,7 @@ def breakdown(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def one_run(plan, config, *, budget_s: float | None = None) -> tuple[int, float]:
+async def one_run(plan, *, budget_s: float | None = None) -> tuple[int, float]:
     from tlt_stream.launch import run_plan
 
     stop = asyncio.Event()
@@ -97,7 +97,6 @@ async def one_run(plan, config, *, budget_s: float | None = None) -> tuple[int, 
     try:
         code = await run_plan(
             plan,
-            config,
             stop=stop,
             purge=True,
             on_step=lambda rows: log(f"  step {rows[-1]['version']}: reward {rows[-1]['reward_mean']:.3f}"),
@@ -112,7 +111,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tlt_stream.config import load_config
+    from tlt_stream.config import load_config, override
     from tlt_stream.launch import RunPlan, evaluate_version
     from tlt_stream.report import write_report
     from tlt_stream.rl.checkpoint import latest_checkpoint
@@ -123,18 +122,18 @@ def main() -> None:
     world, out = Path(args.world), Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     if not (world / "policy").is_dir():
         sys.exit(f"{world}/policy not found: run `tlt-stream bootstrap --out {world}` first")
-    config = load_config(None, environ=os.environ)
+    config = override(load_config(None, environ=os.environ), {"preset": "tiny-world", "launch.sd": "off"})
     stamp = time.strftime("%H%M%S")
 
-    def named(part: str):  # every run its own namespace: on a real Redis, runs must not share state
-        import msgspec
-
-        return msgspec.structs.replace(config, run=f"{config.run}-{part}-{stamp}")
+    def named(part: str, values: dict[str, Any]):  # every run its own namespace: runs must not share state
+        return override(config, {"run": f"{config.run}-{part}-{stamp}", **values, **extra})
 
     steps = 4 if args.quick else args.steps
-    extra: dict[str, Any] = {"lr": args.lr} if args.lr is not None else {}
+    shape = {"policy.prompts_per_step": args.prompts_per_step, "policy.group_size": args.group_size}
+    shape["policy.seed"] = args.seed
+    extra: dict[str, Any] = {"learner.lr": args.lr} if args.lr is not None else {}
     if args.final_norm_lr_scale is not None:
-        extra["final_norm_lr_scale"] = args.final_norm_lr_scale
+        extra["learner.final_norm_lr_scale"] = args.final_norm_lr_scale
     result: dict[str, Any] = {
         "bench": "rl_loop",
         "quick": args.quick,
@@ -149,18 +148,9 @@ def main() -> None:
         for staleness in (0, 1):
             run_dir = out / f"staleness{staleness}"
             log(f"breakdown run, max_staleness={staleness}, {steps} steps -> {run_dir}")
-            plan = RunPlan(
-                world=world,
-                run_dir=run_dir,
-                steps=steps,
-                prompts_per_step=args.prompts_per_step,
-                group_size=args.group_size,
-                max_staleness=staleness,
-                seed=args.seed,
-                cores=cores,
-                **extra,
-            )
-            code, seconds = asyncio.run(one_run(plan, named(f"s{staleness}")))
+            values = {"policy.steps": steps, "policy.max_staleness": staleness, **shape}
+            plan = RunPlan(world=world, run_dir=run_dir, config=named(f"s{staleness}", values), cores=cores)
+            code, seconds = asyncio.run(one_run(plan))
             assert code == 0
             figures = breakdown(load_metrics(run_dir))
             figures["run_wall_s"] = round(seconds, 1)
@@ -174,20 +164,11 @@ def main() -> None:
     if learn_steps > 0:
         run_dir = out / "learn"
         n = 64 if args.quick else args.eval
-        plan = RunPlan(
-            world=world,
-            run_dir=run_dir,
-            steps=learn_steps,
-            prompts_per_step=args.prompts_per_step,
-            group_size=args.group_size,
-            max_staleness=args.learn_staleness,
-            seed=args.seed,
-            cores=cores,
-            **extra,
-        )
+        values = {"policy.steps": learn_steps, "policy.max_staleness": args.learn_staleness, **shape}
+        plan = RunPlan(world=world, run_dir=run_dir, config=named("learn", values), cores=cores)
         before = evaluate_version(run_dir, 0, world / "policy", n=n, seed=args.seed + 1, threads=cores)
         log(f"learning run, {learn_steps} steps -> {run_dir} (held-out accuracy before: {before['accuracy']:.3f})")
-        code, seconds = asyncio.run(one_run(plan, named("learn"), budget_s=minutes * 60))
+        code, seconds = asyncio.run(one_run(plan, budget_s=minutes * 60))
         final = latest_checkpoint(run_dir / "checkpoints")
         assert final is not None
         after = evaluate_version(run_dir, final.step, final.policy_dir, n=n, seed=args.seed + 1, threads=cores)

@@ -37,29 +37,30 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict:
     from tests.faults.harness import PrivateServers
     from tests.worlds import build_world, tiny_policy
     from tlt_stream.bus.streams import STREAMS, Keys
-    from tlt_stream.config import BusConfig, Config
-    from tlt_stream.launch import RunPlan, service_commands
+    from tlt_stream.config import BusConfig, Config, override
+    from tlt_stream.launch import RunPlan, service_commands, write_service_config
     from tlt_stream.rl.records import load_metrics
 
     build_world(tiny_policy(tmp / "init"), tmp / "world")
     run_dir = tmp / "run"
     (run_dir / "logs").mkdir(parents=True)
-    plan = RunPlan(
-        world=tmp / "world",
-        run_dir=run_dir,
-        steps=args.steps,
-        workers=1,
-        prompts_per_step=2,
-        group_size=2,
-        max_len=64,
-        max_batch=8,
-        cores=2,
-        sd=args.sd,
-        hidden_share=1.0,
-    )
+    small = {
+        "preset": "tiny-world",
+        "policy.steps": args.steps,
+        "launch.workers": 1,
+        "policy.prompts_per_step": 2,
+        "policy.group_size": 2,
+        "rollout.max_len": 64,
+        "rollout.max_batch": 8,
+        "launch.sd": args.sd,
+        "rollout.hidden_share": 1.0,
+    }
     samples: list[dict] = []
     async with PrivateServers(tmp / "servers") as servers:
-        config = Config(run="soak", bus=BusConfig(redis_url=servers.redis_url, mqtt_url=servers.mqtt_url))
+        bus = BusConfig(redis_url=servers.redis_url, mqtt_url=servers.mqtt_url)
+        config = override(Config(run="soak", bus=bus), small)
+        plan = RunPlan(world=tmp / "world", run_dir=run_dir, config=config, cores=2)
+        write_service_config(plan, config)
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("TLT_")},
             "TLT_REDIS_URL": servers.redis_url,

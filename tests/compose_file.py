@@ -154,6 +154,17 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
     return {k: "" if v is None else str(v) for k, v in env.items()}
 
 
+def mounted_config(service: dict[str, Any]) -> Path:
+    """The host file a service reads its tlt-stream configuration from: the bind mount at its TLT_CONFIG."""
+    target = environment(service)["TLT_CONFIG"]
+    for volume in service.get("volumes", []):
+        source, _, rest = str(volume).partition(":")
+        if rest.split(":")[0] == target:
+            path = Path(source)
+            return path if path.is_absolute() else ROOT / path
+    raise AssertionError(f"nothing is mounted at TLT_CONFIG={target}")
+
+
 def duration_s(text: str) -> float:
     """A Compose duration (`1m30s`, `10s`, `500ms`) in seconds."""
     units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}

@@ -32,16 +32,14 @@ __all__ = [
     "run_plan",
     "save_timeline",
     "service_commands",
+    "service_config",
     "thread_split",
+    "write_service_config",
 ]
 
 
-TINY_WORLD_LR = 2.5e-5
-TINY_WORLD_FINAL_NORM_LR_SCALE = 800.0
-"""The tiny world's learner recipe: its policy learns mostly by sharpening, which the final norm's gain does
-fastest (`LearnerSettings.final_norm_lr_scale`; here at lr 2e-2), while the matrices, at an eighth of the
-earlier lr 2e-4, are damaged least: +15.2 held-out points in 160 steps (~15 minutes on 2 cores) and +16.8 in
-200, against +14.5 in 221 for lr 1e-4 with x 200 and +7.4 for lr 2e-4 with x 50 (docs/benchmarks.md, issue 5)."""
+TINY_WORLD = "tiny-world"
+"""The preset of the tiny world's learner recipe (`config.PRESETS`), which `tlt-stream run` uses on it."""
 
 
 @dataclass(frozen=True)
@@ -50,42 +48,28 @@ class RunPlan:
     """The tiny world (or any directory) with `policy/` and, for speculative decoding, `drafter/`."""
     run_dir: Path
     """Checkpoints, metrics, logs and plots of the run."""
-    steps: int = 20
-    """Policy updates (RL steps) to run."""
-    workers: int = 1
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_staleness: int = 0
-    lr: float = TINY_WORLD_LR
-    warmup_steps: int = 20
-    final_norm_lr_scale: float = TINY_WORLD_FINAL_NORM_LR_SCALE
-    """The learner's lr multiplier for the final norm's gain (`LearnerSettings.final_norm_lr_scale`)."""
-    seed: int = 0
-    sd: str = "off"
-    """Rollout speculative decoding: "off", "eagle" (the world's drafter) or "ngram"."""
-    train_drafter: bool = True
-    """With `sd="eagle"`: train the drafter online in the workers' idle time."""
-    adaptive_sd: bool = True
-    """With SD on: decide per step (TLT's adaptive rollout) rather than always speculating."""
-    hidden_share: float = 0.25
-    """Share of samples whose hidden states the workers stream for drafter training. A quarter: on a CPU the
-    drafter trains on ~2k of the ~19k tokens a tiny-world step streams, and streaming all of them made
-    rollouts ~8% slower (docs/benchmarks.md, issue 6)."""
-    max_batch: int = 128
-    max_len: int = 1408
-    device: str = "auto"
-    """Where rollout workers and the learner run (`--device` of each service): auto, cpu, cuda or cuda:N."""
+    config: Config = field(default_factory=Config)
+    """Every setting of the run (steps, workers, SD, the learner, ...): the services read it from
+    RUN_DIR/config.toml, written from it."""
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.workers < 1 or self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError("need steps, workers, prompts_per_step and group_size >= 1")
-        if self.sd not in ("off", "eagle", "ngram"):
-            raise ValueError(f"sd must be off, eagle or ngram, got {self.sd!r}")
         if not (self.world / "policy").is_dir():
             raise FileNotFoundError(f"{self.world}/policy: no policy checkpoint (run `tlt-stream bootstrap` first)")
-        if self.sd == "eagle" and not (self.world / "drafter").is_dir():
+        if self.config.launch.sd == "eagle" and not (self.world / "drafter").is_dir():
             raise FileNotFoundError(f"{self.world}/drafter: no drafter for --sd eagle (bootstrap, or use --sd off)")
+
+    @property
+    def steps(self) -> int:
+        return self.config.policy.steps
+
+    @property
+    def workers(self) -> int:
+        return self.config.launch.workers
+
+    @property
+    def config_file(self) -> Path:
+        return self.run_dir / "config.toml"
 
 
 def thread_split(cores: int, workers: int, max_staleness: int) -> tuple[int, int]:
@@ -96,6 +80,26 @@ def thread_split(cores: int, workers: int, max_staleness: int) -> tuple[int, int
     return max(1, (cores - learner) // workers) if cores > learner else 1, learner
 
 
+def service_config(plan: RunPlan, config: Config) -> Config:
+    """What every service of the run reads (RUN_DIR/config.toml): `config` with the run's own places filled in
+    (the world's policy and drafter, the run directory, the drafter-training states, the checkpoint store)."""
+    from tlt_stream.config import override
+
+    sd = config.launch.sd
+    train = sd == "eagle" and config.drafter.train
+    values: dict[str, object] = {
+        "learner.run_dir": str(plan.run_dir),
+        "learner.policy": str(plan.world / "policy"),
+        "sd.drafter": {"off": None, "ngram": "ngram", "eagle": str(plan.world / "drafter")}[sd],
+        "drafter.state_dir": str(plan.run_dir / "drafter-states") if train else None,
+        # Hidden-state windows (~40 KB a sample) only feed drafter training: without it, nobody reads them.
+        "rollout.stream_hidden": config.rollout.stream_hidden and train,
+    }
+    if config.bus.store_root is None:  # every checkpoint the run announces lives under its run directory
+        values["bus.store_root"] = str(plan.run_dir.resolve())
+    return override(config, values)
+
+
 @dataclass(frozen=True)
 class ServiceCommand:
     name: str
@@ -103,33 +107,13 @@ class ServiceCommand:
 
 
 def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
-    """The command lines of one run, policy service first and learner last."""
-    worker_threads, learner_threads = thread_split(plan.cores, plan.workers, plan.max_staleness)
-    common = ["--run", config.run]
+    """The command lines of one run, policy service first and learner last: each reads the run's settings
+    from `plan.config_file`; only what differs per process (ids, threads) is a flag."""
+    worker_threads, learner_threads = thread_split(plan.cores, config.launch.workers, config.policy.max_staleness)
     python = [sys.executable, "-m"]
-    commands = [
-        ServiceCommand(
-            "policy",
-            [
-                *python,
-                "services.policy",
-                *common,
-                *("--prompts-per-step", str(plan.prompts_per_step), "--group-size", str(plan.group_size)),
-                *("--max-staleness", str(plan.max_staleness), "--steps", str(plan.steps), "--seed", str(plan.seed)),
-            ],
-        )
-    ]
-    drafter = {"off": [], "ngram": ["--drafter", "ngram"], "eagle": ["--drafter", str(plan.world / "drafter")]}
-    if plan.sd == "eagle" and plan.train_drafter:
-        drafter["eagle"] += ["--train-drafter", str(plan.run_dir / "drafter-states")]
-    if plan.adaptive_sd:
-        drafter["eagle"] += ["--adaptive-sd"]
-        drafter["ngram"] += ["--adaptive-sd"]
-    # Hidden-state windows (~40 KB a sample) only feed drafter training: without it, nobody reads them.
-    hidden = ["--no-hidden"]
-    if plan.sd == "eagle" and plan.train_drafter:
-        hidden = ["--hidden-share", str(plan.hidden_share)]
-    for i in range(plan.workers):
+    common = ["--config", str(plan.config_file), "--run", config.run]  # the name in `ps`, as in the file
+    commands = [ServiceCommand("policy", [*python, "services.policy", *common])]
+    for i in range(config.launch.workers):
         commands.append(
             ServiceCommand(
                 f"rollout-{i}",
@@ -138,30 +122,27 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
                     "services.rollout_worker",
                     *common,
                     *("--worker-id", f"rollout-{i}", "--threads", str(worker_threads)),
-                    *("--max-batch", str(plan.max_batch), "--max-len", str(plan.max_len)),
-                    *("--device", plan.device),
-                    *drafter[plan.sd],
-                    *hidden,
                 ],
             )
         )
     commands.append(
-        ServiceCommand(
-            "learner",
-            [
-                *python,
-                "services.learner",
-                *common,
-                *("--run-dir", str(plan.run_dir), "--policy", str(plan.world / "policy")),
-                *("--groups-per-step", str(plan.prompts_per_step), "--max-staleness", str(plan.max_staleness)),
-                *("--lr", str(plan.lr), "--warmup-steps", str(plan.warmup_steps)),
-                *("--final-norm-lr-scale", str(plan.final_norm_lr_scale)),
-                *("--until-version", str(plan.steps), "--threads", str(learner_threads)),
-                *("--device", plan.device),
-            ],
-        )
+        ServiceCommand("learner", [*python, "services.learner", *common, "--threads", str(learner_threads)])
     )
     return commands
+
+
+def write_service_config(plan: RunPlan, config: Config) -> Path:
+    """RUN_DIR/config.toml from `service_config`; the servers' URLs (which may hold passwords) are not
+    written: the services get them from the environment."""
+    from tlt_stream.config import dump_toml
+
+    text = dump_toml(service_config(plan, config), leave_out=("bus.redis_url", "bus.mqtt_url"))
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    plan.config_file.write_text(
+        "# Written by tlt-stream run: every service of the run reads this file (--config); the Redis and MQTT "
+        "URLs come from\n# the environment. `tlt-stream config describe` explains each key.\n" + text
+    )
+    return plan.config_file
 
 
 class Supervisor:
@@ -325,10 +306,8 @@ async def save_timeline(config: Config, path: Path) -> int:
     return written
 
 
-async def run_plan(
-    plan: RunPlan, config: Config, *, on_step=None, stop: asyncio.Event | None = None, purge: bool = False
-) -> int:
-    """Run the services of `plan` until the learner has made `plan.steps` updates (exit code 0) or `stop`
+async def run_plan(plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = None, purge: bool = False) -> int:
+    """Run the services of `plan` until the learner has made `policy.steps` updates (exit code 0) or `stop`
     is set (130). Raises RuntimeError when a service fails.
 
     `on_step(rows)` is called with every newly written learner step (dicts from `metrics.jsonl`). Every
@@ -340,11 +319,10 @@ async def run_plan(
     from tlt_stream.rl.records import load_metrics
 
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    with endpoints(config) as resolved:
+    with endpoints(plan.config) as resolved:
         await ensure_new_run(resolved)
+        write_service_config(plan, resolved)
         supervisor = Supervisor(service_commands(plan, resolved), resolved, plan.run_dir / "logs")
-        if resolved.bus.store_root is None:  # every checkpoint the run announces lives under its run directory
-            supervisor.env["TLT_BUS__STORE_ROOT"] = str(plan.run_dir.resolve())
         seen = len(load_metrics(plan.run_dir))
 
         async def watch() -> None:

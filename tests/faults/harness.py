@@ -216,14 +216,15 @@ class FaultRun:
         env: dict[str, str] | None = None,
         **plan: Any,
     ) -> None:
-        from tlt_stream.config import BusConfig, Config
-        from tlt_stream.launch import RunPlan, service_commands
+        from tlt_stream.config import BusConfig, Config, override
+        from tlt_stream.launch import RunPlan, service_commands, write_service_config
 
         self.servers = servers
         self.run = run
-        self.plan = RunPlan(world=world, run_dir=run_dir, **{"cores": 2, **plan})
         bus = BusConfig(redis_url=servers.redis_url, mqtt_url=servers.mqtt_url)
-        self.config = Config(run=run, bus=bus)
+        self.config = override(Config(run=run, bus=bus), plan)
+        self.plan = RunPlan(world=world, run_dir=run_dir, config=self.config, cores=2)
+        write_service_config(self.plan, self.config)  # what every service reads, as `tlt-stream run` writes it
         # -v: the services' INFO lines are the evidence that a recovery path ran; every checkpoint is kept, as
         # consecutive ledgers are what says which update trained which sample.
         self.commands = {c.name: [*c.argv, "-v"] for c in service_commands(self.plan, self.config)}
@@ -475,8 +476,8 @@ class FaultRun:
             await self.collect(),
             scenario=scenario or self.run,
             steps=self.plan.steps,
-            prompts_per_step=self.plan.prompts_per_step,
-            max_staleness=self.plan.max_staleness,
+            prompts_per_step=self.config.policy.prompts_per_step,
+            max_staleness=self.config.policy.max_staleness,
             injected=self.injected,
         )
 

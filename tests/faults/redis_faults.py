@@ -131,7 +131,7 @@ REDIS_FAULTS_SCENARIOS = [
         "Redis killed and restarted from an append-only file that lost its last writes (a published version, "
         "its acks, the next dispatch)",
         lose_last_writes,
-        {"steps": 12},  # the loss lands mid-run, with steps to go after it
+        {"policy.steps": 12},  # the loss lands mid-run, with steps to go after it
         evidence=_lost_writes_redone,
         servers=EverySecServers,
     ),

@@ -22,7 +22,7 @@ class Scenario:
     what: str
     inject: Callable[[FaultRun, PrivateServers], Awaitable[float]]
     plan: dict[str, Any] = field(default_factory=dict)
-    """RunPlan settings beyond the common small ones."""
+    """Configuration keys (`policy.steps`, `launch.sd`, ...) beyond the common small ones."""
     evidence: Check | None = None
     """Asserts from the services' logs that the recovery path under test ran (a reclaim, a retry, a fallback)."""
     env: dict[str, str] = field(default_factory=dict)

@@ -438,7 +438,11 @@ async def inject_poison(run: FaultRun, servers: PrivateServers) -> float:
         )  # fmt: skip
 
     long = PromptGroup(
-        task_id="poison-long", prompt_id="poison-long", prompt_ids=[3] * run.plan.max_len, answer="0", group_size=2
+        task_id="poison-long",
+        prompt_id="poison-long",
+        prompt_ids=[3] * run.config.rollout.max_len,
+        answer="0",
+        group_size=2,
     )
     poison = [
         ("samples", sample("poison-nan", float("nan"), [3, 4]), "reward nan is not finite"),
@@ -503,13 +507,13 @@ def _forgery_evidence(run: FaultRun, result: AuditResult) -> None:
         assert FORGED_VERSION not in run.adopted(name, 1), f"{name} adopted the forged version"
 
 
-LONG_ROLLOUTS = {"max_len": 256, "prompts_per_step": 8, "max_batch": 4}
+LONG_ROLLOUTS = {"rollout.max_len": 256, "policy.prompts_per_step": 8, "rollout.max_batch": 4}
 """For faults aimed at a worker mid-generation, or at groups waiting for their step's tail: the tiny test
 policy's rollouts at the small plan's max_len take ~10 ms a step, too short a window to be caught in
 reliably. 256 is the test policy's context (the learner dead-letters a longer sample); 4 rows a worker make
 each step's 16 responses run in waves."""
 
-SLOW_TAIL = {"max_len": 256, "prompts_per_step": 16, "max_batch": 1}
+SLOW_TAIL = {"rollout.max_len": 256, "policy.prompts_per_step": 16, "rollout.max_batch": 1}
 """Steps of ~1.5 s (16 responses a worker, one at a time): a step's first groups wait at the learner for well
 over the slow-tail scenarios' reclaim time (300 ms) while the rest is generated."""
 
@@ -535,7 +539,11 @@ SCENARIOS = [
         "kill9_rollout_training",
         "kill -9 the rollout worker inside a drafter-training slice",
         kill_worker_training,
-        {"sd": "eagle", "prompts_per_step": 4, "hidden_share": 1.0},  # every window: training starts early
+        {
+            "launch.sd": "eagle",
+            "policy.prompts_per_step": 4,
+            "rollout.hidden_share": 1.0,
+        },  # every window: training starts early
         _trainer_evidence,
     ),
     Scenario(
@@ -574,7 +582,7 @@ SCENARIOS = [
         "checkpoint_unwritable",
         "the learner's checkpoint directory unwritable until a save has failed, then 6 s more",
         checkpoint_dir_unwritable,
-        {"steps": 12},  # room for a second injection when the first lands before a worker loaded its version
+        {"policy.steps": 12},  # room for a second injection when the first lands before a worker loaded its version
         _save_retried(),
     ),
     Scenario(
@@ -630,4 +638,14 @@ SCENARIOS = [
 
 SCENARIOS += REDIS_FAULTS_SCENARIOS + PARTITION_SCENARIOS
 
-SMALL = {"workers": 2, "steps": 6, "prompts_per_step": 2, "group_size": 2, "max_len": 64, "max_batch": 8}
+SMALL = {
+    "preset": "tiny-world",
+    "launch.workers": 2,
+    "launch.sd": "off",
+    "policy.steps": 6,
+    "policy.prompts_per_step": 2,
+    "policy.group_size": 2,
+    "rollout.max_len": 64,
+    "rollout.max_batch": 8,
+}
+"""The common small run of every scenario (configuration keys; a scenario's own `plan` adds to them)."""

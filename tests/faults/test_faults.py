@@ -43,8 +43,8 @@ async def run_scenario(scenario: Scenario, tmp_path: Path, init_policy: Path) ->
             try:
                 await run.wait_version(2, 180)
                 recovery = await scenario.inject(run, servers)
-                await run.wait_version(plan["steps"], 240)
-                await run.wait_published(plan["steps"], 60)
+                await run.wait_version(run.plan.steps, 240)
+                await run.wait_published(run.plan.steps, 60)
                 await run.settle()
                 result = await run.audit(scenario.name)
                 result.recovery_s = recovery
@@ -160,7 +160,8 @@ async def test_fault(scenario: Scenario, tmp_path: Path, init_policy: Path) -> N
     assert result.lost == allowed, (result.lost, allowed)
     assert result.trained == result.expected - len(allowed) > 0, result
     steps = run.plan.steps
-    assert result.dispatched == steps * run.plan.prompts_per_step and result.versions == list(range(1, steps + 1))
+    assert result.dispatched == steps * run.config.policy.prompts_per_step
+    assert result.versions == list(range(1, steps + 1))
     for name, code in at_end.items():  # the learner and policy end by themselves (code 0)
         assert name in run.killed or code in (None, run.exit_codes.get(name, 0)), f"{name} died ({code}):\n" + (
             run.log_tail(name)

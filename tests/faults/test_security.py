@@ -26,7 +26,7 @@ async def test_a_run_trains_over_tls_with_acl_and_broker_passwords_and_logs_no_s
 ) -> None:
     build_world(init_policy, tmp_path / "world")
     async with SecureServers(tmp_path / "servers") as servers:
-        run = FaultRun(servers, tmp_path / "world", tmp_path / "run", run="secure", **{**SMALL, "steps": 2})
+        run = FaultRun(servers, tmp_path / "world", tmp_path / "run", run="secure", **{**SMALL, "policy.steps": 2})
         await run.start_all()
         try:
             await run.wait_version(2, 180)

@@ -4,8 +4,9 @@ environment say, on loopback against the real Redis and Mosquitto; a few learner
 Only what a container would change is translated: the server host names become the test servers' addresses,
 the `data` volume a temporary directory, `python` and `tlt-stream` this environment's, the monitor's exposed
 port a free local one. The tiny world is the tests' random policy plus a random drafter (what `bootstrap`
-leaves in /data/world, without its minutes of training); small settings come through Compose's variables,
-as a user's `.env` would give them. Two rollout processes stand in for `--scale rollout=2`.
+leaves in /data/world, without its minutes of training); small settings come from a configuration file of the
+test's own, named by TLT_CONFIG_FILE as a user's `.env` would name it. Two rollout processes stand
+in for `--scale rollout=2`.
 
 It runs twice: against CI's servers (no credentials; the compose URLs' are dropped), and against the secured
 servers compose ships, started here from deploy/ (`deployed_server`) with a `.env` from deploy/make-env.sh,
@@ -38,6 +39,7 @@ from tests.compose_file import (
     environment,
     make_env,
     missing_binaries,
+    mounted_config,
     services,
 )
 from tests.worlds import build_world
@@ -50,15 +52,19 @@ from tlt_stream.rl.records import load_metrics
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt, pytest.mark.slow]
 
-SMALL = {
-    "TLT_STEPS": "1000",  # nothing ends by itself: every service is stopped by SIGTERM
-    "TLT_PROMPTS_PER_STEP": "2",
-    "TLT_GROUP_SIZE": "2",
-    "TLT_MAX_LEN": "64",
-    "TLT_MAX_BATCH": "8",
-    "TLT_ROLLOUT_THREADS": "1",
-    "TLT_LEARNER_THREADS": "1",
-}
+SMALL = """
+preset = "tiny-world"
+[policy]
+steps = 1000  # nothing ends by itself: every service is stopped by SIGTERM
+prompts_per_step = 2
+group_size = 2
+[rollout]
+max_len = 64
+max_batch = 8
+threads = 1
+[learner]
+threads = 1
+"""
 STEPS = 2
 ROLES = ("policy", "rollout", "learner", "monitor")
 REPLICAS = {"rollout": 2}
@@ -107,7 +113,8 @@ def localize(text: str, data: Path, ports: dict[str, str]) -> str:
 def process_env(service: dict[str, Any], config: Config, credentials: bool, data: Path) -> dict[str, str]:
     assert config.bus.redis_url and config.bus.mqtt_url
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
-    compose = {k: localize(v, data, {}) for k, v in environment(service).items()}  # TLT_BUS__STORE_ROOT=/data
+    compose = {k: localize(v, data, {}) for k, v in environment(service).items()}
+    compose["TLT_CONFIG"] = str(mounted_config(service))  # the file compose mounts there
     compose["TLT_REDIS_URL"] = on_loopback(compose["TLT_REDIS_URL"], config.bus.redis_url, credentials=credentials)
     compose["TLT_MQTT_URL"] = on_loopback(compose["TLT_MQTT_URL"], config.bus.mqtt_url, credentials=credentials)
     return {**env, **compose, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}  # the image's /app and ENV
@@ -211,7 +218,9 @@ async def run_the_stack(
     returns each process's whole log."""
     data = tmp_path / "data"
     build_world(init_policy, data / "world")
-    spec = services({**dotenv, **SMALL, "TLT_RUN": config.run})
+    small = tmp_path / "small.toml"  # the run's name, and /data where this test keeps it
+    small.write_text(f'run = "{config.run}"\n{SMALL}\n[bus]\nstore_root = "{data}"\n')
+    spec = services({**dotenv, "TLT_CONFIG_FILE": str(small)})
     run_dir = data / "runs" / config.run
     ports = {port: free_port() for port in spec["monitor"].get("expose", [])}
     running: list[Started] = []

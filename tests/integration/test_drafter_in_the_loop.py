@@ -81,6 +81,7 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
             settings=RolloutSettings(
                 max_batch=4,
                 max_len=64,
+                hidden_share=1.0,  # every sample's windows: training starts within a few groups
                 drafter=str(init_drafter),
                 drafter_training=training_settings(tmp_path),
                 adaptive=AdaptiveSettings(crossover=4, margin=0),  # SD on once <= 3 of the 4 rows remain
@@ -184,7 +185,9 @@ async def test_a_new_lease_holder_continues_from_the_committed_state(
                 control[name],
                 worker_id=name,
                 reward=reward,
-                settings=RolloutSettings(max_batch=2, max_len=64, drafter=str(init_drafter), drafter_training=settings),
+                settings=RolloutSettings(
+                    max_batch=2, max_len=64, hidden_share=1.0, drafter=str(init_drafter), drafter_training=settings
+                ),
             )
             for name in ("a", "b")
         }
@@ -233,7 +236,9 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
     async with planes(bus_config, {"w": ["drafter"]}) as control:
         worker = RolloutWorker(
             bus_config, redis, control["w"], worker_id="w", reward=reward,
-            settings=RolloutSettings(max_batch=2, max_len=64, drafter=str(init_drafter), drafter_training=settings),
+            settings=RolloutSettings(
+                max_batch=2, max_len=64, hidden_share=1.0, drafter=str(init_drafter), drafter_training=settings
+            ),
         )  # fmt: skip
         trainer = worker.idle_trainer
         assert trainer is not None

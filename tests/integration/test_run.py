@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.launch import RunPlan, service_commands, thread_split
+from tlt_stream.launch import RunPlan, service_commands, service_config, thread_split, write_service_config
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -149,20 +149,32 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
     assert found is not None and found.step >= 1
 
 
-def test_the_plan_gives_each_process_its_threads_and_the_learner_the_step_count(tmp_path: Path) -> None:
+def test_the_plan_gives_each_process_its_threads_and_every_service_one_configuration_file(tmp_path: Path) -> None:
+    from tlt_stream.config import load_config, override
+
     (tmp_path / "policy").mkdir()
-    plan = RunPlan(world=tmp_path, run_dir=tmp_path / "run", steps=5, workers=2, max_staleness=1, cores=8)
-    commands = {c.name: c.argv for c in service_commands(plan, Config(run="r1"))}
+    config = override(Config(run="r1"), {"policy.steps": 5, "launch.workers": 2, "policy.max_staleness": 1})
+    config = override(config, {"launch.sd": "off"})
+    plan = RunPlan(world=tmp_path, run_dir=tmp_path / "run", config=config, cores=8)
+    path = write_service_config(plan, config)
+    commands = {c.name: c.argv for c in service_commands(plan, config)}
     assert list(commands) == ["policy", "rollout-0", "rollout-1", "learner"]
-    learner = commands["learner"]
-    assert learner[learner.index("--until-version") + 1] == "5" and learner[learner.index("--threads") + 1] == "2"
+    assert all(argv[argv.index("--config") + 1] == str(path) for argv in commands.values())
+    assert commands["learner"][commands["learner"].index("--threads") + 1] == "2"
     assert commands["rollout-1"][commands["rollout-1"].index("--threads") + 1] == "3"
     assert all(argv[argv.index("--run") + 1] == "r1" for argv in commands.values())
-    assert "--no-hidden" in commands["rollout-0"], "no drafter training without SD eagle: nobody reads `hidden`"
+    seen = load_config(path, environ={})  # what every service reads
+    assert (seen.run, seen.until_version, seen.groups_per_step, seen.policy.max_staleness) == ("r1", 5, 16, 1)
+    assert seen.learner.run_dir == str(plan.run_dir) and seen.learner.policy == str(tmp_path / "policy")
+    assert seen.sd.drafter is None and not seen.rollout.stream_hidden, "no drafter training: nobody reads `hidden`"
+    assert seen.bus.store_root == str(plan.run_dir.resolve()) and seen.bus.redis_url is None, "no URL on disk"
     (tmp_path / "drafter").mkdir()
-    eagle = RunPlan(world=tmp_path, run_dir=tmp_path / "run", sd="eagle", hidden_share=0.5)
-    worker = next(c.argv for c in service_commands(eagle, Config(run="r1")) if c.name == "rollout-0")
-    assert worker[worker.index("--hidden-share") + 1] == "0.5" and "--no-hidden" not in worker
+    eagle = override(config, {"launch.sd": "eagle", "rollout.hidden_share": 0.5})
+    seen = service_config(RunPlan(world=tmp_path, run_dir=tmp_path / "run", config=eagle), eagle)
+    assert (
+        seen.rollout.stream_hidden and seen.rollout.hidden_share == 0.5 and seen.sd.drafter == str(tmp_path / "drafter")
+    )
+    assert seen.drafter.state_dir == str(tmp_path / "run" / "drafter-states")
     assert thread_split(2, 1, 0) == (2, 2), "on-policy: rollout and learning alternate, each gets the machine"
     assert thread_split(2, 1, 1) == (1, 1)
     with pytest.raises(FileNotFoundError, match="bootstrap"):

@@ -157,7 +157,11 @@ def test_adaptive_sd_is_refused_on_the_vllm_backend() -> None:
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
-    [([], "the vllm rollout backend needs vLLM"), (["--drafter", "ngram", "--adaptive-sd"], "fixed --sd-arm")],
+    [
+        ([], "the vllm rollout backend needs vLLM"),
+        (["--drafter", "ngram"], "use a fixed sd.arm"),  # adaptive SD, the default
+        (["--drafter", "ngram", "--adaptive-sd"], "use a fixed sd.arm"),
+    ],
 )
 def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], extra: list[str], needle: str

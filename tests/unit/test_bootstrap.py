@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tlt_stream.cli import main
+from tlt_stream.config import Config  # launch.sd defaults to eagle: the world needs a drafter
 from tlt_stream.drafter.model import load_drafter
 from tlt_stream.launch import RunPlan
 from tlt_stream.model import load_model
@@ -157,7 +158,7 @@ def assert_complete(world: Path, record: dict) -> None:
     assert json.loads((world / MARKER).read_text()) == record and {"policy", "drafter"} <= record.keys()
     assert not (world / STAGING).exists() and unfinished(world) is None
     load_drafter(world / "drafter", load_model(world / "policy"))
-    RunPlan(world=world, run_dir=world.parent / "run", sd="eagle")  # what refused with "no drafter for --sd eagle"
+    RunPlan(world=world, run_dir=world.parent / "run", config=Config())  # what refused with "no drafter for --sd eagle"
 
 
 def test_an_interrupted_first_build_is_no_world_and_the_next_call_finishes_it(
@@ -170,7 +171,7 @@ def test_an_interrupted_first_build_is_no_world_and_the_next_call_finishes_it(
     pending = unfinished(world)
     assert pending is not None and (pending["seed"], pending["size"]) == (1, tiny) and "drafter" not in pending
     with pytest.raises(FileNotFoundError, match="no policy"):
-        RunPlan(world=world, run_dir=tmp_path / "run", sd="eagle")
+        RunPlan(world=world, run_dir=tmp_path / "run", config=Config())
     staged = mtimes(world / STAGING / "policy")
 
     record = bootstrap(world, seed=1, size=tiny)
@@ -202,7 +203,7 @@ def test_an_interrupted_rebuild_leaves_the_old_world_whole_and_is_not_resumed_fo
         bootstrap(world, seed=2, size=tiny)
     assert (world / MARKER).read_bytes() == marker and (world / STAGING / MARKER).is_file()
     assert unfinished(world) is None  # the seed-1 world is still whole and still serves a run
-    RunPlan(world=world, run_dir=tmp_path / "run", sd="eagle")
+    RunPlan(world=world, run_dir=tmp_path / "run", config=Config())
 
     assert bootstrap(world, seed=1, size=tiny) == first and not (world / STAGING).exists()  # the leftover goes
     with ctrl_c_in_the_drafter_phase(monkeypatch):

@@ -30,6 +30,7 @@ from tests.compose_file import (
     environment,
     load,
     make_env,
+    mounted_config,
     services,
     untagged,
 )
@@ -43,7 +44,18 @@ SUBCOMMANDS = {
     "monitor": "monitor",
 }
 GPU_SERVICES = ("rollout", "learner")
-KNOBS = {"TLT_RUN": "r7", "TLT_STEPS": "3", "TLT_PROMPTS_PER_STEP": "5", "TLT_MAX_STALENESS": "1", "TLT_MAX_LEN": "64"}
+KNOBS = """
+run = "r7"
+[policy]
+steps = 3
+prompts_per_step = 5
+max_staleness = 1
+[rollout]
+max_len = 64
+"""
+"""A user's own configuration file (TLT_CONFIG_FILE), the way compose's services would read it."""
+SHELL = {"TLT_CONFIG_FILE": "/srv/tlt/mine.toml", "TLT_WORLD_SIZE": "small", "TLT_WORLD_SEED": "3"}
+"""Compose variables from the shell, for the interpolation checks."""
 
 
 def cli_args(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -70,6 +82,19 @@ def parse(service_name: str, service: dict[str, Any], monkeypatch: pytest.Monkey
         return build_parser().parse_args(args)
     except SystemExit:
         pytest.fail(f"{service_name}: the CLI rejects `tlt-stream {' '.join(args)}` (see the usage above)")
+
+
+def effective(name: str, service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The configuration the service would run with: its command line, its environment (TLT_CONFIG pointing
+    at the mounted file) and nothing of the test process's own TLT_ variables."""
+    from tlt_stream.commands.args import load as load_config_of
+
+    for variable in [v for v in os.environ if v.startswith("TLT_")]:
+        monkeypatch.delenv(variable)
+    env = {**environment(service), "TLT_CONFIG": str(mounted_config(service))}
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    return load_config_of(parse(name, service, monkeypatch))
 
 
 def test_compose_and_the_cpu_override_validate_against_the_spec(tmp_path: Path) -> None:
@@ -111,8 +136,8 @@ def test_docker_compose_config_accepts_the_stack_and_the_cpu_override(tmp_path: 
         )
     dotenv = tmp_path / ".env"  # as a user makes it from .env.example; the shell's variables take precedence
     passwords = make_env(dotenv)
-    full = compose_config(command, [COMPOSE_FILE], KNOBS, dotenv)["services"]
-    ours = services({**passwords, **KNOBS})
+    full = compose_config(command, [COMPOSE_FILE], SHELL, dotenv)["services"]
+    ours = services({**passwords, **SHELL})
     assert set(full) == set(ours)
     for name, service in ours.items():  # the tests' interpolation is Compose's
         assert argv(full[name]) == argv(service), name
@@ -121,7 +146,7 @@ def test_docker_compose_config_accepts_the_stack_and_the_cpu_override(tmp_path: 
         devices = full[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
 
-    cpu = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], KNOBS, dotenv)["services"]
+    cpu = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], SHELL, dotenv)["services"]
     for name in GPU_SERVICES:
         reservations = cpu[name].get("deploy", {}).get("resources", {}).get("reservations", {})
         assert not reservations.get("devices"), f"{name} still reserves a GPU with the CPU override"
@@ -161,7 +186,9 @@ def test_every_service_runs_a_real_subcommand_with_flags_the_cli_accepts(
     if name == "monitor":  # scraped over the compose network, checked by its own healthcheck
         assert args.bind == "0.0.0.0" and [str(args.prometheus)] == service["expose"]
         assert f"127.0.0.1:{args.prometheus}/metrics" in " ".join(service["healthcheck"]["test"])
-    assert environment(service)["TLT_RUN"] == "default"
+    assert environment(service)["TLT_CONFIG"] == "/etc/tlt-stream/config.toml"
+    config = effective(name, service, monkeypatch)
+    assert config.run == "default" and config.preset == "tiny-world" and config.bus.store_root == "/data"
     conditions = {dep: spec["condition"] for dep, spec in service["depends_on"].items()}
     assert conditions["redis"] == "service_healthy"
     if name != "monitor":  # the monitor reads Redis alone
@@ -170,17 +197,22 @@ def test_every_service_runs_a_real_subcommand_with_flags_the_cli_accepts(
         assert conditions["bootstrap"] == "service_completed_successfully"
 
 
-def test_the_roles_agree_on_one_run_and_keep_its_files_on_the_shared_volume(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = services(KNOBS)
-    parsed = {name: parse(name, spec[name], monkeypatch) for name in ("bootstrap", "policy", "rollout", "learner")}
-    boot, policy, rollout, learner = parsed.values()
-    assert policy.steps == learner.until_version == 3
-    assert policy.prompts_per_step == learner.groups_per_step == 5
-    assert policy.max_staleness == learner.max_staleness == 1
-    assert rollout.max_len == 64
-    assert learner.run_dir == "/data/runs/r7" and environment(spec["learner"])["TLT_RUN"] == "r7"
-    assert Path(rollout.train_drafter).parent == Path(learner.run_dir)
-    assert Path(rollout.drafter).parent == Path(learner.policy).parent == Path(boot.out)
+def test_the_roles_agree_on_one_run_and_keep_its_files_on_the_shared_volume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = tmp_path / "mine.toml"
+    mine.write_text(KNOBS)
+    spec = services({"TLT_CONFIG_FILE": str(mine)})
+    boot = parse("bootstrap", spec["bootstrap"], monkeypatch)
+    policy, rollout, learner = (effective(name, spec[name], monkeypatch) for name in ("policy", "rollout", "learner"))
+    assert policy.policy == rollout.policy == learner.policy and policy.run == rollout.run == learner.run
+    assert (learner.run, learner.policy.steps, learner.until_version) == ("r7", 3, 3)
+    assert learner.groups_per_step == learner.policy.prompts_per_step == 5
+    assert learner.policy.max_staleness == 1 and rollout.rollout.max_len == 64
+    run_dir = learner.expand(learner.learner.run_dir)
+    assert run_dir == "/data/runs/r7"
+    assert Path(rollout.expand(rollout.drafter.state_dir)).parent == Path(run_dir)
+    assert Path(rollout.sd.drafter).parent == Path(learner.learner.policy).parent == Path(boot.out)
     volumes = load()["volumes"]
     for name in SUBCOMMANDS:
         mounts = {v.split(":")[1]: v.split(":")[0] for v in spec[name]["volumes"]}
@@ -191,7 +223,7 @@ def test_rollout_scales_out_with_ids_from_hostnames(monkeypatch: pytest.MonkeyPa
     rollout = services()["rollout"]
     for fixed in ("container_name", "hostname", "ports"):
         assert fixed not in rollout, f"rollout sets {fixed}: `--scale rollout=N` needs replicas that differ"
-    assert parse("rollout", rollout, monkeypatch).worker_id is None, "the default id is rollout-HOSTNAME-PID"
+    assert effective("rollout", rollout, monkeypatch).rollout.worker_id is None, "the id: rollout-HOSTNAME-PID"
     assert "replicas" not in rollout.get("deploy", {})
 
 

@@ -50,14 +50,21 @@ def test_services_refuse_a_missing_device_in_one_line_before_connecting(service:
 
 
 def test_run_plans_pass_the_device_to_workers_and_learner(tmp_path: Path) -> None:
-    from tlt_stream.config import Config
-    from tlt_stream.launch import RunPlan, service_commands
+    from tlt_stream.config import load_config
+    from tlt_stream.launch import RunPlan, service_commands, write_service_config
 
     (tmp_path / "policy").mkdir()
-    plan = RunPlan(world=tmp_path, run_dir=tmp_path / "run", workers=2, device="cuda:1")
-    config = Config(run="t")
-    for command in service_commands(plan, config):
-        if command.name == "policy":
-            assert "--device" not in command.argv
-        else:
-            assert command.argv[command.argv.index("--device") + 1] == "cuda:1", command.name
+    config = load_config(
+        environ={},
+        overrides=["run=t", "launch.workers=2", "launch.sd=off"],
+        extra={("learner", "device"): "cuda:1", ("rollout", "device"): "cuda:1"},
+    )
+    plan = RunPlan(world=tmp_path, run_dir=tmp_path / "run", config=config)
+    path = write_service_config(plan, config)
+    commands = service_commands(plan, config)
+    assert [c.name for c in commands] == ["policy", "rollout-0", "rollout-1", "learner"]
+    for command in commands:  # every service reads the file, and the file says where each one runs
+        assert command.argv[command.argv.index("--config") + 1] == str(path)
+        assert "--device" not in command.argv
+    seen = load_config(path, environ={})
+    assert seen.rollout.device == seen.learner.device == "cuda:1"

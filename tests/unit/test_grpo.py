@@ -190,8 +190,11 @@ def test_advantage_errors() -> None:
 
 
 def test_config_defaults_and_validation() -> None:
-    config = GrpoLossConfig()
-    assert (config.clip_low, config.clip_high, config.kl_coef) == (0.2, 0.2, 0.0)
+    from tlt_stream.config import DEFAULTS
+
+    config = GrpoLossConfig()  # the learner's defaults, written once in the configuration tree
+    assert (config.clip_low, config.clip_high, config.kl_coef) == (0.2, 0.28, 0.0)
+    assert (config.clip_low, config.clip_high) == (DEFAULTS.learner.clip_low, DEFAULTS.learner.clip_high)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.clip_low = 0.3  # type: ignore[misc]
     assert GrpoLossConfig(clip_low=0.2, clip_high=0.28).clip_high == 0.28

@@ -18,17 +18,14 @@ An entry that is missing its payload, is larger than `bus.max_message_bytes`, fa
 or has been delivered more than `bus.max_deliveries` times goes to the `dead` stream with the reason and
 origin, is acked, and the reader goes on. Entries are acked only when the caller says so (`ack`), after
 its handler succeeded; a handler that failed `abandon`s its entry, which is then redelivered after the
-reclaim time (and dead-lettered past `max_deliveries`); `consume()` wraps that into a loop with bounded
-concurrency.
+reclaim time (and dead-lettered past `max_deliveries`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -42,7 +39,7 @@ from tlt_stream.common import as_text
 from tlt_stream.config import BusConfig
 from tlt_stream.messages import DeadLetter, codec_for
 
-__all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "StreamReader", "consume", "dead_letter"]
+__all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "StreamReader", "dead_letter"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -466,57 +463,3 @@ local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
 if acked > 0 then redis.call('PUBLISH', KEYS[2], acked) end
 return acked
 """
-
-
-async def consume(
-    reader: StreamReader[T],
-    handler: Callable[[Delivery[T]], Awaitable[None]],
-    stop: asyncio.Event,
-    *,
-    concurrency: int = 1,
-) -> None:
-    """Hand every delivery to `handler` (at most `concurrency` at once) and ack it when the handler returns.
-
-    A handler that raises leaves its entry pending: it is redelivered after the reclaim idle time and, past
-    `max_deliveries`, dead-lettered. On `stop` (noticed within one block time) the loop takes no new entries,
-    waits for the running handlers and acks what they finished.
-    """
-    handled: list[str] = []
-    in_flight = 0
-    freed = asyncio.Event()
-
-    async def run_one(delivery: Delivery[T]) -> None:
-        nonlocal in_flight
-        try:
-            await handler(delivery)
-            handled.append(delivery.entry_id)
-        except Exception:
-            log.exception("%s: handler failed on %s (it will be redelivered)", reader.origin, delivery.entry_id)
-            reader.abandon([delivery.entry_id])
-        finally:
-            in_flight -= 1
-            freed.set()
-
-    async def flush() -> None:
-        if handled:
-            batch = handled[:]
-            del handled[: len(batch)]
-            await reader.ack(batch)
-
-    async def wait_below(limit: int) -> None:
-        while in_flight > limit:
-            freed.clear()
-            await flush()
-            if in_flight > limit:
-                await freed.wait()
-
-    async with asyncio.TaskGroup() as tasks:
-        while not stop.is_set():
-            await wait_below(concurrency - 1)
-            await flush()
-            room = min(concurrency - in_flight, reader.bus.read_count)
-            for delivery in await reader.read(count=room):
-                in_flight += 1
-                tasks.create_task(run_one(delivery), name=f"handle:{reader.stream}:{delivery.entry_id}")
-        await wait_below(0)
-    await flush()

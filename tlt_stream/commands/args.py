@@ -1,26 +1,41 @@
-"""What every subcommand shares: the configuration and device arguments, argument types, loading the config."""
+"""What every subcommand shares: the configuration arguments, flags that set a configuration key, loading.
+
+A flag that sets a setting is declared with `setting(parser, "--lr", "learner.lr")`: its help and default are
+read from the configuration tree (written there once), its value goes into the tree above the file, the
+environment and `--set`, and an unset flag changes nothing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 from typing import Any
 
-__all__ = ["EXIT_CONFIG", "add_config_args", "add_device_arg", "load", "positive", "sd_arm", "share"]
+__all__ = ["EXIT_CONFIG", "add_config_args", "flag_values", "load", "positive", "setting"]
 
 EXIT_CONFIG = 2
 """The exit code of a configuration the user can fix (one line on stderr, never a traceback)."""
 
+SETTING = "setting:"
+"""Prefix of the argparse destinations of setting flags: `setting:KEY[,KEY...]`."""
+
 
 def add_config_args(parser: argparse.ArgumentParser, *, bus: bool = True) -> None:
     group = parser.add_argument_group("configuration")
-    group.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        default=os.environ.get("TLT_CONFIG"),
+        help="TOML configuration file (`tlt-stream config describe` lists every key); env TLT_CONFIG",
+    )
     group.add_argument(
         "--set",
         metavar="KEY=VALUE",
         action="append",
         default=[],
         dest="overrides",
-        help="override one setting, e.g. --set bus.block_ms=500 (repeatable)",
+        help="override one setting, e.g. --set learner.lr=1e-6 (repeatable); env TLT_SECTION__KEY",
     )
     group.add_argument("--run", help="run name (key and topic prefix); env TLT_RUN")
     if bus:
@@ -29,49 +44,88 @@ def add_config_args(parser: argparse.ArgumentParser, *, bus: bool = True) -> Non
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
 
 
-def add_device_arg(parser: argparse.ArgumentParser) -> None:
-    import os
-
-    parser.add_argument(
-        "--device",
-        default=os.environ.get("TLT_DEVICE", "auto"),
-        help="auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N; env TLT_DEVICE (default auto)",
-    )
-
-
-def share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (offline tools' own options; role settings use `setting`)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def sd_arm(text: str) -> tuple[int, int, int]:
+@functools.cache
+def _rows() -> dict[str, tuple[Any, str]]:
+    from tlt_stream.config import describe
+
+    return {key: (default, text) for key, default, text in describe()}
+
+
+def _field(key: str) -> tuple[Any, str, bool]:
+    """(default, docstring, holds text) of a dotted configuration key."""
+    import msgspec
+
+    from tlt_stream.config import DEFAULTS
+
+    rows = _rows()
+    if key not in rows:
+        raise KeyError(f"no configuration key {key!r}")
+    section, _, name = key.rpartition(".")
+    struct = type(getattr(DEFAULTS, section)) if section else type(DEFAULTS)
+    kind = {f.name: f.type for f in msgspec.structs.fields(struct)}[name]
+    info = msgspec.inspect.type_info(kind)
+    info = info.type if isinstance(info, msgspec.inspect.Metadata) else info
+    types = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    text = any(isinstance(t, msgspec.inspect.StrType | msgspec.inspect.LiteralType) for t in types)
+    return rows[key][0], rows[key][1], text
+
+
+def _literal(text: str) -> Any:
+    import tomllib
+
     try:
-        depth, topk, verify = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected DEPTH,TOPK,VERIFY (three integers), got {text!r}") from None
-    if min(depth, topk, verify) < 1 or verify > depth * topk * topk:
-        raise argparse.ArgumentTypeError(f"need DEPTH, TOPK, VERIFY >= 1 and VERIFY <= DEPTH*TOPK^2, got {text!r}")
-    return depth, topk, verify
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
 
 
-def load(args: argparse.Namespace) -> Any:
-    """The validated configuration from --config, the environment, --set and dedicated flags."""
+def setting(
+    parser: Any, *flags: str, keys: str | tuple[str, ...], const: Any = None, help: str | None = None, **kwargs: Any
+) -> None:
+    """A flag that sets configuration key(s) `keys`. With `const`, a switch that sets that value. The help
+    text is `help` or the key's docstring, followed by the default and the key."""
+    names = (keys,) if isinstance(keys, str) else keys
+    default, doc, text = _field(names[0])
+    shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
+    where = ", ".join(names)
+    dest = SETTING + ",".join(names)
+    if const is not None:
+        parser.add_argument(
+            *flags, dest=dest, action="store_const", const=const, default=None, help=f"{help or doc} ({where})"
+        )
+        return
+    kind = str if text else _literal
+    if "choices" not in kwargs:
+        kwargs.setdefault("metavar", flags[0].lstrip("-").upper().replace("-", "_"))
+    body = (help or doc).replace("%", "%%")
+    parser.add_argument(*flags, dest=dest, type=kind, default=None, help=f"{body} (default {shown}; {where})", **kwargs)
+
+
+def flag_values(args: argparse.Namespace) -> dict[tuple[str, ...], Any]:
+    """(key path, value) of every setting flag given on the command line."""
+    found: dict[tuple[str, ...], Any] = {}
+    for dest, value in vars(args).items():
+        if dest.startswith(SETTING) and value is not None:
+            for key in dest.removeprefix(SETTING).split(","):
+                found[tuple(key.split("."))] = value
+    return found
+
+
+def load(args: argparse.Namespace, *, default_preset: str | None = None) -> Any:
+    """The validated configuration from --config, the environment, --set and the flags."""
     from tlt_stream.config import load_config
 
     extra: dict[tuple[str, ...], Any] = {("run",): getattr(args, "run", None)}
     if hasattr(args, "redis_url"):
         extra[("bus", "redis_url")] = args.redis_url
         extra[("bus", "mqtt_url")] = args.mqtt_url
-    return load_config(args.config, overrides=args.overrides, extra=extra)
+    extra.update(flag_values(args))
+    return load_config(args.config, overrides=args.overrides, extra=extra, default_preset=default_preset)

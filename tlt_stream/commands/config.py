@@ -20,11 +20,14 @@ def register(commands: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     import msgspec
 
-    from tlt_stream.config import describe, redact_config
+    from tlt_stream.config import PRESETS, describe, redact_config
 
     if args.action == "describe":
         for key, default, text in describe():
             print(f"{key} = {default!r}\n    {text}")
+        for name, values in PRESETS.items():
+            flat = [f"{section}.{k} = {v!r}" for section, table in values.items() for k, v in table.items()]
+            print(f"\npreset {name!r} (preset = {name!r}): " + ", ".join(flat))
         return 0
     config = load(args)
     print(msgspec.json.format(msgspec.json.encode(redact_config(msgspec.to_builtins(config)))).decode())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tlt_stream.commands.args import add_config_args, load, positive
+from tlt_stream.commands.args import add_config_args, load, setting
 
 __all__ = ["handle", "register"]
 
@@ -14,11 +14,11 @@ def register(commands: Any) -> None:
     policy = commands.add_parser(
         "policy", help="the policy service: dispatch prompt groups step by step inside the staleness window"
     )
-    policy.add_argument("--prompts-per-step", type=positive, default=8)
-    policy.add_argument("--group-size", type=positive, default=8, help="samples per prompt (GRPO's G)")
-    policy.add_argument("--max-staleness", type=int, default=0)
-    policy.add_argument("--steps", type=positive, help="dispatch this many steps in all (default: run on)")
-    policy.add_argument("--seed", type=int, default=0)
+    setting(policy, "--prompts-per-step", keys="policy.prompts_per_step")
+    setting(policy, "--group-size", keys="policy.group_size")
+    setting(policy, "--max-staleness", keys="policy.max_staleness")
+    setting(policy, "--steps", keys="policy.steps")
+    setting(policy, "--seed", keys="policy.seed")
     add_config_args(policy)
     policy.set_defaults(handler=handle)
 
@@ -26,4 +26,4 @@ def register(commands: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from tlt_stream.roles.policy import serve_policy
 
-    return serve_policy(load(args), args)
+    return serve_policy(load(args))

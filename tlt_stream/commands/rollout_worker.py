@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tlt_stream.commands.args import add_config_args, add_device_arg, load, positive, sd_arm, share
+from tlt_stream.commands.args import add_config_args, load, setting
 
 __all__ = ["handle", "register"]
 
@@ -14,59 +14,38 @@ def register(commands: Any) -> None:
     worker = commands.add_parser(
         "rollout-worker",
         help="a rollout worker: generate prompt groups on the newest verified policy, stream scored samples",
+        description="Every setting is in the configuration (`tlt-stream config describe`: sections rollout, sd "
+        "and drafter); the flags below set the common ones.",
     )
-    worker.add_argument("--worker-id", help="default: rollout-HOST-PID")
-    worker.add_argument("--max-batch", type=positive, default=64, help="rows decoded together")
-    worker.add_argument("--max-len", type=positive, default=1408, help="prompt + response tokens per row")
-    worker.add_argument("--temperature", type=float, default=1.0)
-    worker.add_argument("--reward", default="repeated_add", help="reward function (repeated_add, math)")
-    worker.add_argument(
-        "--drafter", help='speculative decoding: a drafter checkpoint directory or "ngram" (default: off)'
-    )
-    worker.add_argument(
-        "--sd-arm", type=sd_arm, default=(4, 1, 4), help="DEPTH,TOPK,VERIFY of the SD arm (default 4,1,4)"
-    )
-    worker.add_argument(
-        "--no-hidden", action="store_true", help="do not stream hidden-state windows (no drafter training data)"
-    )
-    worker.add_argument(
-        "--hidden-share",
-        type=share,
-        default=1.0,
-        help="share of samples whose hidden-state windows are streamed, by a stable hash of the id (default 1)",
-    )
-    worker.add_argument(
-        "--adaptive-sd",
-        action="store_true",
-        help="with --drafter: decide SD per step (on/off by running batch, arm per batch bucket) instead of --sd-arm",
-    )
-    worker.add_argument(
-        "--sd-crossover", type=positive, default=16, help="batch size above which SD loses (measured; default 16)"
-    )
-    worker.add_argument(
+    setting(worker, "--worker-id", keys="rollout.worker_id")
+    setting(worker, "--max-batch", keys="rollout.max_batch")
+    setting(worker, "--max-len", keys="rollout.max_len")
+    setting(worker, "--temperature", keys="rollout.temperature")
+    setting(worker, "--reward", keys="rollout.reward")
+    setting(worker, "--drafter", keys="sd.drafter")
+    setting(worker, "--sd-arm", keys="sd.arm")
+    setting(worker, "--adaptive-sd", keys="sd.adaptive", const=True, help="decide SD per step (with --drafter)")
+    setting(worker, "--fixed-sd", keys="sd.adaptive", const=False, help="always speculate with --sd-arm")
+    setting(worker, "--sd-crossover", keys="sd.crossover")
+    setting(worker, "--no-hidden", keys="rollout.stream_hidden", const=False, help="stream no hidden states")
+    setting(worker, "--hidden-share", keys="rollout.hidden_share")
+    setting(
+        worker,
         "--train-drafter",
+        keys="drafter.state_dir",
         metavar="STATE_DIR",
-        help="train the drafter online in idle time, keeping training states in STATE_DIR (shared by the "
-        "run's workers); needs --drafter DIR",
+        help="train the drafter online in idle time, keeping training states in STATE_DIR (shared by the run's "
+        "workers); needs --drafter DIR",
     )
-    worker.add_argument(
-        "--backend",
-        choices=["torch", "vllm"],
-        default="torch",
-        help="rollout engine: this project's (default) or vLLM (GPU, `pip install 'tlt-stream[vllm]'`, fixed "
-        "--sd-arm only; UNVERIFIED, docs/vllm.md)",
-    )
-    worker.add_argument("--max-tasks", type=positive, help="stop after this many tasks (default: run on)")
-    worker.add_argument("--threads", type=positive, default=1, help="torch threads")
-    add_device_arg(worker)
+    setting(worker, "--backend", keys="rollout.backend")
+    setting(worker, "--max-tasks", keys="rollout.max_tasks")
+    setting(worker, "--threads", keys="rollout.threads")
+    setting(worker, "--device", keys="rollout.device")
     add_config_args(worker)
     worker.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
-    import torch
-
     from tlt_stream.roles.rollout_worker import serve_rollout_worker
 
-    torch.set_num_threads(args.threads)
-    return serve_rollout_worker(load(args), args)
+    return serve_rollout_worker(load(args))

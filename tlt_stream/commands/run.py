@@ -8,69 +8,46 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, add_device_arg, load, positive, share
+from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, load, setting
+from tlt_stream.config.tree import DEFAULTS
 
 __all__ = ["handle", "register"]
 
 
 def register(commands: Any) -> None:
-    from tlt_stream.launch import TINY_WORLD_FINAL_NORM_LR_SCALE, TINY_WORLD_LR  # light: dataclasses, config
-
     run = commands.add_parser(
         "run",
         help="the whole system on this machine: policy service, rollout workers and learner as processes",
         description="Bootstraps the tiny world if needed, starts (embedded or configured) Redis and MQTT, the "
         "policy service, N rollout workers and the learner as separate processes, shows progress, evaluates "
-        "held-out accuracy before and after, and leaves metrics, checkpoints, logs and plots in --out.",
+        "held-out accuracy before and after, and leaves metrics, checkpoints, logs and plots in --out. Every "
+        "setting is in the configuration (`tlt-stream config describe`); the services read it from "
+        "OUT/config.toml. On the tiny world the learner follows preset tiny-world unless another is set.",
     )
-    run.add_argument("--steps", type=positive, default=60, help="policy updates to run")
-    run.add_argument("--workers", type=positive, default=1, help="rollout worker processes")
+    setting(run, "--steps", keys="policy.steps")
+    setting(run, "--workers", keys="launch.workers")
     run.add_argument("--out", help="run directory (default runs/RUN-TIMESTAMP)")
-    run.add_argument(
-        "--world",
-        default=DEFAULT_WORLD,
-        help=f"tiny world directory (built or finished when missing or unfinished; {DEFAULT_WORLD}, the default, "
-        "also when it lacks the drafter --sd eagle needs)",
-    )
-    run.add_argument("--prompts-per-step", type=positive, default=16)
-    run.add_argument("--group-size", type=positive, default=8)
-    run.add_argument("--max-staleness", type=int, default=0, help="0: on-policy")
-    run.add_argument(
-        "--lr", type=float, default=TINY_WORLD_LR, help=f"learner AdamW learning rate (default {TINY_WORLD_LR:g})"
-    )
-    run.add_argument("--warmup-steps", type=int, default=20, help="learner learning-rate warmup (updates)")
-    run.add_argument(
-        "--final-norm-lr-scale",
-        type=float,
-        default=TINY_WORLD_FINAL_NORM_LR_SCALE,
-        help="learner: the final norm's gain trains at lr x this "
-        f"(default {TINY_WORLD_FINAL_NORM_LR_SCALE:g}: the tiny world's recipe, docs/benchmarks.md issue 5)",
-    )
-    run.add_argument(
-        "--sd",
-        choices=["off", "eagle", "ngram"],
-        default="eagle",
-        help="rollout speculative decoding (default eagle: adaptive SD with the drafter trained online)",
-    )
-    run.add_argument(
+    setting(run, "--world", keys="launch.world")
+    setting(run, "--prompts-per-step", keys="policy.prompts_per_step")
+    setting(run, "--group-size", keys="policy.group_size")
+    setting(run, "--max-staleness", keys="policy.max_staleness")
+    setting(run, "--lr", keys="learner.lr")
+    setting(run, "--warmup-steps", keys="learner.warmup_steps")
+    setting(run, "--final-norm-lr-scale", keys="learner.final_norm_lr_scale")
+    setting(run, "--sd", keys="launch.sd", choices=["off", "eagle", "ngram"])
+    setting(
+        run,
         "--no-drafter-training",
-        action="store_true",
-        help="with --sd eagle: keep the warm-up drafter (no online training)",
+        keys="drafter.train",
+        const=False,
+        help="with --sd eagle: keep the warm-up drafter",
     )
-    run.add_argument(
-        "--hidden-share",
-        type=share,
-        default=0.25,
-        help="share of samples whose hidden states feed drafter training (default 0.25: on a CPU the trainer "
-        "uses a fraction of them, and streaming all of them slowed rollouts ~8%%; docs/benchmarks.md issue 6)",
-    )
-    run.add_argument(
-        "--fixed-sd", action="store_true", help="with --sd: always speculate with the default arm (no adaptive SD)"
-    )
-    run.add_argument("--max-len", type=positive, default=1408, help="prompt + response tokens per rollout row")
-    run.add_argument("--eval", type=int, default=256, help="held-out prompts evaluated before and after (0: skip)")
-    run.add_argument("--seed", type=int, default=0)
-    add_device_arg(run)
+    setting(run, "--hidden-share", keys="rollout.hidden_share")
+    setting(run, "--fixed-sd", keys="sd.adaptive", const=False, help="always speculate with sd.arm (no adaptive SD)")
+    setting(run, "--max-len", keys="rollout.max_len")
+    setting(run, "--eval", keys="launch.eval")
+    setting(run, "--seed", keys="policy.seed")
+    setting(run, "--device", keys=("rollout.device", "learner.device"))
     add_config_args(run)
     run.set_defaults(handler=handle)
 
@@ -86,18 +63,18 @@ def handle(args: argparse.Namespace) -> int:
 
     from tlt_stream.aio import install_stop_signals
     from tlt_stream.config import redact_text
-    from tlt_stream.launch import RunPlan, ensure_new_run, evaluate_version, run_plan
+    from tlt_stream.launch import TINY_WORLD, RunPlan, ensure_new_run, evaluate_version, run_plan
     from tlt_stream.model import resolve_device
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
     from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
 
-    config = load(args)
+    config = load(args, default_preset=TINY_WORLD)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per run unless one is named
         config = msgspec.structs.replace(config, run=f"{config.run}-{stamp}")
     out = Path(args.out or f"runs/{config.run}")
-    world = Path(args.world)
+    world = Path(config.launch.world)
     if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
         print(f"tlt-stream run: {out} already holds checkpoints; choose a new --out", file=sys.stderr)
         return EXIT_CONFIG
@@ -107,43 +84,26 @@ def handle(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return 1
+    sd, evals, seed = config.launch.sd, config.launch.eval, config.policy.seed
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     with PhaseProgress() as progress:
-        if (why := _world_to_build(world, args.sd)) is not None:
+        if (why := _world_to_build(world, sd)) is not None:
             pending = unfinished(world) or {}
             print(f"tlt-stream run: {why}; bootstrapping the tiny world (a few minutes)", file=sys.stderr)
             size = pending.get("size") if pending.get("size") in SIZES else "default"
             bootstrap(world, seed=pending.get("seed", 0), size=size, progress=progress)
         try:
-            resolve_device(args.device)  # a bad --device fails here, not in every service after start-up
-            plan = RunPlan(
-                world=world,
-                run_dir=out,
-                steps=args.steps,
-                workers=args.workers,
-                prompts_per_step=args.prompts_per_step,
-                group_size=args.group_size,
-                max_staleness=args.max_staleness,
-                lr=args.lr,
-                warmup_steps=args.warmup_steps,
-                final_norm_lr_scale=args.final_norm_lr_scale,
-                seed=args.seed,
-                sd=args.sd,
-                train_drafter=not args.no_drafter_training,
-                adaptive_sd=not args.fixed_sd,
-                hidden_share=args.hidden_share,
-                max_len=args.max_len,
-                device=args.device,
-                cores=cores,
-            )
+            resolve_device(config.rollout.device)  # a bad --device fails here, not in every service after start-up
+            resolve_device(config.learner.device)
+            plan = RunPlan(world=world, run_dir=out, config=config, cores=cores)
         except (FileNotFoundError, ValueError) as exc:
             print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return EXIT_CONFIG
         print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
-        if args.eval and not (out / "eval.jsonl").exists():
-            row = evaluate_version(out, 0, world / "policy", n=args.eval, seed=args.seed, threads=cores)
-            print(f"held-out accuracy before training: {row['accuracy']:.3f} ({args.eval} prompts)", file=sys.stderr)
+        if evals and not (out / "eval.jsonl").exists():
+            row = evaluate_version(out, 0, world / "policy", n=evals, seed=seed, threads=cores)
+            print(f"held-out accuracy before training: {row['accuracy']:.3f} ({evals} prompts)", file=sys.stderr)
         started = time.perf_counter()
 
         def on_step(rows: list[dict]) -> None:
@@ -156,7 +116,7 @@ def handle(args: argparse.Namespace) -> int:
                     "wait_s": row.get("wait_seconds", 0.0),
                 }
                 drafters = [int(k.rsplit("_", 1)[1]) for k in row if k.startswith("accept_length_drafter_")]
-                if plan.sd != "off":  # tokens per target forward and the newest drafter version in the step
+                if sd != "off":  # tokens per target forward and the newest drafter version in the step
                     figures["accept"] = row.get("accept_length_mean", 1.0)
                     figures["drafter_v"] = float(max(drafters, default=-1))
                 progress("train", row["version"], plan.steps, figures)
@@ -164,7 +124,7 @@ def handle(args: argparse.Namespace) -> int:
         async def main() -> int:
             stop = asyncio.Event()
             install_stop_signals(stop)
-            code = await run_plan(plan, config, on_step=on_step, stop=stop)
+            code = await run_plan(plan, on_step=on_step, stop=stop)
             if code == 130:
                 print("tlt-stream run: stopped; every service was shut down, checkpoints are intact", file=sys.stderr)
             return code
@@ -175,12 +135,12 @@ def handle(args: argparse.Namespace) -> int:
             print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return 1
     seconds = time.perf_counter() - started
-    if code == 0 and args.eval:
+    if code == 0 and evals:
         from tlt_stream.rl.checkpoint import latest_checkpoint
 
         final = latest_checkpoint(out / "checkpoints")
         assert final is not None
-        row = evaluate_version(out, final.step, final.policy_dir, n=args.eval, seed=args.seed, threads=cores)
+        row = evaluate_version(out, final.step, final.policy_dir, n=evals, seed=seed, threads=cores)
         print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
     try:
         where = f"report: {write_report(out)}"
@@ -190,7 +150,7 @@ def handle(args: argparse.Namespace) -> int:
     return code
 
 
-DEFAULT_WORLD = "artifacts/world"
+DEFAULT_WORLD = DEFAULTS.launch.world
 
 
 def _world_to_build(world: Path, sd: str) -> str | None:

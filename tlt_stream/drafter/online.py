@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.drafter.buffer import WindowBuffer
 from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, save_drafter
 from tlt_stream.drafter.train import PackedBatch, Window, eagle_loss, pack_windows
@@ -65,15 +66,13 @@ TRAINER = "trainer.json"
 class LrSchedule:
     """Linear warmup to `base_lr`, then constant or cosine decay to `min_ratio * base_lr` at `total_steps`.
 
-    The default lr continues a converged warm-up drafter without harming it: at 3e-4 (warmup 10) the first
-    slices on one step's windows took the tiny world's drafter from 4.68 to 4.30 tokens per SD round; at
-    1e-4 (warmup 20) it stays at 4.71 (docs/benchmarks.md, issue 6)."""
+    Its defaults are the configuration's (section drafter: lr, lr_warmup_steps, lr_schedule, ...)."""
 
-    base_lr: float = 1e-4
-    warmup_steps: int = 20
-    kind: Literal["constant", "cosine"] = "constant"
-    total_steps: int = 10_000
-    min_ratio: float = 0.1
+    base_lr: float = DEFAULTS.drafter.lr
+    warmup_steps: int = DEFAULTS.drafter.lr_warmup_steps
+    kind: Literal["constant", "cosine"] = DEFAULTS.drafter.lr_schedule
+    total_steps: int = DEFAULTS.drafter.lr_total_steps
+    min_ratio: float = DEFAULTS.drafter.lr_min_ratio
 
     def __post_init__(self) -> None:
         if self.base_lr <= 0 or self.warmup_steps < 0 or self.total_steps < 1 or not 0 <= self.min_ratio <= 1:
@@ -93,21 +92,42 @@ class LrSchedule:
 @dataclass(frozen=True)
 class OnlineTrainingConfig:
     schedule: LrSchedule = LrSchedule()
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.01
-    clip: float = 1.0
+    betas: tuple[float, float] = DEFAULTS.drafter.betas
+    weight_decay: float = DEFAULTS.drafter.weight_decay
+    clip: float = DEFAULTS.drafter.clip
     """Gradient-norm clipping threshold."""
-    unroll: int = 3
+    unroll: int = DEFAULTS.drafter.unroll
     """Training-time-test steps of the EAGLE loss (`eagle_loss`)."""
-    row_tokens: int = 256
+    row_tokens: int = DEFAULTS.drafter.row_tokens
     """Pairs per packed row."""
-    batch_pairs: int = 1024
+    batch_pairs: int = DEFAULTS.drafter.batch_pairs
     """Training pairs drawn from the buffer per step (at least; whole windows are drawn)."""
-    seed: int = 0
+    seed: int = DEFAULTS.drafter.seed
 
     def __post_init__(self) -> None:
         if self.unroll < 1 or self.row_tokens < 2 or self.batch_pairs < 1 or self.clip <= 0:
             raise ValueError(f"invalid online training config {self}")
+
+    @classmethod
+    def from_config(cls, config: Config) -> OnlineTrainingConfig:
+        own = config.drafter
+        schedule = LrSchedule(
+            base_lr=own.lr,
+            warmup_steps=own.lr_warmup_steps,
+            kind=own.lr_schedule,
+            total_steps=own.lr_total_steps,
+            min_ratio=own.lr_min_ratio,
+        )
+        return cls(
+            schedule=schedule,
+            betas=own.betas,
+            weight_decay=own.weight_decay,
+            clip=own.clip,
+            unroll=own.unroll,
+            row_tokens=own.row_tokens,
+            batch_pairs=own.batch_pairs,
+            seed=own.seed,
+        )
 
 
 class SliceEnd(enum.StrEnum):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt_stream.config import DEFAULTS as _D
+
 __all__ = ["GrpoLossConfig", "group_advantages", "grpo_loss", "token_logprobs"]
 
 
@@ -68,12 +70,12 @@ def group_advantages(
 
 @dataclass(frozen=True)
 class GrpoLossConfig:
-    clip_low: float = 0.2
+    clip_low: float = _D.learner.clip_low
     """The ratio is clipped below at 1 - clip_low (limits how fast a token with A < 0 is pushed down); < 1."""
-    clip_high: float = 0.2
+    clip_high: float = _D.learner.clip_high
     """The ratio is clipped above at 1 + clip_high; DAPO's clip-higher sets it above clip_low (e.g. 0.28)
-    so that unlikely tokens with A > 0 can grow, which keeps entropy from collapsing."""
-    kl_coef: float = 0.0
+    so that unlikely tokens with A > 0 can grow, which keeps entropy from collapsing (the default, 0.28)."""
+    kl_coef: float = _D.learner.kl_coef
     """Weight of the per-token k3 KL penalty to the reference policy; 0 disables it (no reference needed)."""
 
     def __post_init__(self) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tlt_stream.config import DEFAULTS as _D
+from tlt_stream.config import Config
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
 from tlt_stream.rl.metrics import length_summary
@@ -28,31 +30,31 @@ __all__ = ["LearnerCore", "LearnerSettings", "final_norm_gain"]
 
 @dataclass(frozen=True)
 class LearnerSettings:
-    lr: float = 2e-4
+    lr: float = _D.learner.lr
     """AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = _D.learner.weight_decay
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = _D.learner.max_grad_norm
     """Gradients are clipped to this global norm before each step (0 disables clipping)."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = _D.learner.micro_batch_tokens
     """Padded tokens per forward/backward; the update does not depend on it, only memory and speed do."""
-    clip_low: float = 0.2
+    clip_low: float = _D.learner.clip_low
     """PPO ratio lower clip: 1 - clip_low."""
-    clip_high: float = 0.28
+    clip_high: float = _D.learner.clip_high
     """PPO ratio upper clip: 1 + clip_high (DAPO clip-higher)."""
-    kl_coef: float = 0.0
+    kl_coef: float = _D.learner.kl_coef
     """Weight of the k3 KL penalty to the frozen reference (0: no reference is kept)."""
-    temperature: float = 1.0
+    temperature: float = _D.rollout.temperature
     """The rollout sampling temperature; logits are divided by it so ratios compare like with like."""
-    scale_advantages: bool = True
+    scale_advantages: bool = _D.learner.scale_advantages
     """Divide group-centred rewards by the group's std (GRPO); False keeps only the centring (Dr. GRPO)."""
-    final_norm_lr_scale: float = 1.0
+    final_norm_lr_scale: float = _D.learner.final_norm_lr_scale
     """The final norm's gain (the RMSNorm just before the LM head) trains at `lr` times this. That gain
     scales every logit, so it is the policy's own inverse temperature, and RL's most consistent signal on a
     sampled policy is to sharpen it; but Adam moves every parameter by about `lr` per step whatever its
     size, and a gain of ~1 moves 20-50x less, relatively, than a weight matrix of ~0.05. Measured on the
     tiny world (docs/benchmarks.md, issue 5): 50 turns +3 points in 189 updates into far more."""
-    warmup_steps: int = 0
+    warmup_steps: int = _D.learner.warmup_steps
     """The learning rate ramps linearly from lr / warmup_steps to lr over the first updates. A fresh Adam
     makes sign-like steps of size lr on every parameter until its second moments have seen a few noisy
     gradients; on a small policy those first steps alone can undo what supervised training taught."""
@@ -64,6 +66,25 @@ class LearnerSettings:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.final_norm_lr_scale > 0:
             raise ValueError(f"final_norm_lr_scale must be > 0, got {self.final_norm_lr_scale}")
+
+    @classmethod
+    def from_config(cls, config: Config) -> LearnerSettings:
+        """The learner's settings from the configuration tree (section learner; the temperature is the
+        rollout's, so the recomputed logprobs are those the samples were drawn with)."""
+        own = config.learner
+        return cls(
+            lr=own.lr,
+            weight_decay=own.weight_decay,
+            max_grad_norm=own.max_grad_norm,
+            micro_batch_tokens=own.micro_batch_tokens,
+            clip_low=own.clip_low,
+            clip_high=own.clip_high,
+            kl_coef=own.kl_coef,
+            temperature=config.rollout.temperature,
+            scale_advantages=own.scale_advantages,
+            final_norm_lr_scale=own.final_norm_lr_scale,
+            warmup_steps=own.warmup_steps,
+        )
 
     def lr_at(self, update: int) -> float:
         """The learning rate of update number `update` (0-based), a pure function so a resumed learner

@@ -44,7 +44,7 @@ from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.common import stable_int
-from tlt_stream.config import Config
+from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
 from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
 from tlt_stream.store.digest import directory_sha256
@@ -58,26 +58,26 @@ log = logging.getLogger(__name__)
 class DrafterTrainingSettings:
     state_dir: Path
     """Where training states go (shared by every worker of the run: a volume on a cluster)."""
-    slice_seconds: float = 3.0
+    slice_seconds: float = DEFAULTS.drafter.slice_seconds
     """Longest training slice before the state is committed and the drafter evaluated."""
-    min_windows: int = 16
+    min_windows: int = DEFAULTS.drafter.min_windows
     """Windows the buffer must hold before training starts."""
-    holdout_percent: int = 10
+    holdout_percent: int = DEFAULTS.drafter.holdout_percent
     """Share of windows (by sample id) held back to evaluate drafters, never trained on."""
-    holdout_max: int = 24
+    holdout_max: int = DEFAULTS.drafter.holdout_max
     """Newest held-back windows kept for evaluation."""
-    accept_depth: int = 4
+    accept_depth: int = DEFAULTS.drafter.accept_depth
     """Chain depth of the held-out acceptance measurement."""
-    tolerance: float = 0.0
+    tolerance: float = DEFAULTS.drafter.tolerance
     """A new drafter is adopted when its held-out acceptance >= the current one's - tolerance."""
-    judge_every_steps: int = 16
+    judge_every_steps: int = DEFAULTS.drafter.judge_every_steps
     """Judge (and maybe publish) the drafter once this many training steps have passed since the last
     judgement. Judging measures two drafters on the held-out windows, as long as several training steps;
     measured on 2 shared cores, judging after every slice spent half of the short idle periods judging
     drafters one step apart (docs/benchmarks.md, issue 6)."""
-    lease_ttl_ms: int = 15_000
-    recent_tokens: int = 60_000
-    reservoir_tokens: int = 60_000
+    lease_ttl_ms: int = DEFAULTS.drafter.lease_ttl_ms
+    recent_tokens: int = DEFAULTS.drafter.recent_tokens
+    reservoir_tokens: int = DEFAULTS.drafter.reservoir_tokens
     training: OnlineTrainingConfig = field(default_factory=OnlineTrainingConfig)
 
     def __post_init__(self) -> None:
@@ -85,6 +85,28 @@ class DrafterTrainingSettings:
             raise ValueError("need slice_seconds > 0, min_windows >= 1 and holdout_percent in 1..99")
         if self.judge_every_steps < 1:
             raise ValueError(f"judge_every_steps must be >= 1, got {self.judge_every_steps}")
+
+    @classmethod
+    def from_config(cls, config: Config) -> DrafterTrainingSettings | None:
+        """The settings of online training (section drafter), None when it is off: not asked for, no state
+        directory, or no EAGLE drafter to start from."""
+        own = config.drafter
+        if not own.train or own.state_dir is None or config.sd.drafter in (None, "ngram"):
+            return None
+        return cls(
+            state_dir=Path(config.expand(own.state_dir)),
+            slice_seconds=own.slice_seconds,
+            min_windows=own.min_windows,
+            holdout_percent=own.holdout_percent,
+            holdout_max=own.holdout_max,
+            accept_depth=own.accept_depth,
+            tolerance=own.tolerance,
+            judge_every_steps=own.judge_every_steps,
+            lease_ttl_ms=own.lease_ttl_ms,
+            recent_tokens=own.recent_tokens,
+            reservoir_tokens=own.reservoir_tokens,
+            training=OnlineTrainingConfig.from_config(config),
+        )
 
 
 def _lower_priority() -> None:

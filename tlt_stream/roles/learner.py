@@ -38,7 +38,7 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer, trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
+from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import (
@@ -61,11 +61,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LearnerRunSettings:
-    groups_per_step: int = 8
+    groups_per_step: int = DEFAULTS.groups_per_step
     """Complete, usable groups per update."""
-    max_staleness: int = 0
+    max_staleness: int = DEFAULTS.policy.max_staleness
     """A group is used only while learner version - its oldest sample's policy version <= this (0: on-policy)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = DEFAULTS.learner.keep_checkpoints
     """Complete checkpoints kept on disk (the newest ones)."""
     learner: LearnerSettings = field(default_factory=LearnerSettings)
     device: str = "cpu"
@@ -74,6 +74,17 @@ class LearnerRunSettings:
     def __post_init__(self) -> None:
         if self.groups_per_step < 1 or self.max_staleness < 0 or self.keep_checkpoints < 1:
             raise ValueError("need groups_per_step >= 1, max_staleness >= 0 and keep_checkpoints >= 1")
+
+    @classmethod
+    def from_config(cls, config: Config, *, device: str) -> LearnerRunSettings:
+        """The learner's settings from the configuration tree on a resolved `device`."""
+        return cls(
+            groups_per_step=config.groups_per_step,
+            max_staleness=config.policy.max_staleness,
+            keep_checkpoints=config.learner.keep_checkpoints,
+            learner=LearnerSettings.from_config(config),
+            device=device,
+        )
 
 
 class RunTaken(ValueError):
@@ -574,39 +585,30 @@ class LearnerService:
         }
 
 
-def serve_learner(config: Config, args: Any) -> int:
-    """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT or --max-updates."""
-    from tlt_stream.roles.serve import device_or_refuse, serve
+def serve_learner(config: Config) -> int:
+    """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT, learner.max_updates
+    or the final policy version (learner.until_version, else policy.steps)."""
+    import torch
 
-    if args.max_staleness < 0 or args.warmup_steps < 0:
-        print("tlt-stream learner: --max-staleness and --warmup-steps must be >= 0", file=sys.stderr)
-        return 2
-    if not args.final_norm_lr_scale > 0:
-        print("tlt-stream learner: --final-norm-lr-scale must be > 0", file=sys.stderr)
-        return 2
-    device = device_or_refuse(args.device, "learner")
+    from tlt_stream.roles.serve import device_or_refuse, refuse, serve
+
+    own = config.learner
+    if own.run_dir is None or own.policy is None:
+        return refuse("tlt-stream learner", "learner.run_dir (--run-dir) and learner.policy (--policy) are required")
+    device = device_or_refuse(own.device, "learner")
     if device is None:
         return 2
-    settings = LearnerRunSettings(
-        groups_per_step=args.groups_per_step,
-        max_staleness=args.max_staleness,
-        keep_checkpoints=args.keep_checkpoints,
-        learner=LearnerSettings(
-            lr=args.lr, warmup_steps=args.warmup_steps, final_norm_lr_scale=args.final_norm_lr_scale
-        ),
-        device=device,
-    )
+    settings = LearnerRunSettings.from_config(config, device=device)
+    torch.set_num_threads(own.threads)
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
-        service = LearnerService(
-            config, redis, control, run_dir=args.run_dir, init_policy=args.policy, settings=settings
-        )
+        run_dir = config.expand(own.run_dir)
+        service = LearnerService(config, redis, control, run_dir=run_dir, init_policy=own.policy, settings=settings)
         message = await service.start()
         print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
-        updates = args.max_updates
-        if args.until_version is not None:  # a restarted learner counts what its checkpoint already holds
-            left = max(0, args.until_version - service.version)
-            updates = left if updates is None else min(updates, left)
+        updates = own.max_updates
+        left = max(0, config.until_version - service.version)  # a restarted learner counts its checkpoint's
+        updates = left if updates is None else min(updates, left)
         await service.run(stop, max_updates=updates)
         print(f"learner: stopped at policy version {service.version}", file=sys.stderr)
 

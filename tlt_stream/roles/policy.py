@@ -32,7 +32,7 @@ from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S, PAYLOAD_FIELD, trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
+from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import PromptGroup, codec_for
 
 __all__ = ["PolicyService", "RepeatedAddSource", "TaskSource", "serve_policy"]
@@ -59,7 +59,7 @@ class RepeatedAddSource:
     """Training prompts of the tiny world's task."""
 
     tokenizer: Any
-    seed: int = 0
+    seed: int = DEFAULTS.policy.seed
 
     def prompts(self, step: int, count: int) -> list[tuple[str, str, list[int], str]]:
         from tlt_stream.tasks.repeated_add import RepeatedAddTask
@@ -256,8 +256,8 @@ class PolicyService:
         return at
 
 
-def serve_policy(config: Config, args: Any) -> int:
-    """`tlt-stream policy` / `services/policy.py`: dispatch steps until SIGTERM/SIGINT, or until all --steps are
+def serve_policy(config: Config) -> int:
+    """`tlt-stream policy` / `services/policy.py`: dispatch steps until SIGTERM/SIGINT, or until all policy.steps are
     dispatched and trained."""
     import sys
 
@@ -269,11 +269,11 @@ def serve_policy(config: Config, args: Any) -> int:
             config,
             redis,
             control,
-            RepeatedAddSource(build_tokenizer(), seed=args.seed),
-            prompts_per_step=args.prompts_per_step,
-            group_size=args.group_size,
-            max_staleness=args.max_staleness,
-            total_steps=args.steps,
+            RepeatedAddSource(build_tokenizer(), seed=config.policy.seed),
+            prompts_per_step=config.policy.prompts_per_step,
+            group_size=config.policy.group_size,
+            max_staleness=config.policy.max_staleness,
+            total_steps=config.policy.steps,
         )
         print(f"policy: dispatching from step {await service.next_step()}", file=sys.stderr)
         done = asyncio.Event()

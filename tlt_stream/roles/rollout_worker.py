@@ -34,7 +34,7 @@ from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.common import stable_int
-from tlt_stream.config import Config
+from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import (
     DrafterVersion,
     HiddenWindow,
@@ -72,25 +72,25 @@ def streams_hidden(sample_id: str, settings: RolloutSettings) -> bool:
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    max_batch: int = 64
+    max_batch: int = DEFAULTS.rollout.max_batch
     """Rows the engine decodes together (requests of several groups share them)."""
-    max_len: int = 1408
+    max_len: int = DEFAULTS.rollout.max_len
     """Prompt + response tokens per row; responses stop at EOS or when they reach it."""
-    temperature: float = 1.0
+    temperature: float = DEFAULTS.rollout.temperature
     """Sampling temperature (RL rollouts sample at 1.0)."""
-    steps_per_hop: int = 8
+    steps_per_hop: int = DEFAULTS.rollout.steps_per_hop
     """Engine steps run per trip to the worker thread (fewer trips, a little more latency)."""
-    drafter: str | None = None
+    drafter: str | None = DEFAULTS.sd.drafter
     """Speculative decoding: a drafter checkpoint directory, "ngram" for prompt lookup, or None (off)."""
-    sd_arm: tuple[int, int, int] = (4, 1, 4)
+    sd_arm: tuple[int, int, int] = Arm.from_label(DEFAULTS.sd.arm).shape
     """(draft depth, top-k, tokens to verify) when speculative decoding is on."""
-    stream_hidden: bool = True
+    stream_hidden: bool = DEFAULTS.rollout.stream_hidden
     """Stream each sample's hidden-state window to `hidden` (the drafter's training data)."""
-    hidden_share: float = 1.0
+    hidden_share: float = DEFAULTS.rollout.hidden_share
     """Share of samples whose hidden states are kept and streamed, chosen by a stable hash of the sample id
     (a uniform sample: the length distribution, long tail included, is kept). Below 1 it cuts what producing
     the windows costs generation, for a drafter trainer that could not use them all anyway."""
-    hidden_dtype: str = "bfloat16"
+    hidden_dtype: str = DEFAULTS.rollout.hidden_dtype
     """Wire dtype of the streamed hidden states."""
     drafter_training: DrafterTrainingSettings | None = None
     """Train the drafter online in idle time (needs an EAGLE `drafter` to start from)."""
@@ -98,7 +98,7 @@ class RolloutSettings:
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
     device: str = "cpu"
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
-    backend: str = "torch"
+    backend: str = DEFAULTS.rollout.backend
     """"torch" (this project's engine) or "vllm" (`rollout/vllm/backend.py`, optional extra, GPU; one engine
     for the worker's life: policy versions and drafters are loaded into it in place)."""
 
@@ -114,6 +114,32 @@ class RolloutSettings:
                 "adaptive SD decides per decode step, which vLLM cannot (it fixes speculation when the engine is "
                 "built): on the vllm backend use a fixed --sd-arm (docs/vllm.md)"
             )
+
+    @classmethod
+    def from_config(cls, config: Config, *, device: str) -> RolloutSettings:
+        """The worker's settings from the configuration tree (sections rollout, sd and drafter) on a resolved
+        `device`."""
+        own, sd = config.rollout, config.sd
+        arm = Arm.from_label(sd.arm)
+        if sd.drafter is not None and arm.kind == "plain":
+            raise ValueError("sd.arm is plain but sd.drafter is set: name a drafting arm, or leave sd.drafter unset")
+        if sd.drafter == "ngram" and arm.kind == "drafter":
+            arm = Arm.ngram(arm.depth)
+        return cls(
+            max_batch=own.max_batch,
+            max_len=own.max_len,
+            temperature=own.temperature,
+            steps_per_hop=own.steps_per_hop,
+            drafter=sd.drafter,
+            sd_arm=arm.shape,
+            stream_hidden=own.stream_hidden,
+            hidden_share=own.hidden_share,
+            hidden_dtype=own.hidden_dtype,
+            drafter_training=DrafterTrainingSettings.from_config(config),
+            adaptive=AdaptiveSettings.from_config(config) if sd.adaptive and sd.drafter is not None else None,
+            device=device,
+            backend=own.backend,
+        )
 
     @property
     def eagle(self) -> bool:
@@ -646,64 +672,51 @@ def _policy_limits(location: str) -> tuple[int | None, int | None]:
     return positive("vocab_size"), positive("max_position_embeddings")
 
 
-def serve_rollout_worker(config: Config, args: Any) -> int:
+def serve_rollout_worker(config: Config) -> int:
     """`tlt-stream rollout-worker` / `services/rollout_worker.py`: generate until SIGTERM/SIGINT."""
     import os
     import socket
 
-    from tlt_stream.rl.rewards import REWARDS
-    from tlt_stream.roles.serve import device_or_refuse, serve
+    import torch
 
-    if args.train_drafter and args.drafter in (None, "ngram"):
-        print(
-            "tlt-stream rollout-worker: --train-drafter needs --drafter DIR (the drafter to start from)",
-            file=sys.stderr,
-        )
-        return 2
-    if args.reward not in REWARDS:
-        print(
-            f"tlt-stream rollout-worker: unknown reward {args.reward!r}; choose {', '.join(REWARDS)}", file=sys.stderr
-        )
-        return 2
-    if args.backend == "vllm":
+    from tlt_stream.rl.rewards import REWARDS
+    from tlt_stream.roles.serve import device_or_refuse, refuse, serve
+
+    own, sd = config.rollout, config.sd
+    command = "tlt-stream rollout-worker"
+    if config.drafter.state_dir is not None and config.drafter.train and sd.drafter in (None, "ngram"):
+        return refuse(command, "drafter.state_dir (--train-drafter) needs sd.drafter DIR (the drafter to start from)")
+    if own.reward not in REWARDS:
+        return refuse(command, f"unknown reward {own.reward!r}; choose {', '.join(REWARDS)}")
+    if own.backend == "vllm":
         from tlt_stream.rollout.vllm.backend import BackendUnavailable, require_vllm
 
-        if args.adaptive_sd:
-            print(
-                "tlt-stream rollout-worker: --adaptive-sd decides per decode step, which vLLM cannot; "
-                "use a fixed --sd-arm with --backend vllm (docs/vllm.md)",
-                file=sys.stderr,
+        if sd.adaptive and sd.drafter is not None:
+            return refuse(
+                command,
+                "adaptive SD decides per decode step, which vLLM cannot; use a fixed sd.arm with the vllm "
+                "backend (--fixed-sd --sd-arm LABEL; docs/vllm.md)",
             )
-            return 2
         try:
             require_vllm()
         except BackendUnavailable as exc:
-            print(f"tlt-stream rollout-worker: {exc}", file=sys.stderr)
-            return 2
-    device = device_or_refuse(args.device, "rollout-worker")
+            return refuse(command, str(exc))
+    device = device_or_refuse(own.device, "rollout-worker")
     if device is None:
         return 2
-    worker_id = args.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
-    settings = RolloutSettings(
-        max_batch=args.max_batch,
-        max_len=args.max_len,
-        temperature=args.temperature,
-        drafter=args.drafter,
-        sd_arm=args.sd_arm,
-        stream_hidden=not args.no_hidden,
-        hidden_share=args.hidden_share,
-        drafter_training=DrafterTrainingSettings(state_dir=Path(args.train_drafter)) if args.train_drafter else None,
-        adaptive=AdaptiveSettings(crossover=args.sd_crossover) if args.adaptive_sd and args.drafter else None,
-        device=device,
-        backend=args.backend,
-    )
+    try:
+        settings = RolloutSettings.from_config(config, device=device)
+    except ValueError as exc:
+        return refuse(command, str(exc))
+    torch.set_num_threads(own.threads)
+    worker_id = own.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
         worker = RolloutWorker(
-            config, redis, control, worker_id=worker_id, reward=REWARDS[args.reward], settings=settings
+            config, redis, control, worker_id=worker_id, reward=REWARDS[own.reward], settings=settings
         )
         print(f"{worker_id}: waiting for a policy version", file=sys.stderr)
-        await worker.run(stop, max_tasks=args.max_tasks)
+        await worker.run(stop, max_tasks=own.max_tasks)
         print(f"{worker_id}: stopped after {worker.tasks_done} tasks ({worker.samples_sent} samples)", file=sys.stderr)
 
-    return serve(config, "rollout", ["drafter"] if args.train_drafter else [], body)
+    return serve(config, "rollout", ["drafter"] if settings.drafter_training else [], body)

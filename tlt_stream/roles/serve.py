@@ -18,9 +18,15 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.config import Config, redact_text, redact_url
 from tlt_stream.errors import CheckpointError
 
-__all__ = ["Body", "device_or_refuse", "serve"]
+__all__ = ["Body", "device_or_refuse", "refuse", "serve"]
 
 Body = Callable[[Config, aioredis.Redis, ControlPlane, asyncio.Event], Awaitable[None]]
+
+
+def refuse(command: str, why: str) -> int:
+    """One line on stderr for a setting the user can fix; the exit code of a configuration error (2)."""
+    print(f"{command}: {why}", file=sys.stderr)
+    return 2
 
 
 def device_or_refuse(spec: str, command: str) -> str | None:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.rollout.proposers import SdArm
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, SdTable, SdTuner
 
@@ -34,17 +35,31 @@ __all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement"]
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
-    crossover: int = 16
+    crossover: int = DEFAULTS.sd.crossover
     """Running batch size above which SD was measured to lose (`bench/sd_speedup.py`'s crossover)."""
-    margin: int = 2
+    margin: int = DEFAULTS.sd.margin
     """Hysteresis band: on at batch <= crossover - 1 - margin, off above crossover - 1."""
-    epsilon: float = 0.1
-    window: int = 16
-    arms: tuple[str, ...] = ("plain", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8", "ngram-d4", "ngram-d6")
+    epsilon: float = DEFAULTS.sd.epsilon
+    window: int = DEFAULTS.sd.window
+    arms: tuple[str, ...] = DEFAULTS.sd.arms
     """Candidate arm labels; those of another proposer kind than the engine's are left out."""
     edges: tuple[int, ...] = DEFAULT_EDGES
-    on_new_drafter: Literal["reset", "decay"] = "decay"
-    seed: int = 0
+    on_new_drafter: Literal["reset", "decay"] = DEFAULTS.sd.on_new_drafter
+    seed: int = DEFAULTS.sd.seed
+
+    @classmethod
+    def from_config(cls, config: Config) -> AdaptiveSettings:
+        sd = config.sd
+        return cls(
+            crossover=sd.crossover,
+            margin=sd.margin,
+            epsilon=sd.epsilon,
+            window=sd.window,
+            arms=sd.arms,
+            edges=sd.edges,
+            on_new_drafter=sd.on_new_drafter,
+            seed=sd.seed,
+        )
 
 
 @dataclass

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from tlt_stream.config import DEFAULTS
+
 __all__ = [
     "DEFAULT_ARMS",
     "DEFAULT_EDGES",
@@ -45,7 +47,7 @@ __all__ = [
 ArmKind = Literal["plain", "ngram", "drafter"]
 ResetMode = Literal["reset", "decay"]
 
-DEFAULT_EDGES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_EDGES: tuple[int, ...] = DEFAULTS.sd.edges
 """Bucket upper bounds by running batch size: bucket i holds batches in (edges[i-1], edges[i]]."""
 
 _KIND_RANK = {"plain": 0, "ngram": 1, "drafter": 2}
@@ -113,6 +115,11 @@ class Arm:
         if self.kind == "ngram":
             return f"ngram-d{self.depth}"
         return f"d{self.depth}k{self.topk}v{self.verify}"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(depth, topk, verify)."""
+        return self.depth, self.topk, self.verify
 
     @property
     def uses_drafter(self) -> bool:

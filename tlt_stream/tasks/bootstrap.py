@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from tlt_stream.tasks.repeated_add import Problem, RepeatedAddTask
+from tlt_stream.config import DEFAULTS
+from tlt_stream.tasks.repeated_add import RepeatedAddTask
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 __all__ = ["SIZES", "BootstrapSettings", "bootstrap", "unfinished"]
@@ -51,7 +52,8 @@ class BootstrapSettings:
     drafter_samples: int
     drafter_steps: int
     drafter_lr: float
-    max_len: int = 1408
+    max_len: int = DEFAULTS.rollout.max_len
+    """The world's sequences are as long as its rollouts (`rollout.max_len`)."""
 
 
 SIZES: dict[str, BootstrapSettings] = {
@@ -355,7 +357,3 @@ def bootstrap(out: str | Path, *, seed: int = 0, size: str = "default", progress
         _write(out / MARKER, record)
         shutil.rmtree(stage)
     return record
-
-
-def problems_for_eval(count: int, seed: int) -> list[Problem]:
-    return RepeatedAddTask().problems(count, seed, heldout=True)

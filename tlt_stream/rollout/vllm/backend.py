@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 import torch
 
+from tlt_stream.config import DEFAULTS
 from tlt_stream.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
@@ -349,11 +350,11 @@ WORKER_EXTENSION = f"{TltWorkerExtension.__module__}.{TltWorkerExtension.__qualn
 class VllmSettings:
     """How to build the vLLM engine (see `vllm_config` for the translation of each)."""
 
-    max_batch: int = 64
+    max_batch: int = DEFAULTS.rollout.max_batch
     """vLLM's `max_num_seqs`."""
-    max_len: int = 1408
+    max_len: int = DEFAULTS.rollout.max_len
     """vLLM's `max_model_len`: prompt + response tokens per request."""
-    temperature: float = 1.0
+    temperature: float = DEFAULTS.rollout.temperature
     """The rollout temperature (picks greedy or probabilistic drafting); requests may still differ."""
     arm: str | None = None
     """A chain arm label (`d4k1v4`) or `ngram-dN`: speculative decoding at every batch size; None: off."""
@@ -365,7 +366,7 @@ class VllmSettings:
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.80
     enforce_eager: bool = False
-    seed: int = 0
+    seed: int = DEFAULTS.sd.seed
     hidden: Literal["recompute", "none"] = "recompute"
     """Where `return_hidden` states come from (module docstring)."""
     hidden_batch_tokens: int = 16_384
