@@ -16,9 +16,11 @@ and puts the copy back in place of the file before restarting it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from tests.faults.audit import AuditResult
@@ -48,17 +50,44 @@ class EverySecServers(PrivateServers):
         return folder / names[-1]
 
 
+PARKED_AT = 3
+"""The first policy service dispatches this many steps and ends once they are trained: the run is parked there
+(nothing dispatched, the learner idle) whatever its speed, so the loss always lands mid-run. On the tests'
+random policy a step can take tens of ms: a run of 12 steps had ended before a poll saw version 2."""
+
+
+@contextlib.asynccontextmanager
+async def parked_policy(run: FaultRun) -> AsyncIterator[None]:
+    run.notes["policy_argv"] = list(run.commands["policy"])
+    run.commands["policy"] += ["--steps", str(PARKED_AT)]
+    yield
+
+
 async def lose_last_writes(run: FaultRun, servers: PrivateServers) -> float:
-    """Copy the append-only file, let the run publish a version, then crash Redis and bring it back from the
-    copy. The services are frozen (SIGSTOP) across the crash, so that what Redis loses is exactly what the
-    harness read just before (the `samples` entries the learner may have trained: the audit's evidence)."""
+    """Copy the append-only file while the run is parked, then let exactly one more step happen: the policy
+    service (restarted for the whole run) dispatches it with the learner frozen, is frozen in turn once the
+    step's samples are in, and the learner trains it, acks the previous step's samples and publishes a
+    version. Then crash Redis and bring it back from the copy. Every service is frozen (SIGSTOP) across the
+    crash, so what Redis loses is exactly that step (its dispatch, samples, acks and version) and what the
+    harness read just before is the audit's evidence. Nothing here depends on how fast a step is."""
     assert isinstance(servers, EverySecServers)
-    aof = servers.incremental_aof()
+    assert await run.wait_exit("policy", 120) == 0, "the parked policy service ends once its steps are trained"
     at = await run.published()
+    assert at == PARKED_AT and run.version() == PARKED_AT, (at, run.version())
+    aof = servers.incremental_aof()
     kept = aof.read_bytes()  # what survives: everything Redis wrote before this moment
     copied = time.monotonic()
-    await run.wait_published(at + 1, 60)  # the suffix to lose holds a published version, its acks, a dispatch
-    await asyncio.sleep(0.3)
+    run.signal("learner", signal.SIGSTOP)
+    run.commands["policy"] = run.notes["policy_argv"]
+    await run.start("policy")  # the whole run's steps from here; it dispatches step `at` at once
+    expected = run.config.policy.prompts_per_step * run.config.policy.group_size
+    deadline = time.monotonic() + 60
+    while await _samples_of_step(run, at) < expected:
+        assert time.monotonic() < deadline, f"step {at}'s samples never arrived"
+        await asyncio.sleep(0.05)
+    run.signal("policy", signal.SIGSTOP)  # it waits for version at + 1 before the next dispatch: none comes
+    run.signal("learner", signal.SIGCONT)
+    await run.wait_published(at + 1, 60)
     live = [name for name, process in run.processes.items() if process.returncode is None]
     for name in live:
         run.signal(name, signal.SIGSTOP)
@@ -77,6 +106,16 @@ async def lose_last_writes(run: FaultRun, servers: PrivateServers) -> float:
     for name in live:
         run.signal(name, signal.SIGCONT)
     return await _next_version_after(run, time.monotonic())
+
+
+async def _samples_of_step(run: FaultRun, step: int) -> int:
+    """Entries of `samples` that belong to step `step` (ids `s{step:06d}-...`)."""
+    from tlt_stream.messages import codec_for
+
+    codec = codec_for("samples")
+    async with run.redis() as redis:
+        entries = await redis.xrange(run.keys.stream("samples"))
+    return sum(codec.decode(fields[b"m"]).sample_id.startswith(f"s{step:06d}-") for _, fields in entries)
 
 
 async def _next_version_after(run: FaultRun, started: float, timeout: float = 120.0) -> float:
@@ -134,6 +173,7 @@ REDIS_FAULTS_SCENARIOS = [
         {"policy.steps": 12},  # the loss lands mid-run, with steps to go after it
         evidence=_lost_writes_redone,
         servers=EverySecServers,
+        prepare=parked_policy,
     ),
     Scenario(
         "redis_maxmemory",
