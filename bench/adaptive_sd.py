@@ -93,8 +93,9 @@ def main() -> None:
     from tlt_stream.drafter.model import load_drafter
     from tlt_stream.model import load_model
     from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import EagleProposer, SdArm
+    from tlt_stream.rollout.proposers import EagleProposer
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -113,7 +114,7 @@ def main() -> None:
     max_len = policy.spec.max_position_embeddings
     eos = tokenizer.eos_token_id
     fixed = FIXED[1:3] if args.quick else FIXED
-    strategies = ["plain", *(SdArm(*a).label for a in fixed), "adaptive"]
+    strategies = ["plain", *(Arm.drafter(*a).label for a in fixed), "adaptive"]
     result: dict[str, Any] = {
         "benchmark": "adaptive_sd",
         "quick": args.quick,
@@ -134,7 +135,7 @@ def main() -> None:
 
         def engine_for(strategy: str, rows: int = len(prompts)) -> Any:
             drafter = load_drafter(world / "drafter", policy)
-            fixed_arm = next((SdArm(*a) for a in fixed if SdArm(*a).label == strategy), None)
+            fixed_arm = next((Arm.drafter(*a) for a in fixed if Arm.drafter(*a).label == strategy), None)
             return GenerationEngine(
                 policy,
                 rows,

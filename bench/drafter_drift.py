@@ -95,12 +95,17 @@ def parse_args() -> argparse.Namespace:
 
 def acceptance(policy: Any, drafter: Any, prompts: list[list[int]], eos: int, seed: int) -> float:
     """Mean tokens per SD round (chain d4k1v4, T = 1) over fresh rollouts of `policy`."""
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import EagleProposer, SdArm
+    from tlt_stream.rollout.proposers import EagleProposer
 
     drafter.bind(policy)
     engine = GenerationEngine(
-        policy, len(prompts), policy.spec.max_position_embeddings, proposer=EagleProposer(drafter), arm=SdArm(4, 1, 4)
+        policy,
+        len(prompts),
+        policy.spec.max_position_embeddings,
+        proposer=EagleProposer(drafter),
+        arm=Arm.drafter(4, 1, 4),
     )
     budget = policy.spec.max_position_embeddings - max(len(p) for p in prompts)
     results = engine.generate(prompts, budget, 1.0, seed=seed, eos_ids=[eos])

@@ -203,8 +203,9 @@ def bench_verify(torch, ours, size: str, dtype: str, args) -> list[dict[str, Any
 
 def bench_sd_overhead(torch, ours, size: str, args) -> list[dict[str, Any]]:
     """Batch-1 speculative decoding with an oracle drafter vs the ideal its measured costs imply."""
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import OracleProposer, SdArm
+    from tlt_stream.rollout.proposers import OracleProposer
 
     p, n = args.prompt_len, args.sd_new_tokens
     gen = torch.Generator().manual_seed(args.seed)
@@ -215,7 +216,7 @@ def bench_sd_overhead(torch, ours, size: str, args) -> list[dict[str, Any]]:
     plain_s = statistics.median(timed(plain.generate, [prompt], n) for _ in range(args.reps)) - prefill_s
     rows = []
     for depth in args.sd_depths:
-        arm = SdArm(depth, 1, depth)
+        arm = Arm.drafter(depth, 1, depth)
         proposer = OracleProposer({tuple(prompt[1:]): reference}, VOCAB)
         engine = GenerationEngine(ours, 1, p + n, cache_dtype=torch.float32, proposer=proposer, arm=arm)
         walls, outputs = [], None

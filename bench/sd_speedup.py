@@ -60,8 +60,9 @@ def main() -> None:
 
     from tlt_stream.drafter.model import load_drafter
     from tlt_stream.model import load_model
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, SdArm
+    from tlt_stream.rollout.proposers import EagleProposer, NgramProposer
     from tlt_stream.tasks.bootstrap import bootstrap
     from tlt_stream.tasks.evaluate import evaluate
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
@@ -85,7 +86,7 @@ def main() -> None:
         if arm is not None:
             proposer = EagleProposer(drafter) if proposer_kind == "eagle" else NgramProposer()
         return GenerationEngine(
-            policy, batch, max_len, proposer=proposer, arm=SdArm(*arm) if arm else None, max_draft_nodes=32
+            policy, batch, max_len, proposer=proposer, arm=Arm.drafter(*arm) if arm else None, max_draft_nodes=32
         )
 
     def once(engine: Any, batch: int, rep: int) -> tuple[float, int, list[int]]:
@@ -116,7 +117,7 @@ def main() -> None:
     for batch in args.batches:
         entry: dict[str, Any] = {"arms": {}}
         for arm in args.arms:
-            label = SdArm(*arm).label
+            label = Arm.drafter(*arm).label
             entry["arms"][label] = versus_plain(batch, arm)
             log(f"batch {batch}: {label} {entry['arms'][label]}")
         entry["plain_tok_s"] = statistics.median(a["plain_tok_s"] for a in entry["arms"].values())

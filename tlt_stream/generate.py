@@ -152,8 +152,9 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     import torch
 
     from tlt_stream.model import load_model, load_spec
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import SdArm, build_proposer
+    from tlt_stream.rollout.proposers import build_proposer
 
     if opts.backend not in ("torch", "vllm"):
         raise ValueError(f"unknown backend {opts.backend!r} (torch, vllm)")
@@ -163,7 +164,7 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
         require_vllm()  # before reading anything: one line when it is missing
     arm = None
     if opts.drafter is not None:
-        arm = SdArm(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
+        arm = Arm.drafter(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
     if opts.backend == "vllm":
         prompts = read_prompts(opts.input, opts.model, load_spec(opts.model).vocab_size)
         engine = _vllm_engine(opts, max(len(p) for p in prompts) + opts.max_new_tokens, arm)

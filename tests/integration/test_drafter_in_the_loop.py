@@ -144,11 +144,12 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
 
 
 def sd_engine(init_policy: Path, init_drafter: Path) -> Any:
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import SdArm, build_proposer
+    from tlt_stream.rollout.proposers import build_proposer
 
     model = load_model(init_policy)
-    return GenerationEngine(model, 2, 64, proposer=build_proposer(str(init_drafter), model), arm=SdArm(2, 1, 2))
+    return GenerationEngine(model, 2, 64, proposer=build_proposer(str(init_drafter), model), arm=Arm.drafter(2, 1, 2))
 
 
 def hidden_windows(engine: Any) -> list[HiddenWindow]:

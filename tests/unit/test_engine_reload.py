@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.errors import CheckpointError
 from tlt_stream.model import load_model
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.proposers import EagleProposer, SdArm
+from tlt_stream.rollout.proposers import EagleProposer
 
 PROMPTS = [[5, 9, 12, 7], [8, 3, 3], [30, 31, 32, 33, 34]]
 
@@ -39,7 +40,7 @@ def test_a_policy_loaded_in_place_generates_as_a_fresh_engine_on_it(init_policy:
     model = load_model(init_policy)
     torch.manual_seed(1)
     drafter = Drafter(model.spec).bind(model)
-    engine = GenerationEngine(model, 3, 96, proposer=EagleProposer(drafter), arm=SdArm(3, 1, 3))
+    engine = GenerationEngine(model, 3, 96, proposer=EagleProposer(drafter), arm=Arm.drafter(3, 1, 3))
     before = sampled(engine)
     storage = {name: t.data_ptr() for name, t in model.state_dict().items()}
 
@@ -48,7 +49,7 @@ def test_a_policy_loaded_in_place_generates_as_a_fresh_engine_on_it(init_policy:
     fresh = load_model(v1)
     twin = Drafter(fresh.spec)
     twin.load_state_dict(drafter.state_dict())
-    rebuilt = GenerationEngine(fresh, 3, 96, proposer=EagleProposer(twin.bind(fresh)), arm=SdArm(3, 1, 3))
+    rebuilt = GenerationEngine(fresh, 3, 96, proposer=EagleProposer(twin.bind(fresh)), arm=Arm.drafter(3, 1, 3))
     assert sampled(engine) == sampled(rebuilt), "as an engine built on the new version"
     assert sampled(engine) != before, "the new weights are in use"
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == storage, "loaded in place"
@@ -76,7 +77,7 @@ def test_swapping_the_drafter_mid_sequence_keeps_greedy_output_identical_to_plai
     torch.manual_seed(2)
     first, second = Drafter(model.spec).bind(model), Drafter(model.spec).bind(model)
     path = save_drafter(second, tmp_path / "second")
-    engine = GenerationEngine(model, 3, 96, proposer=EagleProposer(first), arm=SdArm(3, 2, 4))
+    engine = GenerationEngine(model, 3, 96, proposer=EagleProposer(first), arm=Arm.drafter(3, 2, 4))
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, 40, 0.0, request_id=i)
     done, steps = {}, 0

@@ -40,7 +40,8 @@ from tlt_stream.model import load_model
 from tlt_stream.model.layers import RMSNorm
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
-from tlt_stream.rollout.proposers import EagleProposer, SdArm
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.proposers import EagleProposer
 
 torch.set_default_dtype(torch.float32)
 
@@ -278,7 +279,7 @@ def test_greedy_drafts_of_our_proposer_match_vllms_drafting_loop(tmp_path: Path)
         proposer.allocate(1, 64)
         proposer.reset_slot(0)
         proposer.observe(0, tokens[1:].tolist(), features)
-        proposal = proposer.propose(1, SdArm(depth, 1, depth), torch.zeros(1), [None])
+        proposal = proposer.propose(1, Arm.drafter(depth, 1, depth), torch.zeros(1), [None])
         ours = proposal.tree.tokens[0].tolist()
 
         ids, positions, feats = tokens[1:].clone(), torch.arange(t), features.clone()

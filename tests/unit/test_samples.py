@@ -11,8 +11,9 @@ from tlt_stream.drafter.train import Window
 from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.model import load_model
 from tlt_stream.rl.samples import hidden_window, make_sample
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.proposers import NgramProposer, SdArm
+from tlt_stream.rollout.proposers import NgramProposer
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def test_the_window_holds_the_states_a_full_forward_pass_computes(model, sd: boo
     """Every row is the policy's state at that position, whether the tokens came from plain or SD steps."""
     prompts = [[5, 9, 12, 7, 30], [8, 3]]
     engine = GenerationEngine(
-        model, 2, 64, proposer=NgramProposer() if sd else None, arm=SdArm(3, 1, 3) if sd else None
+        model, 2, 64, proposer=NgramProposer() if sd else None, arm=Arm.drafter(3, 1, 3) if sd else None
     )
     results = engine.generate(prompts, 20, temperature=1.0, seed=3, return_hidden=True)
     for result in results:
@@ -62,7 +63,7 @@ def test_a_generation_without_hidden_states_has_no_window(model) -> None:
 
 
 def test_the_sample_carries_the_group_the_versions_and_tokens_per_forward(model) -> None:
-    engine = GenerationEngine(model, 1, 64, proposer=NgramProposer(), arm=SdArm(3, 1, 3))
+    engine = GenerationEngine(model, 1, 64, proposer=NgramProposer(), arm=Arm.drafter(3, 1, 3))
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     (result,) = engine.generate([prompt], 24, temperature=0.0)
     sample = make_sample(

@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from tlt_stream.drafter.model import Drafter, load_drafter, save_drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.acceptance import DraftTree
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, OracleProposer, Proposal, SdArm
+from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, OracleProposer, Proposal
 
 VOCAB = 41
 EOS = 0
@@ -73,14 +74,14 @@ def eagle(model, seed: int = 0) -> EagleProposer:
 @pytest.mark.parametrize(
     ("proposer_kind", "arm"),
     [
-        ("eagle", SdArm(4, 1, 4)),
-        ("eagle", SdArm(3, 3, 12)),
-        ("ngram", SdArm(5, 1, 5)),
-        ("scripted", SdArm(4, 1, 4)),
-        ("scripted", SdArm(5, 3, 15)),
+        ("eagle", Arm.drafter(4, 1, 4)),
+        ("eagle", Arm.drafter(3, 3, 12)),
+        ("ngram", Arm.drafter(5, 1, 5)),
+        ("scripted", Arm.drafter(4, 1, 4)),
+        ("scripted", Arm.drafter(5, 3, 15)),
     ],
 )
-def test_greedy_speculative_equals_plain_and_transformers(models, proposer_kind: str, arm: SdArm) -> None:
+def test_greedy_speculative_equals_plain_and_transformers(models, proposer_kind: str, arm: Arm) -> None:
     hf, model = models
     ps = prompts()
     reference = [hf_greedy(hf, p, 24) for p in ps]
@@ -111,7 +112,7 @@ def test_switching_sd_on_and_off_mid_sequence_is_lossless(models) -> None:
     plain = GenerationEngine(model, 4, 64).generate(ps, 20, eos_ids=[EOS])
     engine = GenerationEngine(model, 4, 64, proposer=eagle(model, 1))
     ids = [engine.add_request(p, 20, eos_ids=[EOS]) for p in ps]
-    arms = itertools.cycle([None, SdArm(3, 1, 3), SdArm(2, 2, 4), None, None, SdArm(4, 2, 6)])
+    arms = itertools.cycle([None, Arm.drafter(3, 1, 3), Arm.drafter(2, 2, 4), None, None, Arm.drafter(4, 2, 6)])
     done = {}
     while engine.has_unfinished:
         engine.arm = next(arms)
@@ -123,7 +124,7 @@ def test_switching_sd_on_and_off_mid_sequence_is_lossless(models) -> None:
 def test_hidden_states_and_logprobs_match_a_full_forward(models) -> None:
     hf, model = models
     ps = prompts(2)[:4]
-    engine = GenerationEngine(model, 4, 64, proposer=eagle(model, 2), arm=SdArm(3, 2, 6))
+    engine = GenerationEngine(model, 4, 64, proposer=eagle(model, 2), arm=Arm.drafter(3, 2, 6))
     results = engine.generate(ps, 12, temperature=0.8, seed=5, return_hidden=True)
     for r in results:
         ids = torch.tensor([r.prompt_ids + r.token_ids])
@@ -140,7 +141,7 @@ def test_drafter_catch_up_matches_a_full_drafter_forward(models) -> None:
     """After rounds of drafting, rollback and catch-up, the drafter's cache equals a clean recomputation."""
     _, model = models
     proposer = eagle(model, 4)
-    engine = GenerationEngine(model, 2, 64, proposer=proposer, arm=SdArm(3, 2, 6))
+    engine = GenerationEngine(model, 2, 64, proposer=proposer, arm=Arm.drafter(3, 2, 6))
     engine.add_request(prompts(4)[2], 15, request_id="a", return_hidden=True)
     for _ in range(4):
         engine.step()
@@ -230,7 +231,7 @@ class SelfProposer:
     def _p(self, seq: list[int]) -> torch.Tensor:
         return torch.softmax(self.hf(torch.tensor([seq])).logits[0, -1] / self.temperature, dim=-1)
 
-    def propose(self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list) -> Proposal:
+    def propose(self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list) -> Proposal:
         tokens, parents, qs = [], [], []
         for slot in range(batch):
             seq = list(self.history[slot])
@@ -273,15 +274,15 @@ def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: 
     prompt, length, temperature, n = [1, 2, 3, 1, 2], 3, 0.9, 6000
     expected = exact_joint(hf, prompt, length, temperature)
     if mode == "ngram":
-        proposer, arm = NgramProposer(), SdArm(3, 1, 3)
+        proposer, arm = NgramProposer(), Arm.drafter(3, 1, 3)
     elif mode.startswith("self"):
         proposer = SelfProposer(hf, prompt[0], temperature)
-        arm = SdArm(1, 1, 1) if mode == "self-chain" else SdArm(2, 3, 6)
+        arm = Arm.drafter(1, 1, 1) if mode == "self-chain" else Arm.drafter(2, 3, 6)
         n = 3000
     else:
         torch.manual_seed(0)
         proposer = EagleProposer(Drafter(model.spec).bind(model))
-        arm = SdArm(3, 1, 3) if mode == "eagle-chain" else SdArm(2, 3, 6)
+        arm = Arm.drafter(3, 1, 3) if mode == "eagle-chain" else Arm.drafter(2, 3, 6)
     engine = GenerationEngine(model, 64, 16, proposer=proposer, arm=arm)
     results = engine.generate([prompt] * n, length, temperature, seed=1000)
     observed = Counter(tuple(r.token_ids) for r in results)

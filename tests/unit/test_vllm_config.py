@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tlt_stream.rollout.proposers import SdArm
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, bucket_of
 from tlt_stream.rollout.vllm.config import (
     SpecTranslation,
@@ -96,7 +95,7 @@ def test_an_eagle_chain_becomes_vllms_eagle_config_with_the_draft_sampling_of_th
     assert greedy == SpecTranslation(
         {"method": "eagle", "model": "/x/eagle", "num_speculative_tokens": 4, "draft_sample_method": "greedy"}
     )
-    sampled = speculative_config(SdArm(3, 1, 3), drafter="/x/eagle", temperature=1.0)
+    sampled = speculative_config(Arm.drafter(3, 1, 3), drafter="/x/eagle", temperature=1.0)
     assert sampled is not None and sampled.config["draft_sample_method"] == "probabilistic"
     assert sampled.config["num_speculative_tokens"] == 3 and sampled.notes == ()
     assert set(sampled.config) <= SPECULATIVE_FIELDS

@@ -51,6 +51,7 @@ from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.build import EngineSpec, build_engine
 from tlt_stream.rollout.protocol import RolloutEngine
 from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
@@ -70,6 +71,9 @@ def streams_hidden(sample_id: str, settings: RolloutSettings) -> bool:
     return digest < settings.hidden_share * 2**32
 
 
+DEFAULT_ARM = Arm.from_label(DEFAULTS.sd.arm)
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     max_batch: int = DEFAULTS.rollout.max_batch
@@ -82,8 +86,8 @@ class RolloutSettings:
     """Engine steps run per trip to the worker thread (fewer trips, a little more latency)."""
     drafter: str | None = DEFAULTS.sd.drafter
     """Speculative decoding: a drafter checkpoint directory, "ngram" for prompt lookup, or None (off)."""
-    sd_arm: tuple[int, int, int] = Arm.from_label(DEFAULTS.sd.arm).shape
-    """(draft depth, top-k, tokens to verify) when speculative decoding is on."""
+    sd_arm: Arm = DEFAULT_ARM
+    """The arm when speculative decoding is on and not adaptive (an n-gram drafter makes it a chain)."""
     stream_hidden: bool = DEFAULTS.rollout.stream_hidden
     """Stream each sample's hidden-state window to `hidden` (the drafter's training data)."""
     hidden_share: float = DEFAULTS.rollout.hidden_share
@@ -103,6 +107,10 @@ class RolloutSettings:
     for the worker's life: policy versions and drafters are loaded into it in place)."""
 
     def __post_init__(self) -> None:
+        if self.drafter == "ngram" and self.sd_arm.kind == "drafter":  # prompt lookup drafts a chain
+            object.__setattr__(self, "sd_arm", Arm.ngram(self.sd_arm.depth))
+        if self.drafter is not None and self.sd_arm.kind == "plain":
+            raise ValueError("sd.arm is plain but sd.drafter is set: name a drafting arm, or leave sd.drafter unset")
         if not 0 < self.hidden_share <= 1:
             raise ValueError(f"hidden_share must be in (0, 1], got {self.hidden_share}")
         if self.drafter_training is not None and self.drafter in (None, "ngram"):
@@ -121,17 +129,13 @@ class RolloutSettings:
         `device`."""
         own, sd = config.rollout, config.sd
         arm = Arm.from_label(sd.arm)
-        if sd.drafter is not None and arm.kind == "plain":
-            raise ValueError("sd.arm is plain but sd.drafter is set: name a drafting arm, or leave sd.drafter unset")
-        if sd.drafter == "ngram" and arm.kind == "drafter":
-            arm = Arm.ngram(arm.depth)
         return cls(
             max_batch=own.max_batch,
             max_len=own.max_len,
             temperature=own.temperature,
             steps_per_hop=own.steps_per_hop,
             drafter=sd.drafter,
-            sd_arm=arm.shape,
+            sd_arm=arm,
             stream_hidden=own.stream_hidden,
             hidden_share=own.hidden_share,
             hidden_dtype=own.hidden_dtype,
@@ -366,25 +370,6 @@ class RolloutWorker:
         self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
 
-    def _build_vllm(self, announced: PolicyVersion) -> None:
-        from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
-
-        arm = None
-        if self.settings.drafter is not None:
-            depth, topk, verify = self.settings.sd_arm
-            arm = (Arm.ngram(depth) if self.settings.drafter == "ngram" else Arm.drafter(depth, topk, verify)).label
-        drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
-        settings = VllmSettings(
-            max_batch=self.settings.max_batch,
-            max_len=self.settings.max_len,
-            temperature=self.settings.temperature,
-            arm=arm,
-            hidden="recompute" if self.settings.stream_hidden or self.idle_trainer is not None else "none",
-        )
-        self.engine = VllmEngine(
-            announced.location, settings=settings, drafter=None if not self.settings.eagle else drafter
-        )
-
     def _load(self, announced: PolicyVersion) -> None:
         from transformers import AutoTokenizer
 
@@ -401,32 +386,24 @@ class RolloutWorker:
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
         if self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
             self.engine.load_policy(announced.location)
-        elif self.settings.backend == "vllm":
-            self._build_vllm(announced)
         else:
             self._build_engine(announced)
         self.policy = announced
 
     def _build_engine(self, announced: PolicyVersion) -> None:
-        from tlt_stream.model import load_model
-        from tlt_stream.rollout.engine import GenerationEngine
-        from tlt_stream.rollout.proposers import SdArm, build_proposer
-
-        model = load_model(announced.location, device=self.settings.device)
-        proposer, arm, nodes = None, None, 64
-        if self.settings.drafter is not None:  # the drafter binds to this policy's embedding and LM head
-            source = self.drafter.location if self.drafter is not None else self.settings.drafter
-            proposer = build_proposer(source, model)
-            arm = SdArm(*self.settings.sd_arm)
-            nodes = max(nodes, arm.verify, arm.depth)
-        if self.settings.adaptive is not None and proposer is not None:
-            arm = None  # the adaptive controller sets it step by step
-            nodes = max([nodes, *(max(a.depth, a.verify) for a in map(Arm.from_label, self.settings.adaptive.arms))])
-        self.engine = GenerationEngine(
-            model, self.settings.max_batch, self.settings.max_len, proposer=proposer, arm=arm, max_draft_nodes=nodes
+        drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
+        spec = EngineSpec(
+            max_batch=self.settings.max_batch,
+            max_len=self.settings.max_len,
+            temperature=self.settings.temperature,
+            device=self.settings.device,
+            drafter=drafter,
+            arm=self.settings.sd_arm,
+            adaptive=self.settings.adaptive,
+            backend=self.settings.backend,  # type: ignore[arg-type]
+            hidden=self.settings.stream_hidden or self.idle_trainer is not None,
         )
-        if self.settings.adaptive is not None and proposer is not None:
-            self.adaptive = AdaptiveSd(self.engine, self.settings.adaptive, drafter_version=self.drafter_version)
+        self.engine, self.adaptive = build_engine(announced.location, spec, drafter_version=self.drafter_version)
 
     def _announced(self) -> PolicyVersion | None:
         announced = self.control.current.get("policy")

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.rollout.proposers import SdArm
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, SdTable, SdTuner
 
 __all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement"]
@@ -114,7 +113,7 @@ class AdaptiveSd:
         if self.switch.changed:
             self.log.switches.append((time.time(), batch, on))
         arm = self.tuner.choose(batch, self.rng) if on else Arm.plain()
-        engine.arm = None if arm.kind == "plain" else SdArm(arm.depth, arm.topk, arm.verify)
+        engine.arm = None if arm.kind == "plain" else arm
         self.arm = arm
         waiting, tokens = scheduler.num_waiting, engine.tokens_generated
         started = time.perf_counter()

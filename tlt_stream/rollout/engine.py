@@ -26,7 +26,8 @@ import torch
 
 from tlt_stream.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
-from tlt_stream.rollout.proposers import Proposer, SdArm
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.proposers import Proposer
 from tlt_stream.rollout.sampling import sample
 from tlt_stream.rollout.scheduler import FinishReason, Scheduler, Sequence
 from tlt_stream.rollout.speculative import verify_round
@@ -95,7 +96,7 @@ class GenerationEngine:
         max_prefill_tokens: int | None = None,
         cache_dtype: torch.dtype | None = None,
         proposer: Proposer | None = None,
-        arm: SdArm | None = None,
+        arm: Arm | None = None,
         max_draft_nodes: int = 64,
     ) -> None:
         """`cache_dtype` defaults to the weights' dtype; fp32 with bf16 weights speeds up CPU attention.
@@ -168,12 +169,12 @@ class GenerationEngine:
         drafter.load_state_dict(load_drafter(path, self.model).state_dict())
 
     @property
-    def arm(self) -> SdArm | None:
+    def arm(self) -> Arm | None:
         """The SD arm the next steps use (None: plain decoding)."""
         return self._arm
 
     @arm.setter
-    def arm(self, arm: SdArm | None) -> None:
+    def arm(self, arm: Arm | None) -> None:
         if arm is not None:
             if self.proposer is None:
                 raise ValueError("an SD arm needs a proposer (a drafter or the n-gram proposer)")
@@ -302,7 +303,7 @@ class GenerationEngine:
             self.proposer.observe_step(rows, [seqs[row].token_ids[-1] for row in rows], hidden[:, 0])
 
     @torch.inference_mode()
-    def _speculative_step(self, seqs: list[Sequence], arm: SdArm) -> None:
+    def _speculative_step(self, seqs: list[Sequence], arm: Arm) -> None:
         """Draft with the proposer, verify in one target forward, emit each row's accepted tokens."""
         assert self.proposer is not None
         b = len(seqs)

@@ -24,27 +24,9 @@ import torch
 from tlt_stream.drafter.model import Drafter, load_drafter
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import DraftTree
+from tlt_stream.rollout.arms import Arm
 
-__all__ = ["EagleProposer", "NgramProposer", "OracleProposer", "Proposal", "Proposer", "SdArm", "build_proposer"]
-
-
-@dataclass(frozen=True, order=True)
-class SdArm:
-    """A speculative-decoding configuration: levels drafted, children per node, nodes verified."""
-
-    depth: int
-    topk: int
-    verify: int
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.topk < 1 or self.verify < 1:
-            raise ValueError(f"SD arm needs depth, topk, verify >= 1, got {self}")
-        if self.verify > self.depth * self.topk * self.topk:
-            raise ValueError(f"verify={self.verify} exceeds what depth={self.depth}, topk={self.topk} can draft")
-
-    @property
-    def label(self) -> str:
-        return f"d{self.depth}k{self.topk}v{self.verify}"
+__all__ = ["EagleProposer", "NgramProposer", "OracleProposer", "Proposal", "Proposer", "build_proposer"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +56,7 @@ class Proposer(Protocol):
         ...
 
     def propose(
-        self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal: ...
 
 
@@ -132,7 +114,7 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(
-        self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal:
         root_hidden = self._catch_up(batch)  # [B, H]: predicted feature at the last token's position
         root_logits = self.drafter.logits(root_hidden)  # [B, V]
@@ -168,7 +150,7 @@ class EagleProposer:
         self,
         hidden: torch.Tensor,
         logits: torch.Tensor,
-        arm: SdArm,
+        arm: Arm,
         temperatures: torch.Tensor,
         generators: list[torch.Generator | None],
     ) -> Proposal:
@@ -202,7 +184,7 @@ class EagleProposer:
             logits = self.drafter.logits(hidden)
         return Proposal(DraftTree.chain(torch.stack(tokens, 1)), torch.stack(qs, 1))
 
-    def _tree(self, hidden: torch.Tensor, logits: torch.Tensor, arm: SdArm, temperatures: torch.Tensor) -> Proposal:
+    def _tree(self, hidden: torch.Tensor, logits: torch.Tensor, arm: Arm, temperatures: torch.Tensor) -> Proposal:
         b = hidden.shape[0]
         k = arm.topk
         device = hidden.device
@@ -326,7 +308,7 @@ class NgramProposer:
         return []
 
     def propose(
-        self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal:
         """A chain of up to `depth` looked-up tokens per row, as point-mass candidates; rows with a shorter
         (or no) match are padded with padding nodes (parent -1)."""
@@ -375,7 +357,7 @@ class OracleProposer:
         raise KeyError(f"slot {slot}: no reference continuation for this prompt")
 
     def propose(
-        self, batch: int, arm: SdArm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal:
         rows: list[tuple[list[int], list[int]]] = []
         for slot in range(batch):

@@ -23,7 +23,7 @@ class RolloutEngine(Protocol):
     plain_steps: int
     """Plain decode steps run (one target forward each)."""
     arm: object
-    """The SD arm the next steps use; None for plain decoding (torch: an `SdArm`; vLLM: its label)."""
+    """The SD arm the next steps use; None for plain decoding (torch: an `Arm`; vLLM: its label)."""
 
     @property
     def has_unfinished(self) -> bool:

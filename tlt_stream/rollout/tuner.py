@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
-import re
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from tlt_stream.config import DEFAULTS
+from tlt_stream.rollout.arms import Arm
 
 __all__ = [
     "DEFAULT_ARMS",
@@ -44,93 +44,10 @@ __all__ = [
     "threshold_from_crossover",
 ]
 
-ArmKind = Literal["plain", "ngram", "drafter"]
 ResetMode = Literal["reset", "decay"]
 
 DEFAULT_EDGES: tuple[int, ...] = DEFAULTS.sd.edges
 """Bucket upper bounds by running batch size: bucket i holds batches in (edges[i-1], edges[i]]."""
-
-_KIND_RANK = {"plain": 0, "ngram": 1, "drafter": 2}
-_LABEL = re.compile(r"d(\d+)k(\d+)v(\d+)")
-_NGRAM_LABEL = re.compile(r"ngram-d(\d+)")
-
-
-# ---------------------------------------------------------------------------------------------------- arms
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One choice the tuner can make, with the wire's fields (`SdArmReport`, `SdArmChoice`).
-
-    - `plain`: no speculation (depth = topk = verify = 0);
-    - `ngram`: a prompt-lookup chain of `depth` tokens (topk 1, verify = depth);
-    - `drafter`: the trained drafter with `rollout.proposers.SdArm`'s configuration and limits.
-    """
-
-    kind: ArmKind
-    depth: int = 0
-    topk: int = 0
-    verify: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind == "plain":
-            valid = self.depth == self.topk == self.verify == 0
-        elif self.kind == "ngram":
-            valid = self.depth >= 1 and self.topk == 1 and self.verify == self.depth
-        elif self.kind == "drafter":
-            # The same limits as SdArm: a tree of `depth` levels with `topk` children per frontier node.
-            valid = min(self.depth, self.topk, self.verify) >= 1 and self.verify <= self.depth * self.topk**2
-        else:
-            raise ValueError(f"unknown arm kind {self.kind!r} (plain, ngram, drafter)")
-        if not valid:
-            raise ValueError(f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}")
-
-    @classmethod
-    def plain(cls) -> Arm:
-        return cls("plain")
-
-    @classmethod
-    def ngram(cls, depth: int) -> Arm:
-        return cls("ngram", depth, 1, depth)
-
-    @classmethod
-    def drafter(cls, depth: int, topk: int, verify: int) -> Arm:
-        return cls("drafter", depth, topk, verify)
-
-    @classmethod
-    def from_label(cls, label: str) -> Arm:
-        """Inverse of `label`: `plain`, `ngram-d4`, `d4k2v8`."""
-        if label == "plain":
-            return cls.plain()
-        if m := _NGRAM_LABEL.fullmatch(label):
-            return cls.ngram(int(m[1]))
-        if m := _LABEL.fullmatch(label):
-            return cls.drafter(int(m[1]), int(m[2]), int(m[3]))
-        raise ValueError(f"not an arm label: {label!r} (plain, ngram-d<depth>, d<depth>k<topk>v<verify>)")
-
-    @property
-    def label(self) -> str:
-        if self.kind == "plain":
-            return "plain"
-        if self.kind == "ngram":
-            return f"ngram-d{self.depth}"
-        return f"d{self.depth}k{self.topk}v{self.verify}"
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(depth, topk, verify)."""
-        return self.depth, self.topk, self.verify
-
-    @property
-    def uses_drafter(self) -> bool:
-        """Its measurements depend on the drafter's weights (stale when a new drafter arrives)."""
-        return self.kind == "drafter"
-
-    @property
-    def simplicity(self) -> tuple[int, int, int, int]:
-        """Sort key, simplest first (plain, n-gram, then drafter arms by size): ties go to the simpler arm."""
-        return (_KIND_RANK[self.kind], self.depth, self.topk, self.verify)
-
 
 DEFAULT_ARMS: tuple[Arm, ...] = tuple(
     Arm.from_label(label) for label in ("plain", "ngram-d6", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8", "d6k4v16")

@@ -36,8 +36,9 @@ def evaluate(
     progress: Any = None,
 ) -> dict[str, Any]:
     from tlt_stream.model import load_model
+    from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import SdArm, build_proposer
+    from tlt_stream.rollout.proposers import build_proposer
 
     model_dir = Path(model_dir)
     model = load_model(model_dir)
@@ -47,7 +48,7 @@ def evaluate(
     max_len = model.spec.max_position_embeddings
     budget = min(max_len - max(len(p) for p in prompts), 1200)
     proposer = build_proposer(drafter, model) if drafter else None
-    arm = SdArm(depth, topk, depth * topk) if drafter else None
+    arm = Arm.drafter(depth, topk, depth * topk) if drafter else None
     engine = GenerationEngine(model, batch_size, max(len(p) for p in prompts) + budget, proposer=proposer, arm=arm)
     ids = [
         engine.add_request(p, budget, temperature, seed + i, [tokenizer.eos_token_id]) for i, p in enumerate(prompts)

@@ -6,7 +6,7 @@ CI tests them without vLLM. Fields were read in vLLM 0.33.0 (`vllm/config/specul
 the pyproject extra allows `vllm>=0.10`, so version-dependent keys are emitted only when the caller passes
 the field names its installed vLLM has (`available`), and a setting that needs a missing one is refused.
 
-**Arms** (`tuner.Arm`, `proposers.SdArm`, or a label: `plain`, `ngram-d4`, `d4k1v4`):
+**Arms** (`arms.Arm`, or its label: `plain`, `ngram-d4`, `d4k1v4`):
 
 - `plain`: no `speculative_config` (plain decoding);
 - `dNk1vN` (EAGLE chain): `{"method": "eagle", "model": EXPORT_DIR, "num_speculative_tokens": N,
@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tlt_stream.rollout.proposers import SdArm
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm
 
 __all__ = [
@@ -81,16 +80,12 @@ class SpecTranslation:
     notes: tuple[str, ...] = ()
 
 
-def as_arm(arm: Arm | SdArm | str) -> Arm:
-    """`tuner.Arm` from an `Arm`, an `SdArm` (a drafter arm) or a label (`plain`, `ngram-d4`, `d4k1v4`)."""
-    if isinstance(arm, Arm):
-        return arm
-    if isinstance(arm, SdArm):
-        return Arm.drafter(arm.depth, arm.topk, arm.verify)
-    return Arm.from_label(arm)
+def as_arm(arm: Arm | str) -> Arm:
+    """The `Arm` itself, or the one a label names (`plain`, `ngram-d4`, `d4k1v4`)."""
+    return arm if isinstance(arm, Arm) else Arm.from_label(arm)
 
 
-def expressible(arm: Arm | SdArm | str) -> str | None:
+def expressible(arm: Arm | str) -> str | None:
     """None when vLLM can run `arm`, else the reason it cannot (one line)."""
     a = as_arm(arm)
     if a.kind == "drafter" and a.topk > 1:
@@ -109,7 +104,7 @@ def _require(available: Collection[str] | None, field: str, what: str) -> None:
 
 
 def speculative_config(
-    arm: Arm | SdArm | str,
+    arm: Arm | str,
     *,
     drafter: str | Path | None = None,
     temperature: float,
@@ -156,7 +151,7 @@ def _ranges(edges: tuple[int, ...], max_num_seqs: int) -> list[tuple[int, int, i
 
 
 def dynamic_schedule(
-    table: Mapping[int, Arm | SdArm | str],
+    table: Mapping[int, Arm | str],
     *,
     max_num_seqs: int,
     edges: Iterable[int] = DEFAULT_EDGES,

@@ -1,0 +1,65 @@
+"""Engine construction, out of the worker loop: what a worker asks for is what it gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tlt_stream.rollout.adaptive import AdaptiveSettings
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.build import PLAIN_NODES, EngineSpec, build_engine, vllm_settings
+from tlt_stream.rollout.proposers import EagleProposer, NgramProposer
+
+
+@pytest.fixture
+def drafter(init_policy: Path, tmp_path: Path) -> Path:
+    from tlt_stream.drafter.model import Drafter, save_drafter
+    from tlt_stream.model import load_model
+
+    torch.manual_seed(0)
+    save_drafter(Drafter(load_model(init_policy).spec), tmp_path / "drafter")
+    return tmp_path / "drafter"
+
+
+def spec(**values: object) -> EngineSpec:
+    return EngineSpec(**{"max_batch": 3, "max_len": 48, "temperature": 1.0, "device": "cpu", **values})  # type: ignore[arg-type]
+
+
+def test_without_a_drafter_the_engine_decodes_plainly(init_policy: Path) -> None:
+    engine, adaptive = build_engine(str(init_policy), spec(arm=Arm.drafter(4, 1, 4)))
+    assert adaptive is None and engine.proposer is None and engine.arm is None
+    assert (engine.scheduler.max_batch, engine.max_len) == (3, 48)
+
+
+def test_a_fixed_arm_is_the_engines_arm_and_an_ngram_source_gets_prompt_lookup(init_policy: Path) -> None:
+    engine, adaptive = build_engine(str(init_policy), spec(drafter="ngram", arm=Arm.ngram(5)))
+    assert adaptive is None and isinstance(engine.proposer, NgramProposer) and engine.arm == Arm.ngram(5)
+
+
+def test_adaptive_sd_leaves_the_arm_to_its_controller_and_sizes_the_tree_for_every_candidate(
+    init_policy: Path, drafter: Path
+) -> None:
+    arms = ("plain", "d2k1v2", "d6k4v80")
+    engine, adaptive = build_engine(
+        str(init_policy), spec(drafter=str(drafter), arm=Arm.drafter(4, 1, 4), adaptive=AdaptiveSettings(arms=arms)),
+        drafter_version=7,
+    )  # fmt: skip
+    assert isinstance(engine.proposer, EagleProposer) and engine.arm is None
+    assert adaptive is not None and adaptive.engine is engine
+    assert engine.max_draft_nodes >= 80 > PLAIN_NODES, "the largest candidate arm fits"
+
+
+def test_a_drafter_needs_an_arm_or_adaptive_sd_and_vllm_a_fixed_arm() -> None:
+    with pytest.raises(ValueError, match="needs a drafting arm"):
+        spec(drafter="ngram", arm=Arm.plain())
+    with pytest.raises(ValueError, match="vLLM cannot"):
+        spec(drafter="ngram", arm=Arm.ngram(4), adaptive=AdaptiveSettings(), backend="vllm")
+
+
+def test_vllm_settings_carry_the_shape_the_arm_and_the_hidden_states() -> None:
+    settings = vllm_settings(spec(drafter="/w/drafter", arm=Arm.drafter(4, 1, 4), backend="vllm", hidden=True))
+    assert (settings.max_batch, settings.max_len, settings.arm, settings.hidden) == (3, 48, "d4k1v4", "recompute")
+    plain = vllm_settings(spec(arm=Arm.drafter(4, 1, 4), backend="vllm"))
+    assert plain.arm is None and plain.hidden == "none"

@@ -1,0 +1,86 @@
+"""Building a rollout engine from what a worker asks for: the backend, the batch shape, the draft source and
+how the SD arm is chosen. Plain code, no bus: the rollout worker calls it on its first policy version (later
+versions are loaded into the same engine in place), tests call it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tlt_stream.config import DEFAULTS
+from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.arms import Arm
+
+__all__ = ["EngineSpec", "build_engine", "vllm_settings"]
+
+PLAIN_NODES = 64
+"""Draft-tree nodes the torch engine's buffers hold at least (room for any arm a table may name)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    max_batch: int
+    max_len: int
+    temperature: float
+    device: str
+    """A resolved device: cpu, cuda or cuda:N."""
+    drafter: str | None = None
+    """The draft source: an EAGLE drafter directory, "ngram" (prompt lookup), or None (no speculation)."""
+    arm: Arm | None = None
+    """The fixed arm (with a drafter and no `adaptive`)."""
+    adaptive: AdaptiveSettings | None = None
+    """Choose SD per step instead of the fixed arm (torch backend only)."""
+    backend: Literal["torch", "vllm"] = DEFAULTS.rollout.backend
+    hidden: bool = False
+    """vLLM only: recompute hidden states for drafter training (the torch engine always has them)."""
+
+    def __post_init__(self) -> None:
+        if self.drafter is not None and self.adaptive is None and (self.arm is None or self.arm.kind == "plain"):
+            raise ValueError(f"a drafter ({self.drafter}) without adaptive SD needs a drafting arm, got {self.arm}")
+        if self.backend == "vllm" and self.adaptive is not None:
+            raise ValueError("adaptive SD decides per decode step, which vLLM cannot: give a fixed arm")
+
+
+def _max_nodes(spec: EngineSpec) -> int:
+    arms = list(map(Arm.from_label, spec.adaptive.arms)) if spec.adaptive is not None else []
+    if spec.arm is not None:
+        arms.append(spec.arm)
+    return max([PLAIN_NODES, *(max(a.depth, a.verify) for a in arms)])
+
+
+def build_engine(policy: str, spec: EngineSpec, *, drafter_version: int = -1) -> tuple[Any, AdaptiveSd | None]:
+    """(the engine, its adaptive SD controller or None) for the checkpoint directory `policy`. The EAGLE
+    drafter binds to this policy's embedding and LM head."""
+    if spec.backend == "vllm":
+        from tlt_stream.rollout.vllm.backend import VllmEngine
+
+        drafter = spec.drafter if spec.drafter not in (None, "ngram") else None
+        return VllmEngine(policy, settings=vllm_settings(spec), drafter=drafter), None
+
+    from tlt_stream.model import load_model
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import build_proposer
+
+    model = load_model(policy, device=spec.device)
+    proposer = build_proposer(spec.drafter, model) if spec.drafter is not None else None
+    adaptive = spec.adaptive if proposer is not None else None
+    arm = spec.arm if proposer is not None and adaptive is None else None  # adaptive SD sets it step by step
+    engine = GenerationEngine(
+        model, spec.max_batch, spec.max_len, proposer=proposer, arm=arm, max_draft_nodes=_max_nodes(spec)
+    )
+    controller = AdaptiveSd(engine, adaptive, drafter_version=drafter_version) if adaptive is not None else None
+    return engine, controller
+
+
+def vllm_settings(spec: EngineSpec) -> Any:
+    """The vLLM engine's settings for `spec` (pure: vLLM is imported only by the engine itself)."""
+    from tlt_stream.rollout.vllm.backend import VllmSettings
+
+    return VllmSettings(
+        max_batch=spec.max_batch,
+        max_len=spec.max_len,
+        temperature=spec.temperature,
+        arm=spec.arm.label if spec.drafter is not None and spec.arm is not None else None,
+        hidden="recompute" if spec.hidden else "none",
+    )
