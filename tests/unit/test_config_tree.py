@@ -172,6 +172,8 @@ def test_an_unknown_role_key_is_one_clear_error() -> None:
         load_config(environ={"TLT_LEARNER__LR_MAX": "1"})
     with pytest.raises(ConfigError, match=r"learner.lr: expected `float` > 0"):
         load_config(environ={}, overrides=["learner.lr=0.0"])
+    with pytest.raises(ConfigError, match=r"rollout.device must be auto, cpu, cuda or cuda:N \(got 'gpu0'\)"):
+        load_config(environ={"TLT_DEVICE": "gpu0"})
 
 
 def test_a_preset_sits_under_every_explicit_value(tmp_path: Path) -> None:

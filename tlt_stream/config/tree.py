@@ -13,6 +13,7 @@ environment and the flags say: `preset = "tiny-world"`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -43,6 +44,11 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 MQTT_SCHEMES = ("mqtt", "mqtts")
 ARM_LABEL = r"^(plain|ngram-d[1-9][0-9]*|d[1-9][0-9]*k[1-9][0-9]*v[1-9][0-9]*)$"
+
+
+def _check_device(value: str, name: str) -> None:
+    if not re.fullmatch(DEVICE_PATTERN, value):
+        raise ValueError(f"{name} must be auto, cpu, cuda or cuda:N (got {value!r})")
 
 
 def _check_url(value: str | None, schemes: tuple[str, ...], name: str) -> None:
@@ -198,10 +204,10 @@ class RolloutConfig(_Section, frozen=True):
     ] = "bfloat16"
     max_tasks: Annotated[PositiveInt | None, _doc("Stop after this many prompt groups (None: run on).")] = None
     threads: Annotated[int, _doc("Torch CPU threads of the worker process.", ge=1)] = 1
-    device: Annotated[
-        str,
-        _doc("auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N.", pattern=DEVICE_PATTERN),
-    ] = "auto"
+    device: Annotated[str, _doc("auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N.")] = "auto"
+
+    def __post_init__(self) -> None:
+        _check_device(self.device, "rollout.device")
 
 
 class SdConfig(_Section, frozen=True):
@@ -360,14 +366,10 @@ class LearnerConfig(_Section, frozen=True):
         _doc("Stop at this policy version, counting what a resumed checkpoint holds. None: policy.steps."),
     ] = None
     threads: Annotated[int, _doc("Torch CPU threads of the learner process.", ge=1)] = 1
-    device: Annotated[
-        str,
-        _doc("auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N.", pattern=DEVICE_PATTERN),
-    ] = "auto"
+    device: Annotated[str, _doc("auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N.")] = "auto"
 
     def __post_init__(self) -> None:
-        if self.max_grad_norm < 0:
-            raise ValueError("max_grad_norm must be >= 0")
+        _check_device(self.device, "learner.device")
 
 
 class LaunchConfig(_Section, frozen=True):
