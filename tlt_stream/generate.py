@@ -98,16 +98,6 @@ def _tokenizer(directory: Path, where: str) -> Any:
         ) from None
 
 
-def eos_ids(model_dir: Path) -> list[int]:
-    for name in ("generation_config.json", "config.json"):
-        file = model_dir / name
-        if file.is_file():
-            value = json.loads(file.read_text()).get("eos_token_id")
-            if value is not None:
-                return [value] if isinstance(value, int) else list(value)
-    return []
-
-
 def _generate_with_progress(engine: Any, prompts: list[list[int]], opts: GenerateOptions, eos: list[int]) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -151,7 +141,7 @@ def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
 def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     import torch
 
-    from tlt_stream.model import load_model, load_spec
+    from tlt_stream.model import load_model, load_spec, stop_token_ids
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import build_proposer
@@ -182,7 +172,7 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
             max_draft_nodes=max(64, arm.verify if arm else 0),
         )
     start = time.perf_counter()
-    results = _generate_with_progress(engine, prompts, opts, eos_ids(opts.model))
+    results = _generate_with_progress(engine, prompts, opts, stop_token_ids(opts.model))
     seconds = time.perf_counter() - start
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     with opts.output.open("w") as out:

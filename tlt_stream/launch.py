@@ -54,10 +54,35 @@ class RunPlan:
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
     def __post_init__(self) -> None:
+        if self.config.launch.policy is not None:  # a policy of one's own: no world
+            if not self.policy_dir.is_dir():
+                raise FileNotFoundError(f"{self.policy_dir}: no such policy checkpoint directory (--policy)")
+            if self.drafter_dir is not None and not self.drafter_dir.is_dir():
+                raise FileNotFoundError(f"{self.drafter_dir}: no such drafter directory (--drafter)")
+            return
         if not (self.world / "policy").is_dir():
             raise FileNotFoundError(f"{self.world}/policy: no policy checkpoint (run `tlt-stream bootstrap` first)")
         if self.config.launch.sd == "eagle" and not (self.world / "drafter").is_dir():
             raise FileNotFoundError(f"{self.world}/drafter: no drafter for --sd eagle (bootstrap, or use --sd off)")
+
+    @property
+    def policy_dir(self) -> Path:
+        """The initial policy: `launch.policy`, else the world's."""
+        own = self.config.launch.policy
+        return Path(own) if own is not None else self.world / "policy"
+
+    @property
+    def drafter_dir(self) -> Path | None:
+        """The EAGLE drafter to start from: `launch.drafter` with a policy of one's own, else the world's."""
+        if self.config.launch.policy is not None:
+            return Path(self.config.launch.drafter) if self.config.launch.drafter else None
+        return self.world / "drafter"
+
+    @property
+    def sd(self) -> str:
+        """What the workers draft with: `launch.sd`, except eagle without a drafter, which drafts n-grams."""
+        sd = self.config.launch.sd
+        return "ngram" if sd == "eagle" and self.drafter_dir is None else sd
 
     @property
     def steps(self) -> int:
@@ -85,12 +110,12 @@ def service_config(plan: RunPlan, config: Config) -> Config:
     (the world's policy and drafter, the run directory, the drafter-training states, the checkpoint store)."""
     from tlt_stream.config import override
 
-    sd = config.launch.sd
+    sd = plan.sd
     train = sd == "eagle" and config.drafter.train
     values: dict[str, object] = {
         "learner.run_dir": str(plan.run_dir),
-        "learner.policy": str(plan.world / "policy"),
-        "sd.drafter": {"off": None, "ngram": "ngram", "eagle": str(plan.world / "drafter")}[sd],
+        "learner.policy": str(plan.policy_dir),
+        "sd.drafter": {"off": None, "ngram": "ngram", "eagle": str(plan.drafter_dir)}[sd],
         "drafter.state_dir": str(plan.run_dir / "drafter-states") if train else None,
         # Hidden-state windows (~40 KB a sample) only feed drafter training: without it, nobody reads them.
         "rollout.stream_hidden": config.rollout.stream_hidden and train,
@@ -227,21 +252,34 @@ class Supervisor:
         return {name: p.returncode for name, p in self.processes.items()}
 
 
-def evaluate_version(run_dir: Path, version: int, policy_dir: Path, *, n: int, seed: int, threads: int) -> dict:
-    """Held-out accuracy of one policy version at the rollout temperature, appended to `eval.jsonl`."""
+def evaluate_version(
+    run_dir: Path, version: int, policy_dir: Path, *, n: int, seed: int, threads: int, config: Config | None = None
+) -> dict:
+    """Held-out accuracy of one policy version at the rollout temperature, appended to `eval.jsonl`: on
+    `data.eval_dataset` with the run's reward when the configuration names one (also its mean reward), else
+    on the tiny world's held-out problems."""
     import json
 
     import torch
 
-    from tlt_stream.tasks.evaluate import evaluate
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    extra: dict = {}
     try:
-        report = evaluate(policy_dir, n=n, temperature=1.0, seed=seed, batch_size=64)
+        if config is not None and config.data.eval_dataset is not None:
+            from tlt_stream.rl.evaluate import evaluate_dataset
+
+            report = evaluate_dataset(policy_dir, config, n=n, batch_size=64)
+            n = report["prompts"]
+            extra = {"mean_reward": report["mean_reward"], "dataset": report["dataset"]}
+        else:
+            from tlt_stream.tasks.evaluate import evaluate
+
+            report = evaluate(policy_dir, n=n, temperature=1.0, seed=seed, batch_size=64)
     finally:
         torch.set_num_threads(previous)
     row = {"version": version, "accuracy": report["accuracy"], "prompts": n, "seed": seed, "policy": str(policy_dir)}
+    row.update(extra)
     run_dir.mkdir(parents=True, exist_ok=True)
     with (run_dir / "eval.jsonl").open("a") as out:
         out.write(json.dumps(row) + "\n")

@@ -178,3 +178,27 @@ def test_a_final_norm_scale_needs_a_final_norm_and_a_positive_value() -> None:
 
     with pytest.raises(ValueError, match=r"model\.model\.norm\.weight; Headless has none"):
         LearnerCore(Headless(), LearnerSettings(final_norm_lr_scale=2.0))
+
+
+def test_a_bf16_checkpoint_trains_on_fp32_masters_at_an_rl_learning_rate(tmp_path) -> None:
+    from tlt_stream.rl.learner import load_for_training
+
+    tiny_model().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    saved = {k: v.clone() for k, v in load_for_training(tmp_path / "bf16").state_dict().items()}
+    model = load_for_training(tmp_path / "bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}, "the master weights are fp32"
+    core = LearnerCore(model, LearnerSettings(lr=1e-6))
+    for _ in range(2):
+        core.step([make_group(model, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])])
+    changed = sum(int((v != saved[k]).sum()) for k, v in model.state_dict().items())
+    total = sum(v.numel() for v in saved.values())
+    assert changed / total > 0.9, f"only {changed} of {total} weights moved at lr 1e-6"
+    assert {o.dtype for s in core.optimizer.state.values() for o in s.values() if o.dim()} == {torch.float32}
+
+    # What the fp32 masters prevent: the same update applied to bf16 weights rounds to nothing.
+    naive = tiny_model().to(torch.bfloat16)
+    frozen = {k: v.clone() for k, v in naive.state_dict().items()}
+    naive_core = LearnerCore(naive, LearnerSettings(lr=1e-6))
+    naive_core.step([make_group(naive, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])])
+    changed = sum(int((v != frozen[k]).sum()) for k, v in naive.state_dict().items())
+    assert changed / total < 0.1, f"bf16 weights swallow an lr 1e-6 update, yet {changed} of {total} moved"

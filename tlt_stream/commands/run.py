@@ -28,6 +28,11 @@ def register(commands: Any) -> None:
     setting(run, "--workers", keys="launch.workers")
     run.add_argument("--out", help="run directory (default runs/RUN-TIMESTAMP)")
     setting(run, "--world", keys="launch.world")
+    setting(run, "--policy", keys="launch.policy")
+    setting(run, "--drafter", keys="launch.drafter")
+    setting(run, "--dataset", keys="data.dataset")
+    setting(run, "--eval-dataset", keys="data.eval_dataset")
+    setting(run, "--reward", keys="rollout.reward")
     setting(run, "--prompts-per-step", keys="policy.prompts_per_step")
     setting(run, "--group-size", keys="policy.group_size")
     setting(run, "--max-staleness", keys="policy.max_staleness")
@@ -67,9 +72,13 @@ def handle(args: argparse.Namespace) -> int:
     from tlt_stream.model import resolve_device
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
+    from tlt_stream.rl.datasets import DatasetError
     from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
 
-    config = load(args, default_preset=TINY_WORLD)
+    config = load(args)
+    own = config.launch.policy is not None  # a policy of one's own: no world, no tiny-world recipe
+    if not own:
+        config = load(args, default_preset=TINY_WORLD)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per run unless one is named
         config = msgspec.structs.replace(config, run=f"{config.run}-{stamp}")
@@ -88,7 +97,7 @@ def handle(args: argparse.Namespace) -> int:
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     with PhaseProgress() as progress:
-        if (why := _world_to_build(world, sd)) is not None:
+        if not own and (why := _world_to_build(world, sd)) is not None:
             pending = unfinished(world) or {}
             print(f"tlt-stream run: {why}; bootstrapping the tiny world (a few minutes)", file=sys.stderr)
             size = pending.get("size") if pending.get("size") in SIZES else "default"
@@ -97,13 +106,29 @@ def handle(args: argparse.Namespace) -> int:
             resolve_device(config.rollout.device)  # a bad --device fails here, not in every service after start-up
             resolve_device(config.learner.device)
             plan = RunPlan(world=world, run_dir=out, config=config, cores=cores)
-        except (FileNotFoundError, ValueError) as exc:
+            if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
+                from tlt_stream.launch import service_config
+                from tlt_stream.roles.policy import task_source
+
+                pool = task_source(service_config(plan, config))
+                print(
+                    f"tlt-stream run: {config.data.dataset}: {len(pool)} prompts, {pool.skipped} over the prompt "
+                    "limit skipped (data.max_prompt_len)",
+                    file=sys.stderr,
+                )
+        except (FileNotFoundError, ValueError, DatasetError) as exc:
             print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return EXIT_CONFIG
         print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
+        if own and plan.sd != sd:
+            print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
+        if evals and own and config.data.eval_dataset is None:
+            print("tlt-stream run: no --eval-dataset for this policy: no held-out evaluation", file=sys.stderr)
+            evals = 0
         if evals and not (out / "eval.jsonl").exists():
-            row = evaluate_version(out, 0, world / "policy", n=evals, seed=seed, threads=cores)
-            print(f"held-out accuracy before training: {row['accuracy']:.3f} ({evals} prompts)", file=sys.stderr)
+            row = evaluate_version(out, 0, plan.policy_dir, n=evals, seed=seed, threads=cores, config=config)
+            shown = row["prompts"]
+            print(f"held-out accuracy before training: {row['accuracy']:.3f} ({shown} prompts)", file=sys.stderr)
         started = time.perf_counter()
 
         def on_step(rows: list[dict]) -> None:
@@ -140,7 +165,7 @@ def handle(args: argparse.Namespace) -> int:
 
         final = latest_checkpoint(out / "checkpoints")
         assert final is not None
-        row = evaluate_version(out, final.step, final.policy_dir, n=evals, seed=seed, threads=cores)
+        row = evaluate_version(out, final.step, final.policy_dir, n=evals, seed=seed, threads=cores, config=config)
         print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
     try:
         where = f"report: {write_report(out)}"

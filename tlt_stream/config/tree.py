@@ -26,6 +26,7 @@ __all__ = [
     "PRESETS",
     "BusConfig",
     "Config",
+    "DataConfig",
     "DrafterConfig",
     "LaunchConfig",
     "LearnerConfig",
@@ -158,6 +159,41 @@ class PolicyConfig(_Section, frozen=True):
     seed: Annotated[int, _doc("Seed of the prompt source (the prompts of step s depend on (seed, s) only).")] = 0
 
 
+class DataConfig(_Section, frozen=True):
+    """The prompts: the tiny world's task, or a dataset of your own."""
+
+    dataset: Annotated[
+        str | None,
+        _doc(
+            "Training prompts: a JSONL or Parquet file (verl's parquet included) with a prompt and a reference "
+            "answer per row, visited in epochs, shuffled by policy.seed. None: the tiny world's task."
+        ),
+    ] = None
+    eval_dataset: Annotated[
+        str | None, _doc("Held-out prompts (same format) evaluated before and after training. None: no dataset eval.")
+    ] = None
+    prompt_field: Annotated[
+        str, _doc("The row's prompt: a string or a list of {role, content} messages (dotted for nested records).")
+    ] = "prompt"
+    answer_field: Annotated[
+        str | None,
+        _doc(
+            "The row's reference answer (dotted for nested records). None: `answer`, else verl's "
+            "`reward_model.ground_truth`, whichever the first row has."
+        ),
+    ] = None
+    chat_template: Annotated[
+        bool, _doc("Render prompts with the tokenizer's chat template when it has one (a string as one user turn).")
+    ] = True
+    max_prompt_len: Annotated[
+        PositiveInt | None,
+        _doc("Prompts longer than this (tokens) are skipped at load and counted. None: half of rollout.max_len."),
+    ] = None
+    tokenizer: Annotated[
+        str | None, _doc("The tokenizer the prompts are encoded with. None: the policy's (learner.policy).")
+    ] = None
+
+
 class RolloutConfig(_Section, frozen=True):
     """A rollout worker: generation, rewards and what it streams."""
 
@@ -177,7 +213,14 @@ class RolloutConfig(_Section, frozen=True):
     steps_per_hop: Annotated[
         int, _doc("Engine steps per trip to the worker thread (fewer trips, a little more latency).", ge=1)
     ] = 8
-    reward: Annotated[str, _doc("Reward function: repeated_add (the tiny task) or math.")] = "repeated_add"
+    reward: Annotated[
+        str,
+        _doc(
+            "Reward: repeated_add (the tiny task), math (math-verify on the last \\boxed{}), exact (the stripped "
+            "response equals the answer), or your own function as module:function or path/to/file.py:function, "
+            "called as f(response, answer) -> float."
+        ),
+    ] = "repeated_add"
     backend: Annotated[
         Literal["torch", "vllm"],
         _doc(
@@ -383,6 +426,17 @@ class LaunchConfig(_Section, frozen=True):
             "the default; one given is used as it is."
         ),
     ] = "artifacts/world"
+    policy: Annotated[
+        str | None,
+        _doc(
+            "A policy checkpoint of your own (a Hugging Face directory) instead of the tiny world: no bootstrap, "
+            "no tiny-world preset (the learner's defaults are the field's)."
+        ),
+    ] = None
+    drafter: Annotated[
+        str | None,
+        _doc("With launch.policy: its EAGLE drafter directory. None: sd eagle falls back to n-gram drafts."),
+    ] = None
     sd: Annotated[
         Literal["off", "eagle", "ngram"],
         _doc("Rollout speculative decoding: eagle (the world's drafter, adaptive SD, trained online), ngram or off."),
@@ -411,6 +465,7 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     policy: Annotated[PolicyConfig, _doc("The policy service and the run's step shape.")] = field(
         default_factory=PolicyConfig
     )
+    data: Annotated[DataConfig, _doc("Prompts and datasets.")] = field(default_factory=DataConfig)
     rollout: Annotated[RolloutConfig, _doc("Rollout workers.")] = field(default_factory=RolloutConfig)
     sd: Annotated[SdConfig, _doc("Speculative decoding.")] = field(default_factory=SdConfig)
     drafter: Annotated[DrafterConfig, _doc("Online drafter training.")] = field(default_factory=DrafterConfig)

@@ -1,7 +1,14 @@
 """The torch runtime: a Llama/Qwen2-family decoder, its slot-addressed KV cache, and checkpoint loading."""
 
 from tlt_stream.model.cache import KVCache
-from tlt_stream.model.loader import CheckpointError, load_model, load_spec, resolve_device, spec_from_hf_config
+from tlt_stream.model.loader import (
+    CheckpointError,
+    load_model,
+    load_spec,
+    resolve_device,
+    spec_from_hf_config,
+    stop_token_ids,
+)
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
@@ -14,4 +21,5 @@ __all__ = [
     "load_spec",
     "resolve_device",
     "spec_from_hf_config",
+    "stop_token_ids",
 ]

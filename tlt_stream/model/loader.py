@@ -228,3 +228,21 @@ def load_model(
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, assign=True)
     model.inv_freq = rope_inv_freq(spec).to(device)
     return model.eval().requires_grad_(False)
+
+
+def stop_token_ids(model_dir: str | Path, tokenizer: Any = None) -> list[int]:
+    """Every id a response of this checkpoint stops at: the `eos_token_id` of `generation_config.json` and
+    of `config.json` (an int or a list: Qwen's chat models stop on `<|im_end|>` and `<|endoftext|>`) and the
+    tokenizer's own `eos_token_id`, sorted; a malformed file counts for nothing."""
+    found: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((Path(model_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        values = value if isinstance(value, list) else [value]
+        found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    own = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(own, int) and own >= 0:
+        found.add(own)
+    return sorted(found)

@@ -17,7 +17,10 @@ from typing import Any
 
 from tlt_stream.common import stable_hex
 
-__all__ = ["DatasetError", "Example", "load_examples"]
+__all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples"]
+
+ANSWER_FIELDS = ("answer", "reward_model.ground_truth")
+"""Where a row's reference answer is looked for when no field is named: a plain row's, then verl's."""
 
 
 class DatasetError(Exception):
@@ -68,10 +71,23 @@ def _field(row: Any, dotted: str) -> Any:
     return node
 
 
-def _render(prompt: Any, tokenizer: Any, where: str) -> str:
+def _has(row: Any, dotted: str) -> bool:
+    try:
+        _field(row, dotted)
+    except KeyError:
+        return False
+    return True
+
+
+def _render(prompt: Any, tokenizer: Any, where: str, chat_template: bool = True) -> str:
+    templated = chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt is empty")
+        if templated:
+            return tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         return prompt
     if (
         isinstance(prompt, list)
@@ -80,7 +96,7 @@ def _render(prompt: Any, tokenizer: Any, where: str) -> str:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
         )
     ):
-        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        if templated:
             return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return "\n".join(f"{m['role']}: {m['content']}" for m in prompt) + "\nassistant:"
     raise DatasetError(f"{where}: the prompt must be a string or a list of {{role, content}} messages")
@@ -90,11 +106,14 @@ def load_examples(
     path: str | Path,
     *,
     prompt_field: str = "prompt",
-    answer_field: str = "answer",
+    answer_field: str | None = None,
     tokenizer: Any = None,
+    chat_template: bool = True,
 ) -> list[Example]:
-    """Every row of a JSONL or Parquet file as an `Example`. For verl-style parquet use
-    `answer_field="reward_model.ground_truth"`."""
+    """Every row of a JSONL or Parquet file as an `Example`. `answer_field` None: the first of
+    `ANSWER_FIELDS` the first row has (verl-style parquet keeps it in `reward_model.ground_truth`). String
+    prompts are rendered as one user turn with the tokenizer's chat template when `chat_template` and the
+    tokenizer has one; message lists always are."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file does not exist")
@@ -103,6 +122,8 @@ def load_examples(
         where = f"{path}: row {number}"
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected an object")
+        if answer_field is None:
+            answer_field = next((f for f in ANSWER_FIELDS if _has(row, f)), ANSWER_FIELDS[0])
         try:
             prompt = _field(row, prompt_field)
         except KeyError:
@@ -115,9 +136,60 @@ def load_examples(
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():
             raise DatasetError(f"{where}: field {answer_field!r} must be a non-empty string or number")
-        text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}")
+        text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}", chat_template)
         prompt_id = stable_hex(f"{text}\x00{answer}", 16)
         examples.append(Example(prompt_id, text, answer))
     if not examples:
         raise DatasetError(f"{path}: no rows")
     return examples
+
+
+class PromptPool:
+    """The training prompts of a dataset, tokenised, visited in epochs: epoch e is a permutation of the pool
+    drawn from (seed, e), and step s takes the `count` prompts after the first s x count of the endless
+    sequence of epochs. A pure function of (seed, step, count), so a restarted policy service continues
+    exactly where it was. Prompts over `max_prompt_len` tokens are left out at load and counted (`skipped`)."""
+
+    def __init__(self, examples: list[Example], tokenizer: Any, *, seed: int, max_prompt_len: int, where: str = ""):
+        self.seed = seed
+        self.rows: list[tuple[str, str, list[int], str]] = []
+        self.skipped = 0
+        for example in examples:
+            ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+            if not ids or len(ids) > max_prompt_len:
+                self.skipped += 1
+                continue
+            self.rows.append((example.prompt_id, example.prompt, list(ids), example.answer))
+        if not self.rows:
+            raise DatasetError(
+                f"{where or 'the dataset'}: all {len(examples)} prompts are longer than {max_prompt_len} tokens "
+                "(data.max_prompt_len)"
+            )
+        self._orders: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _order(self, epoch: int) -> list[int]:
+        import random
+
+        from tlt_stream.common import stable_int
+
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            order = list(range(len(self.rows)))
+            random.Random(stable_int(f"prompt-pool/{self.seed}/{epoch}", 12)).shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def epoch_of(self, step: int, count: int) -> int:
+        return step * count // len(self.rows)
+
+    def prompts(self, step: int, count: int) -> list[tuple[str, str, list[int], str]]:
+        """`count` (prompt_id, prompt text, prompt token ids, reference answer) for `step`."""
+        out = []
+        for k in range(step * count, (step + 1) * count):
+            epoch, i = divmod(k, len(self.rows))
+            out.append(self.rows[self._order(epoch)[i]])
+        return out

@@ -25,7 +25,7 @@ from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
 from tlt_stream.rl.metrics import length_summary
 
-__all__ = ["LearnerCore", "LearnerSettings", "final_norm_gain"]
+__all__ = ["LearnerCore", "LearnerSettings", "final_norm_gain", "load_for_training"]
 
 
 @dataclass(frozen=True)
@@ -236,3 +236,13 @@ class LearnerCore:
         if self.settings.temperature != 1.0:
             logits = logits / self.settings.temperature
         return token_logprobs(logits, batch["ids"][:, 1:])
+
+
+def load_for_training(source: Any, device: str = "cpu") -> Any:
+    """A Hugging Face checkpoint as the learner's model: fp32 weights whatever dtype the checkpoint was saved
+    in. transformers 5 loads a bf16 checkpoint as bf16, and AdamW on bf16 weights rounds an RL-sized update
+    (lr ~1e-6 on weights of ~1e-2) to nothing: the run would look like it trains while the weights stand
+    still. The fp32 weights are the master copy the optimizer state belongs to."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source, use_safetensors=True, dtype=torch.float32).to(device)

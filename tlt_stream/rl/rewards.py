@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tlt_stream.tasks.repeated_add import reward as repeated_add_reward
 
-__all__ = ["REWARDS", "RewardFn", "last_boxed", "math_reward"]
+__all__ = ["REWARDS", "RewardError", "RewardFn", "exact_reward", "last_boxed", "math_reward", "resolve_reward"]
 
 RewardFn = Callable[[str, str], float]
 
@@ -49,4 +49,48 @@ def math_reward(response: str, answer: str) -> float:
         return 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"repeated_add": repeated_add_reward, "math": math_reward}
+def exact_reward(response: str, answer: str) -> float:
+    """1.0 when the response, stripped, is the answer, stripped."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+REWARDS: dict[str, RewardFn] = {"repeated_add": repeated_add_reward, "math": math_reward, "exact": exact_reward}
+
+
+class RewardError(ValueError):
+    """A reward name that names nothing callable; the message is one line."""
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in reward by name, or a function of your own: `package.module:function` (importable) or
+    `path/to/file.py:function` (loaded from the file). Raises `RewardError` with one line."""
+    if name in REWARDS:
+        return REWARDS[name]
+    module_name, sep, attribute = name.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise RewardError(
+            f"unknown reward {name!r}: use {', '.join(REWARDS)}, module:function or path/to/file.py:function"
+        )
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise RewardError(f"reward {name!r}: {path} does not exist")
+            spec = importlib.util.spec_from_file_location(f"tlt_user_reward_{abs(hash(path.resolve()))}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except RewardError:
+        raise
+    except Exception as exc:  # the user's module failed to import: say which and why, in one line
+        raise RewardError(f"reward {name!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise RewardError(f"reward {name!r}: {module_name} has no function {attribute!r}")
+    return function

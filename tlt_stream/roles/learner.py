@@ -49,7 +49,7 @@ from tlt_stream.rl.checkpoint import (
     save_checkpoint,
 )
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
-from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+from tlt_stream.rl.learner import LearnerCore, LearnerSettings, load_for_training
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.validate import sample_problem
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
@@ -253,12 +253,12 @@ class LearnerService:
     def _build(self, source: Path) -> None:
         """The policy (safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled), its
         tokenizer when it has one, and the learner core around them."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if not source.is_dir():
             raise FileNotFoundError(f"{source}: initial policy directory does not exist")
         try:
-            model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).to(self.settings.device)
+            model = load_for_training(source, self.settings.device)
         except (OSError, ValueError, KeyError) as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{source}: cannot load the policy ({reason})") from exc

@@ -256,20 +256,57 @@ class PolicyService:
         return at
 
 
+def task_source(config: Config) -> TaskSource:
+    """The prompts of the run: the tiny world's task, or `data.dataset` as a `PromptPool` (encoded with
+    `data.tokenizer`, else the policy's tokenizer; prompts over `data.max_prompt_len` left out and counted)."""
+    if config.data.dataset is None:
+        from tlt_stream.tasks.tokenizer import build_tokenizer
+
+        return RepeatedAddSource(build_tokenizer(), seed=config.policy.seed)
+    from transformers import AutoTokenizer
+
+    from tlt_stream.rl.datasets import PromptPool, load_examples
+
+    where = config.data.tokenizer or config.learner.policy
+    if where is None:
+        raise ValueError("data.dataset needs a tokenizer: set data.tokenizer or learner.policy (--policy)")
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    examples = load_examples(
+        config.data.dataset,
+        prompt_field=config.data.prompt_field,
+        answer_field=config.data.answer_field,
+        tokenizer=tokenizer,
+        chat_template=config.data.chat_template,
+    )
+    limit = config.data.max_prompt_len or config.rollout.max_len // 2
+    pool = PromptPool(examples, tokenizer, seed=config.policy.seed, max_prompt_len=limit, where=config.data.dataset)
+    log.info(
+        "%s: %d prompts (%d longer than %d tokens skipped), %d per step: an epoch every %.1f steps",
+        config.data.dataset, len(pool), pool.skipped, limit, config.policy.prompts_per_step,
+        len(pool) / config.policy.prompts_per_step,
+    )  # fmt: skip
+    return pool
+
+
 def serve_policy(config: Config) -> int:
     """`tlt-stream policy` / `services/policy.py`: dispatch steps until SIGTERM/SIGINT, or until all policy.steps are
     dispatched and trained."""
     import sys
 
-    from tlt_stream.roles.serve import serve
-    from tlt_stream.tasks.tokenizer import build_tokenizer
+    from tlt_stream.rl.datasets import DatasetError
+    from tlt_stream.roles.serve import refuse, serve
+
+    try:
+        source = task_source(config)
+    except (DatasetError, ValueError, OSError) as exc:
+        return refuse("tlt-stream policy", str(exc))
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
         service = PolicyService(
             config,
             redis,
             control,
-            RepeatedAddSource(build_tokenizer(), seed=config.policy.seed),
+            source,
             prompts_per_step=config.policy.prompts_per_step,
             group_size=config.policy.group_size,
             max_staleness=config.policy.max_staleness,

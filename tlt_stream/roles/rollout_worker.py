@@ -46,7 +46,7 @@ from tlt_stream.messages import (
     SdConfigVersion,
     WorkerStatus,
 )
-from tlt_stream.model.loader import CheckpointError
+from tlt_stream.model.loader import CheckpointError, stop_token_ids
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
@@ -186,6 +186,8 @@ class RolloutWorker:
         self.registry = WorkerRegistry(redis, self.keys, config.bus, self.producer, worker_id, role="rollout")
         self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
+        self.stop_ids: list[int] = []
+        """Every EOS id of the loaded policy (`model.stop_token_ids`)."""
         self.policy: PolicyVersion | None = None
         self.versions = PolicyVersions()
         """Refused policy versions, and one that was not there when we tried to load it (tried again after
@@ -384,6 +386,7 @@ class RolloutWorker:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
+        self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
         if self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
             self.engine.load_policy(announced.location)
         else:
@@ -509,7 +512,7 @@ class RolloutWorker:
         if group.task_id in self.tasks:  # the same task redelivered while we still work on it
             return
         budget = self.settings.max_len - len(group.prompt_ids)  # >= 1: `_read_tasks` dead-letters the rest
-        eos = [self.tokenizer.eos_token_id]
+        eos = self.stop_ids
         for index in range(group.group_size):
             seed = stable_int(f"{group.task_id}/{index}", 12)
             self.engine.add_request(
@@ -656,15 +659,17 @@ def serve_rollout_worker(config: Config) -> int:
 
     import torch
 
-    from tlt_stream.rl.rewards import REWARDS
+    from tlt_stream.rl.rewards import RewardError, resolve_reward
     from tlt_stream.roles.serve import device_or_refuse, refuse, serve
 
     own, sd = config.rollout, config.sd
     command = "tlt-stream rollout-worker"
     if config.drafter.state_dir is not None and config.drafter.train and sd.drafter in (None, "ngram"):
         return refuse(command, "drafter.state_dir (--train-drafter) needs sd.drafter DIR (the drafter to start from)")
-    if own.reward not in REWARDS:
-        return refuse(command, f"unknown reward {own.reward!r}; choose {', '.join(REWARDS)}")
+    try:
+        reward = resolve_reward(own.reward)
+    except RewardError as exc:
+        return refuse(command, str(exc))
     if own.backend == "vllm":
         from tlt_stream.rollout.vllm.backend import BackendUnavailable, require_vllm
 
@@ -689,9 +694,7 @@ def serve_rollout_worker(config: Config) -> int:
     worker_id = own.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
-        worker = RolloutWorker(
-            config, redis, control, worker_id=worker_id, reward=REWARDS[own.reward], settings=settings
-        )
+        worker = RolloutWorker(config, redis, control, worker_id=worker_id, reward=reward, settings=settings)
         print(f"{worker_id}: waiting for a policy version", file=sys.stderr)
         await worker.run(stop, max_tasks=own.max_tasks)
         print(f"{worker_id}: stopped after {worker.tasks_done} tasks ({worker.samples_sent} samples)", file=sys.stderr)

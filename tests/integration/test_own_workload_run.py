@@ -1,0 +1,116 @@
+"""`tlt-stream run --policy DIR --dataset TRAIN --eval-dataset TEST --reward FILE:FN`: a workload of one's own,
+end to end, against the real servers.
+
+Evidence from outside the code under test: an audit consumer group created on the run's `prompts` stream
+before it starts keeps every dispatched prompt (the producer trims only what every group acked), so the test
+reads what was dispatched and compares it with the dataset file; the final checkpoint's weights are compared
+with the initial policy's, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from safetensors.torch import load_file
+
+from tlt_stream.bus.streams import Keys
+from tlt_stream.config import Config, load_config
+from tlt_stream.messages import codec_for
+from tlt_stream.rl.checkpoint import latest_checkpoint
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt, pytest.mark.slow]
+
+TRAIN = [{"question": f"{a}+{b}=", "solution": {"value": str(a + b)}} for a, b in [(1, 2), (3, 4), (5, 6)]]
+REWARD = "def score(response, answer):\n    return float(len(response) % 2)  # variance on a random policy\n"
+
+
+def env_for(config: Config) -> dict[str, str]:
+    assert config.bus.redis_url and config.bus.mqtt_url
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
+    return {**clean, "TLT_REDIS_URL": config.bus.redis_url, "TLT_MQTT_URL": config.bus.mqtt_url}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+async def run(config: Config, *args: str, timeout: float = 240) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tlt_stream.cli", "run", "--run", config.run, *args),
+        env=env_for(config),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(timeout):
+        _, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stderr.decode()
+
+
+async def test_a_policy_dataset_and_reward_of_ones_own_train_and_evaluate(
+    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", TRAIN)
+    test = write_jsonl(tmp_path / "test.jsonl", TRAIN[:2])
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    out = tmp_path / "run"
+    assert bus_config.bus.redis_url
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    prompts = Keys(bus_config.run).stream("prompts")
+    await redis.xgroup_create(prompts, "audit", id="0", mkstream=True)  # keeps every dispatched prompt
+    try:
+        code, log = await run(
+            bus_config,
+            *("--policy", str(init_policy), "--dataset", str(train), "--eval-dataset", str(test)),
+            *("--reward", f"{tmp_path / 'my_reward.py'}:score", "--steps", "2", "--out", str(out)),
+            *("--prompts-per-step", "2", "--group-size", "4", "--max-len", "48", "--eval", "8"),
+            *("--set", "data.prompt_field=question", "--set", "data.answer_field=solution.value"),
+        )
+        assert code == 0, log[-3000:]
+        assert "no drafter for" in log and "drafting n-grams" in log, "no drafter of its own: n-gram drafts"
+        entries = await redis.xrange(prompts)
+    finally:
+        await redis.aclose()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(init_policy)
+    dataset = {(row["question"], row["solution"]["value"]) for row in TRAIN}
+    codec = codec_for("prompts")
+    dispatched = [codec.decode(fields[b"m"]) for _, fields in entries]
+    assert len(dispatched) == 4, "2 steps of 2 prompts"
+    seen = [(tokenizer.decode(g.prompt_ids), g.answer) for g in dispatched]
+    assert set(seen) <= dataset, seen
+    assert set(seen[:3]) == dataset, "the first epoch visits every prompt once before any comes again"
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2]
+    final = latest_checkpoint(out / "checkpoints")
+    assert final is not None and final.step == 2
+    before, after = load_file(init_policy / "model.safetensors"), load_file(final.policy_dir / "model.safetensors")
+    moved = [name for name in before if not before[name].equal(after[name])]
+    assert moved, "the learner's updates changed the weights"
+
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2] and all(e["dataset"] == str(test) for e in evals)
+    assert all(e["prompts"] == 2 and 0 <= e["mean_reward"] <= 1 for e in evals)
+    served = load_config(out / "config.toml", environ={})
+    assert served.preset is None and served.learner.lr == 1e-6, "a model of one's own gets the field's defaults"
+    assert served.learner.policy == str(init_policy) and served.sd.drafter == "ngram"
+
+
+async def test_a_bad_dataset_row_stops_the_run_in_one_line_naming_file_row_and_field(
+    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}])
+    code, log = await run(
+        bus_config, "--policy", str(init_policy), "--dataset", str(train), "--max-len", "48", "--out", str(tmp_path)
+    )
+    lines = [line for line in log.splitlines() if line.startswith("tlt-stream run:")]
+    assert code == 2 and lines[-1] == f"tlt-stream run: {train}: row 2: missing field 'answer'", log[-2000:]

@@ -1,0 +1,72 @@
+"""Held-out evaluation on a dataset of your own: pass@1 and mean reward of a policy checkpoint.
+
+The first `n` prompts of the eval dataset (the same ones at every evaluation), one sample each at the
+rollout temperature, stopped at any of the checkpoint's EOS ids, scored with the run's reward. pass@1 counts
+a response with reward >= 1 as solved (the built-in rewards are 0 or 1); the mean reward is reported beside
+it for rewards that are not.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from tlt_stream.config import Config
+from tlt_stream.rl.datasets import PromptPool, load_examples
+from tlt_stream.rl.rewards import resolve_reward
+
+__all__ = ["evaluate_dataset"]
+
+
+def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_size: int = 32) -> dict[str, Any]:
+    """pass@1 and mean reward of `policy_dir` on `config.data.eval_dataset` (its first `n` usable prompts)."""
+    from transformers import AutoTokenizer
+
+    from tlt_stream.model import load_model, stop_token_ids
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    data = config.data
+    assert data.eval_dataset is not None
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    examples = load_examples(
+        data.eval_dataset,
+        prompt_field=data.prompt_field,
+        answer_field=data.answer_field,
+        tokenizer=tokenizer,
+        chat_template=data.chat_template,
+    )
+    limit = data.max_prompt_len or config.rollout.max_len // 2
+    pool = PromptPool(examples, tokenizer, seed=0, max_prompt_len=limit, where=data.eval_dataset)
+    rows = pool.rows[:n]
+    reward = resolve_reward(config.rollout.reward)
+    model = load_model(policy_dir)
+    max_len = min(config.rollout.max_len, model.spec.max_position_embeddings)
+    engine = GenerationEngine(model, batch_size, max_len)
+    stops = stop_token_ids(policy_dir, tokenizer)
+    started = time.perf_counter()
+    ids = [
+        engine.add_request(
+            prompt_ids, max_len - len(prompt_ids), config.rollout.temperature, config.policy.seed + i, stops
+        )
+        for i, (_, _, prompt_ids, _) in enumerate(rows)
+    ]
+    done: dict[Any, Any] = {}
+    while engine.has_unfinished:
+        for result in engine.step():
+            done[result.request_id] = result
+    rewards = []
+    for request, (_, _, _, answer) in zip(ids, rows, strict=True):
+        text = tokenizer.decode(done[request].token_ids, skip_special_tokens=True)
+        rewards.append(float(reward(text, answer)))
+    lengths = [len(done[i].token_ids) for i in ids]
+    return {
+        "dataset": data.eval_dataset,
+        "prompts": len(rows),
+        "skipped_long_prompts": pool.skipped,
+        "accuracy": sum(r >= 1.0 for r in rewards) / len(rows),
+        "mean_reward": sum(rewards) / len(rows),
+        "truncated": sum(done[i].finish_reason == "length" for i in ids) / len(rows),
+        "length_mean": sum(lengths) / len(lengths),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
