@@ -202,3 +202,60 @@ def test_a_bf16_checkpoint_trains_on_fp32_masters_at_an_rl_learning_rate(tmp_pat
     naive_core.step([make_group(naive, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])])
     changed = sum(int((v != frozen[k]).sum()) for k, v in naive.state_dict().items())
     assert changed / total < 0.1, f"bf16 weights swallow an lr 1e-6 update, yet {changed} of {total} moved"
+
+
+def shifted(group: ReadyGroup, by: float) -> ReadyGroup:
+    """The group as a rollout engine whose log-probabilities are off by `by` on every token would report it."""
+    samples = [
+        s.__class__(
+            **{
+                **{f: getattr(s, f) for f in s.__struct_fields__},
+                "logprobs": Tensor.from_torch(s.logprobs.to_torch() + by),
+            }
+        )
+        for s in group.samples
+    ]
+    return ReadyGroup(group.task_id, samples, group.entry_ids)
+
+
+def test_every_update_reports_the_rollout_vs_learner_logprob_mismatch() -> None:
+    model = tiny_model()
+    same = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6)).step(
+        [make_group(model, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])]
+    )
+    assert same["logprob_mismatch_mean"] < 1e-5 and same["logprob_mismatch_max"] < 1e-5
+    off = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6)).step(
+        [shifted(make_group(model, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0]), -0.25)]
+    )
+    assert off["logprob_mismatch_mean"] == pytest.approx(0.25, abs=1e-4)
+    assert off["logprob_mismatch_max"] == pytest.approx(0.25, abs=1e-4)
+
+
+def test_truncated_importance_sampling_weights_tokens_by_the_capped_learner_over_rollout_ratio() -> None:
+    model = tiny_model()
+    group = make_group(model, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])
+    # The rollout saw every token as e^-1 less likely than the learner does: weight min(e, 2) = 2 everywhere,
+    # so the first update is exactly that of lr x 2 without TIS on matching logprobs (Adam is scale-free in
+    # the gradient, so compare the loss instead: it doubles).
+    plain = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6)).step([group])
+    tis = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6, tis_cap=2.0)).step([shifted(group, -1.0)])
+    assert tis["tis_weight_mean"] == pytest.approx(2.0)
+    assert tis["loss"] == pytest.approx(2 * plain["loss"], rel=1e-4)
+    uncapped = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6, tis_cap=10.0)).step([shifted(group, -1.0)])
+    assert uncapped["tis_weight_mean"] == pytest.approx(2.718281828, rel=1e-4)
+
+
+def test_overlong_masking_leaves_cut_off_responses_out_of_the_loss() -> None:
+    import msgspec
+
+    model = tiny_model()
+    group = make_group(model, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])
+    cut = ReadyGroup(
+        group.task_id,
+        [msgspec.structs.replace(s, finish_reason="length") if s.index == 0 else s for s in group.samples],
+        group.entry_ids,
+    )
+    kept = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6)).step([cut])
+    masked = LearnerCore(copy.deepcopy(model), LearnerSettings(lr=1e-6, overlong="mask")).step([cut])
+    assert kept["truncated"] == masked["truncated"] == 1.0
+    assert kept["trained_tokens"] == 16 and masked["trained_tokens"] == 16 - len(GOOD)

@@ -388,6 +388,22 @@ class LearnerConfig(_Section, frozen=True):
     clip_low: Annotated[float, _doc("PPO ratio lower clip: 1 - clip_low.", ge=0)] = 0.2
     clip_high: Annotated[float, _doc("PPO ratio upper clip: 1 + clip_high (DAPO's clip-higher).", ge=0)] = 0.28
     kl_coef: Annotated[float, _doc("Weight of the k3 KL penalty to the frozen reference (0: none kept).", ge=0)] = 0.0
+    overlong: Annotated[
+        Literal["keep", "mask"],
+        _doc(
+            "Responses cut off at rollout.max_len (finish reason length, counted per step as `truncated`): keep "
+            "them in the loss, or mask them out of it (DAPO's overlong filtering; their group's advantages stand)."
+        ),
+    ] = "keep"
+    tis_cap: Annotated[
+        float | None,
+        _doc(
+            "Truncated importance sampling: each token's loss is weighted by min(p_learner / p_rollout, tis_cap), "
+            "correcting for the rollout engine's numerics (another kernel, dtype or engine than the learner's); "
+            "the PPO ratio is then taken against the learner's own log-probabilities. None: off (the ratio is "
+            "against the rollout's). Each step reports the mismatch either way (logprob_mismatch_mean, _max)."
+        ),
+    ] = None
     scale_advantages: Annotated[
         bool, _doc("Divide group-centred rewards by the group's std (GRPO); false: centring only (Dr. GRPO).")
     ] = True
@@ -413,6 +429,8 @@ class LearnerConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         _check_device(self.device, "learner.device")
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            raise ValueError(f"learner.tis_cap must be >= 1 (got {self.tis_cap})")
 
 
 class LaunchConfig(_Section, frozen=True):

@@ -108,6 +108,7 @@ def grpo_loss(
     config: GrpoLossConfig,
     ref_logprobs: torch.Tensor | None = None,
     total_tokens: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO loss, token-mean over response tokens, and its statistics.
 
@@ -129,6 +130,9 @@ def grpo_loss(
     unclipped one, i.e. their gradient is cut), "approx_kl_old" (mean k3 estimate of KL(old || new),
     r - 1 - log r: nonnegative, second order in log r), "kl_ref" (mean k3 to the reference; 0.0 without
     one) and "tokens" (the response-token count).
+
+    `token_weights` (`[B, T]`, constants): each token's objective is multiplied by its weight (truncated
+    importance sampling's min(p_learner / p_rollout, C)); the KL term is not.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -165,6 +169,10 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)  # [B, T]
+    if token_weights is not None:
+        if token_weights.shape != shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must match logprobs {tuple(shape)}")
+        per_token = per_token * torch.where(response, token_weights.detach().to(dtype), zero)
     kl = None
     if ref_logprobs is not None:
         ref_minus_logp = torch.where(response, ref_logprobs.detach().to(dtype) - logprobs, zero)  # [B, T]

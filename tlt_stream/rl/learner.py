@@ -44,6 +44,10 @@ class LearnerSettings:
     """PPO ratio upper clip: 1 + clip_high (DAPO clip-higher)."""
     kl_coef: float = _D.learner.kl_coef
     """Weight of the k3 KL penalty to the frozen reference (0: no reference is kept)."""
+    tis_cap: float | None = _D.learner.tis_cap
+    overlong: str = _D.learner.overlong
+    """"keep" trains on responses cut off at the length limit; "mask" leaves them out of the loss (DAPO)."""
+    """Truncated importance sampling's cap C (None: off); see the configuration's learner.tis_cap."""
     temperature: float = _D.rollout.temperature
     """The rollout sampling temperature; logits are divided by it so ratios compare like with like."""
     scale_advantages: bool = _D.learner.scale_advantages
@@ -80,6 +84,8 @@ class LearnerSettings:
             clip_low=own.clip_low,
             clip_high=own.clip_high,
             kl_coef=own.kl_coef,
+            tis_cap=own.tis_cap,
+            overlong=own.overlong,
             temperature=config.rollout.temperature,
             scale_advantages=own.scale_advantages,
             final_norm_lr_scale=own.final_norm_lr_scale,
@@ -154,6 +160,8 @@ class LearnerCore:
             "truncated": float(sum(s.finish_reason == "length" for s in samples)),
         }
         used = [i for i in range(len(samples)) if not degenerate[i] and samples[i].response_len > 0]
+        if self.settings.overlong == "mask":  # DAPO's overlong filtering: a cut-off response teaches nothing
+            used = [i for i in used if samples[i].finish_reason != "length"]
         total = sum(samples[i].response_len for i in used)
         metrics["trained_tokens"] = float(total)
         if not used:  # nothing to learn from: no update, and no optimizer step that would decay weights
@@ -164,20 +172,31 @@ class LearnerCore:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
+        mismatch_sum, mismatch_max, tis_sum = 0.0, 0.0, 0.0
         for batch in self._micro_batches(samples, advantages, used):
             logprobs = self._logprobs(self.model, batch)
+            with torch.no_grad():  # rollout vs learner on the same tokens: engine numerics, dtype, staleness
+                delta = (logprobs.detach() - batch["old"]).abs()[batch["mask"]]
+                mismatch_sum += float(delta.sum())
+                mismatch_max = max(mismatch_max, float(delta.max()) if delta.numel() else 0.0)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref = self._logprobs(self.reference, batch)
+            old, weights = batch["old"], None
+            if self.settings.tis_cap is not None:  # the ratio against the learner's own, the rollout's corrected
+                old = logprobs.detach()
+                weights = (old - batch["old"]).exp().clamp(max=self.settings.tis_cap)
+                tis_sum += float(weights[batch["mask"]].sum())
             loss, stats = grpo_loss(
                 logprobs,
-                batch["old"],
+                old,
                 batch["advantages"],
                 batch["mask"],
                 config=self.settings.loss_config,
                 ref_logprobs=ref,
                 total_tokens=total,
+                token_weights=weights,
             )
             loss.backward()
             sums["loss"] += stats["loss"]
@@ -201,6 +220,10 @@ class LearnerCore:
         self.model.eval()
         self.updates += 1
         metrics.update(sums, grad_norm=grad_norm, lr=lr, updated=1.0, learn_seconds=time.perf_counter() - started)
+        metrics["logprob_mismatch_mean"] = mismatch_sum / total
+        metrics["logprob_mismatch_max"] = mismatch_max
+        if self.settings.tis_cap is not None:
+            metrics["tis_weight_mean"] = tis_sum / total
         if self._gain is not None:  # the policy's inverse temperature, in effect: watch it sharpen
             metrics["final_norm_gain"] = float(self._gain.detach().float().mean())
         return metrics

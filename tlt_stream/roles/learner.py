@@ -522,7 +522,7 @@ class LearnerService:
         self._append_metrics(line)
         log.info(
             "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
-            "waited %.1fs",
+            "waited %.1fs; rollout-vs-learner logprob |delta| %.2g (max %.2g)",
             self.version,
             metrics["reward_mean"],
             len(groups),
@@ -531,6 +531,8 @@ class LearnerService:
             metrics["tail_seconds"],
             metrics["learn_seconds"],
             wait,
+            metrics.get("logprob_mismatch_mean", 0.0),
+            metrics.get("logprob_mismatch_max", 0.0),
         )
         self._idle_since = time.perf_counter()
         return metrics
