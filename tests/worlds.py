@@ -42,3 +42,53 @@ def tiny_policy(out: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_like_policy(out: Path) -> Path:
+    """A random Qwen2 policy saved in bf16 with a byte-level BPE tokenizer trained here (`tokenizers`): a chat
+    template, `<|im_end|>` as the tokenizer's EOS and `<|endoftext|>` as a second one that only
+    `generation_config.json` names, as Qwen's chat models ship. The final norm's gain is small, so the
+    next-token distribution is near uniform over the ~260 tokens and a response meets either EOS within a
+    few dozen tokens (what a test needs to see both stop a response)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"Question: what is {a} plus {b}? Answer: {a + b}." for a in range(40) for b in range(7)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT_TEMPLATE
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(0.01)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(out)
+    return out

@@ -114,3 +114,89 @@ async def test_a_bad_dataset_row_stops_the_run_in_one_line_naming_file_row_and_f
     )
     lines = [line for line in log.splitlines() if line.startswith("tlt-stream run:")]
     assert code == 2 and lines[-1] == f"tlt-stream run: {train}: row 2: missing field 'answer'", log[-2000:]
+
+
+async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_trains_and_stops_on_either_eos(
+    one_backend: str, bus_config: Config, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from tests.worlds import qwen_like_policy
+
+    policy = qwen_like_policy(tmp_path / "qwen")
+    rows = [
+        {
+            "data_source": "gsm8k-like",
+            "prompt": [{"role": "user", "content": f"Question: what is {a} plus {b}?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"index": i},
+        }
+        for i, (a, b) in enumerate([(1, 2), (3, 4), (5, 6), (7, 8)])
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "test.parquet")
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    out = tmp_path / "run"
+    assert bus_config.bus.redis_url
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    keys = Keys(bus_config.run)
+    await redis.xgroup_create(keys.stream("prompts"), "audit", id="0", mkstream=True)  # keeps every entry
+
+    async def audit_samples() -> None:
+        """An audit group on `samples` as soon as the stream exists (it may not before the run starts: a new
+        run is one whose samples stream is absent); the learner trims only what every group acked, and its
+        first trim comes after the first update, seconds after the first sample."""
+        while not await redis.exists(keys.stream("samples")):  # noqa: ASYNC110 (a poll of Redis, not of a flag)
+            await asyncio.sleep(0.01)
+        await redis.xgroup_create(keys.stream("samples"), "audit", id="0")
+
+    auditor = asyncio.create_task(audit_samples())
+    try:
+        code, log = await run(
+            bus_config,
+            *("--policy", str(policy), "--dataset", str(tmp_path / "train.parquet")),
+            *("--eval-dataset", str(tmp_path / "test.parquet"), "--reward", f"{tmp_path / 'my_reward.py'}:score"),
+            *("--steps", "2", "--prompts-per-step", "4", "--group-size", "8", "--max-len", "160", "--eval", "2"),
+            *("--sd", "off", "--out", str(out)),
+        )
+        assert code == 0, log[-3000:]
+        assert auditor.done()
+        await auditor
+        prompts = await redis.xrange(keys.stream("prompts"))
+        samples = await redis.xrange(keys.stream("samples"))
+    finally:
+        await redis.aclose()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    im_end, endoftext = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    groups = [codec_for("prompts").decode(f[b"m"]) for _, f in prompts]
+    expected = {tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows}
+    assert {tokenizer.decode(g.prompt_ids) for g in groups} == expected, "every training prompt, chat-templated"
+    decoded = [codec_for("samples").decode(f[b"m"]) for _, f in samples]
+    assert len({s.sample_id for s in decoded}) == 2 * 4 * 8
+    ends = []
+    for s in decoded:
+        tokens = s.token_ids.to_torch().tolist()
+        stops = [i for i, t in enumerate(tokens) if t in (im_end, endoftext)]
+        if s.finish_reason == "eos":
+            assert stops == [len(tokens) - 1], "a response ends at its first EOS id"
+            ends.append(tokens[-1])
+        else:
+            assert not stops and len(s.prompt_ids) + len(tokens) == 160, "cut off at max_len, no EOS inside"
+    assert im_end in ends and endoftext in ends, f"both EOS ids stop responses: {ends}"
+
+    final = latest_checkpoint(out / "checkpoints")
+    assert final is not None and final.step == 2
+    before = load_file(policy / "model.safetensors")
+    after = load_file(final.policy_dir / "model.safetensors")
+    assert {t.dtype for t in before.values()} == {torch.bfloat16}
+    changed = sum(int((after[k].float() != v.float()).sum()) for k, v in before.items())
+    assert changed > 0.5 * sum(v.numel() for v in before.values()), "fp32 masters: most weights moved at lr 1e-6"
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["logprob_mismatch_max"] < 0.1 for m in metrics), "the rollout's numbers are the learner's"
