@@ -206,6 +206,10 @@ class RolloutConfig(_Section, frozen=True):
     max_len: Annotated[
         int, _doc("Prompt + response tokens per row; responses stop at EOS or when they reach it.", ge=2)
     ] = 1408
+    max_response_len: Annotated[
+        PositiveInt | None,
+        _doc("Response tokens per row at most (a response that reaches it is truncated). None: up to max_len."),
+    ] = None
     temperature: Annotated[
         float,
         _doc("Sampling temperature (RL samples at 1.0); the learner computes its logprobs at the same one.", gt=0),

@@ -45,11 +45,10 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     engine = GenerationEngine(model, batch_size, max_len)
     stops = stop_token_ids(policy_dir, tokenizer)
     started = time.perf_counter()
+    temperature, seed, longest = config.rollout.temperature, config.policy.seed, config.rollout.max_response_len
     ids = [
-        engine.add_request(
-            prompt_ids, max_len - len(prompt_ids), config.rollout.temperature, config.policy.seed + i, stops
-        )
-        for i, (_, _, prompt_ids, _) in enumerate(rows)
+        engine.add_request(prompt, min(max_len - len(prompt), longest or max_len), temperature, seed + i, stops)
+        for i, (_, _, prompt, _) in enumerate(rows)
     ]
     done: dict[Any, Any] = {}
     while engine.has_unfinished:

@@ -79,6 +79,8 @@ class RolloutSettings:
     max_batch: int = DEFAULTS.rollout.max_batch
     """Rows the engine decodes together (requests of several groups share them)."""
     max_len: int = DEFAULTS.rollout.max_len
+    max_response_len: int | None = DEFAULTS.rollout.max_response_len
+    """Response tokens per row at most (None: up to `max_len`)."""
     """Prompt + response tokens per row; responses stop at EOS or when they reach it."""
     temperature: float = DEFAULTS.rollout.temperature
     """Sampling temperature (RL rollouts sample at 1.0)."""
@@ -132,6 +134,7 @@ class RolloutSettings:
         return cls(
             max_batch=own.max_batch,
             max_len=own.max_len,
+            max_response_len=own.max_response_len,
             temperature=own.temperature,
             steps_per_hop=own.steps_per_hop,
             drafter=sd.drafter,
@@ -512,6 +515,8 @@ class RolloutWorker:
         if group.task_id in self.tasks:  # the same task redelivered while we still work on it
             return
         budget = self.settings.max_len - len(group.prompt_ids)  # >= 1: `_read_tasks` dead-letters the rest
+        if self.settings.max_response_len is not None:
+            budget = min(budget, self.settings.max_response_len)
         eos = self.stop_ids
         for index in range(group.group_size):
             seed = stable_int(f"{group.task_id}/{index}", 12)
