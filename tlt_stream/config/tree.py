@@ -225,6 +225,21 @@ class RolloutConfig(_Section, frozen=True):
             "called as f(response, answer) -> float."
         ),
     ] = "repeated_add"
+    reward_workers: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _doc(
+            "Processes that score groups with the reward, so a slow one never blocks generation and a hung one "
+            "can be killed. None: none for repeated_add and exact (cheap, inline), one for the others.",
+        ),
+    ] = None
+    reward_timeout_s: Annotated[
+        float,
+        _doc(
+            "A group whose reward runs longer is dropped whole (to `dead`, counted), never scored 0; the "
+            "pool's processes are replaced. Inline rewards have no timeout.",
+            gt=0,
+        ),
+    ] = 30.0
     backend: Annotated[
         Literal["torch", "vllm"],
         _doc(

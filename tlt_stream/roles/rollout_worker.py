@@ -47,6 +47,7 @@ from tlt_stream.messages import (
     WorkerStatus,
 )
 from tlt_stream.model.loader import CheckpointError, stop_token_ids
+from tlt_stream.rl.reward_pool import RewardFailed, RewardPool, pool_size
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
@@ -159,6 +160,8 @@ class _Task:
     policy_version: int
     started: float
     samples: dict[int, Sample] = field(default_factory=dict)
+    finished: dict[int, tuple[Any, str, float]] = field(default_factory=dict)
+    """With a reward pool: (result, response text, generation seconds) per row, until the group is scored."""
     failed: str | None = None
     """Why the task cannot be scored (its reward raised): dead-lettered whole once its rows are done, never
     sent with some samples scored 0, which would bias the update."""
@@ -176,12 +179,18 @@ class RolloutWorker:
         worker_id: str,
         reward: Callable[[str, str], float],
         settings: RolloutSettings = RolloutSettings(),
+        reward_pool: RewardPool | None = None,
     ) -> None:
         self.config = config
         self.redis = redis
         self.control = control
         self.worker_id = worker_id
         self.reward = reward
+        self.reward_pool = reward_pool
+        """Scores whole groups in worker processes (slow rewards, with a timeout); None: `reward` inline."""
+        self.scoring: dict[str, asyncio.Future[list[float]]] = {}
+        """Groups whose responses are all generated, being scored by the pool (task id -> their rewards)."""
+        self.reward_failures = 0
         self.settings = settings
         self.keys = Keys(config.run)
         self.reader = StreamReader(redis, self.keys, config.bus, "prompts", worker_id)
@@ -256,10 +265,13 @@ class RolloutWorker:
                 await self._maybe_swap_drafter()
                 self._maybe_adopt_sd_config()
                 await self._admit()
+                await self._send_scored()
                 if self.engine.has_unfinished:
                     if self.registry.state != WorkerStatus.GENERATING:
                         await self.registry.set_state(WorkerStatus.GENERATING)
                     await self._generate()
+                elif self.scoring:  # nothing to decode but groups being scored: their samples go first
+                    await asyncio.wait(list(self.scoring.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                 elif not any(d.message.min_policy_version <= self.version for d in self.waiting):
                     # No work we can start: our tasks are done while others run the tail, or the tasks
                     # we hold wait for the next policy version. Idle time: train the drafter if we may.
@@ -274,7 +286,7 @@ class RolloutWorker:
                         await self._train_while_idle(stop)
                     else:
                         await self._wait_for_work()
-        finally:
+        finally:  # groups still being scored stay unacked: sent when run again, else redone by another worker
             await self.registry.set_state(WorkerStatus.STOPPED)
             heartbeat.cancel()
 
@@ -547,6 +559,17 @@ class RolloutWorker:
             task = self.tasks[task_id]
             group = task.delivery.message
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            if self.reward_pool is not None:  # scored with its group, in the pool, once the group is whole
+                task.finished[index] = (result, text, time.perf_counter() - task.started)
+                if result.hidden is not None and result.token_ids:
+                    sample_id = f"{task_id}/{index}"
+                    windows.append(
+                        hidden_window(result, sample_id, task.policy_version, dtype=self.settings.hidden_dtype)
+                    )
+                if len(task.finished) == group.group_size:
+                    texts = [task.finished[i][1] for i in range(group.group_size)]
+                    self.scoring[task_id] = asyncio.ensure_future(self.reward_pool.score(texts, group.answer))
+                continue
             try:
                 reward = float(self.reward(text, group.answer))
             except Exception as exc:  # a task whose answer breaks the reward must not stop the worker
@@ -577,17 +600,7 @@ class RolloutWorker:
         self._forwards += forwards
         self._seconds += seconds
         for task in complete:
-            if task.failed is not None:
-                self.invalid_tasks += 1
-                await self.reader.give_up(task.delivery, f"invalid task: {task.failed}")
-                del self.tasks[task.delivery.message.task_id]
-                continue
-            samples = [task.samples[i] for i in range(task.delivery.message.group_size)]
-            await self.producer.send("samples", samples)
-            await self.reader.ack([task.delivery.entry_id])
-            del self.tasks[task.delivery.message.task_id]
-            self.samples_sent += len(samples)
-            self.tasks_done += 1
+            await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
             await self.producer.send_one(
                 "stats",
@@ -621,6 +634,50 @@ class RolloutWorker:
                 if reports:
                     await self.producer.send("stats", reports)
             self._tokens, self._forwards, self._seconds = 0, 0, 0.0
+
+    async def _send_task(self, task: _Task) -> None:
+        """A whole group's samples to `samples`, then the task's ack; a group that cannot be scored goes to
+        `dead` whole instead."""
+        if task.failed is not None:
+            self.invalid_tasks += 1
+            await self.reader.give_up(task.delivery, f"invalid task: {task.failed}")
+            del self.tasks[task.delivery.message.task_id]
+            return
+        samples = [task.samples[i] for i in range(task.delivery.message.group_size)]
+        await self.producer.send("samples", samples)
+        await self.reader.ack([task.delivery.entry_id])
+        del self.tasks[task.delivery.message.task_id]
+        self.samples_sent += len(samples)
+        self.tasks_done += 1
+
+    async def _send_scored(self) -> None:
+        """The groups the reward pool has scored: their samples out (or, for a reward that raised or hung, the
+        whole group to `dead`, counted, its error logged once with the traceback)."""
+        for task_id in [t for t, future in self.scoring.items() if future.done()]:
+            future = self.scoring.pop(task_id)
+            task = self.tasks[task_id]
+            group = task.delivery.message
+            try:
+                rewards = future.result()
+            except RewardFailed as exc:
+                self.reward_failures += 1
+                log.error("%s: task %s goes to dead whole: %s\n%s", self.worker_id, task_id, exc.reason, exc.detail)
+                task.failed = exc.reason
+                await self._send_task(task)
+                continue
+            for index in range(group.group_size):
+                result, _, seconds = task.finished[index]
+                task.samples[index] = make_sample(
+                    result,
+                    group,
+                    index,
+                    reward=rewards[index],
+                    policy_version=task.policy_version,
+                    drafter_version=self.drafter_version,
+                    worker_id=self.worker_id,
+                    gen_seconds=seconds,
+                )
+            await self._send_task(task)
 
     def _running(self) -> int:
         """Rows the engine is decoding now (vLLM: requests it holds, running or waiting)."""
@@ -697,11 +754,19 @@ def serve_rollout_worker(config: Config) -> int:
         return refuse(command, str(exc))
     torch.set_num_threads(own.threads)
     worker_id = own.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
+    workers = pool_size(own.reward, own.reward_workers)
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
-        worker = RolloutWorker(config, redis, control, worker_id=worker_id, reward=reward, settings=settings)
+        pool = RewardPool(own.reward, workers=workers, timeout_s=own.reward_timeout_s) if workers else None
+        worker = RolloutWorker(
+            config, redis, control, worker_id=worker_id, reward=reward, settings=settings, reward_pool=pool
+        )
         print(f"{worker_id}: waiting for a policy version", file=sys.stderr)
-        await worker.run(stop, max_tasks=own.max_tasks)
+        try:
+            await worker.run(stop, max_tasks=own.max_tasks)
+        finally:
+            if pool is not None:
+                pool.close()
         print(f"{worker_id}: stopped after {worker.tasks_done} tasks ({worker.samples_sent} samples)", file=sys.stderr)
 
     return serve(config, "rollout", ["drafter"] if settings.drafter_training else [], body)
