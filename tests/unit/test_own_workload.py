@@ -102,3 +102,39 @@ def test_a_dataset_run_needs_a_tokenizer_and_names_its_limit() -> None:
     config = override(Config(), {"data.dataset": "/nowhere/train.jsonl"})
     with pytest.raises(ValueError, match=r"data\.dataset needs a tokenizer"):
         task_source(config)
+
+
+def test_drafter_init_warms_a_drafter_up_on_the_policys_own_responses_and_run_starts_from_it(
+    tmp_path: Path, init_policy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from tlt_stream.cli import main
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.launch import RunPlan, service_config
+    from tlt_stream.model import load_model
+    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import EagleProposer
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(6)))
+    out = tmp_path / "drafter"
+    code = main(["drafter", "init", "--policy", str(init_policy), "--dataset", str(train), "--out", str(out),
+                 "--samples", "4", "--steps", "3", "--max-len", "48", "--threads", "1"])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == 4 and report["response_tokens"] > 0 and "loss" in report
+    policy = load_model(init_policy)
+    drafter = load_drafter(out, policy)
+    prompt = build_tokenizer()("3+4=", add_special_tokens=False)["input_ids"]
+    plain = GenerationEngine(policy, 1, 48).generate([prompt], max_new_tokens=20, temperature=0.0)
+    sd = GenerationEngine(policy, 1, 48, proposer=EagleProposer(drafter), arm=Arm.drafter(3, 1, 3))
+    assert sd.generate([prompt], max_new_tokens=20, temperature=0.0)[0].token_ids == plain[0].token_ids
+    assert torch.is_tensor(drafter.fc.weight)
+
+    config = override(Config(), {"launch.policy": str(init_policy), "launch.drafter": str(out)})
+    plan = RunPlan(world=tmp_path / "no-world", run_dir=tmp_path / "run", config=config)
+    served = service_config(plan, config)
+    assert plan.sd == "eagle" and served.sd.drafter == str(out)
+    assert served.drafter.state_dir == str(tmp_path / "run" / "drafter-states"), "and trains it online"

@@ -10,6 +10,7 @@ COMMANDS = (
     "bootstrap",
     "evaluate",
     "export_drafter",
+    "drafter",
     "run",
     "report",
     "learner",

@@ -186,53 +186,24 @@ def train_policy(settings: BootstrapSettings, seed: int, out: Path, progress: Pr
 
 def drafter_windows(policy_dir: Path, settings: BootstrapSettings, seed: int, progress: Progress) -> list:
     """The policy's own sampled responses to training prompts, with its hidden states over each sequence."""
-    from tlt_stream.drafter.train import Window
-    from tlt_stream.model import load_model
-    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.drafter.warmup import policy_windows
 
-    model = load_model(policy_dir)
     tokenizer = build_tokenizer()
-    task = RepeatedAddTask()
-    problems = task.problems(settings.drafter_samples, seed + 1, heldout=False)
+    problems = RepeatedAddTask().problems(settings.drafter_samples, seed + 1, heldout=False)
     prompts = [_encode(tokenizer, p.prompt) for p in problems]
-    engine = GenerationEngine(model, 32, settings.max_len)
-    budget = settings.max_len - max(len(p) for p in prompts)
-    ids = [engine.add_request(p, budget, 1.0, seed + i, [tokenizer.eos_token_id]) for i, p in enumerate(prompts)]
-    results: dict[Any, Any] = {}
-    while engine.has_unfinished:
-        for r in engine.step():
-            results[r.request_id] = r
-            progress("drafter data", len(results), len(ids), {})
-    windows = []
-    with torch.inference_mode():
-        for rid in ids:
-            r = results[rid]
-            sequence = r.prompt_ids + r.token_ids
-            cache = model.new_cache(1, len(sequence))
-            hidden = model(torch.tensor([sequence]), torch.arange(len(sequence))[None], cache)[0]
-            windows.append(Window(torch.tensor(sequence), hidden.clone(), len(r.prompt_ids)))
-    return windows
+    return policy_windows(
+        policy_dir, prompts, max_len=settings.max_len, stops=[tokenizer.eos_token_id], seed=seed, progress=progress
+    )
 
 
 def train_drafter(
     policy_dir: Path, windows: list, settings: BootstrapSettings, seed: int, out: Path, progress: Progress
 ) -> dict[str, float]:
-    from tlt_stream.drafter.model import Drafter, save_drafter
-    from tlt_stream.drafter.train import DrafterTrainer, batches
-    from tlt_stream.model import load_model
+    from tlt_stream.drafter.warmup import warm_up_drafter
 
-    target = load_model(policy_dir)
-    torch.manual_seed(seed)
-    drafter = Drafter(target.spec).bind(target)
-    trainer = DrafterTrainer(drafter, lr=settings.drafter_lr, total_steps=settings.drafter_steps, unroll=3)
-    stream = batches(windows, row_tokens=512, rows_per_batch=4, seed=seed)
-    stats: dict[str, float] = {}
-    for step in range(settings.drafter_steps):
-        stats = trainer.step(next(stream))
-        progress("drafter", step + 1, settings.drafter_steps, {"loss": stats["loss"], "top1": stats["top1_1"]})
-    drafter.eval()
-    save_drafter(drafter, out, metadata={"policy_version": 0, "trained_steps": settings.drafter_steps})
-    return {k: v for k, v in stats.items() if k.startswith(("loss", "top1"))}
+    return warm_up_drafter(
+        policy_dir, windows, steps=settings.drafter_steps, lr=settings.drafter_lr, seed=seed, out=out, progress=progress
+    )
 
 
 _DRAFTER_ONLY = ("drafter_samples", "drafter_steps", "drafter_lr")
