@@ -63,3 +63,16 @@ def test_vllm_settings_carry_the_shape_the_arm_and_the_hidden_states() -> None:
     assert (settings.max_batch, settings.max_len, settings.arm, settings.hidden) == (3, 48, "d4k1v4", "recompute")
     plain = vllm_settings(spec(arm=Arm.drafter(4, 1, 4), backend="vllm"))
     assert plain.arm is None and plain.hidden == "none"
+
+
+def test_the_rollout_dtype_is_a_setting_bf16_on_cuda_fp32_on_the_cpu_by_default(init_policy: Path) -> None:
+    from tlt_stream.model import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    fp32, _ = build_engine(str(init_policy), spec())
+    bf16, _ = build_engine(str(init_policy), spec(dtype="bfloat16"))
+    assert next(fp32.model.parameters()).dtype == torch.float32
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    result = bf16.generate([[3, 4, 5]], max_new_tokens=5, temperature=0.0)[0]
+    assert len(result.token_ids) >= 1, "a bf16 engine decodes (its logprobs go to the learner as fp32)"

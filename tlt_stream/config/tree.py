@@ -267,6 +267,14 @@ class RolloutConfig(_Section, frozen=True):
     max_tasks: Annotated[PositiveInt | None, _doc("Stop after this many prompt groups (None: run on).")] = None
     threads: Annotated[int, _doc("Torch CPU threads of the worker process.", ge=1)] = 1
     device: Annotated[str, _doc("auto (CUDA when torch sees a device, else CPU), cpu, cuda or cuda:N.")] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16"],
+        _doc(
+            "The rollout engine's weights and KV cache: auto is bfloat16 on CUDA and float32 on the CPU (where "
+            "bfloat16 matmuls are slow); the learner keeps fp32 masters whatever this is, and reports the "
+            "rollout-vs-learner logprob mismatch it causes."
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
         _check_device(self.device, "rollout.device")

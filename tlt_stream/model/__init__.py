@@ -6,6 +6,7 @@ from tlt_stream.model.loader import (
     load_model,
     load_spec,
     resolve_device,
+    resolve_dtype,
     spec_from_hf_config,
     stop_token_ids,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "load_model",
     "load_spec",
     "resolve_device",
+    "resolve_dtype",
     "spec_from_hf_config",
     "stop_token_ids",
 ]

@@ -205,6 +205,15 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """A dtype setting (`auto`, `float32`, `bfloat16`) on `device`: auto is bfloat16 on CUDA, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
+    return getattr(torch, name)
+
+
 def load_model(
     path: Path | str,
     *,

@@ -105,6 +105,8 @@ class RolloutSettings:
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
     device: str = "cpu"
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
+    dtype: str = DEFAULTS.rollout.dtype
+    """The engine's weights and KV cache (auto: bfloat16 on CUDA, float32 on the CPU)."""
     backend: str = DEFAULTS.rollout.backend
     """"torch" (this project's engine) or "vllm" (`rollout/vllm/backend.py`, optional extra, GPU; one engine
     for the worker's life: policy versions and drafters are loaded into it in place)."""
@@ -146,6 +148,7 @@ class RolloutSettings:
             drafter_training=DrafterTrainingSettings.from_config(config),
             adaptive=AdaptiveSettings.from_config(config) if sd.adaptive and sd.drafter is not None else None,
             device=device,
+            dtype=own.dtype,
             backend=own.backend,
         )
 
@@ -415,6 +418,7 @@ class RolloutWorker:
             max_len=self.settings.max_len,
             temperature=self.settings.temperature,
             device=self.settings.device,
+            dtype=self.settings.dtype,
             drafter=drafter,
             arm=self.settings.sd_arm,
             adaptive=self.settings.adaptive,

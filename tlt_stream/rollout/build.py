@@ -25,6 +25,8 @@ class EngineSpec:
     temperature: float
     device: str
     """A resolved device: cpu, cuda or cuda:N."""
+    dtype: str = DEFAULTS.rollout.dtype
+    """Weights and KV cache: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16."""
     drafter: str | None = None
     """The draft source: an EAGLE drafter directory, "ngram" (prompt lookup), or None (no speculation)."""
     arm: Arm | None = None
@@ -58,11 +60,11 @@ def build_engine(policy: str, spec: EngineSpec, *, drafter_version: int = -1) ->
         drafter = spec.drafter if spec.drafter not in (None, "ngram") else None
         return VllmEngine(policy, settings=vllm_settings(spec), drafter=drafter), None
 
-    from tlt_stream.model import load_model
+    from tlt_stream.model import load_model, resolve_dtype
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import build_proposer
 
-    model = load_model(policy, device=spec.device)
+    model = load_model(policy, device=spec.device, dtype=resolve_dtype(spec.dtype, spec.device))
     proposer = build_proposer(spec.drafter, model) if spec.drafter is not None else None
     adaptive = spec.adaptive if proposer is not None else None
     arm = spec.arm if proposer is not None and adaptive is None else None  # adaptive SD sets it step by step
@@ -81,6 +83,7 @@ def vllm_settings(spec: EngineSpec) -> Any:
         max_batch=spec.max_batch,
         max_len=spec.max_len,
         temperature=spec.temperature,
+        dtype=spec.dtype,
         arm=spec.arm.label if spec.drafter is not None and spec.arm is not None else None,
         hidden="recompute" if spec.hidden else "none",
     )

@@ -363,7 +363,8 @@ class VllmSettings:
     table: Mapping[int, str] | None = None
     """Instead of `arm`: bucket -> arm label (a published `sd_config`), as vLLM's batch-size schedule."""
     edges: tuple[int, ...] = DEFAULT_EDGES
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULTS.rollout.dtype
+    """vLLM's dtype: auto (the checkpoint's), float32 or bfloat16."""
     gpu_memory_utilization: float = 0.80
     enforce_eager: bool = False
     seed: int = DEFAULTS.sd.seed
