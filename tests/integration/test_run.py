@@ -148,6 +148,31 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
     found = latest_checkpoint(out / "checkpoints")
     assert found is not None and found.step >= 1
 
+    # Resumed on fresh servers (the run's keys gone, as after an embedded Redis): it continues from the
+    # checkpoint, dispatching from that step on, and trains every step once.
+    from tlt_stream.bus.connect import purge_run
+
+    await purge_run(bus_config)
+    until = found.step + 1
+    resumed = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tlt_stream.cli", "run", "--resume", str(out), "--steps", str(until)),
+        env=env_for(bus_config),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(180):
+        _, stderr = await resumed.communicate()
+    log = stderr.decode()
+    assert resumed.returncode == 0, log[-3000:]
+    assert f"resuming {out} at policy version {found.step}" in log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(1, until + 1)), "every step trained once, none again"
+    dispatching = [
+        line for line in (out / "logs" / "policy.log").read_text().splitlines() if "dispatching from" in line
+    ]
+    assert dispatching[-1].endswith(f"dispatching from step {found.step}"), dispatching
+    final = latest_checkpoint(out / "checkpoints")
+    assert final is not None and final.step == until
+
 
 def test_the_plan_gives_each_process_its_threads_and_every_service_one_configuration_file(tmp_path: Path) -> None:
     from tlt_stream.config import load_config, override

@@ -27,6 +27,12 @@ def register(commands: Any) -> None:
     setting(run, "--steps", keys="policy.steps")
     setting(run, "--workers", keys="launch.workers")
     run.add_argument("--out", help="run directory (default runs/RUN-TIMESTAMP)")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run where it stopped (its checkpoints, dispatch position, dataset position and "
+        "drafter states), with its own settings (RUN_DIR/config.toml) and the flags given now (e.g. --steps)",
+    )
     setting(run, "--world", keys="launch.world")
     setting(run, "--policy", keys="launch.policy")
     setting(run, "--drafter", keys="launch.drafter")
@@ -75,19 +81,34 @@ def handle(args: argparse.Namespace) -> int:
     from tlt_stream.rl.datasets import DatasetError
     from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
 
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:  # the stopped run's own settings, as its services read them; flags still apply
+        if not (resume / "config.toml").is_file():
+            print(f"tlt-stream run: {resume} holds no config.toml: not a run directory to resume", file=sys.stderr)
+            return EXIT_CONFIG
+        args.config = args.config or str(resume / "config.toml")
+        args.out = str(resume)
     config = load(args)
     own = config.launch.policy is not None  # a policy of one's own: no world, no tiny-world recipe
     if not own:
         config = load(args, default_preset=TINY_WORLD)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    if args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per run unless one is named
+    if resume is None and args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per new run
         config = msgspec.structs.replace(config, run=f"{config.run}-{stamp}")
     out = Path(args.out or f"runs/{config.run}")
     world = Path(config.launch.world)
-    if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+    if resume is not None:
+        from tlt_stream.config import override
+        from tlt_stream.rl.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(out / "checkpoints")
+        at = newest.step if newest is not None else 0
+        config = override(config, {"policy.start_step": at})  # on fresh servers, dispatch continues from there
+        print(f"tlt-stream run: resuming {out} at policy version {at} (run {config.run})", file=sys.stderr)
+    elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
         print(f"tlt-stream run: {out} already holds checkpoints; choose a new --out", file=sys.stderr)
         return EXIT_CONFIG
-    if config.bus.redis_url is not None:  # a configured server may hold this run's state already
+    if resume is None and config.bus.redis_url is not None:  # a configured server may hold this run's state
         try:
             asyncio.run(ensure_new_run(config))
         except RuntimeError as exc:

@@ -157,6 +157,14 @@ class PolicyConfig(_Section, frozen=True):
         ),
     ] = 0
     seed: Annotated[int, _doc("Seed of the prompt source (the prompts of step s depend on (seed, s) only).")] = 0
+    start_step: Annotated[
+        int,
+        _doc(
+            "The step dispatch starts at when Redis holds no cursor for the run (`run --resume` sets it to the "
+            "newest checkpoint's version, so nothing trained is generated again).",
+            ge=0,
+        ),
+    ] = 0
 
 
 class DataConfig(_Section, frozen=True):

@@ -94,6 +94,7 @@ class PolicyService:
         group_size: int,
         max_staleness: int = 0,
         total_steps: int | None = None,
+        start_step: int = 0,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_staleness < 0:
             raise ValueError("need prompts_per_step >= 1, group_size >= 1 and max_staleness >= 0")
@@ -104,6 +105,8 @@ class PolicyService:
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.max_staleness = max_staleness
+        self.start_step = start_step
+        """Where dispatch starts when Redis holds no cursor (a resumed run on fresh servers)."""
         self.total_steps = total_steps
         self.keys = Keys(config.run)
         self.cursor_key = f"{config.key_prefix}dispatch"
@@ -113,7 +116,7 @@ class PolicyService:
 
     async def next_step(self) -> int:
         value = await self.redis.hget(self.cursor_key, "next_step")
-        return int(value) if value is not None else 0
+        return int(value) if value is not None else self.start_step
 
     async def dispatch(self, step: int) -> list[str]:
         """Send step `step`'s tasks and move the cursor past it, atomically; returns the entry ids."""
@@ -137,7 +140,7 @@ class PolicyService:
             async with self.redis.pipeline(transaction=True) as pipe:
                 await pipe.watch(self.cursor_key)
                 current, owner = await pipe.hmget(self.cursor_key, ["next_step", "dispatched_by"])
-                at = int(current) if current is not None else 0
+                at = int(current) if current is not None else self.start_step
                 if at == step + 1 and owner is not None and owner.decode() == token:
                     return await self._committed_ids(key, tasks)  # an earlier try committed; its reply was lost
                 if at < step:  # only this service moves the cursor: Redis lost our newest writes
@@ -311,6 +314,7 @@ def serve_policy(config: Config) -> int:
             group_size=config.policy.group_size,
             max_staleness=config.policy.max_staleness,
             total_steps=config.policy.steps,
+            start_step=config.policy.start_step,
         )
         print(f"policy: dispatching from step {await service.next_step()}", file=sys.stderr)
         done = asyncio.Event()
