@@ -185,6 +185,21 @@ def _worker_states(plt, timeline: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def _samples_table(run_dir: Path, limit: int = 6) -> str:
+    """The newest sampled responses the learner wrote (RUN_DIR/samples.jsonl), as an HTML table."""
+    rows = read_jsonl(run_dir / "samples.jsonl")[-limit:]
+    if not rows:
+        return ""
+    cells = "".join(
+        f"<tr><td>v{r['version']}</td><td>{html.escape(str(r['sample_id']))}</td>"
+        f"<td><pre>{html.escape(str(r['prompt'])[-300:])}</pre></td><td><pre>{html.escape(str(r['response'])[:600])}"
+        f"</pre></td><td>{r['reward']:.3g}</td><td>{html.escape(str(r['finish_reason']))}</td></tr>"
+        for r in rows
+    )
+    head = "<tr><th>version</th><th>sample</th><th>prompt (end)</th><th>response</th><th>reward</th><th>end</th></tr>"
+    return f"<h2>Sampled responses</h2><table>{head}{cells}</table>"
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write the run's plots and `report.html` into `RUN_DIR/report/`; returns the HTML path."""
     run_dir = Path(run_dir)
@@ -221,7 +236,8 @@ def write_report(run_dir: str | Path) -> Path:
     page = out / "report.html"
     page.write_text(
         "<!doctype html><meta charset='utf-8'><title>tlt-stream run report</title>"
-        "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto}img{max-width:100%}</style>"
-        f"<h1>Run {html.escape(run_dir.name)}</h1><ul>{items}</ul>{figures}"
+        "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto}img{max-width:100%}"
+        "td{vertical-align:top;padding:2px 6px}pre{white-space:pre-wrap;margin:0}</style>"
+        f"<h1>Run {html.escape(run_dir.name)}</h1><ul>{items}</ul>{figures}{_samples_table(run_dir)}"
     )
     return page

@@ -71,6 +71,7 @@ async def test_a_policy_dataset_and_reward_of_ones_own_train_and_evaluate(
             *("--reward", f"{tmp_path / 'my_reward.py'}:score", "--steps", "2", "--out", str(out)),
             *("--prompts-per-step", "2", "--group-size", "4", "--max-len", "48", "--eval", "8"),
             *("--set", "data.prompt_field=question", "--set", "data.answer_field=solution.value"),
+            *("--set", "launch.eval_every=1"),
         )
         assert code == 0, log[-3000:]
         assert "no drafter for" in log and "drafting n-grams" in log, "no drafter of its own: n-gram drafts"
@@ -98,8 +99,12 @@ async def test_a_policy_dataset_and_reward_of_ones_own_train_and_evaluate(
     assert moved, "the learner's updates changed the weights"
 
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in evals] == [0, 2] and all(e["dataset"] == str(test) for e in evals)
+    assert [e["version"] for e in evals] == [0, 1, 2] and all(e["dataset"] == str(test) for e in evals)
     assert all(e["prompts"] == 2 and 0 <= e["mean_reward"] <= 1 for e in evals)
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in logged] == [1, 1, 2, 2] and all(r["response"] is not None for r in logged)
+    assert {r["prompt"] for r in logged} <= {row["question"] for row in TRAIN}, "decoded with the policy's tokenizer"
+    assert "Sampled responses" in (out / "report" / "report.html").read_text()
     served = load_config(out / "config.toml", environ={})
     assert served.preset is None and served.learner.lr == 1e-6, "a model of one's own gets the field's defaults"
     assert served.learner.policy == str(init_policy) and served.sd.drafter == "ngram"

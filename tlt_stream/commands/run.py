@@ -166,6 +166,9 @@ def handle(args: argparse.Namespace) -> int:
                     figures["accept"] = row.get("accept_length_mean", 1.0)
                     figures["drafter_v"] = float(max(drafters, default=-1))
                 progress("train", row["version"], plan.steps, figures)
+                every = config.launch.eval_every
+                if evals and every and row["version"] % every == 0 and row["version"] < plan.steps:
+                    _evaluate_during(out, row["version"], evals, seed, config)
 
         async def main() -> int:
             stop = asyncio.Event()
@@ -197,6 +200,23 @@ def handle(args: argparse.Namespace) -> int:
 
 
 DEFAULT_WORLD = DEFAULTS.launch.world
+
+
+def _evaluate_during(out: Path, version: int, n: int, seed: int, config: Any) -> None:
+    """Held-out evaluation of the checkpoint of `version` while the run goes on (one thread: the services
+    have the cores); a checkpoint already pruned is skipped."""
+    from tlt_stream.errors import CheckpointError
+    from tlt_stream.launch import evaluate_version
+
+    policy = out / "checkpoints" / f"step-{version:08d}" / "policy"
+    if not policy.is_dir():
+        return
+    try:
+        row = evaluate_version(out, version, policy, n=n, seed=seed, threads=1, config=config)
+    except (OSError, ValueError, CheckpointError) as exc:  # pruned while read: the next evaluation will do
+        print(f"tlt-stream run: evaluation of version {version} skipped ({exc})", file=sys.stderr)
+        return
+    print(f"held-out accuracy at version {version}: {row['accuracy']:.3f}", file=sys.stderr)
 
 
 def _world_to_build(world: Path, sd: str) -> str | None:

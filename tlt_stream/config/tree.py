@@ -452,6 +452,14 @@ class LearnerConfig(_Section, frozen=True):
         ),
     ] = 1.0
     keep_checkpoints: Annotated[int, _doc("Complete checkpoints kept on disk (the newest).", ge=1)] = 3
+    log_samples: Annotated[
+        int,
+        _doc(
+            "Sampled (prompt, response, reward) per step written to RUN_DIR/samples.jsonl and the log (the "
+            "report shows the newest), the first by sample id; 0: none.",
+            ge=0,
+        ),
+    ] = 2
     max_updates: Annotated[
         PositiveInt | None, _doc("Stop after this many updates of this process (None: no limit).")
     ] = None
@@ -495,6 +503,9 @@ class LaunchConfig(_Section, frozen=True):
         _doc("Rollout speculative decoding: eagle (the world's drafter, adaptive SD, trained online), ngram or off."),
     ] = "eagle"
     eval: Annotated[int, _doc("Held-out prompts evaluated before and after training (0: skip).", ge=0)] = 256
+    eval_every: Annotated[
+        int, _doc("Also evaluate every this many policy versions during the run (0: before and after only).", ge=0)
+    ] = 0
 
 
 RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

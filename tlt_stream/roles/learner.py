@@ -66,6 +66,8 @@ class LearnerRunSettings:
     max_staleness: int = DEFAULTS.policy.max_staleness
     """A group is used only while learner version - its oldest sample's policy version <= this (0: on-policy)."""
     keep_checkpoints: int = DEFAULTS.learner.keep_checkpoints
+    log_samples: int = DEFAULTS.learner.log_samples
+    """Samples per step written to RUN_DIR/samples.jsonl and the log."""
     """Complete checkpoints kept on disk (the newest ones)."""
     learner: LearnerSettings = field(default_factory=LearnerSettings)
     device: str = "cpu"
@@ -82,6 +84,7 @@ class LearnerRunSettings:
             groups_per_step=config.groups_per_step,
             max_staleness=config.policy.max_staleness,
             keep_checkpoints=config.learner.keep_checkpoints,
+            log_samples=config.learner.log_samples,
             learner=LearnerSettings.from_config(config),
             device=device,
         )
@@ -520,6 +523,7 @@ class LearnerService:
             "trained_groups": trained,
         }
         self._append_metrics(line)
+        self._log_samples(samples)
         log.info(
             "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
             "waited %.1fs; rollout-vs-learner logprob |delta| %.2g (max %.2g)",
@@ -544,6 +548,27 @@ class LearnerService:
             self.trimmed += await trim_acked(self.redis, self.keys.stream("samples"))
         except aioredis.RedisError as exc:  # only memory is at stake; the next update trims again
             log.warning("could not trim the samples stream (%s); trying again after the next update", exc)
+
+    def _log_samples(self, samples: list[Sample]) -> None:
+        """A few of the step's samples, readable: RUN_DIR/samples.jsonl and one log line each."""
+        count = self.settings.log_samples
+        if count <= 0 or self.tokenizer is None:
+            return
+        rows = []
+        for sample in sorted(samples, key=lambda s: s.sample_id)[:count]:
+            row = {
+                "version": self.version,
+                "sample_id": sample.sample_id,
+                "prompt": self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
+                "response": self.tokenizer.decode(sample.token_ids.to_torch().tolist(), skip_special_tokens=True),
+                "reward": sample.reward,
+                "finish_reason": sample.finish_reason,
+            }
+            rows.append(row)
+            log.info("version %d sample %s (reward %.3g): %r", self.version, sample.sample_id, sample.reward,
+                     row["response"][:200])  # fmt: skip
+        with (self.run_dir / "samples.jsonl").open("a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
 
     def _append_metrics(self, line: dict[str, Any]) -> None:
         path = self.run_dir / "metrics.jsonl"
