@@ -13,7 +13,7 @@ import enum
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -163,6 +163,8 @@ class PromptGroup(_Entry, tag="prompt_group"):
     min_policy_version: NonNegInt = 0
     step: NonNegInt = 0
     prompt_text: str = ""
+    fields: dict[str, Any] = {}
+    """The dataset row's other fields (JSON values), for a reward that asks for them by name."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

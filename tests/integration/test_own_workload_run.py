@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.redis, pytest.mark.mqtt, pytest.mark.slow]
 
 TRAIN = [{"question": f"{a}+{b}=", "solution": {"value": str(a + b)}} for a, b in [(1, 2), (3, 4), (5, 6)]]
 REWARD = "def score(response, answer):\n    return float(len(response) % 2)  # variance on a random policy\n"
+ROW_REWARD = """
+def score(response, answer, data_source, extra_info):
+    assert data_source == "gsm8k-like" and isinstance(extra_info["index"], int), (data_source, extra_info)
+    return float(len(response) % 2)
+"""
 
 
 def env_for(config: Config) -> dict[str, str]:
@@ -142,7 +147,7 @@ async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_tr
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "test.parquet")
-    (tmp_path / "my_reward.py").write_text(REWARD)
+    (tmp_path / "my_reward.py").write_text(ROW_REWARD)  # it needs the row's other fields, by name
     out = tmp_path / "run"
     assert bus_config.bus.redis_url
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)

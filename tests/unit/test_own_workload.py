@@ -138,3 +138,25 @@ def test_drafter_init_warms_a_drafter_up_on_the_policys_own_responses_and_run_st
     served = service_config(plan, config)
     assert plan.sd == "eagle" and served.sd.drafter == str(out)
     assert served.drafter.state_dir == str(tmp_path / "run" / "drafter-states"), "and trains it online"
+
+
+def test_a_reward_gets_the_rows_other_fields_it_asks_for(tmp_path: Path) -> None:
+    from tlt_stream.rl.rewards import call_reward
+
+    row = {"prompt": "1+1=", "answer": "2", "difficulty": 3, "meta": {"src": "x"}}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (example,) = load_examples(path)
+    assert example.fields == {"difficulty": 3, "meta": {"src": "x"}}, "all but the prompt and the answer"
+    pool = PromptPool([example], build_tokenizer(), seed=0, max_prompt_len=64)
+    assert pool.fields[example.prompt_id] == example.fields
+
+    def named(response: str, answer: str, difficulty: int) -> float:
+        return float(difficulty)
+
+    def everything(response: str, answer: str, **row: object) -> float:
+        return float(len(row))
+
+    assert call_reward(named, "r", "2", example.fields) == 3.0, "the fields it names"
+    assert call_reward(everything, "r", "2", example.fields) == 2.0, "all of them to **kwargs"
+    assert call_reward(exact_reward, "2", "2", example.fields) == 1.0, "none to a reward that takes two"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ class Example:
     prompt_id: str
     prompt: str
     answer: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    """The row's other top-level fields, handed to a reward that asks for them by name."""
 
 
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -138,7 +140,8 @@ def load_examples(
             raise DatasetError(f"{where}: field {answer_field!r} must be a non-empty string or number")
         text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}", chat_template)
         prompt_id = stable_hex(f"{text}\x00{answer}", 16)
-        examples.append(Example(prompt_id, text, answer))
+        used = {prompt_field.split(".")[0], answer_field.split(".")[0]}
+        examples.append(Example(prompt_id, text, answer, {k: v for k, v in row.items() if k not in used}))
     if not examples:
         raise DatasetError(f"{path}: no rows")
     return examples
@@ -153,6 +156,8 @@ class PromptPool:
     def __init__(self, examples: list[Example], tokenizer: Any, *, seed: int, max_prompt_len: int, where: str = ""):
         self.seed = seed
         self.rows: list[tuple[str, str, list[int], str]] = []
+        self.fields: dict[str, dict[str, Any]] = {}
+        """prompt_id -> the row's other fields (`PromptGroup.fields`)."""
         self.skipped = 0
         for example in examples:
             ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
@@ -160,6 +165,8 @@ class PromptPool:
                 self.skipped += 1
                 continue
             self.rows.append((example.prompt_id, example.prompt, list(ids), example.answer))
+            if example.fields:
+                self.fields[example.prompt_id] = example.fields
         if not self.rows:
             raise DatasetError(
                 f"{where or 'the dataset'}: all {len(examples)} prompts are longer than {max_prompt_len} tokens "

@@ -14,7 +14,7 @@ from typing import Any
 
 from tlt_stream.config import Config
 from tlt_stream.rl.datasets import PromptPool, load_examples
-from tlt_stream.rl.rewards import resolve_reward
+from tlt_stream.rl.rewards import call_reward, resolve_reward
 
 __all__ = ["evaluate_dataset"]
 
@@ -55,9 +55,9 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
         for result in engine.step():
             done[result.request_id] = result
     rewards = []
-    for request, (_, _, _, answer) in zip(ids, rows, strict=True):
+    for request, (prompt_id, _, _, answer) in zip(ids, rows, strict=True):
         text = tokenizer.decode(done[request].token_ids, skip_special_tokens=True)
-        rewards.append(float(reward(text, answer)))
+        rewards.append(call_reward(reward, text, answer, pool.fields.get(prompt_id)))
     lengths = [len(done[i].token_ids) for i in ids]
     return {
         "dataset": data.eval_dataset,

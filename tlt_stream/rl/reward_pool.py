@@ -15,7 +15,7 @@ import multiprocessing
 import traceback
 from typing import Any
 
-from tlt_stream.rl.rewards import REWARDS, RewardFn, resolve_reward
+from tlt_stream.rl.rewards import REWARDS, RewardFn, call_reward, resolve_reward
 
 __all__ = ["INLINE_REWARDS", "RewardFailed", "RewardPool"]
 
@@ -39,11 +39,11 @@ def _init(name: str) -> None:
     _reward = resolve_reward(name)
 
 
-def _score(texts: list[str], answer: str) -> list[float] | tuple[str, str]:
+def _score(texts: list[str], answer: str, fields: dict[str, Any]) -> list[float] | tuple[str, str]:
     """The group's rewards, or (reason, traceback) when the reward raised on one of them."""
     assert _reward is not None
     try:
-        return [float(_reward(text, answer)) for text in texts]
+        return [call_reward(_reward, text, answer, fields) for text in texts]
     except Exception as exc:
         return f"the reward raised: {type(exc).__name__}: {exc}", traceback.format_exc()
 
@@ -68,7 +68,7 @@ class RewardPool:
             self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init, initargs=(self.name,)
         )
 
-    async def score(self, texts: list[str], answer: str) -> list[float]:
+    async def score(self, texts: list[str], answer: str, fields: dict[str, Any] | None = None) -> list[float]:
         """The rewards of a group's responses; raises `RewardFailed` when the reward raised or hung on it.
 
         At most `workers` groups are in the processes at once (the others wait here), so a group's timeout
@@ -77,7 +77,7 @@ class RewardPool:
         async with self._slots:
             for _ in range(3):
                 generation = self._generation
-                future = asyncio.wrap_future(self._executor.submit(_score, texts, answer))
+                future = asyncio.wrap_future(self._executor.submit(_score, texts, answer, fields or {}))
                 try:
                     result: Any = await asyncio.wait_for(future, self.timeout_s)
                 except TimeoutError:

@@ -6,11 +6,21 @@ output: a response without a parsable answer simply earns 0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from tlt_stream.tasks.repeated_add import reward as repeated_add_reward
 
-__all__ = ["REWARDS", "RewardError", "RewardFn", "exact_reward", "last_boxed", "math_reward", "resolve_reward"]
+__all__ = [
+    "REWARDS",
+    "RewardError",
+    "RewardFn",
+    "call_reward",
+    "exact_reward",
+    "last_boxed",
+    "math_reward",
+    "resolve_reward",
+]
 
 RewardFn = Callable[[str, str], float]
 
@@ -94,3 +104,27 @@ def resolve_reward(name: str) -> RewardFn:
     if not callable(function):
         raise RewardError(f"reward {name!r}: {module_name} has no function {attribute!r}")
     return function
+
+
+@functools.lru_cache(maxsize=64)
+def _wants(fn: RewardFn) -> tuple[bool, frozenset[str]]:
+    """(takes **kwargs, the keyword parameters it names beyond the response and the answer)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a C function: call it with the two only
+        return False, frozenset()
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    named = frozenset(p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return var_keyword, named
+
+
+def call_reward(fn: RewardFn, response: str, answer: str, fields: dict | None = None) -> float:
+    """`fn(response, answer, ...)` with the dataset row's other fields a reward asks for: all of them to one
+    that takes `**kwargs`, those it names as parameters otherwise (none to the built-ins)."""
+    if not fields:
+        return float(fn(response, answer))
+    var_keyword, named = _wants(fn)
+    extra = dict(fields) if var_keyword else {k: v for k, v in fields.items() if k in named}
+    return float(fn(response, answer, **extra))  # type: ignore[call-arg]

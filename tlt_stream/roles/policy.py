@@ -130,6 +130,7 @@ class PolicyService:
                 min_policy_version=max(0, step - self.max_staleness),
                 step=step,
                 prompt_text=text,
+                fields=getattr(self.source, "fields", {}).get(prompt_id, {}),
             )
             for i, (prompt_id, text, prompt_ids, answer) in enumerate(self.source.prompts(step, self.prompts_per_step))
         ]

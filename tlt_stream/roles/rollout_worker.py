@@ -48,6 +48,7 @@ from tlt_stream.messages import (
 )
 from tlt_stream.model.loader import CheckpointError, stop_token_ids
 from tlt_stream.rl.reward_pool import RewardFailed, RewardPool, pool_size
+from tlt_stream.rl.rewards import call_reward
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
@@ -572,10 +573,11 @@ class RolloutWorker:
                     )
                 if len(task.finished) == group.group_size:
                     texts = [task.finished[i][1] for i in range(group.group_size)]
-                    self.scoring[task_id] = asyncio.ensure_future(self.reward_pool.score(texts, group.answer))
+                    score = self.reward_pool.score(texts, group.answer, group.fields)
+                    self.scoring[task_id] = asyncio.ensure_future(score)
                 continue
             try:
-                reward = float(self.reward(text, group.answer))
+                reward = call_reward(self.reward, text, group.answer, group.fields)
             except Exception as exc:  # a task whose answer breaks the reward must not stop the worker
                 if task.failed is None:
                     log.exception("%s: the reward raised on task %s; it goes to dead", self.worker_id, task_id)
