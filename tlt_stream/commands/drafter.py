@@ -45,7 +45,7 @@ def handle(args: argparse.Namespace) -> int:
     from tlt_stream.drafter.warmup import policy_windows, warm_up_drafter
     from tlt_stream.model import load_spec, stop_token_ids
     from tlt_stream.progress import PhaseProgress
-    from tlt_stream.rl.datasets import DatasetError, PromptPool, load_examples
+    from tlt_stream.rl.datasets import DatasetError, pool_from_config
 
     config = load(args)
     data = config.data
@@ -56,16 +56,7 @@ def handle(args: argparse.Namespace) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.learner.policy)
         max_len = min(config.rollout.max_len, load_spec(config.learner.policy).max_position_embeddings)
-        examples = load_examples(
-            data.dataset,
-            prompt_field=data.prompt_field,
-            answer_field=data.answer_field,
-            tokenizer=tokenizer,
-            chat_template=data.chat_template,
-        )
-        pool = PromptPool(
-            examples, tokenizer, seed=args.seed, max_prompt_len=data.max_prompt_len or max_len // 2, where=data.dataset
-        )
+        pool = pool_from_config(data.dataset, config, tokenizer, seed=args.seed, max_len=max_len)
     except (DatasetError, OSError, ValueError) as exc:
         print(f"tlt-stream drafter init: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG

@@ -17,7 +17,7 @@ from typing import Any
 
 from tlt_stream.common import stable_hex
 
-__all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples"]
+__all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples", "pool_from_config"]
 
 ANSWER_FIELDS = ("answer", "reward_model.ground_truth")
 """Where a row's reference answer is looked for when no field is named: a plain row's, then verl's."""
@@ -200,3 +200,18 @@ class PromptPool:
             epoch, i = divmod(k, len(self.rows))
             out.append(self.rows[self._order(epoch)[i]])
         return out
+
+
+def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_len: int | None = None) -> PromptPool:
+    """The prompts of the dataset file `path` as the configuration reads them (`data.*`: fields, chat
+    template, prompt limit; the limit defaults to half of `max_len`, else of `rollout.max_len`)."""
+    data = config.data
+    examples = load_examples(
+        path,
+        prompt_field=data.prompt_field,
+        answer_field=data.answer_field,
+        tokenizer=tokenizer,
+        chat_template=data.chat_template,
+    )
+    limit = data.max_prompt_len or (max_len or config.rollout.max_len) // 2
+    return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path)

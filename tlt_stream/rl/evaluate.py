@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt_stream.config import Config
-from tlt_stream.rl.datasets import PromptPool, load_examples
+from tlt_stream.rl.datasets import pool_from_config
 from tlt_stream.rl.rewards import call_reward, resolve_reward
 
 __all__ = ["evaluate_dataset"]
@@ -29,15 +29,7 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     data = config.data
     assert data.eval_dataset is not None
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    examples = load_examples(
-        data.eval_dataset,
-        prompt_field=data.prompt_field,
-        answer_field=data.answer_field,
-        tokenizer=tokenizer,
-        chat_template=data.chat_template,
-    )
-    limit = data.max_prompt_len or config.rollout.max_len // 2
-    pool = PromptPool(examples, tokenizer, seed=0, max_prompt_len=limit, where=data.eval_dataset)
+    pool = pool_from_config(data.eval_dataset, config, tokenizer, seed=0)
     rows = pool.rows[:n]
     reward = resolve_reward(config.rollout.reward)
     model = load_model(policy_dir)

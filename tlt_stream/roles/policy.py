@@ -269,21 +269,14 @@ def task_source(config: Config) -> TaskSource:
         return RepeatedAddSource(build_tokenizer(), seed=config.policy.seed)
     from transformers import AutoTokenizer
 
-    from tlt_stream.rl.datasets import PromptPool, load_examples
+    from tlt_stream.rl.datasets import pool_from_config
 
     where = config.data.tokenizer or config.learner.policy
     if where is None:
         raise ValueError("data.dataset needs a tokenizer: set data.tokenizer or learner.policy (--policy)")
     tokenizer = AutoTokenizer.from_pretrained(where)
-    examples = load_examples(
-        config.data.dataset,
-        prompt_field=config.data.prompt_field,
-        answer_field=config.data.answer_field,
-        tokenizer=tokenizer,
-        chat_template=config.data.chat_template,
-    )
+    pool = pool_from_config(config.data.dataset, config, tokenizer, seed=config.policy.seed)
     limit = config.data.max_prompt_len or config.rollout.max_len // 2
-    pool = PromptPool(examples, tokenizer, seed=config.policy.seed, max_prompt_len=limit, where=config.data.dataset)
     log.info(
         "%s: %d prompts (%d longer than %d tokens skipped), %d per step: an epoch every %.1f steps",
         config.data.dataset, len(pool), pool.skipped, limit, config.policy.prompts_per_step,
