@@ -78,15 +78,6 @@ def _field(key: str) -> tuple[Any, str, bool]:
     return rows[key][0], rows[key][1], text
 
 
-def _literal(text: str) -> Any:
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def setting(
     parser: Any, *flags: str, keys: str | tuple[str, ...], const: Any = None, help: str | None = None, **kwargs: Any
 ) -> None:
@@ -102,7 +93,9 @@ def setting(
             *flags, dest=dest, action="store_const", const=const, default=None, help=f"{help or doc} ({where})"
         )
         return
-    kind = str if text else _literal
+    from tlt_stream.config.load import parse_literal
+
+    kind = str if text else parse_literal
     if "choices" not in kwargs:
         kwargs.setdefault("metavar", flags[0].lstrip("-").upper().replace("-", "_"))
     body = (help or doc).replace("%", "%%")

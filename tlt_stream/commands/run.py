@@ -207,12 +207,13 @@ def _evaluate_during(out: Path, version: int, n: int, seed: int, config: Any) ->
     have the cores); a checkpoint already pruned is skipped."""
     from tlt_stream.errors import CheckpointError
     from tlt_stream.launch import evaluate_version
+    from tlt_stream.rl.checkpoint import complete_checkpoints
 
-    policy = out / "checkpoints" / f"step-{version:08d}" / "policy"
-    if not policy.is_dir():
+    found = next((c for c in complete_checkpoints(out / "checkpoints") if c.step == version), None)
+    if found is None:
         return
     try:
-        row = evaluate_version(out, version, policy, n=n, seed=seed, threads=1, config=config)
+        row = evaluate_version(out, version, found.policy_dir, n=n, seed=seed, threads=1, config=config)
     except (OSError, ValueError, CheckpointError) as exc:  # pruned while read: the next evaluation will do
         print(f"tlt-stream run: evaluation of version {version} skipped ({exc})", file=sys.stderr)
         return

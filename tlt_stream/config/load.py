@@ -37,6 +37,7 @@ __all__ = [
     "load_config",
     "override",
     "parse_assignment",
+    "parse_literal",
 ]
 
 
@@ -57,7 +58,8 @@ NO_PRESET = "none"
 """`preset = "none"`: no preset, not even the one a command would pick by default."""
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_literal(text: str) -> Any:
+    """`text` as the TOML literal it spells (`500`, `true`, `1.5`, `[4, 1, 4]`), else the string itself."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -79,10 +81,10 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[tuple[str, ...], Any
     found = []
     for name, raw in sorted(environ.items()):
         if name in ENV_ALIASES:
-            found += [(path, _parse_scalar(raw), f"environment variable {name}") for path in ENV_ALIASES[name]]
+            found += [(path, parse_literal(raw), f"environment variable {name}") for path in ENV_ALIASES[name]]
         elif name.startswith(ENV_PREFIX) and ENV_SEPARATOR in name:
             path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_SEPARATOR))
-            found.append((path, _parse_scalar(raw), f"environment variable {name}"))
+            found.append((path, parse_literal(raw), f"environment variable {name}"))
     return found
 
 
@@ -91,7 +93,7 @@ def parse_assignment(text: str) -> tuple[tuple[str, ...], Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(redact_text(f"--set {text!r}: expected KEY=VALUE, for example learner.lr=1e-6"))
-    return tuple(key.strip().split(".")), _parse_scalar(value.strip())
+    return tuple(key.strip().split(".")), parse_literal(value.strip())
 
 
 _PATH_RE = re.compile(r"`\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)`")

@@ -155,6 +155,7 @@ class PromptPool:
 
     def __init__(self, examples: list[Example], tokenizer: Any, *, seed: int, max_prompt_len: int, where: str = ""):
         self.seed = seed
+        self.max_prompt_len = max_prompt_len
         self.rows: list[tuple[str, str, list[int], str]] = []
         self.fields: dict[str, dict[str, Any]] = {}
         """prompt_id -> the row's other fields (`PromptGroup.fields`)."""

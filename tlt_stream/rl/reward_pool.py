@@ -15,7 +15,7 @@ import multiprocessing
 import traceback
 from typing import Any
 
-from tlt_stream.rl.rewards import REWARDS, RewardFn, call_reward, resolve_reward
+from tlt_stream.rl.rewards import RewardFn, call_reward, resolve_reward
 
 __all__ = ["INLINE_REWARDS", "RewardFailed", "RewardPool"]
 
@@ -96,15 +96,13 @@ class RewardPool:
 
     def _restart(self) -> None:
         """Kill the pool's processes (a hung reward never returns) and start fresh ones."""
-        processes = list(getattr(self._executor, "_processes", {}).values())  # no public way to kill one
-        for process in processes:
-            process.kill()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.close()
         self._generation += 1
         self._executor = self._start()
 
     def close(self) -> None:
-        for process in list(getattr(self._executor, "_processes", {}).values()):
+        """Kill the processes, whatever they are doing, and let the pool go."""
+        for process in list(getattr(self._executor, "_processes", {}).values()):  # no public way to kill one
             process.kill()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -113,4 +111,4 @@ def pool_size(name: str, workers: int | None) -> int:
     """Processes for reward `name`: `workers` when set, else none for the cheap built-ins and one otherwise."""
     if workers is not None:
         return workers
-    return 0 if name in INLINE_REWARDS and name in REWARDS else 1
+    return 0 if name in INLINE_REWARDS else 1

@@ -276,10 +276,9 @@ def task_source(config: Config) -> TaskSource:
         raise ValueError("data.dataset needs a tokenizer: set data.tokenizer or learner.policy (--policy)")
     tokenizer = AutoTokenizer.from_pretrained(where)
     pool = pool_from_config(config.data.dataset, config, tokenizer, seed=config.policy.seed)
-    limit = config.data.max_prompt_len or config.rollout.max_len // 2
     log.info(
         "%s: %d prompts (%d longer than %d tokens skipped), %d per step: an epoch every %.1f steps",
-        config.data.dataset, len(pool), pool.skipped, limit, config.policy.prompts_per_step,
+        config.data.dataset, len(pool), pool.skipped, pool.max_prompt_len, config.policy.prompts_per_step,
         len(pool) / config.policy.prompts_per_step,
     )  # fmt: skip
     return pool

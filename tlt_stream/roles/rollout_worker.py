@@ -81,9 +81,9 @@ class RolloutSettings:
     max_batch: int = DEFAULTS.rollout.max_batch
     """Rows the engine decodes together (requests of several groups share them)."""
     max_len: int = DEFAULTS.rollout.max_len
+    """Prompt + response tokens per row; responses stop at EOS or when they reach it."""
     max_response_len: int | None = DEFAULTS.rollout.max_response_len
     """Response tokens per row at most (None: up to `max_len`)."""
-    """Prompt + response tokens per row; responses stop at EOS or when they reach it."""
     temperature: float = DEFAULTS.rollout.temperature
     """Sampling temperature (RL rollouts sample at 1.0)."""
     steps_per_hop: int = DEFAULTS.rollout.steps_per_hop
@@ -564,13 +564,12 @@ class RolloutWorker:
             task = self.tasks[task_id]
             group = task.delivery.message
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            seconds = time.perf_counter() - task.started
+            if result.hidden is not None and result.token_ids:
+                sample_id = f"{task_id}/{index}"  # `make_sample`'s id
+                windows.append(hidden_window(result, sample_id, task.policy_version, dtype=self.settings.hidden_dtype))
             if self.reward_pool is not None:  # scored with its group, in the pool, once the group is whole
-                task.finished[index] = (result, text, time.perf_counter() - task.started)
-                if result.hidden is not None and result.token_ids:
-                    sample_id = f"{task_id}/{index}"
-                    windows.append(
-                        hidden_window(result, sample_id, task.policy_version, dtype=self.settings.hidden_dtype)
-                    )
+                task.finished[index] = (result, text, seconds)
                 if len(task.finished) == group.group_size:
                     texts = [task.finished[i][1] for i in range(group.group_size)]
                     score = self.reward_pool.score(texts, group.answer, group.fields)
@@ -583,21 +582,7 @@ class RolloutWorker:
                     log.exception("%s: the reward raised on task %s; it goes to dead", self.worker_id, task_id)
                 task.failed = task.failed or f"the reward raised: {type(exc).__name__}: {exc}"
                 reward = 0.0
-            sample = make_sample(
-                result,
-                group,
-                index,
-                reward=reward,
-                policy_version=task.policy_version,
-                drafter_version=self.drafter_version,
-                worker_id=self.worker_id,
-                gen_seconds=time.perf_counter() - task.started,
-            )
-            task.samples[index] = sample
-            if result.hidden is not None and result.token_ids:
-                windows.append(
-                    hidden_window(result, sample.sample_id, task.policy_version, dtype=self.settings.hidden_dtype)
-                )
+            task.samples[index] = self._sample(task, index, result, reward, seconds)
             if len(task.samples) == group.group_size:
                 complete.append(task)
         if windows:  # a lossy, bounded buffer: never waits on the drafter trainer
@@ -673,17 +658,20 @@ class RolloutWorker:
                 continue
             for index in range(group.group_size):
                 result, _, seconds = task.finished[index]
-                task.samples[index] = make_sample(
-                    result,
-                    group,
-                    index,
-                    reward=rewards[index],
-                    policy_version=task.policy_version,
-                    drafter_version=self.drafter_version,
-                    worker_id=self.worker_id,
-                    gen_seconds=seconds,
-                )
+                task.samples[index] = self._sample(task, index, result, rewards[index], seconds)
             await self._send_task(task)
+
+    def _sample(self, task: _Task, index: int, result: Any, reward: float, seconds: float) -> Sample:
+        return make_sample(
+            result,
+            task.delivery.message,
+            index,
+            reward=reward,
+            policy_version=task.policy_version,
+            drafter_version=self.drafter_version,
+            worker_id=self.worker_id,
+            gen_seconds=seconds,
+        )
 
     def _running(self) -> int:
         """Rows the engine is decoding now (vLLM: requests it holds, running or waiting)."""
