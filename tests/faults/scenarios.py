@@ -124,12 +124,23 @@ async def kill_learner(run: FaultRun, servers: PrivateServers) -> float:
     """Killed mid-update: the moment its checkpoint's temporary directory appears, the update is applied in
     memory but not yet durable, acked or published (its samples must be trained on again, exactly once)."""
     checkpoints = run.plan.run_dir / "checkpoints"
-    deadline = time.monotonic() + 60
-    while not any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()):
-        assert time.monotonic() < deadline, "never caught the learner inside a checkpoint save"
-        await asyncio.sleep(0.001)
+
+    def saving() -> bool:
+        return any(p.name.startswith(".tmp-") for p in checkpoints.iterdir())
+
+    # A tiny model's save takes milliseconds, so the learner may finish it between the poll and the kill:
+    # stop it first, and kill it only if the save is still unfinished; else let it go and catch the next one.
+    deadline = time.monotonic() + 90
+    while True:
+        while not saving():
+            assert time.monotonic() < deadline, "never caught the learner inside a checkpoint save"
+            await asyncio.sleep(0.001)
+        run.signal("learner", signal.SIGSTOP)
+        if saving():
+            break
+        run.signal("learner", signal.SIGCONT)
     await run.kill("learner")
-    assert any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()), "the save finished before the kill"
+    assert saving(), "the save finished before the kill"
     started = time.monotonic()
     await run.start("learner")  # resumes from its newest checkpoint; its pending samples are re-read
     return await _next_version_after(run, started)
