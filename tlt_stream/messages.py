@@ -197,7 +197,8 @@ class Sample(_Entry, tag="sample"):
     policy_version: NonNegInt
     drafter_version: Version
     reward: float
-    finish_reason: Literal["eos", "length"]
+    finish_reason: Literal["eos", "stop", "length"]
+    """eos: ended at an EOS id; stop: at a stop string; length: cut at the token limit (truncated)."""
     worker_id: str
     step: NonNegInt = 0
     gen_seconds: Annotated[float, Meta(ge=0)] = 0.0

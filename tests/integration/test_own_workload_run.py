@@ -126,7 +126,7 @@ async def test_a_bad_dataset_row_stops_the_run_in_one_line_naming_file_row_and_f
     assert code == 2 and lines[-1] == f"tlt-stream run: {train}: row 2: missing field 'answer'", log[-2000:]
 
 
-async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_trains_and_stops_on_either_eos(
+async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_trains_and_stops_on_eos_or_string(
     one_backend: str, bus_config: Config, tmp_path: Path
 ) -> None:
     import pyarrow as pa
@@ -169,7 +169,7 @@ async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_tr
             *("--policy", str(policy), "--dataset", str(tmp_path / "train.parquet")),
             *("--eval-dataset", str(tmp_path / "test.parquet"), "--reward", f"{tmp_path / 'my_reward.py'}:score"),
             *("--steps", "2", "--prompts-per-step", "4", "--group-size", "8", "--max-len", "160", "--eval", "2"),
-            *("--sd", "off", "--out", str(out)),
+            *("--sd", "off", "--set", 'rollout.stop=["Q"]', "--out", str(out)),
         )
         assert code == 0, log[-3000:]
         assert auditor.done()
@@ -192,12 +192,18 @@ async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_tr
     for s in decoded:
         tokens = s.token_ids.to_torch().tolist()
         stops = [i for i, t in enumerate(tokens) if t in (im_end, endoftext)]
+        before = tokenizer.decode(tokens[:-1])
+        assert "Q" not in before, "nothing runs on past the stop string"
         if s.finish_reason == "eos":
             assert stops == [len(tokens) - 1], "a response ends at its first EOS id"
             ends.append(tokens[-1])
+        elif s.finish_reason == "stop":
+            assert not stops and "Q" in tokenizer.decode(tokens), "the token that completes 'Q' ends it, kept"
+            ends.append("Q")
         else:
             assert not stops and len(s.prompt_ids) + len(tokens) == 160, "cut off at max_len, no EOS inside"
     assert im_end in ends and endoftext in ends, f"both EOS ids stop responses: {ends}"
+    assert "Q" in ends, "the stop string stops responses"
 
     final = latest_checkpoint(out / "checkpoints")
     assert final is not None and final.step == 2

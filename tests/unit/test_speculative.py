@@ -302,3 +302,54 @@ def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: 
         stat += (rest_o - rest_e) ** 2 / rest_e
         df += 1
     assert stat < chi2_threshold(df), (mode, stat, chi2_threshold(df))
+
+
+class TwoLetters:
+    """A stand-in tokenizer: token t decodes to one or two letters of x/y/z (EOS to nothing), so stop
+    strings span tokens and end inside one."""
+
+    @staticmethod
+    def piece(t: int) -> str:
+        if t == EOS:
+            return ""
+        return "xyz"[t % 3] + ("" if t % 2 else "xyz"[(t // 3) % 3])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.piece(t) for t in ids)
+
+
+@pytest.mark.parametrize("proposer_kind", ["plain", "eagle", "ngram", "scripted"])
+def test_a_stop_string_ends_a_response_at_the_token_completing_it_with_and_without_sd(
+    models, proposer_kind: str
+) -> None:
+    from tlt_stream.rollout.stops import StopStrings
+
+    hf, model = models
+    ps = prompts()
+    reference = [hf_greedy(hf, p, 24) for p in ps]
+    strings = ["zyx", "yy"]
+
+    def cut(tokens: list[int]) -> tuple[list[int], bool]:  # the oracle: the whole text decoded at each length
+        for n in range(1, len(tokens) + 1):
+            text = "".join(TwoLetters.piece(t) for t in tokens[:n])
+            if any(s in text for s in strings):
+                return tokens[:n], tokens[n - 1] != EOS
+        return tokens, False
+
+    expected = [cut(r) for r in reference]
+    stopped = [by_string for _, by_string in expected]
+    assert any(stopped) and not all(stopped), "some rows stop at a string, some at EOS or the limit"
+    if proposer_kind == "plain":
+        engine = GenerationEngine(model, 3, 64)
+    elif proposer_kind == "eagle":
+        engine = GenerationEngine(model, 3, 64, proposer=eagle(model), arm=Arm.drafter(3, 3, 12))
+    elif proposer_kind == "ngram":
+        engine = GenerationEngine(model, 3, 64, proposer=NgramProposer(), arm=Arm.ngram(4))
+    else:  # accepts whole chains: the stop lands inside an accepted chain, whose rest must be dropped
+        oracle = OracleProposer({tuple(p[1:]): r for p, r in zip(ps, reference, strict=True)}, VOCAB)
+        engine = GenerationEngine(model, 3, 64, proposer=oracle, arm=Arm.drafter(5, 3, 15))
+    results = engine.generate(ps, 24, eos_ids=[EOS], stop=StopStrings(TwoLetters(), strings))
+    for result, (tokens, by_string) in zip(results, expected, strict=True):
+        assert result.token_ids == tokens
+        assert (result.finish_reason == "stop") == by_string
+        assert len(result.logprobs) == len(tokens)

@@ -102,6 +102,26 @@ def test_a_finished_output_becomes_a_generation_result() -> None:
     assert capped.finish_reason == "length" and capped.token_ids == [11, 12]
 
 
+class Letters:
+    """Token t decodes to chr(ord('a') + t % 26): enough of a tokenizer for stop strings."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_a_response_vllm_stopped_at_a_stop_string_is_cut_where_our_engine_would_stop() -> None:
+    from tlt_stream.rollout.stops import StopStrings
+
+    # With SD, vLLM checks stop strings after a whole step: tokens accepted past the stop come back too.
+    out = finished([11, 3, 4, 20, 21], [-0.5, -1.0, -1.5, -2.0, -2.5], "stop", stop_reason="de")
+    stop = StopStrings(Letters(), ["de"])  # 3 -> d, 4 -> e
+    result = to_generation_result(out, request_id=0, prompt_ids=[5, 6, 7], eos_ids=[2], stop=stop)
+    assert result.finish_reason == "stop"
+    assert result.token_ids == [11, 3, 4] and result.logprobs == [-0.5, -1.0, -1.5]
+    with pytest.raises(ValueError, match="stop string none was asked for"):
+        to_generation_result(out, request_id=0, prompt_ids=[5, 6, 7], eos_ids=[2])
+
+
 def test_the_sampled_tokens_logprob_is_picked_among_several() -> None:
     out = finished([11, 12], [-0.5, -1.5], "length")
     out.outputs[0].logprobs = [{4: Logprob(-0.1), 11: Logprob(-0.5)}, {12: Logprob(-1.5), 9: Logprob(-0.3)}]

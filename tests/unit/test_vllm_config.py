@@ -62,6 +62,8 @@ SAMPLING_FIELDS = {
     "stop_token_ids",
     "logprobs",
     "detokenize",
+    "stop",
+    "include_stop_str_in_output",
 }
 
 
@@ -291,3 +293,10 @@ def test_llm_kwargs_refuse_what_the_installed_vllm_lacks() -> None:
         "/p", max_batch=4, max_len=64, speculative=spec, available=ENGINE_ARGS - {"per_request_spec_decode_metrics"}
     )
     assert "per_request_spec_decode_metrics" not in older  # optional: accept lengths are then unreported
+
+
+def test_stop_strings_reach_vllm_with_the_text_they_need_and_the_stop_string_kept() -> None:
+    params = sampling_params(max_tokens=100, temperature=1.0, seed=1, eos_ids=[2], stop_strings=("</answer>",))
+    assert params["stop"] == ["</answer>"] and params["include_stop_str_in_output"] is True
+    assert params["detokenize"] is True, "vLLM matches stop strings on the text it detokenizes"
+    assert set(params) <= SAMPLING_FIELDS

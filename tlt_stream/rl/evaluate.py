@@ -25,6 +25,7 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
 
     from tlt_stream.model import load_model, stop_token_ids
     from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.stops import StopStrings
 
     data = config.data
     assert data.eval_dataset is not None
@@ -36,10 +37,13 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     max_len = min(config.rollout.max_len, model.spec.max_position_embeddings)
     engine = GenerationEngine(model, batch_size, max_len)
     stops = stop_token_ids(policy_dir, tokenizer)
+    stop = StopStrings(tokenizer, config.rollout.stop) if config.rollout.stop else None
     started = time.perf_counter()
     temperature, seed, longest = config.rollout.temperature, config.policy.seed, config.rollout.max_response_len
     ids = [
-        engine.add_request(prompt, min(max_len - len(prompt), longest or max_len), temperature, seed + i, stops)
+        engine.add_request(
+            prompt, min(max_len - len(prompt), longest or max_len), temperature, seed + i, stops, stop=stop
+        )
         for i, (_, _, prompt, _) in enumerate(rows)
     ]
     done: dict[Any, Any] = {}

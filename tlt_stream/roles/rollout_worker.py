@@ -55,6 +55,7 @@ from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafte
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.build import EngineSpec, build_engine
 from tlt_stream.rollout.protocol import RolloutEngine
+from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
@@ -84,6 +85,8 @@ class RolloutSettings:
     """Prompt + response tokens per row; responses stop at EOS or when they reach it."""
     max_response_len: int | None = DEFAULTS.rollout.max_response_len
     """Response tokens per row at most (None: up to `max_len`)."""
+    stop: tuple[str, ...] = DEFAULTS.rollout.stop
+    """Stop strings (`rollout.stops.StopStrings`), beside the checkpoint's EOS ids."""
     temperature: float = DEFAULTS.rollout.temperature
     """Sampling temperature (RL rollouts sample at 1.0)."""
     steps_per_hop: int = DEFAULTS.rollout.steps_per_hop
@@ -139,6 +142,7 @@ class RolloutSettings:
             max_batch=own.max_batch,
             max_len=own.max_len,
             max_response_len=own.max_response_len,
+            stop=own.stop,
             temperature=own.temperature,
             steps_per_hop=own.steps_per_hop,
             drafter=sd.drafter,
@@ -204,6 +208,8 @@ class RolloutWorker:
         self.tokenizer: Any = None
         self.stop_ids: list[int] = []
         """Every EOS id of the loaded policy (`model.stop_token_ids`)."""
+        self.stop_rule: StopStrings | None = None
+        """The stop strings, on the policy's tokenizer (None without any)."""
         self.policy: PolicyVersion | None = None
         self.versions = PolicyVersions()
         """Refused policy versions, and one that was not there when we tried to load it (tried again after
@@ -406,6 +412,8 @@ class RolloutWorker:
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
+        if self.settings.stop and self.stop_rule is None:
+            self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
         if self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
             self.engine.load_policy(announced.location)
         else:
@@ -544,6 +552,7 @@ class RolloutWorker:
                 seed,
                 eos,
                 request_id=(group.task_id, index),
+                stop=self.stop_rule,
                 return_hidden=self.settings.stream_hidden and streams_hidden(f"{group.task_id}/{index}", self.settings),
             )
         self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())

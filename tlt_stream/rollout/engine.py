@@ -29,7 +29,7 @@ from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.proposers import Proposer
 from tlt_stream.rollout.sampling import sample
-from tlt_stream.rollout.scheduler import FinishReason, Scheduler, Sequence
+from tlt_stream.rollout.scheduler import FinishReason, Scheduler, Sequence, StopRule
 from tlt_stream.rollout.speculative import verify_round
 
 
@@ -64,6 +64,7 @@ def generate_all(
     seed: int | None = None,
     eos_ids: Iterable[int] = (),
     *,
+    stop: StopRule | None = None,
     return_hidden: bool = False,
 ) -> list[GenerationResult]:
     """`generate` for any engine with `add_request`/`step`/`has_unfinished` (this one, the vLLM backend): every
@@ -73,7 +74,13 @@ def generate_all(
     eos = frozenset(eos_ids)
     ids = [
         engine.add_request(
-            p, max_new_tokens, temperature, None if seed is None else seed + i, eos, return_hidden=return_hidden
+            p,
+            max_new_tokens,
+            temperature,
+            None if seed is None else seed + i,
+            eos,
+            stop=stop,
+            return_hidden=return_hidden,
         )
         for i, p in enumerate(prompts)
     ]
@@ -191,11 +198,13 @@ class GenerationEngine:
         eos_ids: Iterable[int] = (),
         request_id: Hashable | None = None,
         *,
+        stop: StopRule | None = None,
         return_hidden: bool = False,
     ) -> Hashable:
         """Queue a request and return its id (a fresh int when `request_id` is None).
 
-        `seed` fixes the sampling stream (random when None; unused at temperature 0). Requires
+        `seed` fixes the sampling stream (random when None; unused at temperature 0). `stop` (e.g.
+        `rollout.stops.StopStrings`) ends the response at the token it first returns True for. Requires
         `len(prompt_ids) + max_new_tokens <= max_len`.
         """
         prompt = [int(t) for t in prompt_ids]
@@ -210,7 +219,7 @@ class GenerationEngine:
                 f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                 f"exceeds max_len ({self.max_len})"
             )
-        seq = Sequence(rid, prompt, max_new_tokens, frozenset(eos_ids), float(temperature), seed)
+        seq = Sequence(rid, prompt, max_new_tokens, frozenset(eos_ids), float(temperature), seed, stop)
         self.scheduler.add(seq)
         generator = None
         if temperature > 0:
@@ -248,10 +257,13 @@ class GenerationEngine:
         seed: int | None = None,
         eos_ids: Iterable[int] = (),
         *,
+        stop: StopRule | None = None,
         return_hidden: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt (prompt i seeded with `seed + i`) and return results in input order."""
-        return generate_all(self, prompts, max_new_tokens, temperature, seed, eos_ids, return_hidden=return_hidden)
+        return generate_all(
+            self, prompts, max_new_tokens, temperature, seed, eos_ids, stop=stop, return_hidden=return_hidden
+        )
 
     @torch.inference_mode()
     def _prefill(self, seqs: list[Sequence]) -> None:

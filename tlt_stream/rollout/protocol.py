@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tlt_stream.rollout.engine import GenerationResult
+    from tlt_stream.rollout.scheduler import StopRule
 
 __all__ = ["RolloutEngine"]
 
@@ -44,6 +45,7 @@ class RolloutEngine(Protocol):
         eos_ids: Iterable[int] = (),
         request_id: Hashable | None = None,
         *,
+        stop: StopRule | None = None,
         return_hidden: bool = False,
     ) -> Hashable:
         """Queue a request; its id (a fresh one when `request_id` is None)."""

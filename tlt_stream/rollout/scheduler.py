@@ -8,12 +8,17 @@ the moves to the engine to mirror in the KV cache. Contiguous slots let the mode
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Literal
 
-FinishReason = Literal["eos", "length"]
+FinishReason = Literal["eos", "stop", "length"]
+"""eos: an EOS id ended it (kept); stop: a stop rule did (`rollout.stops.StopStrings`, its token kept);
+length: the token budget did (the response is truncated)."""
+StopRule = Callable[[SequenceOf[int]], bool]
+"""Called with the response's token ids after each new token: True ends the response there."""
 
 
 class SequenceStatus(Enum):
@@ -32,6 +37,7 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()
     temperature: float = 0.0
     seed: int | None = None
+    stop: StopRule | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -65,13 +71,16 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append(self, token: int, logprob: float) -> bool:
-        """Record one generated token; stop on an EOS id (kept in the output) or at the token budget."""
+        """Record one generated token; stop on an EOS id (kept in the output), on the stop rule (its token
+        kept), or at the token budget."""
         if self.status is not SequenceStatus.RUNNING:
             raise ValueError(f"request {self.request_id!r} is {self.status.name}, not RUNNING")
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         if token in self.eos_ids:
             self.finish_reason = "eos"
+        elif self.stop is not None and self.stop(self.token_ids):
+            self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
         else:

@@ -58,7 +58,8 @@ from tlt_stream.config import DEFAULTS
 from tlt_stream.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
-from tlt_stream.rollout.scheduler import FinishReason
+from tlt_stream.rollout.scheduler import FinishReason, StopRule
+from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm
 from tlt_stream.rollout.vllm.config import (
     UnsupportedSetting,
@@ -102,7 +103,8 @@ _SHAPE_KEYS = (
 )
 """Draft config keys that fix the draft model's parameter shapes (an in-place swap must keep them)."""
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "eos", "length": "length"}
-"""vLLM `CompletionOutput.finish_reason` -> ours ("abort", "error", "repetition" produce no sample)."""
+"""vLLM `CompletionOutput.finish_reason` -> ours ("abort", "error", "repetition" produce no sample); a "stop"
+whose `stop_reason` is a string is our "stop" (a stop string), one with an int or None our "eos"."""
 
 
 class BackendUnavailable(RuntimeError):
@@ -185,10 +187,12 @@ def to_generation_result(
     request_id: Hashable,
     prompt_ids: Sequence[int],
     eos_ids: Iterable[int],
+    stop: StopStrings | None = None,
     hidden: torch.Tensor | None = None,
     prompt_hidden: torch.Tensor | None = None,
 ) -> GenerationResult:
-    """A finished vLLM `RequestOutput` (one completion) as this project's `GenerationResult`."""
+    """A finished vLLM `RequestOutput` (one completion) as this project's `GenerationResult`. A response that
+    vLLM stopped at a stop string is cut where `stop` applied token by token stops it, as our engine does."""
     if not _get(output, "finished", False):
         raise ValueError(f"request {request_id!r}: vLLM output is not finished")
     completions = list(_get(output, "outputs") or [])
@@ -204,6 +208,14 @@ def to_generation_result(
     finish = FINISH_REASONS.get(str(reason))
     if finish is None:
         raise ValueError(f"request {request_id!r}: vLLM finished it with {reason!r}, which yields no sample")
+    positions = _get(completion, "logprobs")
+    if finish == "eos" and isinstance(_get(completion, "stop_reason"), str):
+        if stop is None:
+            raise ValueError(f"request {request_id!r}: vLLM stopped at a stop string none was asked for")
+        keep = stop.first_stop(token_ids)
+        finish = "stop"
+        if keep is not None:
+            token_ids, positions = token_ids[:keep], None if positions is None else list(positions)[:keep]
     eos = {int(t) for t in eos_ids}
     if finish == "eos" and (not token_ids or token_ids[-1] not in eos):
         raise ValueError(
@@ -216,7 +228,7 @@ def to_generation_result(
         request_id=request_id,
         prompt_ids=sent,
         token_ids=token_ids,
-        logprobs=sampled_logprobs(token_ids, _get(completion, "logprobs")),
+        logprobs=sampled_logprobs(token_ids, positions),
         finish_reason=finish,
         hidden=hidden,
         accept_lengths=accept_lengths(_get(completion, "spec_decode_metrics"), len(token_ids)),
@@ -389,6 +401,7 @@ class _Pending:
     prompt_ids: list[int]
     eos_ids: frozenset[int]
     return_hidden: bool
+    stop: StopStrings | None = None
 
 
 class VllmEngine:
@@ -540,9 +553,11 @@ class VllmEngine:
         eos_ids: Iterable[int] = (),
         request_id: Hashable | None = None,
         *,
+        stop: StopRule | None = None,
         return_hidden: bool = False,
     ) -> Hashable:
-        """Queue a request (`GenerationEngine.add_request`'s contract) and return its id."""
+        """Queue a request (`GenerationEngine.add_request`'s contract) and return its id. vLLM checks stop
+        rules itself, so `stop` must be a `StopStrings` (its strings go to vLLM)."""
         from vllm.sampling_params import RequestOutputKind
 
         prompt = [int(t) for t in prompt_ids]
@@ -550,6 +565,8 @@ class VllmEngine:
         rid = next(self._ids) if request_id is None else request_id
         if return_hidden and self._recompute is None:
             raise ValueError("return_hidden needs VllmSettings(hidden='recompute')")
+        if stop is not None and not isinstance(stop, StopStrings):
+            raise UnsupportedSetting(f"the vllm backend stops on stop strings only, not on {stop!r}")
         if not prompt:
             raise ValueError(f"request {rid!r}: empty prompt")
         if any(not 0 <= t < self.vocab_size for t in prompt):
@@ -559,14 +576,20 @@ class VllmEngine:
                 f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"max_len ({self.settings.max_len})"
             )
-        params = sampling_params(max_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos)
+        params = sampling_params(
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            eos_ids=eos,
+            stop_strings=stop.strings if stop is not None else (),
+        )
         key = f"tlt-{next(self._keys)}"  # vLLM wants unique str ids; ours may be any hashable
         self._engine.add_request(
             key,
             {"prompt_token_ids": prompt},
             self._vllm.SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY),
         )
-        self._pending[key] = _Pending(rid, prompt, eos, return_hidden)
+        self._pending[key] = _Pending(rid, prompt, eos, return_hidden, stop)
         return rid
 
     def step(self) -> list[GenerationResult]:
@@ -582,7 +605,11 @@ class VllmEngine:
             if pending is None:
                 continue
             result = to_generation_result(
-                out, request_id=pending.request_id, prompt_ids=pending.prompt_ids, eos_ids=pending.eos_ids
+                out,
+                request_id=pending.request_id,
+                prompt_ids=pending.prompt_ids,
+                eos_ids=pending.eos_ids,
+                stop=pending.stop,
             )
             self.tokens_generated += len(result.token_ids)
             results.append(result)
@@ -607,10 +634,13 @@ class VllmEngine:
         seed: int | None = None,
         eos_ids: Iterable[int] = (),
         *,
+        stop: StopRule | None = None,
         return_hidden: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt (prompt i seeded with `seed + i`); results in input order."""
-        return generate_all(self, prompts, max_new_tokens, temperature, seed, eos_ids, return_hidden=return_hidden)
+        return generate_all(
+            self, prompts, max_new_tokens, temperature, seed, eos_ids, stop=stop, return_hidden=return_hidden
+        )
 
     # -- versions
 

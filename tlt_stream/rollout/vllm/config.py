@@ -42,7 +42,7 @@ temperature 1 for greedy rows), which is `rollout/sampling.py`'s convention; `de
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,6 +204,7 @@ def sampling_params(
     temperature: float,
     seed: int | None,
     eos_ids: Iterable[int],
+    stop_strings: Sequence[str] = (),
     top_p: float = 1.0,
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for one request of this project's rollouts."""
@@ -227,7 +228,9 @@ def sampling_params(
         "ignore_eos": True,
         "stop_token_ids": sorted({int(t) for t in eos_ids}),
         "logprobs": 0,
-        "detokenize": False,
+        # Stop strings need the text; the stop token stays in the output, as our engine keeps it.
+        "detokenize": bool(stop_strings),
+        **({"stop": list(stop_strings), "include_stop_str_in_output": True} if stop_strings else {}),
     }
 
 
