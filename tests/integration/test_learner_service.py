@@ -43,12 +43,12 @@ def sample(task: str, index: int, reward: float, version: int = 0) -> Sample:
 
 
 @contextlib.asynccontextmanager
-async def service(config: Config, run_dir: Path, init_policy: Path) -> AsyncIterator[LearnerService]:
+async def service(config: Config, run_dir: Path, init_policy: Path, **more: object) -> AsyncIterator[LearnerService]:
     redis = aioredis.Redis.from_url(config.bus.redis_url)
     control = ControlPlane(config, redis, role="learner", owns=["policy"])
     stop = asyncio.Event()
     plane = asyncio.create_task(control.run(stop))
-    settings = LearnerRunSettings(groups_per_step=2, max_staleness=1, learner=LearnerSettings(lr=1e-2))
+    settings = LearnerRunSettings(groups_per_step=2, max_staleness=1, learner=LearnerSettings(lr=1e-2), **more)
     try:
         async with asyncio.timeout(20):
             await control.connected.wait()
@@ -101,6 +101,37 @@ async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
         assert again.version == 2
         assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
     await redis.aclose()
+
+
+async def test_a_policy_published_in_bf16_is_what_workers_get_and_a_restart_resumes_the_fp32_masters(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
+    async with service(bus_config, run_dir, init_policy, publish_dtype=torch.bfloat16) as learner:
+        await learner.start()
+        await producer.send("samples", [sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1)])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+        assert learner.core is not None
+        masters = {k: v.clone() for k, v in learner.core.model.state_dict().items()}
+        published = (await read_mirror(redis, Keys(bus_config.run)))["policy"]
+    await redis.aclose()
+    assert published.version == 1
+    weights = load_file(Path(published.location) / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert any(not torch.equal(masters[k].to(torch.bfloat16).float(), masters[k]) for k in weights), (
+        "the update left weights that bf16 cannot hold: the masters carry more than the published copy"
+    )
+    async with service(bus_config, run_dir, init_policy, publish_dtype=torch.bfloat16) as again:
+        assert (await again.start()).version == 1
+        assert again.core is not None
+        resumed = again.core.model.state_dict()
+        assert all(torch.equal(resumed[k], v) for k, v in masters.items()), "resumed from fp32 masters, exactly"
 
 
 async def test_the_learner_entrypoint_runs_as_its_own_process(

@@ -260,3 +260,35 @@ def test_a_policy_directory_that_vanishes_while_hashed_is_missing_not_mismatched
 
     with mock.patch("tlt_stream.rl.checkpoint.os.walk", walk_after_prune), pytest.raises(FileNotFoundError):
         directory_sha256(policy)
+
+
+def test_a_policy_published_in_bf16_keeps_fp32_masters_beside_it_that_training_resumes_from(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model, optimizer = trained()
+    info = save(tmp_path, 1, model, optimizer, tokenizer=build_tokenizer(), publish_dtype=torch.bfloat16)
+    published = load_file(info.policy_dir / "model.safetensors")
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}, "workers load the rollout's dtype"
+    assert "lm_head.weight" not in published, "tied weights stay tied: written once"
+    own = model.state_dict()
+    for name, tensor in published.items():
+        assert torch.equal(tensor, own[name].to(torch.bfloat16))
+    assert info.master_sha256 is not None and latest_checkpoint(tmp_path) == info
+    load_model(info.policy_dir)  # the rollout engine reads it (cast to its own dtype)
+
+    fresh, fresh_opt = make_model(seed=9), None
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    restore_checkpoint(info, model=fresh, optimizer=fresh_opt)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), f"{name}: exact fp32 masters, not bf16"
+
+    (info.master_dir / "model.safetensors").write_bytes(b"x" * 64)
+    with pytest.raises(ChecksumMismatch):
+        restore_checkpoint(info, model=fresh)
+
+
+def test_a_policy_in_its_own_dtype_has_no_master_copy(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    info = save(tmp_path, 1, model, optimizer, publish_dtype=torch.float32)
+    assert info.master_sha256 is None and info.master_dir == info.policy_dir
+    assert not (info.path / "master").exists()

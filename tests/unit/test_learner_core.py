@@ -204,6 +204,35 @@ def test_a_bf16_checkpoint_trains_on_fp32_masters_at_an_rl_learning_rate(tmp_pat
     assert changed / total < 0.1, f"bf16 weights swallow an lr 1e-6 update, yet {changed} of {total} moved"
 
 
+def test_bf16_compute_runs_the_matmuls_in_bf16_on_fp32_masters_and_matches_fp32_within_bf16_precision() -> None:
+    fp32 = tiny_model()
+    bf16 = copy.deepcopy(fp32)
+    group = make_group(fp32, "t", [GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])
+    plain = LearnerCore(fp32, LearnerSettings(lr=1e-3, compute_dtype="float32"))
+    mixed = LearnerCore(bf16, LearnerSettings(lr=1e-3, compute_dtype="bfloat16"))
+    assert plain.compute_dtype == torch.float32 and mixed.compute_dtype == torch.bfloat16
+    seen: list[torch.dtype] = []
+    hook = bf16.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    a, b = plain.step([group]), mixed.step([group])
+    hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}, "the forward really ran in bf16"
+    assert {p.dtype for p in bf16.parameters()} == {torch.float32}, "masters stay fp32"
+    assert {o.dtype for st in mixed.optimizer.state.values() for o in st.values() if o.dim()} == {torch.float32}
+    assert b["logprob_mismatch_max"] > a["logprob_mismatch_max"], "bf16 compute is not fp32 compute"
+    assert b["logprob_mismatch_max"] < 0.1, "... but within bf16's precision of the rollout's fp32 logprobs"
+    moved = [(p2 - p1).abs().max() for p1, p2 in zip(fp32.parameters(), bf16.parameters(), strict=True)]
+    assert max(moved) < 1e-3 * 2.5, "the same update to within about one Adam step's size"
+
+
+def test_auto_compute_is_fp32_on_the_cpu() -> None:
+    from tlt_stream.rl.learner import compute_dtype_on
+
+    assert compute_dtype_on("auto", "cpu") == torch.float32
+    assert compute_dtype_on("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="compute_dtype"):
+        LearnerSettings(compute_dtype="float16")
+
+
 def shifted(group: ReadyGroup, by: float) -> ReadyGroup:
     """The group as a rollout engine whose log-probabilities are off by `by` on every token would report it."""
     samples = [

@@ -218,6 +218,13 @@ class RolloutConfig(_Section, frozen=True):
         PositiveInt | None,
         _doc("Response tokens per row at most (a response that reaches it is truncated). None: up to max_len."),
     ] = None
+    stop: Annotated[
+        tuple[str, ...],
+        _doc(
+            "Stop strings: a response ends with the token that completes one of them (kept, as an EOS token is; "
+            "finish reason 'stop'). Every EOS id of the checkpoint stops a response anyway."
+        ),
+    ] = ()
     temperature: Annotated[
         float,
         _doc("Sampling temperature (RL samples at 1.0); the learner computes its logprobs at the same one.", gt=0),
@@ -442,6 +449,14 @@ class LearnerConfig(_Section, frozen=True):
     scale_advantages: Annotated[
         bool, _doc("Divide group-centred rewards by the group's std (GRPO); false: centring only (Dr. GRPO).")
     ] = True
+    compute_dtype: Annotated[
+        Literal["auto", "float32", "bfloat16"],
+        _doc(
+            "The dtype of the learner's forward and backward (autocast); its weights and AdamW state stay fp32 "
+            "masters whatever this is. auto: bfloat16 on a CUDA device that supports it, else float32. Weights "
+            "are published to the rollout workers in rollout.dtype (resolved on the learner's device)."
+        ),
+    ] = "auto"
     final_norm_lr_scale: Annotated[
         float,
         _doc(

@@ -61,6 +61,8 @@ FORMAT_VERSION = 2
 """2: optimizer and RNG state as safetensors + JSON (1 pickled them with torch.save)."""
 LATEST = "LATEST"
 POLICY = "policy"
+MASTER = "master"
+"""fp32 master weights, written beside `policy/` when the policy is published in another dtype."""
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 
 
@@ -76,6 +78,14 @@ class CheckpointInfo:
     """The Hugging Face policy directory inside it (config.json + safetensors), what workers load."""
     policy_sha256: str
     """sha256 of `policy_dir` as computed by `directory_sha256`, recorded at save time."""
+    master_sha256: str | None = None
+    """sha256 of `master/`, the fp32 weights training resumes from when `policy/` holds a cast copy (None:
+    `policy/` holds the learner's own weights)."""
+
+    @property
+    def master_dir(self) -> Path:
+        """The weights training resumes from: `master/` when there is one, else `policy/`."""
+        return self.path / MASTER if self.master_sha256 is not None else self.policy_dir
 
 
 # --- durable writes ---------------------------------------------------------------------------------------
@@ -115,7 +125,14 @@ def _read_info(path: Path) -> CheckpointInfo | None:
         return None
     if not isinstance(meta, dict) or meta.get("step") != step or not isinstance(meta.get("policy_sha256"), str):
         return None
-    return CheckpointInfo(path=path, step=step, policy_dir=path / POLICY, policy_sha256=meta["policy_sha256"])
+    master = meta.get("master_sha256")
+    return CheckpointInfo(
+        path=path,
+        step=step,
+        policy_dir=path / POLICY,
+        policy_sha256=meta["policy_sha256"],
+        master_sha256=master if isinstance(master, str) else None,
+    )
 
 
 def complete_checkpoints(root: Path | str) -> list[CheckpointInfo]:
@@ -178,13 +195,16 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     keep: int = 3,
+    publish_dtype: torch.dtype | None = None,
 ) -> CheckpointInfo:
     """Write `root/step-{step:08d}` atomically, point `root/LATEST` at it, and prune to the newest `keep`.
 
     The directory holds `policy/` (safetensors, plus the tokenizer when given),
     `optimizer.{safetensors,json}`, `rng.{safetensors,json}` (torch, CUDA and Python `random` generators),
     `ledger.json` (the sorted consumed sample ids) and `meta.json` (step, policy sha256, creation time,
-    `extra`, format version). Raises ValueError for a step that already exists or is lower than the current
+    `extra`, format version). With a `publish_dtype` other than the model's (bf16 for a bf16 rollout), `policy/`
+    holds the weights cast to it, what workers load, and `master/` the model's own (fp32) weights, what
+    training resumes from. Raises ValueError for a step that already exists or is lower than the current
     checkpoint's.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -218,9 +238,14 @@ def save_checkpoint(
 
     with atomic_directory(final) as tmp:
         policy = tmp / POLICY
-        model.save_pretrained(policy, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(policy)
+        own_dtype = next(model.parameters()).dtype
+        master_sha = None
+        if publish_dtype is not None and publish_dtype != own_dtype:
+            _save_policy(model, tmp / MASTER, tokenizer)
+            master_sha = directory_sha256(tmp / MASTER)
+            _save_policy(model, policy, tokenizer, dtype=publish_dtype)
+        else:
+            _save_policy(model, policy, tokenizer)
         sha = directory_sha256(policy)
         save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / "optimizer")
         save_tensors(*rng_tensors(), tmp / "rng")
@@ -229,6 +254,7 @@ def save_checkpoint(
             "format_version": FORMAT_VERSION,
             "step": step,
             "policy_sha256": sha,
+            **({"master_sha256": master_sha} if master_sha is not None else {}),
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "ledger_size": len(ids),
             "extra": extra,
@@ -242,7 +268,30 @@ def save_checkpoint(
                 remove_dir(old.path)
             except OSError as e:
                 log.warning("%s: could not prune %s: %s", root, old.path.name, e)
-    return CheckpointInfo(path=final, step=step, policy_dir=final / POLICY, policy_sha256=sha)
+    return CheckpointInfo(path=final, step=step, policy_dir=final / POLICY, policy_sha256=sha, master_sha256=master_sha)
+
+
+def _save_policy(
+    model: PreTrainedModel, out: Path, tokenizer: PreTrainedTokenizerBase | None, *, dtype: torch.dtype | None = None
+) -> None:
+    """`model` as a Hugging Face directory in `out`, its floating-point weights cast to `dtype` when given
+    (tensors that share storage, as tied embeddings do, stay shared so the file holds them once)."""
+    if dtype is None:
+        model.save_pretrained(out, safe_serialization=True)
+    else:
+        cast: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        state = {
+            name: cast.setdefault((t.data_ptr(), tuple(t.shape)), t.detach().to(dtype)) if t.is_floating_point() else t
+            for name, t in model.state_dict().items()
+        }
+        saved = model.config.dtype
+        model.config.dtype = dtype  # config.json says what the files hold
+        try:
+            model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        finally:
+            model.config.dtype = saved
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
 
 
 def _safetensors_files(policy_dir: Path) -> list[Path]:
@@ -284,7 +333,8 @@ def restore_checkpoint(
     restore_rng: bool = True,
     verified: bool = False,
 ) -> tuple[set[str], dict[str, Any]]:
-    """Verify the policy hash, load what is given (weights, optimizer state, RNG streams); return (ledger, meta).
+    """Verify the policy's (and master weights') hash, load what is given (weights, from the fp32 master copy
+    when there is one; optimizer state; RNG streams); return (ledger, meta).
 
     Raises `ChecksumMismatch` when the policy files no longer hash to the recorded sha256. `verified=True`
     skips that one check for a caller that has just made it (hashing a real policy costs a full read).
@@ -294,8 +344,10 @@ def restore_checkpoint(
         raise ValueError(f"{info.path}: checkpoint format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
     if not verified:
         verify_directory(info.policy_dir, info.policy_sha256)
+        if info.master_sha256 is not None:
+            verify_directory(info.master_dir, info.master_sha256)
     if model is not None:
-        _load_weights(model, info.policy_dir)
+        _load_weights(model, info.master_dir)
     if optimizer is not None:
         state = optimizer_state(*load_tensors(info.path / "optimizer"))  # refuses a pickle on its own
         try:

@@ -25,7 +25,7 @@ from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
 from tlt_stream.rl.metrics import length_summary
 
-__all__ = ["LearnerCore", "LearnerSettings", "final_norm_gain", "load_for_training"]
+__all__ = ["LearnerCore", "LearnerSettings", "compute_dtype_on", "final_norm_gain", "load_for_training"]
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,12 @@ class LearnerSettings:
     kl_coef: float = _D.learner.kl_coef
     """Weight of the k3 KL penalty to the frozen reference (0: no reference is kept)."""
     tis_cap: float | None = _D.learner.tis_cap
+    """Truncated importance sampling's cap C (None: off); see the configuration's learner.tis_cap."""
     overlong: str = _D.learner.overlong
     """"keep" trains on responses cut off at the length limit; "mask" leaves them out of the loss (DAPO)."""
-    """Truncated importance sampling's cap C (None: off); see the configuration's learner.tis_cap."""
+    compute_dtype: str = _D.learner.compute_dtype
+    """Autocast dtype of forward and backward ("auto": bfloat16 on a CUDA device that has it, else float32);
+    the weights and optimizer state are fp32 masters whatever it is."""
     temperature: float = _D.rollout.temperature
     """The rollout sampling temperature; logits are divided by it so ratios compare like with like."""
     scale_advantages: bool = _D.learner.scale_advantages
@@ -70,6 +73,8 @@ class LearnerSettings:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.final_norm_lr_scale > 0:
             raise ValueError(f"final_norm_lr_scale must be > 0, got {self.final_norm_lr_scale}")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be auto, float32 or bfloat16, got {self.compute_dtype!r}")
 
     @classmethod
     def from_config(cls, config: Config) -> LearnerSettings:
@@ -90,6 +95,7 @@ class LearnerSettings:
             scale_advantages=own.scale_advantages,
             final_norm_lr_scale=own.final_norm_lr_scale,
             warmup_steps=own.warmup_steps,
+            compute_dtype=own.compute_dtype,
         )
 
     def lr_at(self, update: int) -> float:
@@ -138,6 +144,9 @@ class LearnerCore:
             groups, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999)
         )
         self.updates = 0
+        device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype_on(settings.compute_dtype, device)
+        """What forward and backward run in (autocast); the parameters stay in their own dtype (fp32)."""
 
     def step(self, groups: list[ReadyGroup]) -> dict[str, float]:
         """One update over `groups`; returns its metrics (rewards, lengths, loss statistics, timings)."""
@@ -255,10 +264,23 @@ class LearnerCore:
             yield {name: tensor.to(device) for name, tensor in batch.items()}
 
     def _logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits[:, :-1]  # [B, W-1, V]
+        device = batch["ids"].device
+        with torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits[:, :-1]  # [B, W-1, V]
+        logits = logits.float()  # log-softmax and the temperature in fp32, whatever the matmuls ran in
         if self.settings.temperature != 1.0:
             logits = logits / self.settings.temperature
         return token_logprobs(logits, batch["ids"][:, 1:])
+
+
+def compute_dtype_on(name: str, device: torch.device | str) -> torch.dtype:
+    """The learner's compute dtype setting on `device`: auto is bfloat16 on a CUDA device that supports it,
+    else float32 (bfloat16 matmuls are slow on most CPUs); an explicit value is taken as it is."""
+    device = torch.device(device)
+    if name == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def load_for_training(source: Any, device: str = "cpu") -> Any:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+import torch
 
 from tlt_stream.aio import retry, sleep_or_stop
 from tlt_stream.bus.consumer import Delivery, StreamReader
@@ -40,7 +41,7 @@ from tlt_stream.bus.producer import StreamProducer, trim_acked
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
-from tlt_stream.model.loader import CheckpointError
+from tlt_stream.model.loader import CheckpointError, resolve_dtype
 from tlt_stream.rl.checkpoint import (
     CheckpointInfo,
     complete_checkpoints,
@@ -72,6 +73,8 @@ class LearnerRunSettings:
     learner: LearnerSettings = field(default_factory=LearnerSettings)
     device: str = "cpu"
     """Where the policy trains: "cpu", "cuda" or "cuda:N" (resolved already); checkpoints are device-free."""
+    publish_dtype: torch.dtype = torch.float32
+    """The dtype of the weights workers load (rollout.dtype on this device); fp32 masters are kept beside."""
 
     def __post_init__(self) -> None:
         if self.groups_per_step < 1 or self.max_staleness < 0 or self.keep_checkpoints < 1:
@@ -87,6 +90,7 @@ class LearnerRunSettings:
             log_samples=config.learner.log_samples,
             learner=LearnerSettings.from_config(config),
             device=device,
+            publish_dtype=resolve_dtype(config.rollout.dtype, device),
         )
 
 
@@ -227,7 +231,9 @@ class LearnerService:
         for found in candidates:
             try:  # verified before anything reads it; a checkpoint that fits no learner is the user's to fix
                 verify_directory(found.policy_dir, found.policy_sha256)
-                self._build(found.policy_dir)
+                if found.master_sha256 is not None:
+                    verify_directory(found.master_dir, found.master_sha256)
+                self._build(found.master_dir)
                 assert self.core is not None
                 ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer, verified=True)
             except (ChecksumMismatch, OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -284,6 +290,7 @@ class LearnerService:
             extra=extra,
             tokenizer=self.tokenizer,
             keep=self.settings.keep_checkpoints,
+            publish_dtype=self.settings.publish_dtype,
         )
 
     async def _publish(self, info: CheckpointInfo) -> PolicyVersion:
