@@ -283,7 +283,35 @@ def evaluate_version(
     run_dir.mkdir(parents=True, exist_ok=True)
     with (run_dir / "eval.jsonl").open("a") as out:
         out.write(json.dumps(row) + "\n")
+    if config is not None and config.learner.log_to:
+        _track_evaluation(run_dir, row, config)
     return row
+
+
+def _track_evaluation(run_dir: Path, row: dict, config: Config) -> None:
+    """The evaluation's figures to the run's trackers, as their own job ("eval", beside the learner's)."""
+    import msgspec
+
+    from tlt_stream.config import redact_config
+    from tlt_stream.rl.tracking import open_trackers, scalars
+
+    own = config.learner
+    trackers = open_trackers(
+        own.log_to,
+        run_dir,
+        run=config.run,
+        config=redact_config(msgspec.to_builtins(config)),
+        project=own.wandb_project,
+        mode=own.wandb_mode,
+        job="eval",
+    )
+    try:
+        figures = scalars({k: v for k, v in row.items() if k not in ("prompts", "seed")}, "eval/")
+        for tracker in trackers:
+            tracker.log(row["version"], figures)
+    finally:
+        for tracker in trackers:
+            tracker.close()
 
 
 async def ensure_new_run(config: Config) -> None:

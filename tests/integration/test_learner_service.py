@@ -134,6 +134,36 @@ async def test_a_policy_published_in_bf16_is_what_workers_get_and_a_restart_resu
         assert all(torch.equal(resumed[k], v) for k, v in masters.items()), "resumed from fp32 masters, exactly"
 
 
+async def test_each_updates_figures_and_samples_reach_tensorboard_and_offline_wandb(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    from tests.tracking_files import tensorboard_scalars, tensorboard_texts, wandb_history
+    from tlt_stream.config import override
+
+    config = override(bus_config, {"learner.log_to": ("tensorboard", "wandb")})
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, Keys(config.run), config.bus)
+    async with service(config, run_dir, init_policy) as learner:
+        await learner.start()
+        await producer.send("samples", [sample(t, i, float(i == 0)) for t in ("a", "b", "c", "d") for i in (0, 1)])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=2)
+        learner.close_trackers()
+    await redis.aclose()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    board = tensorboard_scalars(run_dir / "tensorboard" / "learner")
+    history = wandb_history(run_dir)
+    for key in ("reward_mean", "loss", "grad_norm", "logprob_mismatch_mean"):
+        expected = {row["version"]: row[key] for row in rows}
+        assert board[key] == pytest.approx(expected, rel=1e-6), key  # TensorBoard keeps float32
+        assert {v: history[v][key] for v in expected} == expected, key
+    logged = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    texts = tensorboard_texts(run_dir / "tensorboard" / "learner")
+    assert set(texts) == {1, 2} and all(row["sample_id"] in texts[row["version"]] for row in logged)
+    assert all(history[v]["samples/nrows"] == 2 for v in (1, 2)), "learner.log_samples rows per step"
+
+
 async def test_the_learner_entrypoint_runs_as_its_own_process(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:

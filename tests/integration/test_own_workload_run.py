@@ -76,7 +76,7 @@ async def test_a_policy_dataset_and_reward_of_ones_own_train_and_evaluate(
             *("--reward", f"{tmp_path / 'my_reward.py'}:score", "--steps", "2", "--out", str(out)),
             *("--prompts-per-step", "2", "--group-size", "4", "--max-len", "48", "--eval", "8"),
             *("--set", "data.prompt_field=question", "--set", "data.answer_field=solution.value"),
-            *("--set", "launch.eval_every=1"),
+            *("--set", "launch.eval_every=1", "--log-to", "tensorboard,wandb"),
         )
         assert code == 0, log[-3000:]
         assert "no drafter for" in log and "drafting n-grams" in log, "no drafter of its own: n-gram drafts"
@@ -110,6 +110,18 @@ async def test_a_policy_dataset_and_reward_of_ones_own_train_and_evaluate(
     assert [r["version"] for r in logged] == [1, 1, 2, 2] and all(r["response"] is not None for r in logged)
     assert {r["prompt"] for r in logged} <= {row["question"] for row in TRAIN}, "decoded with the policy's tokenizer"
     assert "Sampled responses" in (out / "report" / "report.html").read_text()
+
+    from tests.tracking_files import tensorboard_scalars, wandb_history
+
+    board, eval_board = (
+        tensorboard_scalars(out / "tensorboard" / "learner"),
+        tensorboard_scalars(out / "tensorboard" / "eval"),
+    )
+    assert board["reward_mean"] == pytest.approx({r["version"]: r["reward_mean"] for r in rows})
+    assert eval_board["eval/mean_reward"] == pytest.approx({e["version"]: e["mean_reward"] for e in evals})
+    history = wandb_history(out)  # the learner's run and the evaluations' (one W&B group)
+    assert {v: history[v]["reward_mean"] for v in (1, 2)} == {r["version"]: r["reward_mean"] for r in rows}
+    assert {v: history[v]["eval/accuracy"] for v in (0, 1, 2)} == {e["version"]: e["accuracy"] for e in evals}
     served = load_config(out / "config.toml", environ={})
     assert served.preset is None and served.learner.lr == 1e-6, "a model of one's own gets the field's defaults"
     assert served.learner.policy == str(init_policy) and served.sd.drafter == "ngram"

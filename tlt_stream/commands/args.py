@@ -95,7 +95,7 @@ def setting(
         return
     from tlt_stream.config.load import parse_literal
 
-    kind = str if text else parse_literal
+    kind = kwargs.pop("type", None) or (str if text else parse_literal)
     if "choices" not in kwargs:
         kwargs.setdefault("metavar", flags[0].lstrip("-").upper().replace("-", "_"))
     body = (help or doc).replace("%", "%%")

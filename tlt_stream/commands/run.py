@@ -59,8 +59,14 @@ def register(commands: Any) -> None:
     setting(run, "--eval", keys="launch.eval")
     setting(run, "--seed", keys="policy.seed")
     setting(run, "--device", keys=("rollout.device", "learner.device"))
+    setting(run, "--log-to", keys="learner.log_to", type=_names, metavar="tensorboard,wandb")
     add_config_args(run)
     run.set_defaults(handler=handle)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names (`--log-to tensorboard,wandb`); the configuration checks each."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -79,6 +85,7 @@ def handle(args: argparse.Namespace) -> int:
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
     from tlt_stream.rl.datasets import DatasetError
+    from tlt_stream.rl.tracking import require_trackers
     from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
 
     resume = Path(args.resume) if args.resume else None
@@ -126,6 +133,7 @@ def handle(args: argparse.Namespace) -> int:
         try:
             resolve_device(config.rollout.device)  # a bad --device fails here, not in every service after start-up
             resolve_device(config.learner.device)
+            require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
             plan = RunPlan(world=world, run_dir=out, config=config, cores=cores)
             if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
                 from tlt_stream.launch import service_config

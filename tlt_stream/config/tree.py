@@ -467,6 +467,18 @@ class LearnerConfig(_Section, frozen=True):
         ),
     ] = 1.0
     keep_checkpoints: Annotated[int, _doc("Complete checkpoints kept on disk (the newest).", ge=1)] = 3
+    log_to: Annotated[
+        tuple[Literal["tensorboard", "wandb"], ...],
+        _doc(
+            "Experiment trackers that get every step's figures and sampled responses (RUN_DIR/tensorboard, "
+            "RUN_DIR/wandb; pip install 'tlt-stream[tracking]'). metrics.jsonl is written either way."
+        ),
+    ] = ()
+    wandb_project: Annotated[str, _doc("The W&B project of the run.")] = "tlt-stream"
+    wandb_mode: Annotated[
+        Literal["offline", "online", "disabled"],
+        _doc("offline: written under RUN_DIR/wandb, nothing sent (wandb sync uploads it later); online: sent."),
+    ] = "offline"
     log_samples: Annotated[
         int,
         _doc(

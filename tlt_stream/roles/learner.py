@@ -52,6 +52,7 @@ from tlt_stream.rl.checkpoint import (
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings, load_for_training
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
+from tlt_stream.rl.tracking import MissingTracker, Tracker, open_trackers, require_trackers, scalars
 from tlt_stream.rl.validate import sample_problem
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 
@@ -146,6 +147,8 @@ class LearnerService:
         self.grant: LeaseGrant | None = None
         self._longest_update_s = 0.0
         self._lease_lock = asyncio.Lock()
+        self.trackers: list[Tracker] = []
+        """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
 
     @property
     def checkpoints(self) -> Path:
@@ -157,6 +160,8 @@ class LearnerService:
         await self._take_lease()
         await asyncio.to_thread(self._load)
         assert self.checkpoint is not None
+        if not self.trackers:
+            self.trackers = self._open_trackers()
         message = await self._publish(self.checkpoint)
         self._idle_since = time.perf_counter()
         return message
@@ -530,7 +535,13 @@ class LearnerService:
             "trained_groups": trained,
         }
         self._append_metrics(line)
-        self._log_samples(samples)
+        rows = self._log_samples(samples)
+        for tracker in self.trackers:  # a tracker that fails costs its figures, never the update
+            try:
+                tracker.log(self.version, scalars(line))
+                tracker.log_samples(self.version, rows)
+            except Exception:
+                log.exception("experiment tracker %s failed at version %d", type(tracker).__name__, self.version)
         log.info(
             "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
             "waited %.1fs; rollout-vs-learner logprob |delta| %.2g (max %.2g)",
@@ -556,11 +567,34 @@ class LearnerService:
         except aioredis.RedisError as exc:  # only memory is at stake; the next update trims again
             log.warning("could not trim the samples stream (%s); trying again after the next update", exc)
 
-    def _log_samples(self, samples: list[Sample]) -> None:
-        """A few of the step's samples, readable: RUN_DIR/samples.jsonl and one log line each."""
+    def _open_trackers(self) -> list[Tracker]:
+        import msgspec
+
+        from tlt_stream.config import redact_config
+
+        own = self.config.learner
+        return open_trackers(
+            own.log_to,
+            self.run_dir,
+            run=self.config.run,
+            config=redact_config(msgspec.to_builtins(self.config)),
+            project=own.wandb_project,
+            mode=own.wandb_mode,
+        )
+
+    def close_trackers(self) -> None:
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception:
+                log.exception("could not close experiment tracker %s", type(tracker).__name__)
+        self.trackers = []
+
+    def _log_samples(self, samples: list[Sample]) -> list[dict[str, Any]]:
+        """A few of the step's samples, readable: RUN_DIR/samples.jsonl and one log line each; the rows."""
         count = self.settings.log_samples
         if count <= 0 or self.tokenizer is None:
-            return
+            return []
         rows = []
         for sample in sorted(samples, key=lambda s: s.sample_id)[:count]:
             row = {
@@ -576,6 +610,7 @@ class LearnerService:
                      row["response"][:200])  # fmt: skip
         with (self.run_dir / "samples.jsonl").open("a") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows)
+        return rows
 
     def _append_metrics(self, line: dict[str, Any]) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -632,18 +667,25 @@ def serve_learner(config: Config) -> int:
     device = device_or_refuse(own.device, "learner")
     if device is None:
         return 2
+    try:
+        require_trackers(own.log_to)
+    except MissingTracker as exc:
+        return refuse("tlt-stream learner", str(exc))
     settings = LearnerRunSettings.from_config(config, device=device)
     torch.set_num_threads(own.threads)
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
         run_dir = config.expand(own.run_dir)
         service = LearnerService(config, redis, control, run_dir=run_dir, init_policy=own.policy, settings=settings)
-        message = await service.start()
-        print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
-        updates = own.max_updates
-        left = max(0, config.until_version - service.version)  # a restarted learner counts its checkpoint's
-        updates = left if updates is None else min(updates, left)
-        await service.run(stop, max_updates=updates)
-        print(f"learner: stopped at policy version {service.version}", file=sys.stderr)
+        try:
+            message = await service.start()
+            print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
+            updates = own.max_updates
+            left = max(0, config.until_version - service.version)  # a restarted learner counts its checkpoint's
+            updates = left if updates is None else min(updates, left)
+            await service.run(stop, max_updates=updates)
+            print(f"learner: stopped at policy version {service.version}", file=sys.stderr)
+        finally:
+            service.close_trackers()
 
     return serve(config, "learner", ["policy"], body)

@@ -1,0 +1,76 @@
+"""Experiment tracking: TensorBoard and offline W&B get the figures and samples, read back from their files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tracking_files import tensorboard_scalars, tensorboard_texts, wandb_config, wandb_history
+from tlt_stream.rl.tracking import MissingTracker, open_trackers, require_trackers, scalars
+
+ROWS = [
+    {"sample_id": "t/0", "prompt": "1+1=", "response": "2 | done", "reward": 1.0, "finish_reason": "eos"},
+    {"sample_id": "t/1", "prompt": "1+1=", "response": "3", "reward": 0.0, "finish_reason": "stop"},
+]
+
+
+def test_only_finite_numbers_are_figures() -> None:
+    line = {"version": 3, "time": 1.0, "reward_mean": 0.5, "samples": 8, "nan": float("nan"), "updated": True,
+            "response_lens": [1, 2], "recovered": "no"}  # fmt: skip
+    assert scalars(line) == {"reward_mean": 0.5, "samples": 8.0}
+    assert scalars({"accuracy": 1}, "eval/") == {"eval/accuracy": 1.0}
+
+
+def test_both_trackers_get_each_steps_figures_and_samples(tmp_path: Path) -> None:
+    config = {"learner": {"lr": 1e-6}}
+    trackers = open_trackers(["tensorboard", "wandb", "tensorboard"], tmp_path, run="r1", config=config)
+    assert len(trackers) == 2, "each tracker once"
+    for version in (1, 2):
+        for tracker in trackers:
+            tracker.log(version, {"reward_mean": version / 4, "loss": -version})
+            tracker.log_samples(version, ROWS)
+    for tracker in trackers:
+        tracker.close()
+
+    board = tensorboard_scalars(tmp_path / "tensorboard" / "learner")
+    assert board["reward_mean"] == {1: 0.25, 2: 0.5} and board["loss"] == {1: -1.0, 2: -2.0}
+    texts = tensorboard_texts(tmp_path / "tensorboard" / "learner")
+    assert set(texts) == {1, 2} and "2 \\| done" in texts[2] and "stop" in texts[2]
+
+    history = wandb_history(tmp_path)
+    assert {s: (h["reward_mean"], h["loss"]) for s, h in history.items()} == {1: (0.25, -1), 2: (0.5, -2)}
+    assert history[2]["samples/_type"] == "table-file" and history[2]["samples/nrows"] == 2
+    runs = list(tmp_path.glob("wandb/offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith("r1-learner"), "the run's id is the run's name: resumable"
+
+
+def test_a_missing_package_or_an_unknown_name_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MissingTracker, match=r"wandb, which is not installed .*pip install 'tlt-stream\[tracking\]'"):
+        require_trackers(["wandb"])
+    with pytest.raises(MissingTracker, match="wandb"):
+        open_trackers(["tensorboard", "wandb"], tmp_path, run="r", config={})
+    with pytest.raises(ValueError, match="unknown tracker"):
+        open_trackers(["mlflow"], tmp_path, run="r", config={})
+
+
+def test_the_learner_gives_wandb_its_configuration_without_secrets(tmp_path: Path) -> None:
+    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.roles.learner import LearnerService
+
+    config = override(
+        DEFAULTS,
+        {"bus.redis_url": "redis://:hunter2@127.0.0.1:6379/0", "learner.log_to": ("wandb",), "learner.lr": 3e-6},
+    )
+    service = LearnerService.__new__(LearnerService)  # only the tracker set-up is exercised
+    service.config, service.run_dir = config, tmp_path
+    trackers = service._open_trackers()
+    for tracker in trackers:
+        tracker.close()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    recorded = wandb_config(tmp_path)
+    assert recorded["learner"]["lr"] == 3e-6, "the configuration is recorded with the run"
+    assert recorded["bus"]["redis_url"] == "redis://:***@127.0.0.1:6379/0"
+    assert b"hunter2" not in run_file.read_bytes(), "the password is not, anywhere"

@@ -1,0 +1,162 @@
+"""Experiment tracking: the learner's per-step figures and a few sampled responses, to TensorBoard and/or
+Weights & Biases, chosen with one setting (`learner.log_to`, `run --log-to tensorboard,wandb`).
+
+Both are optional packages (`pip install 'tlt-stream[tracking]'`); asking for one that is missing stops the
+learner at start-up with the command that installs it. W&B runs offline by default (`learner.wandb_mode`):
+nothing leaves the machine until you `wandb sync RUN_DIR/wandb/offline-run-*`. The configuration it records
+is the redacted one (no passwords from the bus URLs). Everything lives under the run directory:
+`RUN_DIR/tensorboard/` and `RUN_DIR/wandb/`. A resumed learner continues the same W&B run (its id is the
+run's name) and appends to the same TensorBoard directory; `metrics.jsonl` stays the record of truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["TRACKERS", "MissingTracker", "Tracker", "open_trackers", "require_trackers", "scalars"]
+
+log = logging.getLogger(__name__)
+
+TRACKERS = ("tensorboard", "wandb")
+INSTALL = "pip install 'tlt-stream[tracking]'"
+
+
+class MissingTracker(ValueError):
+    """A tracker was asked for whose package is not installed; the message says how to install it."""
+
+
+def require_trackers(names: Sequence[str]) -> None:
+    """Fail fast, before any service starts: `MissingTracker` naming the first package that is missing."""
+    for name in dict.fromkeys(names):
+        module = "torch.utils.tensorboard" if name == "tensorboard" else name
+        try:
+            __import__(module)
+        except ImportError as exc:
+            raise MissingTracker(f"learner.log_to has {name}, which is not installed ({exc}): {INSTALL}") from None
+
+
+class Tracker(Protocol):
+    def log(self, version: int, metrics: Mapping[str, float]) -> None:
+        """The figures of policy version `version` (the step axis)."""
+        ...
+
+    def log_samples(self, version: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A few (prompt, response, reward, finish reason) rows of that version."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def scalars(line: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a metrics line (lists, strings and the clock left out), keyed `prefix/key`."""
+    out = {}
+    for key, value in line.items():
+        if key in ("time", "version") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(value):
+            out[f"{prefix}{key}"] = float(value)
+    return out
+
+
+class TensorBoardTracker:
+    def __init__(self, logdir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise MissingTracker(f"learner.log_to has tensorboard, which is not installed ({exc}): {INSTALL}") from None
+        self.writer = SummaryWriter(log_dir=str(logdir))
+
+    def log(self, version: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=version)
+        self.writer.flush()
+
+    def log_samples(self, version: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            return
+        lines = ["| sample | reward | finish | prompt | response |", "|---|---|---|---|---|"]
+        for r in rows:
+            cells = [r["sample_id"], f"{r['reward']:.3g}", r["finish_reason"], r["prompt"], r["response"]]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        self.writer.add_text("samples", "\n".join(lines), global_step=version)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, root: Path, *, run: str, project: str, mode: str, config: Mapping[str, Any], job: str) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise MissingTracker(f"learner.log_to has wandb, which is not installed ({exc}): {INSTALL}") from None
+        self.wandb = wandb
+        root.mkdir(parents=True, exist_ok=True)
+        run_id = re.sub(r"[^A-Za-z0-9_-]", "-", f"{run}-{job}")
+        self.run = wandb.init(
+            project=project,
+            dir=str(root),
+            mode=mode,
+            id=run_id,
+            name=f"{run} ({job})",
+            group=run,
+            job_type=job,
+            resume="allow",
+            config=dict(config),
+            settings=wandb.Settings(console="off", save_code=False, silent=True),
+        )
+
+    def log(self, version: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=version)
+
+    def log_samples(self, version: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            return
+        columns = ["sample_id", "prompt", "response", "reward", "finish_reason"]
+        table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        self.run.log({"samples": table}, step=version)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _cell(value: object) -> str:
+    text = str(value).replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def open_trackers(
+    names: Sequence[str],
+    run_dir: Path,
+    *,
+    run: str,
+    config: Mapping[str, Any],
+    project: str = "tlt-stream",
+    mode: str = "offline",
+    job: str = "learner",
+) -> list[Tracker]:
+    """The trackers named (each at most once), writing under `run_dir`; `MissingTracker` when a package is
+    missing, ValueError for an unknown name. `job` tells the learner's figures from the evaluations'."""
+    unknown = sorted(set(names) - set(TRACKERS))
+    if unknown:
+        raise ValueError(f"unknown tracker(s) {unknown}: choose from {list(TRACKERS)}")
+    out: list[Tracker] = []
+    try:
+        for name in dict.fromkeys(names):
+            if name == "tensorboard":
+                out.append(TensorBoardTracker(run_dir / "tensorboard" / job))
+            else:
+                out.append(WandbTracker(run_dir, run=run, project=project, mode=mode, config=config, job=job))
+    except BaseException:
+        for tracker in out:
+            tracker.close()
+        raise
+    if out:
+        log.info("tracking %s to %s under %s (%s)", job, ", ".join(dict.fromkeys(names)), run_dir, mode)
+    return out
