@@ -175,3 +175,24 @@ def test_chain_greedy_is_exact_match() -> None:
     verdict = accept_chain(onehot, q, draft, torch.rand(3, 3), torch.rand(3))
     assert verdict.count.tolist() == [3, 1, 0]
     assert verdict.next_token.tolist() == [int(argmax[0, 3]), int(argmax[1, 1]), int(argmax[2, 0])]
+
+
+def test_a_token_drafted_twice_under_one_node_is_tried_once() -> None:
+    """Two sources proposing the same token under a node: root children [3, 3, 1, 3], node 2 (the second 3)
+    with a child of its own. Without the rule a token of p = 0.5 would be accepted with probability 1."""
+    n = 200_000
+    tokens = torch.tensor([3, 3, 1, 3, 2]).expand(n, 5)
+    parents = torch.tensor([0, 0, 0, 0, 2]).expand(n, 5)
+    prefixes = [(), (3,), (3,), (1,), (3,), (3, 2)]
+    p = torch.stack([target(pre) for pre in prefixes]).expand(n, -1, -1)
+    tree = DraftTree(tokens, parents)
+    g = torch.Generator().manual_seed(1)
+    verdict = accept_tree(p, tree, torch.rand(n, 6, 4, generator=g), torch.rand(n, generator=g))
+    accepted = verdict.path[:, 0]
+    assert not bool(((verdict.count >= 1) & (accepted != 1) & (accepted != 3)).any()), "a repeat is never taken"
+    drafted = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None]).squeeze(1)
+    first = torch.where(verdict.count >= 1, drafted, verdict.next_token)
+    observed = {a: int((first == a).sum()) for a in range(V)}
+    expected = {a: float(target(())[a]) for a in range(V)}
+    stat = sum((observed[a] - expected[a] * n) ** 2 / (expected[a] * n) for a in range(V))
+    assert stat < chi2_threshold(V - 1), (observed, expected)

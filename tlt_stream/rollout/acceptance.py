@@ -8,7 +8,8 @@ Two proposal kinds, each exact (the emitted tokens follow the target distributio
 - **deterministic tree**: every node's children are point-mass proposals (top-k expansions). At a node,
   try the children in order: accept child x with probability p(x) under the current residual p; on
   rejection set p(x) = 0 and renormalise, then try the next child; when all fail (or the node is a leaf)
-  sample from the residual and stop. P(emit y) = p(y) for every y, by induction over the siblings.
+  sample from the residual and stop. P(emit y) = p(y) for every y, by induction over the siblings. A token
+  that appears twice under one node (merged draft sources) is tried once: its second copy has residual 0.
 
 Greedy rows (temperature 0) use the one-hot argmax of the target: the same rules then accept a candidate
 exactly when it is the target's argmax, which makes greedy speculative output token-identical to plain
@@ -163,12 +164,17 @@ def accept_tree(p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, resid
     count = torch.zeros(b, dtype=torch.long, device=device)
     next_token = torch.zeros(b, dtype=torch.long, device=device)
     next_from = torch.zeros(b, dtype=torch.long, device=device)
+    earlier = torch.ones(k, k, dtype=torch.bool, device=device).tril(-1)  # [K, K]: sibling i tried before j
     while bool(alive.any()):
         kids = children[rows, current]  # [B, K]
         valid = (kids >= 0) & alive[:, None]
         p_here = p[rows, current]  # [B, V]
         kid_tokens = tokens.gather(1, kids.clamp(min=0))  # [B, K]
-        c = p_here.gather(1, kid_tokens).float() * valid  # [B, K] p(x_j)
+        # A token repeated under one node (two draft sources proposing it) is tried once: after its first
+        # copy is rejected its residual mass is 0, so a later copy must never be accepted. Counting it
+        # twice would accept a token of p = 0.5 with probability 1.
+        repeat = ((kid_tokens[:, :, None] == kid_tokens[:, None, :]) & valid[:, None, :] & earlier).any(-1)
+        c = p_here.gather(1, kid_tokens).float() * (valid & ~repeat)  # [B, K] p(x_j), 0 for a repeat
         before = c.cumsum(dim=1) - c  # mass of the siblings tried before x_j
         u = sibling_u[rows, current, :k]
         accept = valid & (u * (1.0 - before) < c)  # u < p(x_j) / (1 - sum_{i<j} p(x_i))
