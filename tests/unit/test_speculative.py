@@ -21,7 +21,14 @@ from tlt_stream.model import load_model
 from tlt_stream.rollout.acceptance import DraftTree
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.proposers import EagleProposer, NgramProposer, OracleProposer, Proposal
+from tlt_stream.rollout.proposers import (
+    EagleProposer,
+    GroupProposer,
+    MixedProposer,
+    NgramProposer,
+    OracleProposer,
+    Proposal,
+)
 
 VOCAB = 41
 EOS = 0
@@ -214,7 +221,7 @@ class SelfProposer:
     def allocate(self, max_batch: int, max_len: int) -> None:
         pass
 
-    def reset_slot(self, slot: int) -> None:
+    def reset_slot(self, slot: int, prompt=()) -> None:
         self.history[slot] = [self.first]
 
     def move_slot(self, src: int, dst: int) -> None:
@@ -268,13 +275,26 @@ def exact_joint(hf, prompt: list[int], length: int, temperature: float) -> dict[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eagle-chain", "eagle-tree", "ngram", "self-chain", "self-tree"])
+@pytest.mark.parametrize(
+    "mode",
+    ["eagle-chain", "eagle-tree", "ngram", "self-chain", "self-tree", "group-good", "group-adversarial", "mixed"],
+)
 def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: str) -> None:
     hf, model = tiny
     prompt, length, temperature, n = [1, 2, 3, 1, 2], 3, 0.9, 6000
     expected = exact_joint(hf, prompt, length, temperature)
     if mode == "ngram":
         proposer, arm = NgramProposer(), Arm.drafter(3, 1, 3)
+    elif mode.startswith("group"):  # the 6000 rows are one prompt's siblings: what they write is indexed
+        proposer, arm = GroupProposer(), Arm.group_source(3, 4)
+        if mode == "group-adversarial":  # history that always proposes the target's least likely tokens
+            worst = min(expected, key=expected.__getitem__)
+            for _ in range(50):
+                proposer.remember(prompt, list(worst))
+    elif mode == "mixed":
+        torch.manual_seed(0)
+        proposer = MixedProposer(EagleProposer(Drafter(model.spec).bind(model)), GroupProposer())
+        arm = Arm.mixed(2, 2, 3, group=3)
     elif mode.startswith("self"):
         proposer = SelfProposer(hf, prompt[0], temperature)
         arm = Arm.drafter(1, 1, 1) if mode == "self-chain" else Arm.drafter(2, 3, 6)
@@ -289,6 +309,10 @@ def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: 
     assert engine.rounds > 0 and any(len(r.accept_lengths) for r in results)
     if mode == "self-chain":  # q = p: the draft is always accepted and the bonus token follows
         assert all(r.accept_lengths == [2] for r in results)
+    if mode.startswith("group") or mode == "mixed":
+        assert engine.drafted_by["group"] > 0 and engine.accepted_by["group"] > 0, dict(engine.accepted_by)
+    if mode == "group-adversarial":
+        assert engine.accepted_by["group"] < 0.5 * engine.drafted_by["group"], "bad drafts are mostly refused"
     # Merge cells expected below 5 into one, then a chi-square test at a 1e-4 false-alarm rate.
     stat, df, rest_e, rest_o = 0.0, -1, 0.0, 0
     for key, p in expected.items():
@@ -353,3 +377,44 @@ def test_a_stop_string_ends_a_response_at_the_token_completing_it_with_and_witho
         assert result.token_ids == tokens
         assert (result.finish_reason == "stop") == by_string
         assert len(result.logprobs) == len(tokens)
+
+
+@pytest.mark.parametrize("kind", ["group", "mixed"])
+def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they_disagree(models, kind: str) -> None:
+    """Siblings (each prompt three times, mixed lengths), history that agrees for a while and then diverges,
+    history of noise, and early EOS: greedy output is transformers' token for token, logprobs the target's."""
+    hf, model = models
+    ps = prompts()
+    reference = {tuple(p): hf_greedy(hf, p, 24) for p in ps}
+    assert any(len(r) < 24 for r in reference.values()), "some rows stop early on EOS"
+    group = GroupProposer(max_depth=16, max_match=6)
+    g = torch.Generator().manual_seed(5)
+    for p, ref in reference.items():
+        cut = len(ref) // 2
+        group.remember(p, ref[:cut] + torch.randint(1, VOCAB, (12,), generator=g).tolist())  # diverges
+        group.remember(p, torch.randint(0, VOCAB, (20,), generator=g).tolist())  # noise
+    if kind == "group":
+        engine = GenerationEngine(model, 8, 64, proposer=group, arm=Arm.group_source(6, 8))
+    else:
+        engine = GenerationEngine(model, 8, 64, proposer=MixedProposer(eagle(model), group), arm=Arm.mixed(3, 2, 4, 6))
+    siblings = [p for p in ps for _ in range(3)]
+    results = engine.generate(siblings, 24, eos_ids=[EOS])
+    plain = GenerationEngine(model, 8, 64).generate(siblings, 24, eos_ids=[EOS])
+    for p, spec, ref in zip(siblings, results, plain, strict=True):
+        assert spec.token_ids == reference[tuple(p)] == ref.token_ids
+        assert spec.finish_reason == ref.finish_reason
+        assert max(abs(a - b) for a, b in zip(spec.logprobs, ref.logprobs, strict=True)) < 1e-4
+    assert engine.accepted_by["group"] > 0, "history and siblings drafted accepted tokens"
+    assert engine.drafted_by["group"] > engine.accepted_by["group"], "and some drafts were wrong"
+    if kind == "mixed":
+        assert engine.drafted_by["eagle"] > 0
+
+
+def test_merged_trees_keep_a_token_two_sources_propose_under_one_node_once() -> None:
+    from tlt_stream.rollout.proposers import SOURCE_EAGLE, SOURCE_GROUP, merge_trees
+
+    group = ([5, 6, 7], [0, 1, 2], SOURCE_GROUP)
+    drafter = ([5, 9, 6, 8, 0], [0, 0, 1, 1, -1], SOURCE_EAGLE)  # 5 and 5->6 repeat the group's; one pad
+    tokens, parents, bits = merge_trees([group, drafter])
+    assert (tokens, parents) == ([5, 6, 7, 9, 8], [0, 1, 2, 0, 1])
+    assert bits == [SOURCE_GROUP | SOURCE_EAGLE, SOURCE_GROUP | SOURCE_EAGLE, SOURCE_GROUP, SOURCE_EAGLE, SOURCE_EAGLE]

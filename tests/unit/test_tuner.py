@@ -91,9 +91,13 @@ def test_default_buckets() -> None:
 @given(depth=st.integers(1, 12), topk=st.integers(1, 4), data=st.data())
 def test_arm_labels_round_trip(depth: int, topk: int, data: st.DataObject) -> None:
     verify = data.draw(st.integers(1, depth * topk * topk))
-    for arm in (PLAIN, Arm.ngram(depth), Arm.drafter(depth, topk, verify)):
+    group = data.draw(st.integers(1, 16))
+    arms = (PLAIN, Arm.ngram(depth), Arm.drafter(depth, topk, verify), Arm.group_source(depth, group))
+    for arm in (*arms, Arm.mixed(depth, topk, verify, group)):
         assert Arm.from_label(arm.label) == arm
     assert Arm.drafter(depth, topk, verify).label == f"d{depth}k{topk}v{verify}"
+    assert Arm.mixed(depth, topk, verify, group).label == f"d{depth}k{topk}v{verify}+g{group}"
+    assert Arm.mixed(depth, topk, verify, group).nodes == verify + group
 
 
 def test_arms_reject_impossible_configurations() -> None:
@@ -104,6 +108,8 @@ def test_arms_reject_impossible_configurations() -> None:
         ("drafter", 0, 1, 1),
         ("drafter", 2, 1, 3),
         ("eagle", 2, 1, 2),
+        ("group", 0, 0, 4),
+        ("group", 4, 1, 4),
     ]:
         with pytest.raises(ValueError):
             Arm(kind, depth, topk, verify)  # type: ignore[arg-type]

@@ -10,11 +10,13 @@ from typing import Literal
 
 __all__ = ["Arm", "ArmKind"]
 
-ArmKind = Literal["plain", "ngram", "drafter"]
+ArmKind = Literal["plain", "ngram", "group", "drafter", "mixed"]
 
-_KIND_RANK = {"plain": 0, "ngram": 1, "drafter": 2}
+_KIND_RANK = {"plain": 0, "ngram": 1, "group": 2, "drafter": 3, "mixed": 4}
 _LABEL = re.compile(r"d(\d+)k(\d+)v(\d+)")
+_MIXED_LABEL = re.compile(r"d(\d+)k(\d+)v(\d+)\+g(\d+)")
 _NGRAM_LABEL = re.compile(r"ngram-d(\d+)")
+_GROUP_LABEL = re.compile(r"group-d(\d+)v(\d+)")
 
 
 @dataclass(frozen=True)
@@ -25,24 +27,36 @@ class Arm:
     - `ngram`: a prompt-lookup chain of `depth` tokens (topk 1, verify = depth);
     - `drafter`: the trained drafter: a tree of `depth` levels with `topk` children per frontier node,
       `verify` of its nodes verified.
+    - `group`: the group/history source (`rollout.suffix`): a tree of at most `verify` nodes and `depth`
+      levels of what the prompt's other responses wrote after the row's latest tokens (topk 0).
+    - `mixed`: the drafter's tree (as for `drafter`, point masses) and up to `group` nodes of the group
+      source, merged into one tree and verified in one forward.
     """
 
     kind: ArmKind
     depth: int = 0
     topk: int = 0
     verify: int = 0
+    group: int = 0
+    """Group-source nodes beside the drafter's (`mixed` only)."""
 
     def __post_init__(self) -> None:
         if self.kind == "plain":
             valid = self.depth == self.topk == self.verify == 0
         elif self.kind == "ngram":
             valid = self.depth >= 1 and self.topk == 1 and self.verify == self.depth
-        elif self.kind == "drafter":
+        elif self.kind == "group":
+            valid = self.depth >= 1 and self.verify >= 1 and self.topk == 0
+        elif self.kind in ("drafter", "mixed"):
             valid = min(self.depth, self.topk, self.verify) >= 1 and self.verify <= self.depth * self.topk**2
         else:
-            raise ValueError(f"unknown arm kind {self.kind!r} (plain, ngram, drafter)")
+            raise ValueError(f"unknown arm kind {self.kind!r} (plain, ngram, group, drafter, mixed)")
+        valid = valid and (self.group >= 1 if self.kind == "mixed" else self.group == 0)
         if not valid:
-            raise ValueError(f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}")
+            raise ValueError(
+                f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}, "
+                f"group={self.group}"
+            )
 
     @classmethod
     def plain(cls) -> Arm:
@@ -57,15 +71,30 @@ class Arm:
         return cls("drafter", depth, topk, verify)
 
     @classmethod
+    def group_source(cls, depth: int, verify: int) -> Arm:
+        return cls("group", depth, 0, verify)
+
+    @classmethod
+    def mixed(cls, depth: int, topk: int, verify: int, group: int) -> Arm:
+        return cls("mixed", depth, topk, verify, group)
+
+    @classmethod
     def from_label(cls, label: str) -> Arm:
-        """Inverse of `label`: `plain`, `ngram-d4`, `d4k2v8`."""
+        """Inverse of `label`: `plain`, `ngram-d4`, `group-d8v12`, `d4k2v8`, `d4k2v8+g8`."""
         if label == "plain":
             return cls.plain()
         if m := _NGRAM_LABEL.fullmatch(label):
             return cls.ngram(int(m[1]))
+        if m := _GROUP_LABEL.fullmatch(label):
+            return cls.group_source(int(m[1]), int(m[2]))
+        if m := _MIXED_LABEL.fullmatch(label):
+            return cls.mixed(int(m[1]), int(m[2]), int(m[3]), int(m[4]))
         if m := _LABEL.fullmatch(label):
             return cls.drafter(int(m[1]), int(m[2]), int(m[3]))
-        raise ValueError(f"not an arm label: {label!r} (plain, ngram-d<depth>, d<depth>k<topk>v<verify>)")
+        raise ValueError(
+            f"not an arm label: {label!r} (plain, ngram-d<depth>, group-d<depth>v<verify>, "
+            "d<depth>k<topk>v<verify>, d<depth>k<topk>v<verify>+g<nodes>)"
+        )
 
     @property
     def label(self) -> str:
@@ -73,7 +102,16 @@ class Arm:
             return "plain"
         if self.kind == "ngram":
             return f"ngram-d{self.depth}"
+        if self.kind == "group":
+            return f"group-d{self.depth}v{self.verify}"
+        if self.kind == "mixed":
+            return f"d{self.depth}k{self.topk}v{self.verify}+g{self.group}"
         return f"d{self.depth}k{self.topk}v{self.verify}"
+
+    @property
+    def nodes(self) -> int:
+        """Draft nodes one round verifies at most (the verify forward's width)."""
+        return self.verify + self.group
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -83,9 +121,9 @@ class Arm:
     @property
     def uses_drafter(self) -> bool:
         """Its measurements depend on the drafter's weights (stale when a new drafter arrives)."""
-        return self.kind == "drafter"
+        return self.kind in ("drafter", "mixed")
 
     @property
     def simplicity(self) -> tuple[int, int, int, int]:
         """Sort key, simplest first (plain, n-gram, then drafter arms by size): ties go to the simpler arm."""
-        return (_KIND_RANK[self.kind], self.depth, self.topk, self.verify)
+        return (_KIND_RANK[self.kind], self.depth, self.topk, self.verify + self.group)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import secrets
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 from tlt_stream.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.arms import Arm
-from tlt_stream.rollout.proposers import Proposer
+from tlt_stream.rollout.proposers import SOURCE_EAGLE, SOURCE_GROUP, Proposal, Proposer
 from tlt_stream.rollout.sampling import sample
 from tlt_stream.rollout.scheduler import FinishReason, Scheduler, Sequence, StopRule
 from tlt_stream.rollout.speculative import verify_round
@@ -54,6 +55,10 @@ class GenerationResult:
     """`[len(prompt_ids) - 1, H]` when hidden states were requested: the states at the prompt positions
     before the last one (whose state is `hidden[0]`), so `cat(prompt_hidden, hidden)` covers every input
     position `0 .. len(prompt_ids) + len(token_ids) - 2`."""
+
+
+_SOURCE_OF_ARM = {"drafter": "eagle", "group": "group", "ngram": "ngram"}
+"""The draft source of a one-source arm (`RolloutEngine.drafted_by`)."""
 
 
 def generate_all(
@@ -127,6 +132,11 @@ class GenerationEngine:
         """Plain decode steps run (one target forward each)."""
         self.tokens_generated = 0
         """Tokens emitted over all requests so far (a throughput counter)."""
+        self.drafted_by: Counter[str] = Counter()
+        """Draft nodes verified, per source (eagle, group, ngram, oracle; a node two sources proposed counts
+        for both)."""
+        self.accepted_by: Counter[str] = Counter()
+        """Drafted tokens accepted and emitted, per source (as `drafted_by`)."""
         self._generators: dict[Hashable, torch.Generator | None] = {}
         self._want_hidden: set[Hashable] = set()
         self._hidden: torch.Tensor | None = None
@@ -185,7 +195,7 @@ class GenerationEngine:
         if arm is not None:
             if self.proposer is None:
                 raise ValueError("an SD arm needs a proposer (a drafter or the n-gram proposer)")
-            if max(arm.verify, arm.depth) > self.max_draft_nodes:
+            if max(arm.nodes, arm.depth) > self.max_draft_nodes:
                 raise ValueError(f"arm {arm.label} drafts more than max_draft_nodes={self.max_draft_nodes}")
         self._arm = arm
 
@@ -295,7 +305,7 @@ class GenerationEngine:
         if self.proposer is not None:
             for b, s in enumerate(seqs):
                 assert s.slot is not None
-                self.proposer.reset_slot(s.slot)
+                self.proposer.reset_slot(s.slot, s.prompt_ids)
                 if not s.is_finished:  # pairs (x_{t+1}, h_t) over the prompt and the first token
                     self.proposer.observe(s.slot, s.prompt_ids[1:] + s.token_ids, hidden[b, : lens[b]])
 
@@ -325,12 +335,14 @@ class GenerationEngine:
         last = torch.tensor([s.last_token for s in seqs])
         outcome = verify_round(self.model, self.cache, proposal, last, temperatures, generators)
         self.rounds += 1
+        used = []
         for row, s in enumerate(seqs):
             emitted, start = 0, s.num_generated
             for token, logprob in zip(outcome.tokens[row], outcome.logprobs[row], strict=True):
                 emitted += 1
                 if s.append(token, logprob):
                     break
+            used.append(min(emitted, int(outcome.count[row])))  # drafted tokens emitted (not cut by a stop)
             self.tokens_generated += emitted
             self._accepts[s.request_id].append(emitted)
             if s.request_id in self._want_hidden:
@@ -338,6 +350,22 @@ class GenerationEngine:
                 self._hidden[s.slot, start : start + emitted] = outcome.hidden[row, :emitted]
             if not s.is_finished:
                 self.proposer.observe(row, outcome.tokens[row], outcome.hidden[row, :emitted])
+        self._count_sources(proposal, arm, outcome.path, used)
+
+    def _count_sources(self, proposal: Proposal, arm: Arm, path: torch.Tensor, used: list[int]) -> None:
+        """Per-source drafted and accepted counts of one round (`drafted_by`, `accepted_by`)."""
+        real = proposal.tree.parents >= 0  # [B, N]
+        if proposal.sources is None:
+            name = _SOURCE_OF_ARM.get(arm.kind, type(self.proposer).__name__.removesuffix("Proposer").lower())
+            self.drafted_by[name] += int(real.sum())
+            self.accepted_by[name] += sum(used)
+            return
+        bits = proposal.sources.long()
+        taken = [row[:n] for row, n in zip(path.tolist(), used, strict=True)]
+        for name, bit in (("eagle", SOURCE_EAGLE), ("group", SOURCE_GROUP)):
+            mine = (bits & bit) > 0
+            self.drafted_by[name] += int((mine & real).sum())
+            self.accepted_by[name] += sum(int(mine[b, node - 1]) for b, nodes in enumerate(taken) for node in nodes)
 
     def _emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Sample one token per row from `hidden [B, H]` and append it (with its logprob) to each sequence."""

@@ -15,6 +15,8 @@ Both work on running rows 0..B-1 (the engine keeps active slots contiguous) and 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -25,8 +27,26 @@ from tlt_stream.drafter.model import Drafter, load_drafter
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import DraftTree
 from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.suffix import SuffixTrie
 
-__all__ = ["EagleProposer", "NgramProposer", "OracleProposer", "Proposal", "Proposer", "build_proposer"]
+__all__ = [
+    "SOURCE_EAGLE",
+    "SOURCE_GROUP",
+    "EagleProposer",
+    "GroupProposer",
+    "MixedProposer",
+    "NgramProposer",
+    "OracleProposer",
+    "Proposal",
+    "Proposer",
+    "build_proposer",
+    "merge_trees",
+    "pad_trees",
+]
+
+
+SOURCE_EAGLE, SOURCE_GROUP = 1, 2
+"""Bits of `Proposal.sources`: which draft source proposed a node (both, when merged)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,9 @@ class Proposal:
     tree: DraftTree
     q: torch.Tensor | None = None
     """`[B, N, V]` drafter distributions the chain's tokens were sampled from, or None (point masses)."""
+    sources: torch.Tensor | None = None
+    """`[B, N]` bits SOURCE_EAGLE | SOURCE_GROUP per node, for trees merged from several sources (None: one
+    source, the arm's)."""
 
 
 class Proposer(Protocol):
@@ -41,7 +64,9 @@ class Proposer(Protocol):
 
     def allocate(self, max_batch: int, max_len: int) -> None: ...
 
-    def reset_slot(self, slot: int) -> None: ...
+    def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
+        """A new request in `slot`; `prompt` is its prompt (the group source keys its drafts by it)."""
+        ...
 
     def move_slot(self, src: int, dst: int) -> None: ...
 
@@ -92,7 +117,7 @@ class EagleProposer:
             raise RuntimeError("EagleProposer.allocate() was not called (the engine calls it)")
         return self._cache
 
-    def reset_slot(self, slot: int) -> None:
+    def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
         self.cache.reset_slot(slot)
         self._pending_tokens[slot] = []
         self._pending_features[slot] = []
@@ -122,6 +147,13 @@ class EagleProposer:
         if sampled_chain:
             return self._chain(root_hidden, root_logits, arm, temperatures, generators)
         return self._tree(root_hidden, root_logits, arm, temperatures)
+
+    @torch.inference_mode()
+    def propose_tree(self, batch: int, arm: Arm, temperatures: torch.Tensor) -> DraftTree:
+        """The top-k tree of point-mass candidates at any temperature (no sampled chain, so no q): what a
+        tree merged with another source's candidates is built from."""
+        root_hidden = self._catch_up(batch)
+        return self._tree(root_hidden, self.drafter.logits(root_hidden), arm, temperatures).tree
 
     def _catch_up(self, batch: int) -> torch.Tensor:
         """Feed every row's pending (token, feature) pairs; return the last output per row `[B, H]`."""
@@ -271,7 +303,7 @@ class NgramProposer:
     def allocate(self, max_batch: int, max_len: int) -> None:
         """Nothing to allocate: the n-gram index lives in Python."""
 
-    def reset_slot(self, slot: int) -> None:
+    def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
         self._history[slot] = []
         self._index[slot] = {}
 
@@ -321,6 +353,230 @@ class NgramProposer:
         return Proposal(DraftTree.chain(tokens, torch.tensor([len(r) for r in rows])))
 
 
+def pad_trees(rows: list[tuple[list[int], list[int]]], sources: list[list[int]] | None = None) -> Proposal:
+    """Per-row (tokens, parents) lists as one `DraftTree`, rows padded with padding nodes (parent -1)."""
+    batch = len(rows)
+    width = max(1, max(len(tokens) for tokens, _ in rows))
+    tok = torch.zeros(batch, width, dtype=torch.long)
+    par = torch.full((batch, width), -1, dtype=torch.long)
+    src = torch.zeros(batch, width, dtype=torch.uint8) if sources is not None else None
+    for b, (tokens, parents) in enumerate(rows):
+        if tokens:
+            tok[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            par[b, : len(parents)] = torch.tensor(parents, dtype=torch.long)
+            if src is not None and sources is not None:
+                src[b, : len(tokens)] = torch.tensor(sources[b], dtype=torch.uint8)
+    return Proposal(DraftTree(tok, par), sources=src)
+
+
+@dataclass
+class _GroupRow:
+    key: tuple[int, ...]
+    trie: SuffixTrie
+    doc: int
+    history: list[int]
+    """The row's prompt and response so far: the context a draft continues."""
+    skip: int
+    """Prompt tokens still to come through `observe` (the engine observes prompt[1:] + response)."""
+
+
+class GroupProposer:
+    """Drafts from the responses to the row's own prompt (`rollout.suffix`): its group's running and finished
+    siblings, earlier steps' and epochs' responses to the same prompt, and the row's own prompt and response.
+    The index is one suffix trie per prompt (keyed by the prompt's tokens, so siblings and later visits of
+    the prompt share it), kept in an LRU cache bounded by `max_nodes` trie nodes and `max_docs` responses per
+    prompt. Model-free: a draft costs Python dictionary walks, no forward."""
+
+    def __init__(
+        self,
+        *,
+        max_depth: int = 24,
+        max_match: int = 12,
+        min_match: int = 1,
+        min_prob: float = 0.0,
+        max_nodes: int = 500_000,
+        max_docs: int = 64,
+    ) -> None:
+        if not 1 <= min_match <= max_match < max_depth:
+            raise ValueError(f"need 1 <= min_match <= max_match < max_depth, got {min_match}, {max_match}, {max_depth}")
+        self.max_depth, self.max_match, self.min_match, self.min_prob = max_depth, max_match, min_match, min_prob
+        self.max_nodes, self.max_docs = max_nodes, max_docs
+        self.tries: OrderedDict[tuple[int, ...], SuffixTrie] = OrderedDict()
+        self._rows: dict[int, _GroupRow] = {}
+        self._next_doc = 0
+
+    @property
+    def nodes(self) -> int:
+        """Trie nodes held over every cached prompt."""
+        return sum(trie.nodes for trie in self.tries.values())
+
+    def allocate(self, max_batch: int, max_len: int) -> None:
+        """Nothing to allocate: the tries grow with what is indexed."""
+
+    def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
+        key = tuple(int(t) for t in prompt)
+        trie = self.tries.get(key)
+        if trie is None:
+            trie = self.tries[key] = SuffixTrie(self.max_depth)
+            trie.extend("prompt", key)  # the row's own context: prompt lookup
+        self.tries.move_to_end(key)
+        doc = self._next_doc
+        self._next_doc += 1
+        # A response's document starts with the prompt's tail, so a sibling's first tokens are found after it.
+        trie.extend(doc, key[-self.max_match :])
+        self._rows[slot] = _GroupRow(key, trie, doc, list(key), max(0, len(key) - 1))
+        self._bound(trie)
+
+    def remember(self, prompt: SequenceOf[int], response: SequenceOf[int]) -> None:
+        """A finished response to `prompt` produced elsewhere (another worker, an earlier run): history the
+        prompt's next rows draft from."""
+        key = tuple(int(t) for t in prompt)
+        trie = self.tries.get(key)
+        if trie is None:
+            trie = self.tries[key] = SuffixTrie(self.max_depth)
+            trie.extend("prompt", key)
+        doc = self._next_doc
+        self._next_doc += 1
+        trie.extend(doc, [*key[-self.max_match :], *(int(t) for t in response)])
+        self._bound(trie)
+
+    def _bound(self, current: SuffixTrie) -> None:
+        live = {row.doc for row in self._rows.values() if row.trie is current}
+        in_use = {id(row.trie) for row in self._rows.values()}
+        finished = [d for d in current.documents if d != "prompt" and d not in live]
+        for doc in finished[: max(0, len(finished) - self.max_docs)]:  # the oldest responses go first
+            current.remove(doc)
+        total = self.nodes
+        for key in list(self.tries):
+            if total <= self.max_nodes:
+                break
+            trie = self.tries[key]
+            if id(trie) not in in_use:  # a prompt no running row uses, least recently started first
+                total -= trie.nodes
+                del self.tries[key]
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self._rows[dst] = self._rows.pop(src)
+
+    def observe(self, slot: int, tokens: list[int], features: torch.Tensor | None = None) -> None:
+        row = self._rows[slot]
+        if row.skip:
+            n = min(row.skip, len(tokens))
+            tokens, row.skip = tokens[n:], row.skip - n
+        if tokens:
+            row.history.extend(tokens)
+            row.trie.extend(row.doc, tokens)
+
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            self.observe(row, [token])
+
+    def drafts(self, batch: int, depth: int, budget: int) -> list[tuple[list[int], list[int]]]:
+        """(tokens, parents) per running row 0..batch-1."""
+        out = []
+        for slot in range(batch):
+            row = self._rows[slot]
+            tokens, parents, _ = row.trie.draft(
+                row.history,
+                depth=depth,
+                budget=budget,
+                max_match=self.max_match,
+                min_match=self.min_match,
+                min_prob=self.min_prob,
+            )
+            out.append((tokens, parents))
+        return out
+
+    def propose(
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> Proposal:
+        rows = self.drafts(batch, arm.depth, arm.verify)
+        return pad_trees(rows, [[SOURCE_GROUP] * len(t) for t, _ in rows])
+
+
+class MixedProposer:
+    """EAGLE and the group source side by side: `drafter` arms draft with EAGLE, `group` arms with the group
+    source, `mixed` arms merge EAGLE's top-k tree (point masses: its sampled chain's q is given up) and the
+    group's tree into one, a token proposed by both under one node kept once, verified in one forward."""
+
+    def __init__(self, eagle: EagleProposer, group: GroupProposer) -> None:
+        self.eagle, self.group = eagle, group
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.eagle.drafter
+
+    def allocate(self, max_batch: int, max_len: int) -> None:
+        self.eagle.allocate(max_batch, max_len)
+        self.group.allocate(max_batch, max_len)
+
+    def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
+        self.eagle.reset_slot(slot, prompt)
+        self.group.reset_slot(slot, prompt)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.eagle.move_slot(src, dst)
+        self.group.move_slot(src, dst)
+
+    def observe(self, slot: int, tokens: list[int], features: torch.Tensor) -> None:
+        self.eagle.observe(slot, tokens, features)
+        self.group.observe(slot, tokens, features)
+
+    def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
+        self.eagle.observe_step(rows, tokens, features)
+        self.group.observe_step(rows, tokens, features)
+
+    def propose(
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> Proposal:
+        if arm.kind == "group":
+            return self.group.propose(batch, arm, temperatures, generators)
+        if arm.kind == "drafter":
+            return self.eagle.propose(batch, arm, temperatures, generators)
+        if arm.kind != "mixed":
+            raise ValueError(f"MixedProposer drafts drafter, group and mixed arms, not {arm.label}")
+        eagle = self.eagle.propose_tree(batch, Arm.drafter(arm.depth, arm.topk, arm.verify), temperatures)
+        groups = self.group.drafts(batch, arm.group, arm.group)
+        e_tokens, e_parents = eagle.tokens.tolist(), eagle.parents.tolist()
+        rows, sources = [], []
+        for b in range(batch):
+            tokens, parents, bits = merge_trees(
+                [
+                    (groups[b][0], groups[b][1], SOURCE_GROUP),  # exact continuations first
+                    (e_tokens[b], e_parents[b], SOURCE_EAGLE),
+                ]
+            )
+            rows.append((tokens, parents))
+            sources.append(bits)
+        return pad_trees(rows, sources)
+
+
+def merge_trees(parts: list[tuple[list[int], list[int], int]]) -> tuple[list[int], list[int], list[int]]:
+    """Trees of one row from several sources, (tokens, parents, source bit) each, as one tree: (tokens,
+    parents, source bits). A node is the same node when its parent and token are, so a token two sources
+    propose under one node appears once, with both bits; the first source's nodes come first under each
+    node (tried first). Padding nodes (parent -1) are left out."""
+    merged: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    tokens: list[int] = []
+    parents: list[int] = []
+    bits: list[int] = []
+    for part_tokens, part_parents, source in parts:
+        at = {0: 0}  # the part's node -> merged node
+        for i, (token, parent) in enumerate(zip(part_tokens, part_parents, strict=True), start=1):
+            if parent not in at:  # padding, or below a node left out
+                continue
+            edge = (at[parent], token)
+            node = merged.get(edge)
+            if node is None:
+                tokens.append(token)
+                parents.append(at[parent])
+                bits.append(0)
+                node = merged[edge] = len(tokens)
+            bits[node - 1] |= source
+            at[i] = node
+    return tokens, parents, bits
+
+
 class OracleProposer:
     """Proposes known continuations: the right token at every level, optionally hidden among `topk - 1`
     random wrong siblings. For tests (deep acceptance, KV compaction) and for measuring the speculative
@@ -336,7 +592,7 @@ class OracleProposer:
     def allocate(self, max_batch: int, max_len: int) -> None:
         """Nothing to allocate."""
 
-    def reset_slot(self, slot: int) -> None:
+    def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
         self.history[slot] = []
 
     def move_slot(self, src: int, dst: int) -> None:

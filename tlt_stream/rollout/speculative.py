@@ -35,6 +35,10 @@ class RoundOutcome:
     """`[B, A+1, H]` the target hidden state that produced each emitted token (padded past the row's count)."""
     drafted: int
     """Nodes verified per row."""
+    path: torch.Tensor
+    """`[B, A]` the accepted draft nodes in order (1-based node indices; 0 past `count`)."""
+    count: torch.Tensor
+    """`[B]` drafted tokens accepted per row."""
 
 
 def _uniforms(generators: list[torch.Generator | None], greedy: list[bool], shape: tuple[int, ...]) -> torch.Tensor:
@@ -139,4 +143,4 @@ def verify_round(
     counts = (count + 1).tolist()
     out_tokens = [row[:c] for row, c in zip(emitted.tolist(), counts, strict=True)]
     out_logprobs = [row[:c] for row, c in zip(lp.tolist(), counts, strict=True)]
-    return RoundOutcome(out_tokens, out_logprobs, hidden[rows, sources], n)
+    return RoundOutcome(out_tokens, out_logprobs, hidden[rows, sources], n, verdict.path, count)
