@@ -140,6 +140,8 @@ def main() -> None:
     results["crossover_batch"] = crossover
     results["speedup_at_batch_1"] = results["batches"]["1"]["best_speedup"]
 
+    log("group and history drafts at batch 1 (the tail of a group)")
+    results["group_sources"] = group_sources(torch, policy, drafter, prompts, tokenizer, results, args)
     log("per-call costs at batch 1")
     results["costs_ms"], results["ceiling"] = per_call_costs(torch, policy, drafter, prompts[0], results, args)
     log("transformers prompt lookup at batch 1")
@@ -163,6 +165,115 @@ def main() -> None:
         machine={"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
     )
     print(json.dumps(results))
+
+
+def group_sources(torch, policy, drafter, prompts: list[list[int]], tokenizer, results: dict, args) -> dict:
+    """The last response of a group at batch 1, its G - 1 siblings finished: plain decoding against EAGLE
+    alone, the group/history source alone and both merged in one tree, per prompt and rep alternating (the
+    speedup is the median of per-run time ratios), with tokens per round and each source's acceptance.
+
+    Two workloads: `natural`, siblings sampled like the row (T = 1; the tiny world's siblings share their
+    step count, so they agree a lot), and `differ`, siblings sampled at T = 1.6, which disagree with each
+    other and with the row, so the figure says what the source does and not only how deterministic the task
+    is. Responses stop at EOS; rates are response tokens over wall time. `oracle` is the machinery's
+    ceiling at T = 0: a proposer that always knows the greedy continuation (depth 8 chain)."""
+    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer, OracleProposer
+
+    group_size, n = 8, args.new_tokens
+    chosen = prompts[: 3 if args.quick else 8]
+    eos = [tokenizer.eos_token_id]
+    max_len = max(len(p) for p in chosen) + n
+    eagle_label = results["batches"]["1"]["best_arm"]
+    e = Arm.from_label(eagle_label)
+    arms = {
+        "plain": None,
+        "eagle": e,
+        "group": Arm.group_source(12, 12),
+        "group_tree": Arm.group_source(8, 20),
+        "mixed": Arm.mixed(e.depth, max(2, e.topk), max(e.verify, 4), 12),
+    }
+    out: dict[str, Any] = {}
+    for workload, sibling_t in (("natural", 1.0), ("differ", 1.6)):
+        siblings_engine = GenerationEngine(policy, group_size - 1, max_len)
+        histories = []
+        for i, prompt in enumerate(chosen):
+            done = siblings_engine.generate([prompt] * (group_size - 1), n, sibling_t, seed=10_000 + i, eos_ids=eos)
+            histories.append([r.token_ids for r in done])
+        rates: dict[str, list[float]] = {name: [] for name in arms}
+        ratios: dict[str, list[float]] = {name: [] for name in arms if name != "plain"}
+        accepts: dict[str, list[float]] = {name: [] for name in arms}
+        sources: dict[str, dict[str, list[int]]] = {}
+        for rep in range(args.reps):
+            for i, prompt in enumerate(chosen):
+                walls: dict[str, float] = {}
+                for name, arm in arms.items():
+                    group = GroupProposer()
+                    for response in histories[i]:
+                        group.remember(prompt, response)
+                    proposer = {
+                        "plain": None,
+                        "eagle": EagleProposer(drafter),
+                        "group": group,
+                        "group_tree": group,
+                        "mixed": MixedProposer(EagleProposer(drafter), group),
+                    }[name]
+                    engine = GenerationEngine(policy, 1, max_len, proposer=proposer, arm=arm, max_draft_nodes=32)
+                    wall, (result,) = timed(engine.generate, [prompt], n, args.temperature, seed=rep, eos_ids=eos)
+                    walls[name] = wall
+                    rates[name].append(len(result.token_ids) / wall)
+                    if arm is not None:
+                        accepts[name].append(len(result.token_ids) / max(1, engine.rounds + engine.plain_steps))
+                        mine = sources.setdefault(name, {"drafted": [0, 0], "accepted": [0, 0]})
+                        for j, source in enumerate(("eagle", "group")):
+                            mine["drafted"][j] += engine.drafted_by[source]
+                            mine["accepted"][j] += engine.accepted_by[source]
+                for name in ratios:  # tokens/s ratio: the rows' lengths differ between runs at T > 0
+                    ratios[name].append(rates[name][-1] / rates["plain"][-1])
+        entry = {}
+        for name in arms:
+            row: dict[str, Any] = {
+                "arm": arms[name].label if arms[name] else "plain",
+                "tok_s": round(statistics.median(rates[name]), 1),
+            }
+            if name != "plain":
+                row["speedup"] = round(statistics.median(ratios[name]), 3)
+                row["tokens_per_round"] = round(statistics.median(accepts[name]), 3)
+                drafted, accepted = sources[name]["drafted"], sources[name]["accepted"]
+                row["acceptance_by_source"] = {
+                    source: round(accepted[j] / drafted[j], 3) if drafted[j] else None
+                    for j, source in enumerate(("eagle", "group"))
+                }
+            entry[name] = row
+            log(f"group sources, {workload}: {name} {row}")
+        out[workload] = entry
+
+    # The ceiling of the round's machinery: an always-right chain at T = 0.
+    references = {}
+    plain = GenerationEngine(policy, 1, max_len)
+    for prompt in chosen[:2]:
+        (r,) = plain.generate([prompt], n, 0.0)
+        references[tuple(prompt[1:])] = r.token_ids
+    walls = {"plain": [], "oracle": []}
+    for _ in range(max(1, args.reps)):
+        for prompt in chosen[:2]:
+            walls["plain"].append(timed(plain.generate, [prompt], n, 0.0)[0])
+            engine = GenerationEngine(
+                policy,
+                1,
+                max_len,
+                proposer=OracleProposer(references, policy.spec.vocab_size),
+                arm=Arm.drafter(8, 1, 8),
+            )
+            walls["oracle"].append(timed(engine.generate, [prompt], n, 0.0)[0])
+    out["oracle_T0_depth8"] = {
+        "speedup": round(statistics.median(p / o for p, o in zip(walls["plain"], walls["oracle"], strict=True)), 3),
+        "tokens_per_round": 9.0,
+    }
+    log(f"group sources: oracle {out['oracle_T0_depth8']}")
+    out["goal_speedup_at_batch_1"] = 2.5
+    return out
 
 
 def per_call_costs(torch, policy, drafter, prompt: list[int], results: dict, args) -> tuple[dict, dict]:

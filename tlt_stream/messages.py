@@ -305,9 +305,12 @@ class SdArmReport(_Entry, tag="sd_arm"):
     verify: NonNegInt
     tokens: NonNegInt
     seconds: Annotated[float, Meta(ge=0)]
-    proposer: Literal["plain", "ngram", "drafter"] = "drafter"
-    """What drafted: no SD (depth 0), prompt lookup, or the trained drafter."""
+    proposer: Literal["plain", "ngram", "drafter", "group", "mixed"] = "drafter"
+    """What drafted: no SD (depth 0), prompt lookup, the trained drafter, the group/history source, or the
+    drafter and the group source in one tree."""
     steps: NonNegInt = 0
+    group: NonNegInt = 0
+    """Group-source nodes beside the drafter's (proposer mixed)."""
 
 
 class LearnerStats(_Entry, tag="learner"):
@@ -407,7 +410,8 @@ class SdArmChoice(Struct, frozen=True, forbid_unknown_fields=True):
     topk: NonNegInt
     verify: NonNegInt
     enabled: bool = True
-    proposer: Literal["plain", "ngram", "drafter"] = "drafter"
+    proposer: Literal["plain", "ngram", "drafter", "group", "mixed"] = "drafter"
+    group: NonNegInt = 0
 
 
 class SdConfigVersion(_Entry, tag="sd_config"):

@@ -11,7 +11,7 @@ from tlt_stream.drafter.model import Drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.proposers import EagleProposer, NgramProposer
+from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer, NgramProposer
 from tlt_stream.rollout.tuner import Arm
 
 
@@ -25,23 +25,30 @@ def drain(adaptive: AdaptiveSd, prompts: list[list[int]], lengths: list[int]) ->
     return done
 
 
-@pytest.mark.parametrize("kind", ["drafter", "ngram"])
+@pytest.mark.parametrize("kind", ["drafter", "ngram", "mixed"])
 def test_switching_sd_and_arms_mid_sequence_keeps_greedy_output_identical(init_policy: Path, kind: str) -> None:
     model = load_model(init_policy)
     prompts = [[5 + i, 9, 12, 7, 5 + i, 9] for i in range(6)]
     lengths = [4, 8, 14, 20, 30, 44]  # the batch drains 6 -> 1, as a rollout's tail does
     plain = GenerationEngine(model, 6, 96).generate(prompts, 44, temperature=0.0)
     torch.manual_seed(0)
-    proposer = EagleProposer(Drafter(model.spec).bind(model)) if kind == "drafter" else NgramProposer()
+    if kind == "ngram":
+        proposer = NgramProposer()
+    else:
+        eagle = EagleProposer(Drafter(model.spec).bind(model))
+        proposer = MixedProposer(eagle, GroupProposer()) if kind == "mixed" else eagle
     engine = GenerationEngine(model, 6, 96, proposer=proposer)
     # On at batch <= 3, off above 4: the drain crosses it; epsilon 0.5 makes arms change from step to step.
-    adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.5, seed=1))
+    arms = ("plain", "d2k1v2", "group-d8v8", "d4k2v8+g8") if kind == "mixed" else AdaptiveSettings().arms
+    adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.5, seed=1, arms=arms))
     done = drain(adaptive, prompts, lengths)
     assert [done[i] for i in range(6)] == [r.token_ids[:n] for r, n in zip(plain, lengths, strict=True)]
     assert adaptive.switch.switches >= 1 and engine.rounds > 0 and engine.plain_steps > 0
     labels = {label for (_, label) in adaptive.log.chosen}
     assert "plain" in labels and len(labels - {"plain"}) >= 2, f"several {kind} arms were tried: {labels}"
     assert all(label == "plain" or label.startswith("ngram") == (kind == "ngram") for label in labels)
+    if kind == "mixed":  # the drafter's, the group's and merged arms all ran, and switching between them
+        assert any(label.startswith("group") for label in labels) and any("+g" in label for label in labels)
     reports = adaptive.drain_reports()
     assert reports and all(r.tokens > 0 and r.seconds > 0 for r in reports)
     assert adaptive.drain_reports() == [], "reports are handed out once"

@@ -76,3 +76,23 @@ def test_the_rollout_dtype_is_a_setting_bf16_on_cuda_fp32_on_the_cpu_by_default(
     assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     result = bf16.generate([[3, 4, 5]], max_new_tokens=5, temperature=0.0)[0]
     assert len(result.token_ids) >= 1, "a bf16 engine decodes (its logprobs go to the learner as fp32)"
+
+
+def test_group_drafts_sit_beside_the_drafter_or_replace_prompt_lookup(init_policy: Path, drafter: Path) -> None:
+    from tlt_stream.rollout.proposers import GroupProposer, MixedProposer
+
+    arms = ("plain", "d2k1v2", "ngram-d4", "group-d8v8", "d4k2v8+g40")
+    engine, adaptive = build_engine(
+        str(init_policy), spec(drafter=str(drafter), group=True, adaptive=AdaptiveSettings(arms=arms))
+    )
+    assert isinstance(engine.proposer, MixedProposer) and adaptive is not None
+    assert {a.label for a in adaptive.tuner.arms} == {"plain", "d2k1v2", "group-d8v8", "d4k2v8+g40"}
+    assert engine.max_draft_nodes >= 48, "a merged arm's drafter and group nodes both fit"
+    engine, _ = build_engine(str(init_policy), spec(drafter="ngram", group=True, arm=Arm.group_source(6, 6)))
+    assert isinstance(engine.proposer, GroupProposer) and engine.arm == Arm.group_source(6, 6)
+    with pytest.raises(ValueError, match="does not have"):
+        build_engine(str(init_policy), spec(drafter="ngram", group=True, arm=Arm.drafter(4, 1, 4)))
+    with pytest.raises(ValueError, match="torch engine only"):
+        spec(drafter="ngram", group=True, arm=Arm.ngram(4), backend="vllm")
+    with pytest.raises(ValueError, match=r"set sd\.drafter"):
+        spec(group=True)

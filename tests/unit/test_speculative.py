@@ -294,7 +294,7 @@ def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: 
     elif mode == "mixed":
         torch.manual_seed(0)
         proposer = MixedProposer(EagleProposer(Drafter(model.spec).bind(model)), GroupProposer())
-        arm = Arm.mixed(2, 2, 3, group=3)
+        arm = Arm.mixed(2, 2, 3, group_nodes=3)
     elif mode.startswith("self"):
         proposer = SelfProposer(hf, prompt[0], temperature)
         arm = Arm.drafter(1, 1, 1) if mode == "self-chain" else Arm.drafter(2, 3, 6)

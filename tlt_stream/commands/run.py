@@ -55,6 +55,13 @@ def register(commands: Any) -> None:
     )
     setting(run, "--hidden-share", keys="rollout.hidden_share")
     setting(run, "--fixed-sd", keys="sd.adaptive", const=False, help="always speculate with sd.arm (no adaptive SD)")
+    setting(
+        run,
+        "--group-drafts",
+        keys="sd.group",
+        const=True,
+        help="draft also from the prompt's own responses and history (siblings, earlier steps)",
+    )
     setting(run, "--max-len", keys="rollout.max_len")
     setting(run, "--eval", keys="launch.eval")
     setting(run, "--seed", keys="policy.seed")

@@ -44,7 +44,10 @@ DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 PositiveInt = Annotated[int, Meta(ge=1)]
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 MQTT_SCHEMES = ("mqtt", "mqtts")
-ARM_LABEL = r"^(plain|ngram-d[1-9][0-9]*|d[1-9][0-9]*k[1-9][0-9]*v[1-9][0-9]*)$"
+ARM_LABEL = (
+    r"^(plain|ngram-d[1-9][0-9]*|group-d[1-9][0-9]*v[1-9][0-9]*"
+    r"|d[1-9][0-9]*k[1-9][0-9]*v[1-9][0-9]*(\+g[1-9][0-9]*)?)$"
+)
 
 
 def _check_device(value: str, name: str) -> None:
@@ -305,7 +308,8 @@ class SdConfig(_Section, frozen=True):
     arm: Annotated[
         str,
         _doc(
-            "The arm used when SD is not adaptive: d<depth>k<topk>v<tokens verified>, ngram-d<depth> or plain.",
+            "The arm used when SD is not adaptive: d<depth>k<topk>v<tokens verified>, ngram-d<depth>, "
+            "group-d<depth>v<nodes>, d<depth>k<topk>v<verified>+g<group nodes> or plain.",
             pattern=ARM_LABEL,
         ),
     ] = "d4k1v4"
@@ -313,6 +317,15 @@ class SdConfig(_Section, frozen=True):
         bool,
         _doc("Decide SD per decode step (on/off by running batch, the arm per batch bucket) instead of sd.arm."),
     ] = True
+    group: Annotated[
+        bool,
+        _doc(
+            "Draft also from the prompt's own responses: the group's running and finished siblings, earlier "
+            "steps' responses to it and the row's own context (a suffix trie per prompt, no model). With a "
+            "drafter: group arms (group-d<depth>v<nodes>) and EAGLE + group merged in one tree (d4k2v8+g8) "
+            "beside the drafter's; with ngram, group arms replace prompt lookup (they include it)."
+        ),
+    ] = False
     crossover: Annotated[
         int, _doc("Running batch size above which SD was measured to lose (`bench/sd_speedup.py`).", ge=1)
     ] = 16
@@ -324,7 +337,18 @@ class SdConfig(_Section, frozen=True):
     arms: Annotated[
         tuple[Annotated[str, Meta(pattern=ARM_LABEL)], ...],
         _doc("Candidate arms of the tuner; those of another proposer than the worker's are left out."),
-    ] = ("plain", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8", "ngram-d4", "ngram-d6")
+    ] = (
+        "plain",
+        "d2k1v2",
+        "d4k1v4",
+        "d6k1v6",
+        "d4k2v8",
+        "ngram-d4",
+        "ngram-d6",
+        "group-d8v8",
+        "group-d12v16",
+        "d4k2v8+g8",
+    )
     edges: Annotated[
         tuple[int, ...], _doc("Upper edges of the tuner's batch-size buckets (one arm is chosen per bucket).")
     ] = (1, 2, 4, 8, 16, 32, 64)

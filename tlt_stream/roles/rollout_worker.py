@@ -107,6 +107,8 @@ class RolloutSettings:
     """Train the drafter online in idle time (needs an EAGLE `drafter` to start from)."""
     adaptive: AdaptiveSettings | None = None
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
+    group: bool = DEFAULTS.sd.group
+    """Draft also from the prompt's own responses and history (`rollout.proposers.GroupProposer`)."""
     device: str = "cpu"
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
     dtype: str = DEFAULTS.rollout.dtype
@@ -118,6 +120,8 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         if self.drafter == "ngram" and self.sd_arm.kind == "drafter":  # prompt lookup drafts a chain
             object.__setattr__(self, "sd_arm", Arm.ngram(self.sd_arm.depth))
+        if self.drafter == "ngram" and self.group and self.sd_arm.kind == "ngram":  # the group source includes it
+            object.__setattr__(self, "sd_arm", Arm.group_source(self.sd_arm.depth, self.sd_arm.depth))
         if self.drafter is not None and self.sd_arm.kind == "plain":
             raise ValueError("sd.arm is plain but sd.drafter is set: name a drafting arm, or leave sd.drafter unset")
         if not 0 < self.hidden_share <= 1:
@@ -152,6 +156,7 @@ class RolloutSettings:
             hidden_dtype=own.hidden_dtype,
             drafter_training=DrafterTrainingSettings.from_config(config),
             adaptive=AdaptiveSettings.from_config(config) if sd.adaptive and sd.drafter is not None else None,
+            group=sd.group,
             device=device,
             dtype=own.dtype,
             backend=own.backend,
@@ -324,7 +329,11 @@ class RolloutWorker:
         edges = self.adaptive.tuner.edges
         best = {}
         for choice in announced.table:
-            arm = Arm.plain() if not choice.enabled else Arm(choice.proposer, choice.depth, choice.topk, choice.verify)
+            arm = (
+                Arm.plain()
+                if not choice.enabled
+                else Arm(choice.proposer, choice.depth, choice.topk, choice.verify, choice.group)
+            )
             best[bucket_of(choice.max_batch, edges)] = arm
         self.adaptive.adopt(best, announced.drafter_version)
         self.sd_config = announced.version
@@ -429,6 +438,7 @@ class RolloutWorker:
             device=self.settings.device,
             dtype=self.settings.dtype,
             drafter=drafter,
+            group=self.settings.group and drafter is not None and self.settings.backend == "torch",
             arm=self.settings.sd_arm,
             adaptive=self.settings.adaptive,
             backend=self.settings.backend,  # type: ignore[arg-type]
@@ -628,6 +638,7 @@ class RolloutWorker:
                         seconds=m.seconds,
                         proposer=m.arm.kind,
                         steps=m.steps,
+                        group=m.arm.group_nodes,
                     )
                     for m in self.adaptive.drain_reports()
                 ]

@@ -78,6 +78,7 @@ class SdConfigPublisher:
                 verify=arm.verify,
                 enabled=arm.kind != "plain",
                 proposer=arm.kind,
+                group=arm.group_nodes,
             )
             for bucket, arm in sorted(table.best.items())
         ]

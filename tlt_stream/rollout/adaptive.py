@@ -13,8 +13,9 @@ TLT's second half (DESIGN section 7). `AdaptiveSd.step()` replaces `engine.step(
 
 Measurements accumulate per (bucket, arm) for `drain_reports()`, which the worker sends to `stats` as
 `SdArmReport`s; the policy service aggregates every worker's reports into the published `sd_config`.
-The engine holds one proposer, so the arms are plain decoding plus the arms of that proposer's kind
-(EAGLE drafter arms, or n-gram arms before a trained drafter exists).
+The engine holds one proposer, so the arms are plain decoding plus the arms of the kinds that proposer drafts
+(EAGLE drafter arms, n-gram arms, group/history arms, or drafter, group and mixed arms when EAGLE and the
+group source sit side by side).
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from typing import Any, Literal
 from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, SdTable, SdTuner
 
-__all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement"]
+__all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement", "arm_kinds"]
+
+
+def arm_kinds(proposer: Any) -> frozenset[str]:
+    """The arm kinds a proposer drafts: its `kinds` attribute, else one kind by its type (EAGLE: drafter)."""
+    kinds = getattr(proposer, "kinds", None)
+    if kinds is not None:
+        return frozenset(kinds)
+    return frozenset({"ngram" if type(proposer).__name__ == "NgramProposer" else "drafter"})
 
 
 @dataclass(frozen=True)
@@ -85,19 +94,19 @@ class AdaptiveSd:
         proposer = getattr(engine, "proposer", None)
         if proposer is None:
             raise ValueError("adaptive SD needs an engine with a proposer (a drafter or the n-gram proposer)")
-        kind = "ngram" if type(proposer).__name__ == "NgramProposer" else "drafter"
-        arms = [a for a in (Arm.from_label(label) for label in settings.arms) if a.kind in ("plain", kind)]
-        if not any(a.kind == kind for a in arms):
-            raise ValueError(f"no {kind} arm among {settings.arms}")
+        kinds = arm_kinds(proposer)
+        arms = [a for a in (Arm.from_label(label) for label in settings.arms) if a.kind in ("plain", *kinds)]
+        if not any(a.kind != "plain" for a in arms):
+            raise ValueError(f"no {' or '.join(sorted(kinds))} arm among {settings.arms}")
         self.engine = engine
         self.settings = settings
-        self.kind = kind
+        self.kinds = kinds
         self.tuner = SdTuner(
             arms,
             edges=settings.edges,
             epsilon=settings.epsilon,
             window=settings.window,
-            drafter_version=drafter_version if kind == "drafter" else -1,
+            drafter_version=drafter_version if "drafter" in kinds else -1,
         )
         self.switch = SdSwitch.from_crossover(settings.crossover, settings.margin)
         self.rng = random.Random(settings.seed)
@@ -137,11 +146,11 @@ class AdaptiveSd:
 
     def adopt(self, best: Mapping[int, Arm], drafter_version: int) -> bool:
         """Exploit a published table of best arms per bucket (arms this engine cannot run are ignored)."""
-        usable = {b: a for b, a in best.items() if a.kind in ("plain", self.kind)}
+        usable = {b: a for b, a in best.items() if a.kind in ("plain", *self.kinds)}
         return self.tuner.adopt_table(SdTable(best=usable, drafter_version=drafter_version))
 
     def on_new_drafter(self, version: int) -> bool:
-        return self.kind == "drafter" and self.tuner.on_new_drafter(version, self.settings.on_new_drafter)
+        return "drafter" in self.kinds and self.tuner.on_new_drafter(version, self.settings.on_new_drafter)
 
     def summary(self) -> dict[str, Any]:
         """Arms chosen per bucket (steps) and the on/off switches so far."""

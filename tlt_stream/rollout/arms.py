@@ -37,7 +37,7 @@ class Arm:
     depth: int = 0
     topk: int = 0
     verify: int = 0
-    group: int = 0
+    group_nodes: int = 0
     """Group-source nodes beside the drafter's (`mixed` only)."""
 
     def __post_init__(self) -> None:
@@ -51,11 +51,11 @@ class Arm:
             valid = min(self.depth, self.topk, self.verify) >= 1 and self.verify <= self.depth * self.topk**2
         else:
             raise ValueError(f"unknown arm kind {self.kind!r} (plain, ngram, group, drafter, mixed)")
-        valid = valid and (self.group >= 1 if self.kind == "mixed" else self.group == 0)
+        valid = valid and (self.group_nodes >= 1 if self.kind == "mixed" else self.group_nodes == 0)
         if not valid:
             raise ValueError(
                 f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}, "
-                f"group={self.group}"
+                f"group_nodes={self.group_nodes}"
             )
 
     @classmethod
@@ -75,8 +75,8 @@ class Arm:
         return cls("group", depth, 0, verify)
 
     @classmethod
-    def mixed(cls, depth: int, topk: int, verify: int, group: int) -> Arm:
-        return cls("mixed", depth, topk, verify, group)
+    def mixed(cls, depth: int, topk: int, verify: int, group_nodes: int) -> Arm:
+        return cls("mixed", depth, topk, verify, group_nodes)
 
     @classmethod
     def from_label(cls, label: str) -> Arm:
@@ -105,13 +105,13 @@ class Arm:
         if self.kind == "group":
             return f"group-d{self.depth}v{self.verify}"
         if self.kind == "mixed":
-            return f"d{self.depth}k{self.topk}v{self.verify}+g{self.group}"
+            return f"d{self.depth}k{self.topk}v{self.verify}+g{self.group_nodes}"
         return f"d{self.depth}k{self.topk}v{self.verify}"
 
     @property
     def nodes(self) -> int:
         """Draft nodes one round verifies at most (the verify forward's width)."""
-        return self.verify + self.group
+        return self.verify + self.group_nodes
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -126,4 +126,4 @@ class Arm:
     @property
     def simplicity(self) -> tuple[int, int, int, int]:
         """Sort key, simplest first (plain, n-gram, then drafter arms by size): ties go to the simpler arm."""
-        return (_KIND_RANK[self.kind], self.depth, self.topk, self.verify + self.group)
+        return (_KIND_RANK[self.kind], self.depth, self.topk, self.verify + self.group_nodes)

@@ -29,6 +29,8 @@ class EngineSpec:
     """Weights and KV cache: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16."""
     drafter: str | None = None
     """The draft source: an EAGLE drafter directory, "ngram" (prompt lookup), or None (no speculation)."""
+    group: bool = DEFAULTS.sd.group
+    """Draft also from the prompt's own responses (`GroupProposer`; with "ngram" it replaces prompt lookup)."""
     arm: Arm | None = None
     """The fixed arm (with a drafter and no `adaptive`)."""
     adaptive: AdaptiveSettings | None = None
@@ -42,13 +44,17 @@ class EngineSpec:
             raise ValueError(f"a drafter ({self.drafter}) without adaptive SD needs a drafting arm, got {self.arm}")
         if self.backend == "vllm" and self.adaptive is not None:
             raise ValueError("adaptive SD decides per decode step, which vLLM cannot: give a fixed arm")
+        if self.backend == "vllm" and self.group:
+            raise ValueError("group/history drafts (sd.group) run on the torch engine only")
+        if self.group and self.drafter is None:
+            raise ValueError("sd.group drafts beside a draft source: set sd.drafter (a drafter, or ngram)")
 
 
 def _max_nodes(spec: EngineSpec) -> int:
     arms = list(map(Arm.from_label, spec.adaptive.arms)) if spec.adaptive is not None else []
     if spec.arm is not None:
         arms.append(spec.arm)
-    return max([PLAIN_NODES, *(max(a.depth, a.verify) for a in arms)])
+    return max([PLAIN_NODES, *(max(a.depth, a.nodes) for a in arms)])
 
 
 def build_engine(policy: str, spec: EngineSpec, *, drafter_version: int = -1) -> tuple[Any, AdaptiveSd | None]:
@@ -61,13 +67,21 @@ def build_engine(policy: str, spec: EngineSpec, *, drafter_version: int = -1) ->
         return VllmEngine(policy, settings=vllm_settings(spec), drafter=drafter), None
 
     from tlt_stream.model import load_model, resolve_dtype
+    from tlt_stream.rollout.adaptive import arm_kinds
     from tlt_stream.rollout.engine import GenerationEngine
-    from tlt_stream.rollout.proposers import build_proposer
+    from tlt_stream.rollout.proposers import GroupProposer, MixedProposer, build_proposer
 
     model = load_model(policy, device=spec.device, dtype=resolve_dtype(spec.dtype, spec.device))
-    proposer = build_proposer(spec.drafter, model) if spec.drafter is not None else None
+    proposer: Any = None
+    if spec.drafter == "ngram" and spec.group:
+        proposer = GroupProposer()
+    elif spec.drafter is not None:
+        proposer = build_proposer(spec.drafter, model)
+        proposer = MixedProposer(proposer, GroupProposer()) if spec.group else proposer
     adaptive = spec.adaptive if proposer is not None else None
     arm = spec.arm if proposer is not None and adaptive is None else None  # adaptive SD sets it step by step
+    if arm is not None and arm.kind not in arm_kinds(proposer):
+        raise ValueError(f"arm {arm.label} drafts with a source this engine does not have ({type(proposer).__name__})")
     engine = GenerationEngine(
         model, spec.max_batch, spec.max_len, proposer=proposer, arm=arm, max_draft_nodes=_max_nodes(spec)
     )

@@ -402,6 +402,8 @@ class GroupProposer:
         self.max_depth, self.max_match, self.min_match, self.min_prob = max_depth, max_match, min_match, min_prob
         self.max_nodes, self.max_docs = max_nodes, max_docs
         self.tries: OrderedDict[tuple[int, ...], SuffixTrie] = OrderedDict()
+        self.kinds = frozenset({"group"})
+        """The arm kinds it drafts."""
         self._rows: dict[int, _GroupRow] = {}
         self._next_doc = 0
 
@@ -501,6 +503,7 @@ class MixedProposer:
 
     def __init__(self, eagle: EagleProposer, group: GroupProposer) -> None:
         self.eagle, self.group = eagle, group
+        self.kinds = frozenset({"drafter", "group", "mixed"})
 
     @property
     def drafter(self) -> Drafter:
@@ -536,7 +539,7 @@ class MixedProposer:
         if arm.kind != "mixed":
             raise ValueError(f"MixedProposer drafts drafter, group and mixed arms, not {arm.label}")
         eagle = self.eagle.propose_tree(batch, Arm.drafter(arm.depth, arm.topk, arm.verify), temperatures)
-        groups = self.group.drafts(batch, arm.group, arm.group)
+        groups = self.group.drafts(batch, arm.group_nodes, arm.group_nodes)
         e_tokens, e_parents = eagle.tokens.tolist(), eagle.parents.tolist()
         rows, sources = [], []
         for b in range(batch):

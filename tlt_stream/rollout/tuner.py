@@ -170,7 +170,7 @@ class ArmReport(Protocol):
 def arm_of_report(report: ArmReport) -> Arm:
     """The arm a report measured (raises ValueError for a field combination no arm has)."""
     kind = "plain" if report.depth == 0 else getattr(report, "proposer", "drafter")
-    return Arm(kind, report.depth, report.topk, report.verify)
+    return Arm(kind, report.depth, report.topk, report.verify, getattr(report, "group", 0))
 
 
 def aggregate_reports(reports: Iterable[ArmReport]) -> SdTable:
