@@ -225,6 +225,10 @@ class RolloutWorker:
         """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
         self.invalid_tasks = 0
         self.samples_sent = 0
+        self.remembered = 0
+        """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
+        self.following = asyncio.Event()
+        """Set once `_follow_samples` reads `samples` from a position: entries added after it are seen."""
         self.tasks_done = 0
         self._tokens = 0
         self._forwards = 0
@@ -266,6 +270,7 @@ class RolloutWorker:
     async def run(self, stop: asyncio.Event, *, max_tasks: int | None = None) -> None:
         """Generate until `stop` is set (or `max_tasks` tasks were completed by this call)."""
         heartbeat = asyncio.create_task(self.registry.heartbeat(stop))
+        follower = asyncio.create_task(self._follow_samples(stop)) if self.settings.group else None
         try:
             await self.registry.set_state(WorkerStatus.LOADING, "waiting for a policy version")
             while self.policy is None and not stop.is_set():
@@ -304,6 +309,50 @@ class RolloutWorker:
         finally:  # groups still being scored stay unacked: sent when run again, else redone by another worker
             await self.registry.set_state(WorkerStatus.STOPPED)
             heartbeat.cancel()
+            if follower is not None:
+                follower.cancel()
+
+    def _group_source(self) -> Any:
+        """The engine's group/history draft source (`GroupProposer`), or None."""
+        proposer = getattr(self.engine, "proposer", None)
+        source = getattr(proposer, "group", proposer)
+        return source if hasattr(source, "remember") else None
+
+    async def _follow_samples(self, stop: asyncio.Event) -> None:
+        """Index other workers' finished responses as history for group drafts, read from `samples` as they
+        are produced (a plain XREAD from the stream's end, no consumer group, no round trip per decode
+        step). Lossy by design: an entry trimmed before it is read is a draft source missed, nothing else.
+        Our own responses are indexed while they run."""
+        from tlt_stream.aio import sleep_or_stop
+        from tlt_stream.bus.producer import PAYLOAD_FIELD
+        from tlt_stream.messages import codec_for
+
+        stream, codec = self.keys.stream("samples"), codec_for("samples")
+        last: str | bytes | None = None
+        while not stop.is_set():
+            source = self._group_source()
+            if source is None:  # no engine yet (or no group source): read nothing, lose nothing
+                await sleep_or_stop(stop, 0.2)
+                continue
+            try:
+                if last is None:  # start at the stream's end: the history from now on
+                    newest = await self.redis.xrevrange(stream, count=1)
+                    last = newest[0][0] if newest else "0-0"
+                    self.following.set()
+                replies = await self.redis.xread({stream: last}, count=256, block=500)
+            except aioredis.RedisError:  # the bus's outage handling is the main loop's; drafts can wait
+                await sleep_or_stop(stop, 1.0)
+                continue
+            for _, entries in replies or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        sample = codec.decode(fields[PAYLOAD_FIELD])
+                    except Exception:  # a malformed entry is the learner's to dead-letter
+                        continue
+                    if sample.worker_id != self.worker_id and sample.token_ids.shape[0]:
+                        source.remember(sample.prompt_ids, sample.token_ids.to_torch().tolist())
+                        self.remembered += 1
 
     async def _train_while_idle(self, stop: asyncio.Event) -> None:
         assert self.idle_trainer is not None
