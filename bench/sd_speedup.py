@@ -11,6 +11,7 @@ reach for), and the per-call costs (target forward for 1 and k tokens, one draft
 they imply at the measured acceptance. Prints progress to stderr and one JSON object to stdout.
 
     python -m bench.sd_speedup [--quick] [--world DIR] [--temperature 1.0]
+    python -m bench.sd_speedup --only-group [--eagle-arm d6k1v6]   # EAGLE vs group vs both at batch 1
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL rollouts use 1.0)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--only-group",
+        action="store_true",
+        help="only the group/history section at batch 1 (EAGLE's arm from --eagle-arm, no sweep)",
+    )
+    p.add_argument("--eagle-arm", default="d6k1v6", help="EAGLE's arm in the group section with --only-group")
     args = p.parse_args()
     args.batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
     args.arms = ARMS_QUICK if args.quick else ARMS_FULL
@@ -80,6 +87,14 @@ def main() -> None:
     prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in long_problems]
     n = args.new_tokens
     max_len = max(len(p) for p in prompts) + n
+    if args.only_group:
+        log(f"group and history drafts at batch 1 only (EAGLE arm {args.eagle_arm})")
+        fake = {"batches": {"1": {"best_arm": args.eagle_arm}}}
+        section = group_sources(torch, policy, drafter, prompts, tokenizer, fake, args)
+        print(json.dumps({"benchmark": "sd_speedup", "section": "group_sources", "quick": args.quick,
+                          "temperature": args.temperature, "new_tokens": n, "reps": args.reps,
+                          "group_sources": section}))  # fmt: skip
+        return
 
     def engine_for(batch: int, arm: tuple[int, int, int] | None, proposer_kind: str = "eagle") -> Any:
         proposer = None

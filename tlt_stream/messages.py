@@ -292,6 +292,11 @@ class RolloutStats(_Entry, tag="rollout"):
     seconds: Annotated[float, Meta(ge=0)]
     target_forwards: NonNegInt = 0
     sd_on: bool = False
+    drafted: dict[str, NonNegInt] = {}
+    """Draft nodes verified in the interval, per source (eagle, group, ngram; a node two sources proposed
+    counts for both)."""
+    accepted: dict[str, NonNegInt] = {}
+    """Drafted tokens accepted and emitted in the interval, per source (as `drafted`)."""
 
 
 class SdArmReport(_Entry, tag="sd_arm"):

@@ -200,6 +200,18 @@ def _samples_table(run_dir: Path, limit: int = 6) -> str:
     return f"<h2>Sampled responses</h2><table>{head}{cells}</table>"
 
 
+def draft_sources(timeline: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Drafted and accepted nodes per draft source over the run's rollout reports (`timeline.jsonl`)."""
+    out: dict[str, dict[str, int]] = {}
+    for entry in timeline:
+        if entry.get("kind") != "rollout":
+            continue
+        for field in ("drafted", "accepted"):
+            for name, n in (entry.get(field) or {}).items():
+                out.setdefault(name, {"drafted": 0, "accepted": 0})[field] += n
+    return {name: s for name, s in sorted(out.items()) if s["drafted"]}
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write the run's plots and `report.html` into `RUN_DIR/report/`; returns the HTML path."""
     run_dir = Path(run_dir)
@@ -228,6 +240,11 @@ def write_report(run_dir: str | Path) -> Path:
         "last reward": round(last["reward_mean"], 3),
         "held-out accuracy": " -> ".join(f"{e['accuracy']:.3f} (v{e['version']})" for e in evals) or "not evaluated",
     }
+    if sources := draft_sources(timeline):
+        summary["draft acceptance by source"] = ", ".join(
+            f"{name} {s['accepted'] / s['drafted']:.2f} ({s['accepted']} of {s['drafted']} drafted)"
+            for name, s in sources.items()
+        )
     items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in summary.items())
     figures = "".join(
         f'<figure><img src="{name}" alt="{html.escape(title)}"><figcaption>{html.escape(title)}</figcaption></figure>'

@@ -61,5 +61,8 @@ async def test_another_workers_finished_response_drafts_this_workers_row_of_the_
         "the other worker's response is indexed under the prompt"
     )
     assert worker.engine.drafted_by["group"] > 0, "the worker's rows were drafted by the group source"
+    stats = [codec_for("stats").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "stats")]
+    reported = sum(s.drafted.get("group", 0) for s in stats if getattr(s, "drafted", None) is not None)
+    assert reported == worker.engine.drafted_by["group"], "the stats stream carries every drafted group node"
     samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "samples")]
     assert sorted(s.sample_id for s in samples if s.worker_id == "w0") == ["t0/0", "t0/1"]

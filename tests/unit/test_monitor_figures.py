@@ -113,6 +113,22 @@ def test_tokens_per_forward_is_per_row_not_summed_over_the_batch() -> None:
     assert mixed["tokens_per_forward"] == pytest.approx((4600 + 320) / (46 * 40 + 8 * 40))
 
 
+def test_each_draft_sources_acceptance_is_summed_over_the_window() -> None:
+    import msgspec
+
+    old = msgspec.structs.replace(rollout("w1", 10, 1.0, 5), drafted={"eagle": 1000}, accepted={"eagle": 1000})
+    a = msgspec.structs.replace(rollout("w1", 10, 1.0, 5), drafted={"eagle": 40, "group": 60}, accepted={"group": 30})
+    b = msgspec.structs.replace(rollout("w2", 10, 1.0, 5), drafted={"group": 40}, accepted={"group": 10, "eagle": 0})
+    summary = rollout_summary([(999.0, a), (998.0, b), (100.0, old)], 1000.0, window_s=60.0)
+    assert summary["draft_sources"] == {
+        "eagle": {"drafted": 40, "accepted": 0, "rate": 0.0},
+        "group": {"drafted": 100, "accepted": 40, "rate": 0.4},
+    }
+    from tlt_stream.monitor.dashboard import _sources
+
+    assert _sources(summary["draft_sources"]) == "; drafts accepted: eagle 0.00 (0/40), group 0.40 (40/100)"
+
+
 def test_rollout_throughput_of_a_young_or_truncated_read_covers_only_what_was_seen() -> None:
     now = 1000.0
     reports = [(998.0, rollout("w1", 400, 2.0, 400)), (994.0, rollout("w1", 200, 4.0, 200))]

@@ -77,7 +77,18 @@ def _rollout(rollout: Mapping[str, Any]) -> Text:
         f"{_fmt(rollout['generation_tokens_per_s'], '.0f')} tok/s per worker; "
         f"{_fmt(rollout['tokens_per_forward'], '.2f')} tokens per row per target forward; "
         f"SD on in {rollout['sd_on_workers']}/{len(rollout['workers'])} workers"
+        + _sources(rollout.get("draft_sources") or {})
     )
+
+
+def _sources(sources: Mapping[str, Any]) -> str:
+    """Each draft source's acceptance (accepted / drafted nodes) in the window."""
+    if not sources:
+        return ""
+    shown = ", ".join(
+        f"{name} {_fmt(s['rate'], '.2f')} ({s['accepted']}/{s['drafted']})" for name, s in sources.items()
+    )
+    return f"; drafts accepted: {shown}"
 
 
 def _learner(learner: Mapping[str, Any] | None) -> Text:

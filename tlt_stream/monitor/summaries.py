@@ -123,9 +123,18 @@ def rollout_summary(
                 "tokens_per_forward": r.tokens / _row_forwards(r) if _row_forwards(r) else None,
                 "age_s": max(0.0, now - t),
             }
+    sources: dict[str, dict[str, Any]] = {}
+    for _, r in recent:
+        for source, n in r.drafted.items():
+            sources.setdefault(source, {"drafted": 0, "accepted": 0})["drafted"] += n
+        for source, n in r.accepted.items():
+            sources.setdefault(source, {"drafted": 0, "accepted": 0})["accepted"] += n
+    for counts in sources.values():
+        counts["rate"] = counts["accepted"] / counts["drafted"] if counts["drafted"] else None
     return {
         "window_s": window_s,
         "span_s": span if recent else 0.0,
+        "draft_sources": dict(sorted(sources.items())),
         "reports": len(recent),
         "tokens": tokens,
         "tokens_per_s": tokens / span if recent else 0.0,

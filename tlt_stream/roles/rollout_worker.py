@@ -227,6 +227,7 @@ class RolloutWorker:
         self.samples_sent = 0
         self.remembered = 0
         """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
+        self._reported_sources: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self.following = asyncio.Event()
         """Set once `_follow_samples` reads `samples` from a position: entries added after it are seen."""
         self.tasks_done = 0
@@ -672,6 +673,7 @@ class RolloutWorker:
                     seconds=self._seconds,
                     target_forwards=self._forwards,
                     sd_on=self.engine.arm is not None,
+                    **self._source_counts(),
                 ),
             )
             if self.adaptive is not None:
@@ -694,6 +696,17 @@ class RolloutWorker:
                 if reports:
                     await self.producer.send("stats", reports)
             self._tokens, self._forwards, self._seconds = 0, 0, 0.0
+
+    def _source_counts(self) -> dict[str, dict[str, int]]:
+        """Per-source drafted and accepted counts since the last report (deltas of the engine's counters)."""
+        drafted = dict(getattr(self.engine, "drafted_by", {}))
+        accepted = dict(getattr(self.engine, "accepted_by", {}))
+        before_d, before_a = self._reported_sources
+        self._reported_sources = (drafted, accepted)
+        return {
+            "drafted": {k: v - before_d.get(k, 0) for k, v in drafted.items() if v > before_d.get(k, 0)},
+            "accepted": {k: v - before_a.get(k, 0) for k, v in accepted.items() if v > before_a.get(k, 0)},
+        }
 
     async def _send_task(self, task: _Task) -> None:
         """A whole group's samples to `samples`, then the task's ack; a group that cannot be scored goes to
