@@ -19,15 +19,15 @@ def build_world(init_policy: Path, world: Path) -> None:
     save_drafter(Drafter(load_model(world / "policy").spec), world / "drafter")
 
 
-def tiny_policy(out: Path) -> Path:
+def tiny_policy(out: Path, seed: int = 0) -> Path:
     """A tiny random Llama policy with the character tokenizer, saved as a Hugging Face checkpoint in `out`
-    (the tests' `init_policy`; `bench/soak.py` runs on it too)."""
+    (the tests' `init_policy`, seed 0; `bench/soak.py` runs on it too)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),

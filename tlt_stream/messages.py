@@ -297,6 +297,8 @@ class RolloutStats(_Entry, tag="rollout"):
     counts for both)."""
     accepted: dict[str, NonNegInt] = {}
     """Drafted tokens accepted and emitted in the interval, per source (as `drafted`)."""
+    collapses: NonNegInt = 0
+    """Swaps after which the worker's acceptance collapsed, since it started (`rollout.collapse`)."""
 
 
 class SdArmReport(_Entry, tag="sd_arm"):

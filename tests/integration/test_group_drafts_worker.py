@@ -66,3 +66,58 @@ async def test_another_workers_finished_response_drafts_this_workers_row_of_the_
     assert reported == worker.engine.drafted_by["group"], "the stats stream carries every drafted group node"
     samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "samples")]
     assert sorted(s.sample_id for s in samples if s.worker_id == "w0") == ["t0/0", "t0/1"]
+
+
+async def test_a_policy_swap_is_judged_by_the_acceptance_measured_before_and_after_it(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """Greedy rows of one prompt under policy A, then under policy B (other weights): the worker judges the
+    swap from the engine's real counts, once, with a baseline from before it. (B's greedy text is a loop its
+    own rows draft well: no collapse here; the collapse rule itself is tested in tests/unit/test_collapse.py.)"""
+    from tests.worlds import tiny_policy
+    from tlt_stream.messages import PolicyVersion, RolloutStats
+    from tlt_stream.store.digest import directory_sha256
+
+    other = tiny_policy(tmp_path / "other", seed=7)
+    keys = Keys(bus_config.run)
+    prompt = build_tokenizer().encode("Start at 4 and add 3, 2 times.\n")
+    settings = RolloutSettings(
+        max_batch=4, max_len=96, temperature=0.0, drafter="ngram", sd_arm=Arm.group_source(8, 8), group=True,
+        collapse_min_drafted=48,
+    )  # fmt: skip
+    async with learner_and_worker_planes(bus_config) as planes:
+        worker = RolloutWorker(
+            bus_config, planes.redis, planes.worker, worker_id="w0", reward=resolve_reward("repeated_add"),
+            settings=settings,
+        )  # fmt: skip
+        learner = LearnerService(
+            bus_config, planes.redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy
+        )
+        await learner.start()
+        producer = StreamProducer(planes.redis, keys, bus_config.bus)
+
+        async def task(name: str) -> None:
+            await producer.send(
+                "prompts", [PromptGroup(task_id=name, prompt_id="p", prompt_ids=prompt, answer="10", group_size=2)]
+            )
+            await worker.run(planes.stop, max_tasks=1)
+
+        async with asyncio.timeout(120):
+            await task("a1")
+            await task("a2")  # drafted from a1's responses: greedy, the same text
+            await planes.learner.publish(
+                PolicyVersion(version=1, location=str(other), sha256=directory_sha256(other), step=1)
+            )
+            while worker.version != 1:  # the worker loads between tasks
+                await worker._maybe_load()
+                await asyncio.sleep(0.05)
+            await task("b1")
+    verdicts = [v for v in worker.watch.verdicts if v.kind == "policy" and v.version == 1]
+    assert len(verdicts) == 1 and verdicts[0].before is not None, worker.watch.verdicts
+    stats = [codec_for("stats").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "stats")]
+    rollout = [s for s in stats if isinstance(s, RolloutStats)]
+    drafted = sum(s.drafted.get("group", 0) for s in rollout)
+    accepted = sum(s.accepted.get("group", 0) for s in rollout)
+    assert drafted == worker.engine.drafted_by["group"] and accepted == worker.engine.accepted_by["group"]
+    assert verdicts[0].collapsed == (verdicts[0].after < 0.5 * verdicts[0].before)
+    assert worker.collapses == int(verdicts[0].collapsed) == rollout[-1].collapses

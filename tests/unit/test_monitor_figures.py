@@ -89,6 +89,7 @@ def test_rollout_throughput_over_a_long_run_uses_the_whole_window() -> None:
         "drafter_version": 1,
         "tokens_per_s": 200.0,
         "tokens_per_forward": 2.5,
+        "collapses": 0,
         "age_s": 1.0,
     }
     assert summary["workers"]["w2"]["sd_on"] is False and summary["workers"]["w2"]["age_s"] == 5.0

@@ -326,6 +326,14 @@ class SdConfig(_Section, frozen=True):
             "beside the drafter's; with ngram, group arms replace prompt lookup (they include it)."
         ),
     ] = False
+    collapse_min_drafted: Annotated[
+        int,
+        _doc(
+            "Draft nodes after a policy or drafter swap before a worker judges the swap: an acceptance below "
+            "half the previous version's is a collapse (logged, counted, shown; a drafter is gone back from).",
+            ge=1,
+        ),
+    ] = 256
     crossover: Annotated[
         int, _doc("Running batch size above which SD was measured to lose (`bench/sd_speedup.py`).", ge=1)
     ] = 16

@@ -78,6 +78,7 @@ def _rollout(rollout: Mapping[str, Any]) -> Text:
         f"{_fmt(rollout['tokens_per_forward'], '.2f')} tokens per row per target forward; "
         f"SD on in {rollout['sd_on_workers']}/{len(rollout['workers'])} workers"
         + _sources(rollout.get("draft_sources") or {})
+        + (f"; ACCEPTANCE COLLAPSED after {n} swap(s)" if (n := rollout.get("acceptance_collapses")) else "")
     )
 
 

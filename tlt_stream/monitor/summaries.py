@@ -121,6 +121,7 @@ def rollout_summary(
                 "drafter_version": r.drafter_version,
                 "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
                 "tokens_per_forward": r.tokens / _row_forwards(r) if _row_forwards(r) else None,
+                "collapses": r.collapses,
                 "age_s": max(0.0, now - t),
             }
     sources: dict[str, dict[str, Any]] = {}
@@ -141,6 +142,7 @@ def rollout_summary(
         "generation_tokens_per_s": tokens / seconds if seconds > 0 else None,
         "tokens_per_forward": sum(r.tokens for r in counted) / row_forwards if row_forwards else None,
         "sd_on_workers": sum(w["sd_on"] for w in workers.values()),
+        "acceptance_collapses": sum(w["collapses"] for w in workers.values()),
         "workers": workers,
     }
 

@@ -54,6 +54,7 @@ from tlt_stream.rl.validate import location_problem, prompt_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.build import EngineSpec, build_engine
+from tlt_stream.rollout.collapse import AcceptanceWatch
 from tlt_stream.rollout.protocol import RolloutEngine
 from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.tuner import Arm, bucket_of
@@ -109,6 +110,8 @@ class RolloutSettings:
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
     group: bool = DEFAULTS.sd.group
     """Draft also from the prompt's own responses and history (`rollout.proposers.GroupProposer`)."""
+    collapse_min_drafted: int = DEFAULTS.sd.collapse_min_drafted
+    """Draft nodes after a swap before its acceptance is judged against the previous version's."""
     device: str = "cpu"
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
     dtype: str = DEFAULTS.rollout.dtype
@@ -157,6 +160,7 @@ class RolloutSettings:
             drafter_training=DrafterTrainingSettings.from_config(config),
             adaptive=AdaptiveSettings.from_config(config) if sd.adaptive and sd.drafter is not None else None,
             group=sd.group,
+            collapse_min_drafted=sd.collapse_min_drafted,
             device=device,
             dtype=own.dtype,
             backend=own.backend,
@@ -228,6 +232,14 @@ class RolloutWorker:
         self.remembered = 0
         """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
         self._reported_sources: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self.watch = AcceptanceWatch(min_drafted=settings.collapse_min_drafted)
+        """Judges every policy and drafter swap by the acceptance after it (no silent collapse)."""
+        self.collapses = 0
+        self.refused_drafters: set[int] = set()
+        """Drafter versions gone back from after their acceptance collapsed (never swapped in again)."""
+        self._drafter_in_use: tuple[str | None, DrafterVersion | None] = (settings.drafter, None)
+        """(location, announcement) of the drafter in the engine; the warm-up drafter has no announcement."""
+        self._drafter_before: tuple[str | None, DrafterVersion | None] | None = None
         self.following = asyncio.Event()
         """Set once `_follow_samples` reads `samples` from a position: entries added after it are seen."""
         self.tasks_done = 0
@@ -291,6 +303,7 @@ class RolloutWorker:
                     if self.registry.state != WorkerStatus.GENERATING:
                         await self.registry.set_state(WorkerStatus.GENERATING)
                     await self._generate()
+                    self._judge_swap()
                 elif self.scoring:  # nothing to decode but groups being scored: their samples go first
                     await asyncio.wait(list(self.scoring.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                 elif not any(d.message.min_policy_version <= self.version for d in self.waiting):
@@ -312,6 +325,42 @@ class RolloutWorker:
             heartbeat.cancel()
             if follower is not None:
                 follower.cancel()
+
+    def _swapped(self, kind: str, version: int) -> None:
+        engine = self.engine
+        if engine is not None and hasattr(engine, "drafted_by"):
+            self.watch.swapped(kind, version, engine.drafted_by, engine.accepted_by)
+
+    def _judge_swap(self) -> None:
+        """After a swap's first rounds: say how acceptance moved; a collapse is logged, counted (stats, the
+        monitor) and, for a drafter, answered by going back to the drafter before it."""
+        engine = self.engine
+        verdict = self.watch.check(engine.drafted_by, engine.accepted_by) if hasattr(engine, "drafted_by") else None
+        if verdict is None:
+            return
+        before = "unknown" if verdict.before is None else f"{verdict.before:.2f}"
+        if not verdict.collapsed:
+            log.info("acceptance after %s version %d: %.2f (before: %s)", verdict.kind, verdict.version,
+                     verdict.after, before)  # fmt: skip
+            return
+        self.collapses += 1
+        reason = f"{verdict.kind} v{verdict.version}: acceptance {before} -> {verdict.after:.2f}"
+        log.warning("%s: acceptance collapsed after %s", self.worker_id, reason)
+        self.registry.update_info(acceptance_collapse=reason)
+        if verdict.kind != "drafter" or self._drafter_before is None or self._drafter_before[0] is None:
+            return
+        location, announcement = self._drafter_before
+        try:
+            engine.load_drafter(location)
+        except (CheckpointError, OSError, ValueError) as exc:
+            log.error("could not go back to the drafter at %s (%s); keeping drafter v%d", location, exc,
+                      verdict.version)  # fmt: skip
+            return
+        self.refused_drafters.add(verdict.version)
+        self.drafter = announcement
+        self._drafter_in_use, self._drafter_before = self._drafter_before, None
+        back = "the warm-up one" if announcement is None else f"v{announcement.version}"
+        log.warning("%s: went back to drafter %s after drafter v%d collapsed", self.worker_id, back, verdict.version)
 
     def _group_source(self) -> Any:
         """The engine's group/history draft source (`GroupProposer`), or None."""
@@ -394,7 +443,7 @@ class RolloutWorker:
         announced = self.control.current.get("drafter")
         if not isinstance(announced, DrafterVersion) or not self.settings.eagle or self.engine is None:
             return
-        if announced.version <= self.drafter_version:
+        if announced.version <= self.drafter_version or announced.version in self.refused_drafters:
             return
 
         def load() -> None:
@@ -412,6 +461,8 @@ class RolloutWorker:
             return
         self.drafter = announced
         self.drafter_swaps += 1
+        self._drafter_before, self._drafter_in_use = self._drafter_in_use, (announced.location, announced)
+        self._swapped("drafter", announced.version)
         if self.adaptive is not None:
             self.adaptive.on_new_drafter(announced.version)
         self.registry.update_info(drafter_version=announced.version)
@@ -455,6 +506,7 @@ class RolloutWorker:
         self.versions.loaded(announced.version)
         self.registry.update_info(policy_version=announced.version)
         log.info("loaded policy version %d", announced.version)
+        self._swapped("policy", announced.version)
 
     def _load(self, announced: PolicyVersion) -> None:
         from transformers import AutoTokenizer
@@ -673,6 +725,7 @@ class RolloutWorker:
                     seconds=self._seconds,
                     target_forwards=self._forwards,
                     sd_on=self.engine.arm is not None,
+                    collapses=self.collapses,
                     **self._source_counts(),
                 ),
             )
