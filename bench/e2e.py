@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--only", help="comma-separated configs to run (default: all; --quick: all but trl)")
     p.add_argument("--eval", type=int, default=256, help="held-out prompts for the final policy (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pool", type=int, default=None, help="a fixed pool of this many training problems revisited in epochs"
+    )
     return p.parse_args()
 
 
@@ -271,6 +274,8 @@ def main() -> None:
         sys.exit(f"{world}: no policy/drafter; run `tlt-stream bootstrap --out {world}` first")
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     config = load_config(None, environ=os.environ)
+    if args.pool is not None:  # (a)-(c), (e), (f) only: the TRL baseline draws its prompts as before
+        config = override(config, {"data.pool_size": args.pool})
     steps = 2 if args.quick else args.steps
     trl_steps = 2 if args.quick else (args.trl_steps or steps)
     prompts = 8 if args.quick else args.prompts_per_step
@@ -326,6 +331,7 @@ def main() -> None:
         "quick": args.quick,
         "cores": cores,
         "steps": steps,
+        "pool": args.pool,
         "trl_steps": trl_steps if "trl" in results else None,
         "prompts_per_step": prompts,
         "group_size": 8,

@@ -160,3 +160,20 @@ def test_a_reward_gets_the_rows_other_fields_it_asks_for(tmp_path: Path) -> None
     assert call_reward(named, "r", "2", example.fields) == 3.0, "the fields it names"
     assert call_reward(everything, "r", "2", example.fields) == 2.0, "all of them to **kwargs"
     assert call_reward(exact_reward, "2", "2", example.fields) == 1.0, "none to a reward that takes two"
+
+
+def test_the_tiny_world_can_revisit_a_fixed_pool_in_epochs() -> None:
+    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.rl.datasets import PromptPool
+    from tlt_stream.roles.policy import RepeatedAddSource, task_source
+
+    assert isinstance(task_source(DEFAULTS), RepeatedAddSource), "fresh problems every step by default"
+    pool = task_source(override(DEFAULTS, {"data.pool_size": 12, "policy.seed": 3}))
+    assert isinstance(pool, PromptPool) and len(pool) == 12
+    epochs = [[row[0] for step in range(e * 3, e * 3 + 3) for row in pool.prompts(step, 4)] for e in range(3)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs), "every epoch is the same 12 problems"
+    assert epochs[0] != epochs[1], "in another order"
+    again = task_source(override(DEFAULTS, {"data.pool_size": 12, "policy.seed": 3}))
+    assert [r[0] for r in again.prompts(7, 4)] == [r[0] for r in pool.prompts(7, 4)], "a pure function of seed, step"
+    other = task_source(override(DEFAULTS, {"data.pool_size": 12, "policy.seed": 4}))
+    assert sorted(r[0] for s in range(3) for r in other.prompts(s, 4)) != sorted(epochs[0])

@@ -203,6 +203,14 @@ class DataConfig(_Section, frozen=True):
     tokenizer: Annotated[
         str | None, _doc("The tokenizer the prompts are encoded with. None: the policy's (learner.policy).")
     ] = None
+    pool_size: Annotated[
+        PositiveInt | None,
+        _doc(
+            "The tiny world (no data.dataset): a fixed pool of this many training problems drawn once from "
+            "policy.seed, revisited in shuffled epochs as a real dataset's prompts are (group/history drafts "
+            "then draw on earlier epochs' responses). None: fresh problems every step."
+        ),
+    ] = None
 
 
 class RolloutConfig(_Section, frozen=True):

@@ -260,12 +260,26 @@ class PolicyService:
         return at
 
 
+def tiny_world_pool(tokenizer: Any, size: int, *, seed: int) -> TaskSource:
+    """`size` training problems of the tiny world's task drawn once from `seed`, as a `PromptPool`: epochs
+    of the same prompts, shuffled per epoch (a pure function of (seed, step), like a dataset's)."""
+    from tlt_stream.common import stable_int
+    from tlt_stream.rl.datasets import Example, PromptPool
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask
+
+    problems = RepeatedAddTask().problems(size, stable_int(f"tiny-world-pool/{seed}", 12), heldout=False)
+    examples = [Example(p.prompt_id, p.prompt, p.answer) for p in problems]
+    return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=10**9, where="the tiny world's pool")
+
+
 def task_source(config: Config) -> TaskSource:
     """The prompts of the run: the tiny world's task, or `data.dataset` as a `PromptPool` (encoded with
     `data.tokenizer`, else the policy's tokenizer; prompts over `data.max_prompt_len` left out and counted)."""
     if config.data.dataset is None:
         from tlt_stream.tasks.tokenizer import build_tokenizer
 
+        if config.data.pool_size is not None:
+            return tiny_world_pool(build_tokenizer(), config.data.pool_size, seed=config.policy.seed)
         return RepeatedAddSource(build_tokenizer(), seed=config.policy.seed)
     from transformers import AutoTokenizer
 
