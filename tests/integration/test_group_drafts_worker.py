@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,16 @@ from tlt_stream.tasks.tokenizer import build_tokenizer
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
 
+async def worker_on_version_0(
+    config: Config, planes: Any, settings: RolloutSettings, tmp_path: Path, init_policy: Path
+) -> RolloutWorker:
+    """A worker "w0" on the tiny task, and a learner that publishes version 0 (it consumes nothing here)."""
+    learner = LearnerService(config, planes.redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy)
+    await learner.start()
+    reward = resolve_reward("repeated_add")
+    return RolloutWorker(config, planes.redis, planes.worker, worker_id="w0", reward=reward, settings=settings)
+
+
 async def test_another_workers_finished_response_drafts_this_workers_row_of_the_same_prompt(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
@@ -31,14 +42,7 @@ async def test_another_workers_finished_response_drafts_this_workers_row_of_the_
     elsewhere = tokenizer.encode("1, 3, 5, 7. The answer is 7.")  # what "the other worker" wrote
     settings = RolloutSettings(max_batch=4, max_len=96, drafter="ngram", sd_arm=Arm.group_source(6, 6), group=True)
     async with learner_and_worker_planes(bus_config) as planes:
-        worker = RolloutWorker(
-            bus_config, planes.redis, planes.worker, worker_id="w0", reward=resolve_reward("repeated_add"),
-            settings=settings,
-        )  # fmt: skip
-        learner = LearnerService(
-            bus_config, planes.redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy
-        )
-        await learner.start()  # publishes version 0; it consumes nothing here
+        worker = await worker_on_version_0(bus_config, planes, settings, tmp_path, init_policy)
         producer = StreamProducer(planes.redis, keys, bus_config.bus)
         running = asyncio.create_task(worker.run(planes.stop, max_tasks=1))
         async with asyncio.timeout(60):
@@ -86,14 +90,7 @@ async def test_a_policy_swap_is_judged_by_the_acceptance_measured_before_and_aft
         collapse_min_drafted=48,
     )  # fmt: skip
     async with learner_and_worker_planes(bus_config) as planes:
-        worker = RolloutWorker(
-            bus_config, planes.redis, planes.worker, worker_id="w0", reward=resolve_reward("repeated_add"),
-            settings=settings,
-        )  # fmt: skip
-        learner = LearnerService(
-            bus_config, planes.redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy
-        )
-        await learner.start()
+        worker = await worker_on_version_0(bus_config, planes, settings, tmp_path, init_policy)
         producer = StreamProducer(planes.redis, keys, bus_config.bus)
 
         async def task(name: str) -> None:
