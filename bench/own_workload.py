@@ -32,23 +32,12 @@ REWARD = "def score(response, answer):\n    return float(len(response) % 2)  # v
 
 
 def build(root: Path) -> tuple[Path, Path, Path]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from tests.worlds import qwen_like_policy
+    from tests.worlds import gsm8k_like_rows, qwen_like_policy, write_parquet
 
     policy = qwen_like_policy(root / "policy")
-    rows = [
-        {
-            "data_source": "gsm8k-like",
-            "prompt": [{"role": "user", "content": f"Question: what is {a} plus {b}?"}],
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"index": i},
-        }
-        for i, (a, b) in enumerate((a, b) for a in range(8) for b in range(4))
-    ]
-    pq.write_table(pa.Table.from_pylist(rows[:24]), root / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[24:]), root / "test.parquet")
+    rows = gsm8k_like_rows([(a, b) for a in range(8) for b in range(4)])
+    write_parquet(rows[:24], root / "train.parquet")
+    write_parquet(rows[24:], root / "test.parquet")
     (root / "reward.py").write_text(REWARD)
     return policy, root / "train.parquet", root / "test.parquet"
 

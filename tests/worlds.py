@@ -92,3 +92,25 @@ def qwen_like_policy(out: Path) -> Path:
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(out)
     return out
+
+
+def gsm8k_like_rows(pairs: list[tuple[int, int]]) -> list[dict]:
+    """verl-style parquet rows (chat prompt, `reward_model.ground_truth`, `data_source`, `extra_info`) of
+    "what is a plus b?" for each (a, b)."""
+    return [
+        {
+            "data_source": "gsm8k-like",
+            "prompt": [{"role": "user", "content": f"Question: what is {a} plus {b}?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"index": i},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
+
+
+def write_parquet(rows: list[dict], path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path

@@ -141,24 +141,14 @@ async def test_a_bad_dataset_row_stops_the_run_in_one_line_naming_file_row_and_f
 async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_trains_and_stops_on_eos_or_string(
     one_backend: str, bus_config: Config, tmp_path: Path
 ) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     import torch
 
-    from tests.worlds import qwen_like_policy
+    from tests.worlds import gsm8k_like_rows, qwen_like_policy, write_parquet
 
     policy = qwen_like_policy(tmp_path / "qwen")
-    rows = [
-        {
-            "data_source": "gsm8k-like",
-            "prompt": [{"role": "user", "content": f"Question: what is {a} plus {b}?"}],
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"index": i},
-        }
-        for i, (a, b) in enumerate([(1, 2), (3, 4), (5, 6), (7, 8)])
-    ]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "test.parquet")
+    rows = gsm8k_like_rows([(1, 2), (3, 4), (5, 6), (7, 8)])
+    write_parquet(rows, tmp_path / "train.parquet")
+    write_parquet(rows[:2], tmp_path / "test.parquet")
     (tmp_path / "my_reward.py").write_text(ROW_REWARD)  # it needs the row's other fields, by name
     out = tmp_path / "run"
     assert bus_config.bus.redis_url
