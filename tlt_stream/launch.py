@@ -290,21 +290,9 @@ def evaluate_version(
 
 def _track_evaluation(run_dir: Path, row: dict, config: Config) -> None:
     """The evaluation's figures to the run's trackers, as their own job ("eval", beside the learner's)."""
-    import msgspec
+    from tlt_stream.rl.tracking import scalars, trackers_for
 
-    from tlt_stream.config import redact_config
-    from tlt_stream.rl.tracking import open_trackers, scalars
-
-    own = config.learner
-    trackers = open_trackers(
-        own.log_to,
-        run_dir,
-        run=config.run,
-        config=redact_config(msgspec.to_builtins(config)),
-        project=own.wandb_project,
-        mode=own.wandb_mode,
-        job="eval",
-    )
+    trackers = trackers_for(config, run_dir, job="eval")
     try:
         figures = scalars({k: v for k, v in row.items() if k not in ("prompts", "seed")}, "eval/")
         for tracker in trackers:

@@ -202,14 +202,10 @@ def _samples_table(run_dir: Path, limit: int = 6) -> str:
 
 def draft_sources(timeline: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Drafted and accepted nodes per draft source over the run's rollout reports (`timeline.jsonl`)."""
-    out: dict[str, dict[str, int]] = {}
-    for entry in timeline:
-        if entry.get("kind") != "rollout":
-            continue
-        for field in ("drafted", "accepted"):
-            for name, n in (entry.get(field) or {}).items():
-                out.setdefault(name, {"drafted": 0, "accepted": 0})[field] += n
-    return {name: s for name, s in sorted(out.items()) if s["drafted"]}
+    from tlt_stream.monitor.summaries import draft_source_totals
+
+    reports = [(e.get("drafted") or {}, e.get("accepted") or {}) for e in timeline if e.get("kind") == "rollout"]
+    return {name: s for name, s in draft_source_totals(reports).items() if s["drafted"]}
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -58,15 +58,13 @@ def test_a_missing_package_or_an_unknown_name_is_one_clear_error(monkeypatch: py
 
 def test_the_learner_gives_wandb_its_configuration_without_secrets(tmp_path: Path) -> None:
     from tlt_stream.config import DEFAULTS, override
-    from tlt_stream.roles.learner import LearnerService
+    from tlt_stream.rl.tracking import trackers_for
 
     config = override(
         DEFAULTS,
         {"bus.redis_url": "redis://:hunter2@127.0.0.1:6379/0", "learner.log_to": ("wandb",), "learner.lr": 3e-6},
     )
-    service = LearnerService.__new__(LearnerService)  # only the tracker set-up is exercised
-    service.config, service.run_dir = config, tmp_path
-    trackers = service._open_trackers()
+    trackers = trackers_for(config, tmp_path)  # what the learner (and the run's evaluations) open
     for tracker in trackers:
         tracker.close()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")

@@ -88,6 +88,17 @@ def _row_forwards(report: RolloutStats) -> int:
     return report.target_forwards * report.batch_size
 
 
+def draft_source_totals(reports: Iterable[tuple[Mapping[str, int], Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+    """Drafted and accepted nodes per draft source summed over rollout reports' (drafted, accepted) counts
+    (`RolloutStats.drafted`, `.accepted`), sources sorted by name."""
+    out: dict[str, dict[str, int]] = {}
+    for drafted, accepted in reports:
+        for field, counts in (("drafted", drafted), ("accepted", accepted)):
+            for source, n in counts.items():
+                out.setdefault(source, {"drafted": 0, "accepted": 0})[field] += n
+    return dict(sorted(out.items()))
+
+
 def rollout_summary(
     reports: Iterable[tuple[float, RolloutStats]], now: float, window_s: float, horizon: float | None = None
 ) -> dict[str, Any]:
@@ -124,12 +135,7 @@ def rollout_summary(
                 "collapses": r.collapses,
                 "age_s": max(0.0, now - t),
             }
-    sources: dict[str, dict[str, Any]] = {}
-    for _, r in recent:
-        for source, n in r.drafted.items():
-            sources.setdefault(source, {"drafted": 0, "accepted": 0})["drafted"] += n
-        for source, n in r.accepted.items():
-            sources.setdefault(source, {"drafted": 0, "accepted": 0})["accepted"] += n
+    sources: dict[str, dict[str, Any]] = dict(draft_source_totals((r.drafted, r.accepted) for _, r in recent))
     for counts in sources.values():
         counts["rate"] = counts["accepted"] / counts["drafted"] if counts["drafted"] else None
     return {

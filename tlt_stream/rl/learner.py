@@ -276,11 +276,12 @@ class LearnerCore:
 def compute_dtype_on(name: str, device: torch.device | str) -> torch.dtype:
     """The learner's compute dtype setting on `device`: auto is bfloat16 on a CUDA device that supports it,
     else float32 (bfloat16 matmuls are slow on most CPUs); an explicit value is taken as it is."""
-    device = torch.device(device)
-    if name == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    from tlt_stream.model.loader import resolve_dtype
+
+    dtype = resolve_dtype(name, device)  # auto: bfloat16 on CUDA, else float32
+    if name == "auto" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float32
+    return dtype
 
 
 def load_for_training(source: Any, device: str = "cpu") -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["TRACKERS", "MissingTracker", "Tracker", "open_trackers", "require_trackers", "scalars"]
+__all__ = ["TRACKERS", "MissingTracker", "Tracker", "open_trackers", "require_trackers", "scalars", "trackers_for"]
 
 log = logging.getLogger(__name__)
 
@@ -160,3 +160,22 @@ def open_trackers(
     if out:
         log.info("tracking %s to %s under %s (%s)", job, ", ".join(dict.fromkeys(names)), run_dir, mode)
     return out
+
+
+def trackers_for(config: Any, run_dir: Path, *, job: str = "learner") -> list[Tracker]:
+    """The trackers `config.learner.log_to` names for this run, writing under `run_dir` (none when it names
+    none), with the run's configuration, its secrets redacted."""
+    import msgspec
+
+    from tlt_stream.config import redact_config
+
+    own = config.learner
+    return open_trackers(
+        own.log_to,
+        run_dir,
+        run=config.run,
+        config=redact_config(msgspec.to_builtins(config)),
+        project=own.wandb_project,
+        mode=own.wandb_mode,
+        job=job,
+    )

@@ -52,7 +52,7 @@ from tlt_stream.rl.checkpoint import (
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings, load_for_training
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
-from tlt_stream.rl.tracking import MissingTracker, Tracker, open_trackers, require_trackers, scalars
+from tlt_stream.rl.tracking import MissingTracker, Tracker, require_trackers, scalars, trackers_for
 from tlt_stream.rl.validate import sample_problem
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 
@@ -161,7 +161,7 @@ class LearnerService:
         await asyncio.to_thread(self._load)
         assert self.checkpoint is not None
         if not self.trackers:
-            self.trackers = self._open_trackers()
+            self.trackers = trackers_for(self.config, self.run_dir)
         message = await self._publish(self.checkpoint)
         self._idle_since = time.perf_counter()
         return message
@@ -566,21 +566,6 @@ class LearnerService:
             self.trimmed += await trim_acked(self.redis, self.keys.stream("samples"))
         except aioredis.RedisError as exc:  # only memory is at stake; the next update trims again
             log.warning("could not trim the samples stream (%s); trying again after the next update", exc)
-
-    def _open_trackers(self) -> list[Tracker]:
-        import msgspec
-
-        from tlt_stream.config import redact_config
-
-        own = self.config.learner
-        return open_trackers(
-            own.log_to,
-            self.run_dir,
-            run=self.config.run,
-            config=redact_config(msgspec.to_builtins(self.config)),
-            project=own.wandb_project,
-            mode=own.wandb_mode,
-        )
 
     def close_trackers(self) -> None:
         for tracker in self.trackers:

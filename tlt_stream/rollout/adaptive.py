@@ -34,11 +34,9 @@ __all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement", "arm_kinds"]
 
 
 def arm_kinds(proposer: Any) -> frozenset[str]:
-    """The arm kinds a proposer drafts: its `kinds` attribute, else one kind by its type (EAGLE: drafter)."""
-    kinds = getattr(proposer, "kinds", None)
-    if kinds is not None:
-        return frozenset(kinds)
-    return frozenset({"ngram" if type(proposer).__name__ == "NgramProposer" else "drafter"})
+    """The arm kinds a proposer drafts: its `kinds` attribute; a proposer without one (a test's or a
+    benchmark's own) drafts drafter arms."""
+    return frozenset(getattr(proposer, "kinds", ("drafter",)))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class Arm:
       `verify` of its nodes verified.
     - `group`: the group/history source (`rollout.suffix`): a tree of at most `verify` nodes and `depth`
       levels of what the prompt's other responses wrote after the row's latest tokens (topk 0).
-    - `mixed`: the drafter's tree (as for `drafter`, point masses) and up to `group` nodes of the group
+    - `mixed`: the drafter's tree (as for `drafter`, point masses) and up to `group_nodes` nodes of the group
       source, merged into one tree and verified in one forward.
     """
 

@@ -361,11 +361,11 @@ class GenerationEngine:
             self.accepted_by[name] += sum(used)
             return
         bits = proposal.sources.long()
-        taken = [row[:n] for row, n in zip(path.tolist(), used, strict=True)]
+        by_node = bits.tolist()  # one transfer, then plain Python: this runs every round
+        taken = [by_node[b][node - 1] for b, row in enumerate(path.tolist()) for node in row[: used[b]]]
         for name, bit in (("eagle", SOURCE_EAGLE), ("group", SOURCE_GROUP)):
-            mine = (bits & bit) > 0
-            self.drafted_by[name] += int((mine & real).sum())
-            self.accepted_by[name] += sum(int(mine[b, node - 1]) for b, nodes in enumerate(taken) for node in nodes)
+            self.drafted_by[name] += int((((bits & bit) > 0) & real).sum())
+            self.accepted_by[name] += sum(1 for source in taken if source & bit)
 
     def _emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Sample one token per row from `hidden [B, H]` and append it (with its logprob) to each sequence."""

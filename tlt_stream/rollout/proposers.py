@@ -102,6 +102,9 @@ def _draft_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tens
 class EagleProposer:
     """Drafts with an EAGLE drafter; owns the drafter's KV cache (slot-aligned with the target's)."""
 
+    kinds = frozenset({"drafter"})
+    """The arm kinds it drafts (`adaptive.arm_kinds`)."""
+
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self._cache = None
@@ -292,6 +295,8 @@ def _select_tree(
 class NgramProposer:
     """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens."""
 
+    kinds = frozenset({"ngram"})
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -364,14 +369,13 @@ def pad_trees(rows: list[tuple[list[int], list[int]]], sources: list[list[int]] 
         if tokens:
             tok[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             par[b, : len(parents)] = torch.tensor(parents, dtype=torch.long)
-            if src is not None and sources is not None:
+            if sources is not None:
                 src[b, : len(tokens)] = torch.tensor(sources[b], dtype=torch.uint8)
     return Proposal(DraftTree(tok, par), sources=src)
 
 
 @dataclass
 class _GroupRow:
-    key: tuple[int, ...]
     trie: SuffixTrie
     doc: int
     history: list[int]
@@ -417,30 +421,29 @@ class GroupProposer:
 
     def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
         key = tuple(int(t) for t in prompt)
-        trie = self.tries.get(key)
-        if trie is None:
-            trie = self.tries[key] = SuffixTrie(self.max_depth)
-            trie.extend("prompt", key)  # the row's own context: prompt lookup
-        self.tries.move_to_end(key)
-        doc = self._next_doc
-        self._next_doc += 1
-        # A response's document starts with the prompt's tail, so a sibling's first tokens are found after it.
-        trie.extend(doc, key[-self.max_match :])
-        self._rows[slot] = _GroupRow(key, trie, doc, list(key), max(0, len(key) - 1))
+        trie, doc = self._new_response(key, ())
+        self._rows[slot] = _GroupRow(trie, doc, list(key), max(0, len(key) - 1))
         self._bound(trie)
 
     def remember(self, prompt: SequenceOf[int], response: SequenceOf[int]) -> None:
         """A finished response to `prompt` produced elsewhere (another worker, an earlier run): history the
         prompt's next rows draft from."""
-        key = tuple(int(t) for t in prompt)
+        trie, _ = self._new_response(tuple(int(t) for t in prompt), [int(t) for t in response])
+        self._bound(trie)
+
+    def _new_response(self, key: tuple[int, ...], response: SequenceOf[int]) -> tuple[SuffixTrie, int]:
+        """A new document in the trie of prompt `key` (created, with the prompt itself as a document: the row's
+        own context, prompt lookup), holding `response` after the prompt's tail, so that a sibling's first
+        tokens are found after it; (the trie, the document's id)."""
         trie = self.tries.get(key)
         if trie is None:
             trie = self.tries[key] = SuffixTrie(self.max_depth)
             trie.extend("prompt", key)
+        self.tries.move_to_end(key)
         doc = self._next_doc
         self._next_doc += 1
-        trie.extend(doc, [*key[-self.max_match :], *(int(t) for t in response)])
-        self._bound(trie)
+        trie.extend(doc, [*key[-self.max_match :], *response])
+        return trie, doc
 
     def _bound(self, current: SuffixTrie) -> None:
         live = {row.doc for row in self._rows.values() if row.trie is current}
@@ -634,12 +637,7 @@ class OracleProposer:
                 parents += [parent] * len(siblings)
                 parent = first + siblings.index(right)
             rows.append((tokens[: arm.verify], parents[: arm.verify]))
-        width = max(len(t) for t, _ in rows)
-        tok = torch.zeros(batch, width, dtype=torch.long)
-        par = torch.full((batch, width), -1, dtype=torch.long)
-        for b, (t, q) in enumerate(rows):
-            tok[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-            par[b, : len(q)] = torch.tensor(q, dtype=torch.long)
-        if arm.topk == 1:
-            return Proposal(DraftTree.chain(tok, torch.tensor([len(t) for t, _ in rows])))
-        return Proposal(DraftTree(tok, par))
+        proposal = pad_trees(rows)
+        if arm.topk == 1:  # chains: the vectorised acceptance path
+            return Proposal(DraftTree.chain(proposal.tree.tokens, torch.tensor([len(t) for t, _ in rows])))
+        return proposal
