@@ -5,7 +5,9 @@ same entry points `docker compose` and a cluster scheduler start, `python -m ser
 starts them with their logs in `RUN_DIR/logs/`, watches them, and stops them all cleanly: SIGTERM first
 (each service drains and exits), SIGKILL only after a grace period, so no process outlives the run.
 
-Torch threads: the machine's cores are shared out deliberately. With `max_staleness = 0` rollout and
+GPUs: each service sees only its own (`CUDA_VISIBLE_DEVICES`, decided by `placement.place`): the learner the
+first `launch.learner_gpus` (under torchrun, one rank per GPU, when more than one), each rollout worker one of
+the rest. Torch threads: the machine's cores are shared out deliberately. With `max_staleness = 0` rollout and
 learning alternate (each waits for the other), so every process may use all cores; with asynchrony they
 run at once and the cores are split between the workers and the learner.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tlt_stream.config import Config, redact_url
+from tlt_stream.placement import LEARNER, POLICY, place, visible_gpus, worker_name
 
 __all__ = [
     "RunPlan",
@@ -29,6 +32,9 @@ __all__ = [
     "Supervisor",
     "ensure_new_run",
     "evaluate_version",
+    "gpus_here",
+    "learner_launcher",
+    "placement",
     "run_plan",
     "save_timeline",
     "service_commands",
@@ -52,6 +58,8 @@ class RunPlan:
     """Every setting of the run (steps, workers, SD, the learner, ...): the services read it from
     RUN_DIR/config.toml, written from it."""
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    gpus: tuple[str, ...] = field(default_factory=lambda: gpus_here())
+    """The GPUs the run hands out, as `CUDA_VISIBLE_DEVICES` names them (empty on a CPU-only host)."""
 
     def __post_init__(self) -> None:
         if self.config.launch.policy is not None:  # a policy of one's own: no world
@@ -97,6 +105,13 @@ class RunPlan:
         return self.run_dir / "config.toml"
 
 
+def gpus_here() -> tuple[str, ...]:
+    """The GPUs this process sees (torch's count, named as this process's CUDA_VISIBLE_DEVICES names them)."""
+    import torch
+
+    return visible_gpus(torch.cuda.device_count() if torch.cuda.is_available() else 0, os.environ)
+
+
 def thread_split(cores: int, workers: int, max_staleness: int) -> tuple[int, int]:
     """Torch threads for (each rollout worker, the learner)."""
     if max_staleness == 0:  # rollout and learning alternate: each side may use the whole machine
@@ -129,30 +144,53 @@ def service_config(plan: RunPlan, config: Config) -> Config:
 class ServiceCommand:
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """What this process's environment has beside the run's (its CUDA_VISIBLE_DEVICES when GPUs are placed)."""
+
+
+def placement(plan: RunPlan, config: Config) -> dict[str, str]:
+    """The CUDA_VISIBLE_DEVICES of each service of the run ({} on a CPU-only host); ConfigError when the
+    workers and the learner's GPUs do not fit on the plan's GPUs."""
+    return place(
+        plan.gpus,
+        workers=config.launch.workers,
+        learner_gpus=config.launch.learner_gpus,
+        rollout_device=config.rollout.device,
+        learner_device=config.learner.device,
+    )
+
+
+def learner_launcher(ranks: int, python: str = sys.executable) -> list[str]:
+    """How the learner is started, up to its module name: `python -m` for one process, torchrun with one rank
+    per GPU for more (one node, its own rendezvous; `deploy/slurm/` shows the several-node form)."""
+    if ranks <= 1:
+        return [python, "-m"]
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", f"--nproc-per-node={ranks}", "-m"]
 
 
 def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
     """The command lines of one run, policy service first and learner last: each reads the run's settings
-    from `plan.config_file`; only what differs per process (ids, threads) is a flag."""
+    from `plan.config_file`; only what differs per process (ids, threads, its GPUs) is a flag or variable."""
     worker_threads, learner_threads = thread_split(plan.cores, config.launch.workers, config.policy.max_staleness)
+    placed = placement(plan, config)
+
+    def env(name: str) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": placed[name]} if placed else {}
+
     python = [sys.executable, "-m"]
     common = ["--config", str(plan.config_file), "--run", config.run]  # the name in `ps`, as in the file
-    commands = [ServiceCommand("policy", [*python, "services.policy", *common])]
+    commands = [ServiceCommand(POLICY, [*python, "services.policy", *common], env(POLICY))]
     for i in range(config.launch.workers):
-        commands.append(
-            ServiceCommand(
-                f"rollout-{i}",
-                [
-                    *python,
-                    "services.rollout_worker",
-                    *common,
-                    *("--worker-id", f"rollout-{i}", "--threads", str(worker_threads)),
-                ],
-            )
-        )
-    commands.append(
-        ServiceCommand("learner", [*python, "services.learner", *common, "--threads", str(learner_threads)])
-    )
+        name = worker_name(i)
+        flags = ["--worker-id", name, "--threads", str(worker_threads)]
+        commands.append(ServiceCommand(name, [*python, "services.rollout_worker", *common, *flags], env(name)))
+    ranks = len(placed[LEARNER].split(",")) if placed.get(LEARNER) else 1
+    threads = max(1, learner_threads // ranks)
+    # torchrun's parser reads `--run` as an ambiguous abbreviation of its --run-path even after the module name,
+    # so under torchrun the learner takes the run name from the file alone
+    own = common if ranks == 1 else common[:2]
+    learner = [*learner_launcher(ranks), "services.learner", *own, "--threads", str(threads)]
+    commands.append(ServiceCommand(LEARNER, learner, env(LEARNER)))
     return commands
 
 
@@ -199,7 +237,7 @@ class Supervisor:
                 # autogroups share the CPU equally whatever their threads' nice values, so a rollout worker's
                 # nice-19 drafter training would take half the cores from a learner it should yield to.
                 self.processes[command.name] = await asyncio.create_subprocess_exec(
-                    *command.argv, env=self.env, stdout=log, stderr=log, process_group=0
+                    *command.argv, env={**self.env, **command.env}, stdout=log, stderr=log, process_group=0
                 )
             finally:
                 log.close()  # the child holds its own descriptor

@@ -26,6 +26,7 @@ def register(commands: Any) -> None:
     )
     setting(run, "--steps", keys="policy.steps")
     setting(run, "--workers", keys="launch.workers")
+    setting(run, "--learner-gpus", keys="launch.learner_gpus")
     run.add_argument("--out", help="run directory (default runs/RUN-TIMESTAMP)")
     run.add_argument(
         "--resume",
@@ -87,8 +88,9 @@ def handle(args: argparse.Namespace) -> int:
 
     from tlt_stream.aio import install_stop_signals
     from tlt_stream.config import redact_text
-    from tlt_stream.launch import TINY_WORLD, RunPlan, ensure_new_run, evaluate_version, run_plan
+    from tlt_stream.launch import TINY_WORLD, RunPlan, ensure_new_run, evaluate_version, placement, run_plan
     from tlt_stream.model import resolve_device
+    from tlt_stream.placement import describe
     from tlt_stream.progress import PhaseProgress
     from tlt_stream.report import write_report
     from tlt_stream.rl.datasets import DatasetError
@@ -156,6 +158,8 @@ def handle(args: argparse.Namespace) -> int:
             print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
             return EXIT_CONFIG
         print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
+        if placed := placement(plan, config):  # a ConfigError (too few GPUs) stops the run here, exit code 2
+            print(f"tlt-stream run: GPUs (CUDA_VISIBLE_DEVICES): {describe(placed)}", file=sys.stderr)
         if own and plan.sd != sd:
             print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
         if evals and own and config.data.eval_dataset is None:

@@ -547,6 +547,15 @@ class LaunchConfig(_Section, frozen=True):
     """`tlt-stream run`: the whole pipeline as processes on one machine."""
 
     workers: Annotated[int, _doc("Rollout worker processes.", ge=1)] = 1
+    learner_gpus: Annotated[
+        int,
+        _doc(
+            "GPUs of the learner on a machine with GPUs: the first this many it sees (one torchrun process each "
+            "when more than 1); each rollout worker gets one GPU of the rest (CUDA_VISIBLE_DEVICES). On one GPU "
+            "every process shares it; on the CPU nothing is placed.",
+            ge=1,
+        ),
+    ] = 1
     world: Annotated[
         str,
         _doc(
