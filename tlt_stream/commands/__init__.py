@@ -18,5 +18,6 @@ COMMANDS = (
     "policy",
     "monitor",
     "config",
+    "compose",
 )
 """The subcommand modules, in the order `tlt-stream --help` lists them."""
