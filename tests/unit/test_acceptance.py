@@ -196,3 +196,63 @@ def test_a_token_drafted_twice_under_one_node_is_tried_once() -> None:
     expected = {a: float(target(())[a]) for a in range(V)}
     stat = sum((observed[a] - expected[a] * n) ** 2 / (expected[a] * n) for a in range(V))
     assert stat < chi2_threshold(V - 1), (observed, expected)
+
+
+def walk_tree(p: torch.Tensor, tokens: list[int], parents: list[int], sibling_u: torch.Tensor, residual_u: float):
+    """The residual rule walked node by node in plain Python, one row: the reference for `accept_tree`."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents, start=1):
+        if parent >= 0:
+            children.setdefault(parent, []).append(i)
+    node, path = 0, []
+    while True:
+        residual = p[node].double().clone()
+        tried: set[int] = set()
+        moved = False
+        for j, kid in enumerate(children.get(node, [])):
+            x = tokens[kid - 1]
+            if x in tried:
+                continue  # a repeat: residual mass 0, never taken
+            mass = float(residual[x]) / float(residual.sum())
+            tried.add(x)
+            if float(sibling_u[node, j]) < mass:
+                path.append(kid)
+                node, moved = kid, True
+                break
+            residual[x] = 0.0
+        if not moved:
+            if float(residual.sum()) <= 0:
+                residual = p[node].double()
+            cdf = residual.cumsum(0)
+            token = int(torch.searchsorted(cdf, residual_u * cdf[-1], right=True).clamp(max=len(cdf) - 1))
+            return path, token
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_acceptance_equals_the_node_by_node_walk(seed: int) -> None:
+    """Random trees (repeats, padding, several widths) and random targets, one-hot greedy rows among them:
+    the loop-free `accept_tree` takes exactly the path and the token a node-by-node walk takes with the
+    same uniforms."""
+    g = torch.Generator().manual_seed(seed)
+    b, n = 64, 9
+    tokens = torch.randint(0, 4, (b, n), generator=g)  # 4 of V tokens: repeats under a node are common
+    parents = torch.empty(b, n, dtype=torch.long)
+    for row in range(b):
+        real = int(torch.randint(0, n + 1, (), generator=g))
+        for i in range(n):
+            parents[row, i] = int(torch.randint(0, i + 1, (), generator=g)) if i < real else -1
+    p = torch.softmax(torch.randn(b, n + 1, V, generator=g) * 2, dim=-1)
+    p[::3] = greedy_onehot(torch.log(p[::3]))
+    tree = DraftTree(tokens, parents)
+    k = tree.children.shape[-1]
+    sibling_u, residual_u = torch.rand(b, n + 1, k, generator=g), torch.rand(b, generator=g)
+    verdict = accept_tree(p, tree, sibling_u, residual_u)
+    for row in range(b):
+        path, token = walk_tree(
+            p[row], tokens[row].tolist(), parents[row].tolist(), sibling_u[row], float(residual_u[row])
+        )
+        count = int(verdict.count[row])
+        assert verdict.path[row, :count].tolist() == path, row
+        assert not bool(verdict.path[row, count:].any())
+        assert int(verdict.next_token[row]) == token, row
+        assert int(verdict.next_from[row]) == (path[-1] if path else 0)
