@@ -506,6 +506,21 @@ class LearnerConfig(_Section, frozen=True):
             gt=0,
         ),
     ] = 1.0
+    activation_checkpointing: Annotated[
+        bool,
+        _doc(
+            "Recompute each decoder layer's activations in the backward pass instead of keeping them (less "
+            "memory for about one more forward); the update is the same either way."
+        ),
+    ] = False
+    collective_timeout_s: Annotated[
+        float,
+        _doc(
+            "Under torchrun (WORLD_SIZE > 1): how long a rank waits in one collective before giving up (a rank "
+            "that died mid-update ends the others after at most this; torchrun usually ends them sooner).",
+            gt=0,
+        ),
+    ] = 600.0
     keep_checkpoints: Annotated[int, _doc("Complete checkpoints kept on disk (the newest).", ge=1)] = 3
     log_to: Annotated[
         tuple[Literal["tensorboard", "wandb"], ...],

@@ -10,6 +10,11 @@ its rename; the next save discards it. `meta.json` is written last, so a step di
 taken for a checkpoint. Nothing in a checkpoint is a pickle: tensors are safetensors, the rest JSON, so
 loading one can never run code (a `.pt` where safetensors belong is refused, not unpickled).
 
+A sharded learner (`rl/sharded.py`) writes the same layout: rank 0 the policy (gathered whole), the RNG,
+the ledger and `meta.json`; every rank its piece of the optimizer state into `optimizer/` (`store/shards.py`)
+inside the same temporary directory, before rank 0 renames it. Any number of ranks, or one process, resumes
+from it.
+
 The digest workers check before loading a version (`store/digest.py`), the durable writes
 (`store/durable.py`) and the optimizer/RNG tensors (`store/tensors.py`) are shared with the drafter; this
 module is the learner's layout on top of them.
@@ -23,7 +28,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +40,7 @@ from safetensors.torch import load_file
 from tlt_stream.errors import CheckpointError
 from tlt_stream.store.digest import directory_sha256, verify_directory
 from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, fsync_dir, remove_dir, write_json
+from tlt_stream.store.shards import read_shards
 from tlt_stream.store.tensors import (
     load_tensors,
     optimizer_state,
@@ -48,7 +54,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "OPTIMIZER",
     "CheckpointInfo",
+    "checkpoint_at",
     "complete_checkpoints",
     "latest_checkpoint",
     "restore_checkpoint",
@@ -61,6 +69,8 @@ FORMAT_VERSION = 2
 """2: optimizer and RNG state as safetensors + JSON (1 pickled them with torch.save)."""
 LATEST = "LATEST"
 POLICY = "policy"
+OPTIMIZER = "optimizer"
+"""`optimizer.{safetensors,json}` from one process; an `optimizer/` directory of per-rank pieces when sharded."""
 MASTER = "master"
 """fp32 master weights, written beside `policy/` when the policy is published in another dtype."""
 _STEP_DIR = re.compile(r"step-(\d{8,})")
@@ -141,6 +151,14 @@ def complete_checkpoints(root: Path | str) -> list[CheckpointInfo]:
     return _complete_checkpoints(root) if root.is_dir() else []
 
 
+def checkpoint_at(root: Path | str, step: int) -> CheckpointInfo:
+    """The complete checkpoint of `step` under `root` (FileNotFoundError when there is none)."""
+    info = _read_info(Path(root) / f"step-{step:08d}")
+    if info is None:
+        raise FileNotFoundError(f"{root}: no complete checkpoint of step {step}")
+    return info
+
+
 def _complete_checkpoints(root: Path) -> list[CheckpointInfo]:
     """Every complete checkpoint under `root`, oldest first."""
     infos = [info for p in root.iterdir() if (info := _read_info(p)) is not None]
@@ -190,12 +208,15 @@ def save_checkpoint(
     *,
     step: int,
     model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     ledger: Iterable[str],
     extra: dict[str, Any] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     keep: int = 3,
     publish_dtype: torch.dtype | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    write_optimizer: Callable[[Path], None] | None = None,
+    tmp_name: str | None = None,
 ) -> CheckpointInfo:
     """Write `root/step-{step:08d}` atomically, point `root/LATEST` at it, and prune to the newest `keep`.
 
@@ -206,7 +227,13 @@ def save_checkpoint(
     holds the weights cast to it, what workers load, and `master/` the model's own (fp32) weights, what
     training resumes from. Raises ValueError for a step that already exists or is lower than the current
     checkpoint's.
+
+    A sharded model passes its gathered `weights` (what `model.state_dict()` would be, tied tensors once),
+    `write_optimizer(tmp)` in place of `optimizer` (every rank writes its piece into `tmp/optimizer/`) and
+    the `tmp_name` the other ranks were told.
     """
+    if (optimizer is None) == (write_optimizer is None):
+        raise ValueError("give either optimizer or write_optimizer")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -236,18 +263,22 @@ def save_checkpoint(
     if os.path.lexists(final):
         raise ValueError(f"{final}: checkpoint directory already exists; refusing to overwrite it")
 
-    with atomic_directory(final) as tmp:
+    with atomic_directory(final, tmp_name) as tmp:
         policy = tmp / POLICY
         own_dtype = next(model.parameters()).dtype
         master_sha = None
         if publish_dtype is not None and publish_dtype != own_dtype:
-            _save_policy(model, tmp / MASTER, tokenizer)
+            _save_policy(model, tmp / MASTER, tokenizer, weights)
             master_sha = directory_sha256(tmp / MASTER)
-            _save_policy(model, policy, tokenizer, dtype=publish_dtype)
+            _save_policy(model, policy, tokenizer, weights, dtype=publish_dtype)
         else:
-            _save_policy(model, policy, tokenizer)
+            _save_policy(model, policy, tokenizer, weights)
         sha = directory_sha256(policy)
-        save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / "optimizer")
+        if optimizer is not None:
+            save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / OPTIMIZER)
+        else:
+            assert write_optimizer is not None
+            write_optimizer(tmp)
         save_tensors(*rng_tensors(), tmp / "rng")
         write_json(tmp / "ledger.json", ids)
         meta = {
@@ -272,17 +303,23 @@ def save_checkpoint(
 
 
 def _save_policy(
-    model: PreTrainedModel, out: Path, tokenizer: PreTrainedTokenizerBase | None, *, dtype: torch.dtype | None = None
+    model: PreTrainedModel,
+    out: Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    weights: dict[str, torch.Tensor] | None,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """`model` as a Hugging Face directory in `out`, its floating-point weights cast to `dtype` when given
-    (tensors that share storage, as tied embeddings do, stay shared so the file holds them once)."""
+    """`model` (or its gathered `weights`) as a Hugging Face directory in `out`, its floating-point weights cast
+    to `dtype` when given (tensors that share storage, as tied embeddings do, stay shared so the file holds
+    them once)."""
     if dtype is None:
-        model.save_pretrained(out, safe_serialization=True)
+        model.save_pretrained(out, safe_serialization=True, **({} if weights is None else {"state_dict": weights}))
     else:
         cast: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         state = {
             name: cast.setdefault((t.data_ptr(), tuple(t.shape)), t.detach().to(dtype)) if t.is_floating_point() else t
-            for name, t in model.state_dict().items()
+            for name, t in (model.state_dict() if weights is None else weights).items()
         }
         saved = model.config.dtype
         model.config.dtype = dtype  # config.json says what the files hold
@@ -349,7 +386,10 @@ def restore_checkpoint(
     if model is not None:
         _load_weights(model, info.master_dir)
     if optimizer is not None:
-        state = optimizer_state(*load_tensors(info.path / "optimizer"))  # refuses a pickle on its own
+        if (info.path / OPTIMIZER).is_dir():  # written by a sharded learner: its pieces joined into whole tensors
+            state = optimizer_state(*read_shards(info.path / OPTIMIZER, rank=None, world=1))
+        else:
+            state = optimizer_state(*load_tensors(info.path / OPTIMIZER))  # refuses a pickle on its own
         try:
             optimizer.load_state_dict(state)
         except ValueError as exc:  # e.g. a different number of parameter groups

@@ -6,16 +6,23 @@ divided by the rollout temperature, as the behaviour logprobs were), and accumul
 token-mean GRPO loss (`grpo.py`) with every micro-batch normalised by the *step's* response-token count,
 so the update is the full-batch update whatever the micro-batch size. Then gradient clipping and one
 AdamW step. Groups whose rewards are all equal carry no signal (their advantages are exactly 0); they are
-left out of the batch and counted. The service around it (`services/learner.py`) owns reading, acking,
+left out of the batch and counted. The service around it (`roles/learner.py`) owns reading, acking,
 checkpointing and publishing.
+
+Sharded over torchrun's ranks (`rl/sharded.py`), the same core runs on every rank: rank 0 plans the update
+(advantages, the used samples, the step's token count), deals the samples out so each rank gets about the
+same number of tokens, and hands each its micro-batches (`rl/ranks.py`); every rank then runs the same
+number of forward/backward rounds (FSDP's all-gathers and reduce-scatters are collectives), its losses still
+divided by the whole step's token count, so the summed gradient, and the update, is the single process's.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +31,22 @@ from tlt_stream.config import Config
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
 from tlt_stream.rl.metrics import length_summary
+from tlt_stream.rl.ranks import RanksOutOfStep
 
-__all__ = ["LearnerCore", "LearnerSettings", "compute_dtype_on", "final_norm_gain", "load_for_training"]
+if TYPE_CHECKING:
+    from tlt_stream.rl.ranks import RankLink
+
+__all__ = [
+    "LearnerCore",
+    "LearnerSettings",
+    "compute_dtype_on",
+    "deal_by_tokens",
+    "final_norm_gain",
+    "load_for_training",
+]
+
+BATCH_KEYS = ("ids", "attention", "old", "mask", "advantages")
+"""A micro-batch's tensors, in the order they are handed to another rank."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +87,9 @@ class LearnerSettings:
     makes sign-like steps of size lr on every parameter until its second moments have seen a few noisy
     gradients; on a small policy those first steps alone can undo what supervised training taught."""
 
+    activation_checkpointing: bool = _D.learner.activation_checkpointing
+    """Recompute each decoder layer's activations in the backward pass (less memory, the same update)."""
+
     def __post_init__(self) -> None:
         if not (self.lr > 0 and self.micro_batch_tokens > 0 and self.temperature > 0 and self.max_grad_norm >= 0):
             raise ValueError("need lr > 0, micro_batch_tokens > 0, temperature > 0 and max_grad_norm >= 0")
@@ -96,6 +120,7 @@ class LearnerSettings:
             final_norm_lr_scale=own.final_norm_lr_scale,
             warmup_steps=own.warmup_steps,
             compute_dtype=own.compute_dtype,
+            activation_checkpointing=own.activation_checkpointing,
         )
 
     def lr_at(self, update: int) -> float:
@@ -124,16 +149,23 @@ def final_norm_gain(model: Any) -> torch.nn.Parameter:
 
 
 class LearnerCore:
-    """The policy (a transformers causal LM), its optimizer and, with a KL term, a frozen reference."""
+    """The policy (a transformers causal LM), its optimizer and, with a KL term, a frozen reference. With
+    `ranks`, this process is one rank of a sharded learner: `model` is already sharded (`rl/sharded.py`),
+    rank 0 calls `step` and every other rank `follow` when rank 0 says so."""
 
-    def __init__(self, model: Any, settings: LearnerSettings, *, reference: Any = None) -> None:
+    def __init__(
+        self, model: Any, settings: LearnerSettings, *, reference: Any = None, ranks: RankLink | None = None
+    ) -> None:
         if settings.kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a frozen reference model")
         self.model = model
         self.settings = settings
         self.reference = reference
+        self.ranks = ranks
         if reference is not None:
             reference.eval().requires_grad_(False)
+        if settings.activation_checkpointing:  # per decoder layer, non-reentrant (works under FSDP2)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         groups: list[dict[str, Any]] = [{"params": list(model.parameters()), "lr_scale": 1.0}]
         self._gain: torch.nn.Parameter | None = None
         if settings.final_norm_lr_scale != 1.0:
@@ -144,12 +176,13 @@ class LearnerCore:
             groups, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999)
         )
         self.updates = 0
-        device = next(model.parameters()).device
-        self.compute_dtype = compute_dtype_on(settings.compute_dtype, device)
+        self.device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype_on(settings.compute_dtype, self.device)
         """What forward and backward run in (autocast); the parameters stay in their own dtype (fp32)."""
 
     def step(self, groups: list[ReadyGroup]) -> dict[str, float]:
-        """One update over `groups`; returns its metrics (rewards, lengths, loss statistics, timings)."""
+        """One update over `groups`; returns its metrics (rewards, lengths, loss statistics, timings). Sharded,
+        rank 0 calls it and hands every rank its share of the micro-batches."""
         started = time.perf_counter()
         samples = [s for g in groups for s in g.samples]
         if not samples:
@@ -177,12 +210,53 @@ class LearnerCore:
             metrics.update(loss=0.0, clip_fraction=0.0, approx_kl_old=0.0, kl_ref=0.0, grad_norm=0.0, updated=0.0)
             metrics["learn_seconds"] = time.perf_counter() - started
             return metrics
+        if self.ranks is None:
+            metrics.update(self._train(self._micro_batches(samples, advantages, used), total))
+        else:
+            lengths = [len(samples[i].prompt_ids) + samples[i].response_len for i in used]
+            parts = deal_by_tokens(lengths, self.ranks.world)  # [rank] -> positions in `used`
+            shares = [
+                [[b[k] for k in BATCH_KEYS] for b in self._micro_batches(samples, advantages, [used[j] for j in part])]
+                for part in parts
+            ]
+            try:
+                mine, rounds = self.ranks.hand_out(shares, total)
+                batches = [dict(zip(BATCH_KEYS, tensors, strict=True)) for tensors in mine]
+                metrics.update(self._train(self._with_idle(batches, rounds), total))
+            except FloatingPointError:  # every rank saw the same global norm and skipped the update
+                raise
+            except Exception as exc:  # a collective broke half-way: the ranks are no longer in step
+                raise RanksOutOfStep(f"update {self.updates + 1} failed across ranks: {exc}") from exc
+        metrics["learn_seconds"] = time.perf_counter() - started
+        return metrics
 
+    def follow(self, total: int, rounds: int) -> None:
+        """A rank other than 0, told STEP: its share of the update rank 0 hands out."""
+        assert self.ranks is not None
+        shares = self.ranks.receive_share()
+        mine = [{k: t.to(self.device) for k, t in zip(BATCH_KEYS, tensors, strict=True)} for tensors in shares]
+        self._train(self._with_idle(mine, rounds), total)
+
+    def _with_idle(self, batches: list[dict[str, torch.Tensor]], rounds: int) -> list[dict[str, torch.Tensor]]:
+        """`batches` and empty ones up to `rounds`: a one-row batch without response tokens adds nothing to
+        the loss or the gradient, but runs the round's collectives on a rank whose share is shorter."""
+        idle = {
+            "ids": torch.zeros(1, 2, dtype=torch.long, device=self.device),
+            "attention": torch.ones(1, 2, dtype=torch.long, device=self.device),
+            "old": torch.zeros(1, 1, device=self.device),
+            "mask": torch.zeros(1, 1, dtype=torch.bool, device=self.device),
+            "advantages": torch.zeros(1, dtype=torch.float64, device=self.device),
+        }
+        return batches + [idle] * (rounds - len(batches))
+
+    def _train(self, batches: Iterable[dict[str, torch.Tensor]], total: int) -> dict[str, float]:
+        """Forward and backward over `batches`, each loss divided by the whole update's `total` response tokens,
+        then clipping by the global gradient norm and one AdamW step; the figures summed over ranks."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
         mismatch_sum, mismatch_max, tis_sum = 0.0, 0.0, 0.0
-        for batch in self._micro_batches(samples, advantages, used):
+        for batch in batches:
             logprobs = self._logprobs(self.model, batch)
             with torch.no_grad():  # rollout vs learner on the same tokens: engine numerics, dtype, staleness
                 delta = (logprobs.detach() - batch["old"]).abs()[batch["mask"]]
@@ -211,13 +285,16 @@ class LearnerCore:
             sums["loss"] += stats["loss"]
             for key in ("clip_fraction", "approx_kl_old", "kl_ref"):
                 sums[key] += stats[key] * stats["tokens"] / total  # token-weighted means over the step
-        if self.settings.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        if self.ranks is not None:  # each rank summed its share: the step's figures are the sums over ranks
+            *summed, mismatch_sum, tis_sum = self.ranks.sum([*sums.values(), mismatch_sum, tis_sum])
+            sums = dict(zip(sums, summed, strict=True))
+            mismatch_max = self.ranks.max(mismatch_max)
+        params = list(self.model.parameters())
+        if self.settings.max_grad_norm > 0:  # sharded grads (DTensors): the norm is the global one
+            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm)
         else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])
-            )
-        grad_norm = float(norm)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = float(_whole(norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); the update was not applied")
@@ -228,19 +305,18 @@ class LearnerCore:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.updates += 1
-        metrics.update(sums, grad_norm=grad_norm, lr=lr, updated=1.0, learn_seconds=time.perf_counter() - started)
+        metrics = {**sums, "grad_norm": grad_norm, "lr": lr, "updated": 1.0}
         metrics["logprob_mismatch_mean"] = mismatch_sum / total
         metrics["logprob_mismatch_max"] = mismatch_max
         if self.settings.tis_cap is not None:
             metrics["tis_weight_mean"] = tis_sum / total
         if self._gain is not None:  # the policy's inverse temperature, in effect: watch it sharpen
-            metrics["final_norm_gain"] = float(self._gain.detach().float().mean())
+            metrics["final_norm_gain"] = float(_whole(self._gain.detach().float().mean()))
         return metrics
 
     def _micro_batches(self, samples: list, advantages: torch.Tensor, used: list[int]):
         """Right-padded batches of prompt + response, longest first, about `micro_batch_tokens` each, on the
         policy's device."""
-        device = next(self.model.parameters()).device
         order = sorted(used, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_len, reverse=True)
         while order:
             width = len(samples[order[0]].prompt_ids) + samples[order[0]].response_len
@@ -261,16 +337,39 @@ class LearnerCore:
                 old[row, p - 1 : p - 1 + n] = s.logprobs.to_torch()
                 mask[row, p - 1 : p - 1 + n] = True
             batch = {"ids": ids, "attention": attention, "old": old, "mask": mask, "advantages": advantages[take]}
-            yield {name: tensor.to(device) for name, tensor in batch.items()}
+            yield {name: tensor.to(self.device) for name, tensor in batch.items()}
 
     def _logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = batch["ids"].device
         with torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits[:, :-1]  # [B, W-1, V]
+            out = model(input_ids=batch["ids"], attention_mask=batch["attention"], use_cache=False)
+            logits = out.logits[:, :-1]  # [B, W-1, V]
         logits = logits.float()  # log-softmax and the temperature in fp32, whatever the matmuls ran in
         if self.settings.temperature != 1.0:
             logits = logits / self.settings.temperature
         return token_logprobs(logits, batch["ids"][:, 1:])
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A scalar as a plain tensor: a DTensor (a sharded model's norm, mean) gathered, anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def deal_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Positions 0..len(lengths)-1 dealt into `parts` lists of about equal total length: longest first, each
+    to the list with the fewest tokens so far (the lowest index on a tie), so every rank does about the same
+    work; a list may stay empty when there are fewer items than parts."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    dealt: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for position in sorted(range(len(lengths)), key=lambda j: lengths[j], reverse=True):
+        target = min(range(parts), key=lambda r: (load[r], r))
+        dealt[target].append(position)
+        load[target] += lengths[position]
+    return dealt
 
 
 def compute_dtype_on(name: str, device: torch.device | str) -> torch.dtype:

@@ -42,16 +42,12 @@ from tlt_stream.bus.streams import Keys
 from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
 from tlt_stream.model.loader import CheckpointError, resolve_dtype
-from tlt_stream.rl.checkpoint import (
-    CheckpointInfo,
-    complete_checkpoints,
-    latest_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-)
+from tlt_stream.rl.checkpoint import CheckpointInfo, complete_checkpoints, latest_checkpoint
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
-from tlt_stream.rl.learner import LearnerCore, LearnerSettings, load_for_training
+from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
+from tlt_stream.rl.ranks import RanksOutOfStep
+from tlt_stream.rl.sharded import Trainer
 from tlt_stream.rl.tracking import MissingTracker, Tracker, require_trackers, scalars, trackers_for
 from tlt_stream.rl.validate import sample_problem
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
@@ -116,6 +112,7 @@ class LearnerService:
         init_policy: str | Path,
         settings: LearnerRunSettings = LearnerRunSettings(),
         consumer: str = "learner",
+        trainer: Trainer | None = None,
     ) -> None:
         self.config = config
         self.redis = redis
@@ -126,6 +123,8 @@ class LearnerService:
         self.keys = Keys(config.run)
         self.reader = StreamReader(redis, self.keys, config.bus, "samples", consumer)
         self.producer = StreamProducer(redis, self.keys, config.bus)
+        self.trainer = trainer or Trainer(settings.learner, settings.device)
+        """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
         self.core: LearnerCore | None = None
         self.tokenizer: Any = None
         self.assembler = GroupAssembler(settings.max_staleness)
@@ -238,9 +237,8 @@ class LearnerService:
                 verify_directory(found.policy_dir, found.policy_sha256)
                 if found.master_sha256 is not None:
                     verify_directory(found.master_dir, found.master_sha256)
-                self._build(found.master_dir)
-                assert self.core is not None
-                ledger, meta = restore_checkpoint(found, optimizer=self.core.optimizer, verified=True)
+                self._build(found.master_dir, step=found.step)
+                ledger, meta = self.trainer.restore(found)
             except (ChecksumMismatch, OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 aside = found.path.with_name(f"corrupt-{found.path.name}-{int(time.time())}")
                 found.path.rename(aside)
@@ -264,15 +262,15 @@ class LearnerService:
             "the initial policy would train every sample again, so restore one or use a new --run-dir"
         )
 
-    def _build(self, source: Path) -> None:
+    def _build(self, source: Path, *, step: int = -1) -> None:
         """The policy (safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled), its
-        tokenizer when it has one, and the learner core around them."""
+        tokenizer when it has one, and the learner core around them; `step` is the checkpoint `source` is in."""
         from transformers import AutoTokenizer
 
         if not source.is_dir():
             raise FileNotFoundError(f"{source}: initial policy directory does not exist")
         try:
-            model = load_for_training(source, self.settings.device)
+            self.core = self.trainer.build(source, step=step)
         except (OSError, ValueError, KeyError) as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{source}: cannot load the policy ({reason})") from exc
@@ -280,17 +278,14 @@ class LearnerService:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError):  # a checkpoint without a tokenizer is fine; workers bring their own
             self.tokenizer = None
-        self.core = LearnerCore(model, self.settings.learner)
+        model = self.core.model
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def _save(self, extra: dict[str, Any]) -> CheckpointInfo:
-        assert self.core is not None
-        return save_checkpoint(
+        return self.trainer.save(
             self.checkpoints,
             step=self.version,
-            model=self.core.model,
-            optimizer=self.core.optimizer,
             ledger=self.assembler.ledger,
             extra=extra,
             tokenizer=self.tokenizer,
@@ -460,6 +455,8 @@ class LearnerService:
         # slower driven from a secondary thread. Heartbeats and MQTT keepalives tolerate an update's pause.
         try:
             metrics = self.core.step(groups)
+        except RanksOutOfStep:  # a rank died or disagrees: no retry can help; a restart resumes
+            raise
         except Exception as exc:  # nothing was applied: LearnerCore.step fails before its optimizer step
             raise UpdateFailed(str(exc)) from exc
         await asyncio.sleep(0)
@@ -487,7 +484,7 @@ class LearnerService:
         # or the service is stopped, which then exits non-zero with the samples still pending for a restart.
         # Any error: inside safetensors' writer an I/O failure surfaces as SafetensorError, not OSError.
         self.checkpoint = await retry(
-            lambda: asyncio.to_thread(self._save, extra),
+            lambda: self._save_or_stop(extra),
             retry_on=(Exception,),
             what=f"checkpoint of version {self.version}",
             max_attempts=None,
@@ -558,6 +555,16 @@ class LearnerService:
         )
         self._idle_since = time.perf_counter()
         return metrics
+
+    async def _save_or_stop(self, extra: dict[str, Any]) -> CheckpointInfo:
+        """`_save` off the loop; ranks out of step (a rank died mid-save) stop the service, since no retry can
+        bring the dead rank back: the update's samples stay pending and a restart trains them."""
+        try:
+            return await asyncio.to_thread(self._save, extra)
+        except RanksOutOfStep:
+            if self._stop is not None:
+                self._stop.set()
+            raise
 
     async def _trim(self) -> None:
         """Drop the `samples` entries every consumer group has acked: the checkpoint just written covers them
@@ -641,9 +648,12 @@ class LearnerService:
 
 def serve_learner(config: Config) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT, learner.max_updates
-    or the final policy version (learner.until_version, else policy.steps)."""
+    or the final policy version (learner.until_version, else policy.steps). Under torchrun (WORLD_SIZE > 1)
+    the policy is sharded over the ranks: rank 0 runs the service, the others follow it (`rl/sharded.py`)."""
     import torch
 
+    from tlt_stream.rl.ranks import join_ranks, leave_ranks
+    from tlt_stream.rl.sharded import follow
     from tlt_stream.roles.serve import device_or_refuse, refuse, serve
 
     own = config.learner
@@ -656,12 +666,22 @@ def serve_learner(config: Config) -> int:
         require_trackers(own.log_to)
     except MissingTracker as exc:
         return refuse("tlt-stream learner", str(exc))
-    settings = LearnerRunSettings.from_config(config, device=device)
     torch.set_num_threads(own.threads)
+    link = join_ranks(device, timeout_s=own.collective_timeout_s)
+    if link is not None and link.device.type == "cuda":
+        device = str(link.device)  # one GPU per rank: LOCAL_RANK's
+    settings = LearnerRunSettings.from_config(config, device=device)
+    trainer = Trainer(settings.learner, settings.device, link)
+    if link is not None and not link.leader:
+        follow(trainer, root=Path(config.expand(own.run_dir)) / "checkpoints", init_policy=Path(own.policy))
+        leave_ranks()
+        return 0
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
         run_dir = config.expand(own.run_dir)
-        service = LearnerService(config, redis, control, run_dir=run_dir, init_policy=own.policy, settings=settings)
+        service = LearnerService(
+            config, redis, control, run_dir=run_dir, init_policy=own.policy, settings=settings, trainer=trainer
+        )
         try:
             message = await service.start()
             print(f"learner: policy version {message.version} at {message.location}", file=sys.stderr)
@@ -673,4 +693,15 @@ def serve_learner(config: Config) -> int:
         finally:
             service.close_trackers()
 
-    return serve(config, "learner", ["policy"], body)
+    if link is None:
+        return serve(config, "learner", ["policy"], body)
+    try:
+        code = serve(config, "learner", ["policy"], body)
+    except RanksOutOfStep:
+        raise  # a rank died or disagrees: nothing more can be said to the others (torchrun ends them)
+    except Exception:
+        trainer.stop()
+        raise
+    trainer.stop()
+    leave_ranks()
+    return code

@@ -47,14 +47,17 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
+def atomic_directory(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
     """Build a directory that appears whole or not at all.
 
     Yields a temporary sibling of `final` (named `.tmp-...`, which readers skip) to fill. On a clean exit
     every file and directory in it is fsynced, it is renamed to `final` and the parent is fsynced. On an
-    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind.
+    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind. `tmp_name`
+    names the sibling when other processes (a sharded learner's ranks) write into it too.
     """
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
+    if tmp_name is not None and not tmp_name.startswith(TMP_PREFIX):
+        raise ValueError(f"a temporary directory's name starts with {TMP_PREFIX!r}: {tmp_name!r}")
+    tmp = final.with_name(tmp_name or f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir()
     try:
         yield tmp

@@ -1,0 +1,274 @@
+"""The learner's policy and checkpoints whatever the number of ranks: one process, or FSDP2 under torchrun.
+
+`Trainer` is what the learner service holds: `build` (load and, sharded, shard the policy), `restore`,
+`save` and, through its `LearnerCore`, `step`. On one process these are the plain calls. Sharded, rank 0's
+service calls them and each first tells the other ranks (`rl/ranks.py`) to do the same, in the same order,
+since every one of them is a collective: the other ranks sit in `follow`, doing what they are told.
+
+Sharding is FSDP2 (`fully_shard`): each decoder layer its own unit, then the root (embeddings, final norm,
+the head, tied or not). Parameters and AdamW state stay fp32 masters; with a bf16 compute dtype they are
+gathered in bf16 for forward and backward and gradients reduced in fp32. Gradients are *summed* over ranks,
+not averaged: each rank's loss is already divided by the whole update's token count, so the sum is the
+single process's gradient, and clipping by the (global) norm of the sharded gradients clips the same.
+
+A checkpoint stays one directory, written without a pickle: rank 0 gathers the whole weights and writes the
+policy, the RNG, the ledger of consumed samples and `meta.json`; every rank writes its optimizer piece into
+the same temporary directory (`store/shards.py`); only when every rank has said its piece is on disk does
+rank 0 rename the directory and move `LATEST`. Only rank 0 holds and writes the ledger, so exactly-once is
+the single process's argument unchanged; every rank checks that it is at the step being saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+
+from tlt_stream.rl.checkpoint import (
+    OPTIMIZER,
+    CheckpointInfo,
+    checkpoint_at,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from tlt_stream.rl.learner import LearnerCore, LearnerSettings, compute_dtype_on, load_for_training
+from tlt_stream.rl.ranks import Command, RankLink, RanksOutOfStep
+from tlt_stream.store.durable import TMP_PREFIX
+from tlt_stream.store.shards import piece, read_shards, write_shard
+from tlt_stream.store.tensors import load_tensors, optimizer_state, optimizer_tensors
+
+__all__ = ["Trainer", "follow", "full_weights", "shard_policy"]
+
+log = logging.getLogger(__name__)
+
+
+def shard_policy(model: Any, *, compute_dtype: torch.dtype) -> None:
+    """Shard a transformers causal LM over the process group in place (FSDP2): every `model.model.layers[i]`,
+    then the root; bf16 (or any non-fp32) compute gathers parameters in it and reduces gradients in fp32."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ValueError(f"sharding needs decoder layers at model.model.layers; {type(model).__name__} has none")
+    mixed = compute_dtype != torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else None
+    for layer in layers:
+        fully_shard(layer, **({"mp_policy": policy} if policy else {}))
+    fully_shard(model, **({"mp_policy": policy} if policy else {}))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # summed, not averaged, and as a plain SUM (gloo has no PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def full_weights(model: Any) -> dict[str, torch.Tensor]:
+    """Every rank calls it: the whole weights on rank 0's CPU (the other ranks get {}), each tensor under its
+    first name only (a tied head is the embedding's tensor, saved once, as `save_pretrained` does)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen and name in whole:
+            out[name] = whole[name]
+        seen.add(id(tensor))
+    return out
+
+
+class Trainer:
+    """The policy in training and its checkpoints: one process (`link` None) or one rank of a sharded learner."""
+
+    def __init__(self, settings: LearnerSettings, device: str, link: RankLink | None = None) -> None:
+        self.settings = settings
+        self.device = device
+        self.link = link
+        self.core: LearnerCore | None = None
+
+    @property
+    def _commands(self) -> bool:
+        """Whether this process tells other ranks what to do (rank 0 of several)."""
+        return self.link is not None and self.link.leader
+
+    def build(self, source: Path, *, step: int = -1) -> LearnerCore:
+        """The policy from `source` (fp32 masters), sharded when there are ranks, and the core around it;
+        `step` is the checkpoint `source` belongs to (-1: the initial policy), what the other ranks load."""
+        if self._commands:
+            assert self.link is not None
+            self.link.command(Command.BUILD, step)
+        model = load_for_training(source, self.device)
+        if self.link is not None:
+            shard_policy(model, compute_dtype=compute_dtype_on(self.settings.compute_dtype, self.device))
+        self.core = LearnerCore(model, self.settings, ranks=self.link)
+        self.core.updates = max(step, 0)
+        return self.core
+
+    def restore(self, info: CheckpointInfo) -> tuple[set[str], dict[str, Any]]:
+        """Load `info`'s optimizer state into the core built from it (each rank its piece) and return (ledger,
+        meta); the caller has verified the policy's digest. The other ranks get only their piece."""
+        assert self.core is not None
+        if self.link is None:
+            return restore_checkpoint(info, optimizer=self.core.optimizer, verified=True)
+        if self.link.leader:
+            self.link.command(Command.RESTORE, info.step)
+        _load_optimizer_piece(self.core.optimizer, info.path, self.link)
+        self.core.updates = info.step
+        if not self.link.leader:
+            return set(), {}
+        return restore_checkpoint(info, verified=True)
+
+    def save(
+        self,
+        root: Path,
+        *,
+        step: int,
+        ledger: set[str],
+        extra: dict[str, Any],
+        tokenizer: Any,
+        keep: int,
+        publish_dtype: torch.dtype,
+    ) -> CheckpointInfo:
+        """Checkpoint `step` under `root` (see `rl/checkpoint.py`); sharded, with every rank's optimizer piece."""
+        assert self.core is not None
+        common = {"step": step, "ledger": ledger, "extra": extra, "tokenizer": tokenizer, "keep": keep}
+        common["publish_dtype"] = publish_dtype
+        if self.link is None:
+            return save_checkpoint(root, model=self.core.model, optimizer=self.core.optimizer, **common)
+        nonce = secrets.randbits(48)
+        self.link.command(Command.SAVE, step, nonce)
+        weights = full_weights(self.core.model)
+        tensors, meta, pieces = _local_optimizer_state(self.core.optimizer)
+        written = False
+
+        def write_optimizer(tmp: Path) -> None:
+            nonlocal written
+            written = True
+            if not self._agree_step(step):  # barrier: the directory exists, every rank is at this step
+                raise RanksOutOfStep(f"a rank is not at step {step}: the ranks are out of step")
+            ok = self._write_piece(tmp / OPTIMIZER, tensors, pieces, meta)
+            if not self.link.agree(ok):  # barrier: every piece is on disk (fsynced) before the rename
+                raise OSError(f"checkpoint {step}: a rank could not write its optimizer piece")
+
+        try:
+            return save_checkpoint(
+                root,
+                model=self.core.model,
+                optimizer=None,
+                weights=weights,
+                write_optimizer=write_optimizer,
+                tmp_name=_tmp_name(step, nonce),
+                **common,
+            )
+        except Exception:
+            if not written:  # failed before the other ranks were let write: release them
+                self.link.agree(False)
+            raise
+
+    def save_share(self, root: Path, *, step: int, nonce: int) -> None:
+        """A rank other than 0, told SAVE: its part of rank 0's `save`."""
+        assert self.core is not None and self.link is not None
+        full_weights(self.core.model)
+        tensors, meta, pieces = _local_optimizer_state(self.core.optimizer)
+        if not self._agree_step(step):
+            return  # rank 0 gave up before its directory existed (or the ranks disagree: it raises)
+        self.link.agree(self._write_piece(root / _tmp_name(step, nonce) / OPTIMIZER, tensors, pieces, meta))
+
+    def stop(self) -> None:
+        """Rank 0, leaving: let the other ranks leave too."""
+        if self._commands:
+            assert self.link is not None
+            self.link.command(Command.STOP)
+
+    def _agree_step(self, step: int) -> bool:
+        assert self.core is not None and self.link is not None
+        mine = self.core.updates == step
+        if not mine:
+            log.error("rank %d is at update %d, asked to save step %d", self.link.rank, self.core.updates, step)
+        return self.link.agree(mine)
+
+    def _write_piece(self, directory: Path, tensors: dict, pieces: set[str], meta: dict[str, Any]) -> bool:
+        assert self.link is not None
+        try:
+            write_shard(
+                directory, rank=self.link.rank, world=self.link.world, tensors=tensors, pieces=pieces, meta=meta
+            )
+            return True
+        except (OSError, SafetensorError) as exc:
+            log.error("rank %d could not write its optimizer piece to %s: %s", self.link.rank, directory, exc)
+            return False
+
+
+def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
+    """A rank other than 0: do what rank 0 says, in order, until it says STOP. `root` is the run's checkpoint
+    directory and `init_policy` the initial policy (the same configuration as rank 0's)."""
+    link = trainer.link
+    assert link is not None and not link.leader
+    while True:
+        kind, (first, second, _) = link.next_command()
+        match kind:
+            case Command.STOP:
+                return
+            case Command.BUILD:
+                trainer.build(init_policy if first < 0 else checkpoint_at(root, first).master_dir, step=first)
+            case Command.RESTORE:
+                trainer.restore(checkpoint_at(root, first))
+            case Command.STEP:
+                assert trainer.core is not None
+                try:
+                    trainer.core.follow(first, second)
+                except FloatingPointError as exc:  # every rank saw the same global norm: rank 0 retries
+                    log.warning("rank %d: %s", link.rank, exc)
+            case Command.SAVE:
+                trainer.save_share(root, step=first, nonce=second)
+
+
+def _tmp_name(step: int, nonce: int) -> str:
+    return f"{TMP_PREFIX}step-{step:08d}-{nonce:012x}"
+
+
+def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Any], set[str]]:
+    """This rank's optimizer state as (tensors, JSON part, names of the tensors that are dim-0 pieces)."""
+    from torch.distributed.tensor import DTensor
+
+    state = optimizer.state_dict()
+    pieces = set()
+    local: dict[int, dict[str, Any]] = {}
+    for index, slots in state["state"].items():
+        local[index] = {}
+        for slot, value in slots.items():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+                pieces.add(f"state.{index}.{slot}")
+            local[index][slot] = value
+    tensors, meta = optimizer_tensors({"state": local, "param_groups": state["param_groups"]})
+    return tensors, meta, pieces
+
+
+def _load_optimizer_piece(optimizer: torch.optim.Optimizer, path: Path, link: RankLink) -> None:
+    """Load this rank's piece of the optimizer state in checkpoint `path`, whatever number of ranks (or one
+    process) wrote it: a whole tensor is cut to this rank's piece, and each piece wrapped as its parameter's."""
+    from torch.distributed.tensor import DTensor
+
+    if (path / OPTIMIZER).is_dir():
+        tensors, meta = read_shards(path / OPTIMIZER, rank=link.rank, world=link.world)
+    else:
+        tensors, meta = load_tensors(path / OPTIMIZER)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for key, tensor in tensors.items():
+        _, index, _ = key.split(".", 2)
+        param = params[int(index)]
+        if not isinstance(param, DTensor) or tensor.dim() == 0:  # a step count: the same on every rank
+            continue
+        own = param.to_local()
+        mine = tensor if tensor.shape == own.shape else piece(tensor, link.rank, link.world)
+        if mine.shape != own.shape:
+            raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, parameter {tuple(param.shape)}")
+        tensors[key] = DTensor.from_local(
+            mine.to(own.device), param.device_mesh, param.placements, run_check=False, shape=param.shape,
+            stride=param.stride(),
+        )  # fmt: skip
+    optimizer.load_state_dict(optimizer_state(tensors, meta))
