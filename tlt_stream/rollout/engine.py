@@ -9,6 +9,13 @@ be switched on or off mid-sequence without disturbing in-flight rows.
 
 Every request has its own seeded `torch.Generator`, drawn from once per emitted token, so a request's
 sampled output does not depend on which other requests share its batch.
+
+Partial rollouts (`reverify`): `load_policy(path, reverify=True)` loads a new policy with requests in
+flight and re-verifies every one that holds tokens, losslessly: each keeps the prefix the new policy
+accepts, resamples the first rejected token from the residual, and goes on under the new policy, so a
+response finished afterwards is distributed exactly as the new policy's from scratch and carries its
+logprobs. A request added with `ahead_limit` is a draft for the next version: it parks after that many
+tokens (or when it ends) and waits for the re-verification.
 """
 
 from __future__ import annotations
@@ -19,9 +26,7 @@ import secrets
 from collections import Counter
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,71 +34,17 @@ from tlt_stream.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.proposers import SOURCE_EAGLE, SOURCE_GROUP, Proposal, Proposer
+from tlt_stream.rollout.results import GenerationResult, generate_all
+from tlt_stream.rollout.reverify import verify_rows
 from tlt_stream.rollout.sampling import sample
-from tlt_stream.rollout.scheduler import FinishReason, Scheduler, Sequence, StopRule
+from tlt_stream.rollout.scheduler import Scheduler, Sequence, StopRule
 from tlt_stream.rollout.speculative import verify_round
 
-
-@dataclass(slots=True)
-class GenerationResult:
-    """One finished request."""
-
-    request_id: Hashable
-    prompt_ids: list[int]
-    token_ids: list[int]
-    """Generated tokens, including the EOS token when `finish_reason == "eos"`."""
-    logprobs: list[float]
-    """Behaviour log-probability of each generated token (see `sampling` for temperature 0)."""
-    finish_reason: FinishReason
-    hidden: torch.Tensor | None = None
-    """`[n, H]` final-norm hidden states when requested: `hidden[i]` is the state whose logits produced
-    `token_ids[i]`, i.e. the state at input position `len(prompt_ids) - 1 + i` (input token
-    `prompt_ids[-1]` for i = 0, else `token_ids[i - 1]`)."""
-    accept_lengths: list[int] = field(default_factory=list)
-    """Tokens emitted by each speculative round of this request (empty when SD never ran for it)."""
-    prompt_hidden: torch.Tensor | None = None
-    """`[len(prompt_ids) - 1, H]` when hidden states were requested: the states at the prompt positions
-    before the last one (whose state is `hidden[0]`), so `cat(prompt_hidden, hidden)` covers every input
-    position `0 .. len(prompt_ids) + len(token_ids) - 2`."""
+__all__ = ["GenerationEngine", "GenerationResult", "generate_all"]
 
 
 _SOURCE_OF_ARM = {"drafter": "eagle", "group": "group", "ngram": "ngram"}
 """The draft source of a one-source arm (`RolloutEngine.drafted_by`)."""
-
-
-def generate_all(
-    engine: Any,
-    prompts: SequenceOf[SequenceOf[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    eos_ids: Iterable[int] = (),
-    *,
-    stop: StopRule | None = None,
-    return_hidden: bool = False,
-) -> list[GenerationResult]:
-    """`generate` for any engine with `add_request`/`step`/`has_unfinished` (this one, the vLLM backend): every
-    prompt queued (prompt i seeded with `seed + i`), stepped to the end, results in input order."""
-    if engine.has_unfinished:
-        raise RuntimeError("generate() needs an idle engine; drive add_request/step instead")
-    eos = frozenset(eos_ids)
-    ids = [
-        engine.add_request(
-            p,
-            max_new_tokens,
-            temperature,
-            None if seed is None else seed + i,
-            eos,
-            stop=stop,
-            return_hidden=return_hidden,
-        )
-        for i, p in enumerate(prompts)
-    ]
-    done: dict[Hashable, GenerationResult] = {}
-    while engine.has_unfinished:
-        for result in engine.step():
-            done[result.request_id] = result
-    return [done[i] for i in ids]
 
 
 class GenerationEngine:
@@ -137,6 +88,16 @@ class GenerationEngine:
         for both)."""
         self.accepted_by: Counter[str] = Counter()
         """Drafted tokens accepted and emitted, per source (as `drafted_by`)."""
+        self.reverified = 0
+        """Requests re-verified under a newly loaded policy (each time it happened to one)."""
+        self.tokens_kept = 0
+        """Tokens the re-verifications kept."""
+        self.tokens_discarded = 0
+        """Tokens the re-verifications discarded."""
+        self.reverify_passes = 0
+        """Re-verification forwards of the new policy (batched like prefills)."""
+        self.old_policy_rows = 0
+        """Rows whose rejection needed the old policy's distribution (one old-policy forward per pass)."""
         self._generators: dict[Hashable, torch.Generator | None] = {}
         self._want_hidden: set[Hashable] = set()
         self._hidden: torch.Tensor | None = None
@@ -146,34 +107,60 @@ class GenerationEngine:
         objects and garbage collection (docs/benchmarks.md, issue 6)."""
         self._prompt_hidden: dict[Hashable, torch.Tensor] = {}
         self._accepts: dict[Hashable, list[int]] = {}
+        self._done: list[GenerationResult] = []
+        """Requests a re-verification finished, returned by the next `step`."""
         self._ids = itertools.count()
         self._ones = torch.ones(max_batch, dtype=torch.long, device=model.device)
 
     @property
     def has_unfinished(self) -> bool:
-        return not self.scheduler.is_idle
+        return not self.scheduler.is_idle or bool(self._done)
 
     @property
     def num_running(self) -> int:
         """Rows being decoded now."""
         return self.scheduler.num_running
 
-    def load_policy(self, path: str | Path) -> None:
+    @property
+    def num_parked(self) -> int:
+        """Drafts that used their `ahead_limit` (or ended) and wait for `load_policy(..., reverify=True)`;
+        `step()` does nothing for them, so a loop stepping while `has_unfinished` must also stop here."""
+        return self.scheduler.num_parked
+
+    def load_policy(self, path: str | Path, *, reverify: bool = False) -> None:
         """Load another version of the policy (a checkpoint of the same architecture) into the engine's model
         in place. The caches stay allocated (rebuilding the engine per version cost 0.1-0.4 s of a ~4.5 s RL
         step on the tiny world), and a drafter bound to the model, which borrows its embedding and LM head,
-        follows. Only with nothing in flight: every sample must come from one policy version."""
+        follows.
+
+        Without `reverify`, only with nothing in flight: every sample must come from one policy version. With
+        it, every request holding tokens (running, parked, queued to resume) is re-verified at once by the
+        rule of `reverify`: batched prefills over prompt + tokens (which rebuild its KV cache), acceptance,
+        the residual token at a rejection (one forward of the old weights, kept for this call only, over the
+        rejecting T > 0 rows' prefixes). They go on under the new policy, in their slots or first in the
+        queue; those it ended come from the next `step()`. Drafts become ordinary requests (not yet started
+        ones too). Reported by `GenerationResult.reverifications/tokens_kept/tokens_discarded` and counters.
+        """
         from tlt_stream.model.loader import load_model
 
-        if self.has_unfinished:
-            raise RuntimeError("load_policy() with requests in flight; let them finish first")
+        if self.has_unfinished and not reverify:
+            raise RuntimeError("load_policy() with requests in flight; let them finish first (or reverify=True)")
         fresh = load_model(path, dtype=self.model.dtype, device=self.model.device)
         if fresh.spec != self.model.spec:
             raise CheckpointError(f"{path}: a different architecture than the engine's policy; build a new engine")
+        rows = self.scheduler.new_version() if reverify else []
+        keep_old = any(s.temperature > 0 for s in rows)
         with torch.no_grad():
             weights = fresh.state_dict()
             for name, tensor in self.model.state_dict().items():
-                tensor.copy_(weights[name])
+                if keep_old:  # swap: `fresh` becomes the old policy, with no third copy of the weights
+                    old = tensor.clone()
+                    tensor.copy_(weights[name])
+                    weights[name].copy_(old)
+                else:
+                    tensor.copy_(weights[name])
+        if rows:
+            self._reverify(rows, fresh if keep_old else None)
 
     def load_drafter(self, path: str | Path) -> None:
         """Swap the EAGLE drafter's weights in place (a drafter checkpoint that fits this engine's model);
@@ -210,12 +197,15 @@ class GenerationEngine:
         *,
         stop: StopRule | None = None,
         return_hidden: bool = False,
+        ahead_limit: int | None = None,
     ) -> Hashable:
         """Queue a request and return its id (a fresh int when `request_id` is None).
 
         `seed` fixes the sampling stream (random when None; unused at temperature 0). `stop` (e.g.
         `rollout.stops.StopStrings`) ends the response at the token it first returns True for. Requires
-        `len(prompt_ids) + max_new_tokens <= max_len`.
+        `len(prompt_ids) + max_new_tokens <= max_len`. `ahead_limit` makes it a draft for the next policy
+        version: after that many tokens, or when it ends before, it parks (holding no slot, `num_parked`)
+        until `load_policy(..., reverify=True)` re-verifies it; then it runs on as an ordinary request.
         """
         prompt = [int(t) for t in prompt_ids]
         rid = next(self._ids) if request_id is None else request_id
@@ -229,7 +219,9 @@ class GenerationEngine:
                 f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                 f"exceeds max_len ({self.max_len})"
             )
-        seq = Sequence(rid, prompt, max_new_tokens, frozenset(eos_ids), float(temperature), seed, stop)
+        seq = Sequence(
+            rid, prompt, max_new_tokens, frozenset(eos_ids), float(temperature), seed, stop, ahead_limit=ahead_limit
+        )
         self.scheduler.add(seq)
         generator = None
         if temperature > 0:
@@ -245,8 +237,9 @@ class GenerationEngine:
         return rid
 
     def step(self) -> list[GenerationResult]:
-        """Admit and prefill new requests, decode one token for every running row; return what finished."""
-        finished: list[GenerationResult] = []
+        """Admit and prefill new requests, decode one token for every running row; return what finished
+        (with what the last re-verification finished)."""
+        finished, self._done = self._done, []
         admitted = self.scheduler.admit()
         if admitted:
             self._prefill(admitted)
@@ -277,15 +270,16 @@ class GenerationEngine:
 
     @torch.inference_mode()
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Run the prompts of `seqs` (contiguous slots) as one right-padded batch; emit their first tokens."""
+        """Run the prompts of `seqs` (contiguous slots) as one right-padded batch; emit their first tokens.
+        A request resumed after a re-verification runs its prompt and tokens but the last, and emits none."""
         first = seqs[0].slot
         assert first is not None
-        lens = [s.num_prompt_tokens for s in seqs]
+        lens = [s.num_prefill_tokens for s in seqs]
         t = max(lens)
         device = self.model.device
         ids = torch.zeros(len(seqs), t, dtype=torch.long)
         for b, s in enumerate(seqs):
-            ids[b, : lens[b]] = torch.tensor(s.prompt_ids)
+            ids[b, : lens[b]] = torch.tensor([*s.prompt_ids, *s.token_ids[:-1]])
         num_new = torch.tensor(lens, device=device)  # [B]
         self.cache.lengths[first : first + len(seqs)] = 0
         positions = torch.arange(t, device=device).expand(len(seqs), t)
@@ -298,16 +292,94 @@ class GenerationEngine:
         )  # [B, T, H]
         self.cache.advance(num_new, first_slot=first)
         last = hidden[torch.arange(len(seqs), device=device), num_new - 1]  # [B, H]
+        fresh = [b for b, s in enumerate(seqs) if not s.token_ids]
         for b, s in enumerate(seqs):
             if s.request_id in self._want_hidden:
-                self._prompt_hidden[s.request_id] = hidden[b, : lens[b] - 1].clone()
-        self._emit(seqs, last)
+                n = s.num_prompt_tokens
+                self._prompt_hidden[s.request_id] = hidden[b, : n - 1].clone()
+                if s.token_ids:  # resumed: the states that produced its tokens
+                    assert self._hidden is not None and s.slot is not None
+                    self._hidden[s.slot, : s.num_generated] = hidden[b, n - 1 : lens[b]]
+        if len(fresh) == len(seqs):
+            self._emit(seqs, last)
+        elif fresh:
+            self._emit([seqs[b] for b in fresh], last[torch.tensor(fresh, device=device)])
         if self.proposer is not None:
             for b, s in enumerate(seqs):
-                assert s.slot is not None
-                self.proposer.reset_slot(s.slot, s.prompt_ids)
-                if not s.is_finished:  # pairs (x_{t+1}, h_t) over the prompt and the first token
-                    self.proposer.observe(s.slot, s.prompt_ids[1:] + s.token_ids, hidden[b, : lens[b]])
+                self._observe_prefix(s, first + b, hidden[b])
+
+    def _observe_prefix(self, s: Sequence, slot: int, hidden: torch.Tensor) -> None:
+        """The proposer starts `slot` afresh and observes every committed (token, state) pair of its row:
+        pairs (x_{t+1}, h_t) over the prompt and the generated tokens, from its states `hidden [T, H]`."""
+        assert self.proposer is not None
+        self.proposer.reset_slot(slot, s.prompt_ids)
+        if s.is_running:
+            self.proposer.observe(slot, s.prompt_ids[1:] + s.token_ids, hidden[: s.num_tokens - 1])
+
+    @torch.inference_mode()
+    def _reverify(self, rows: list[Sequence], q_model: Transformer | None) -> None:
+        """Re-verify `rows` (every sequence with tokens, out of their slots) under the freshly loaded policy.
+
+        The first `max_batch` are verified in place into slots 0.. and stay there; the rest are verified in
+        slot 0.. first (scratch: the kept rows' entries are built afterwards) and queued to resume.
+        """
+        keep, overflow = rows[: self.scheduler.max_batch], rows[self.scheduler.max_batch :]
+        finished: list[GenerationResult] = []
+        for batch in self.scheduler.passes(overflow):
+            states = self._verify(batch, 0, q_model, in_place=False)
+            finished += [self._result(s, states.get(s.request_id)) for s in batch if s.is_finished]
+        first = 0
+        for batch in self.scheduler.passes(keep):
+            self._verify(batch, first, q_model, in_place=True)
+            first += len(batch)
+        self.scheduler.place(keep)
+        self.scheduler.forget([s for s in overflow if s.is_finished])
+        self.scheduler.requeue([s for s in overflow if not s.is_finished])
+        self._done += finished + self._finish()
+
+    @torch.inference_mode()
+    def _verify(
+        self, seqs: list[Sequence], first_slot: int, q_model: Transformer | None, *, in_place: bool
+    ) -> dict[Hashable, torch.Tensor]:
+        """One re-verification pass over `seqs` in slots `first_slot ..`; apply its outcome to the sequences.
+        In place: commit the kept entries, the proposer re-observes, hidden states go to the per-slot buffer.
+        Returns the hidden states of the requests it finished out of place that asked for them."""
+        out = verify_rows(
+            self.model,
+            self.cache,
+            first_slot,
+            [s.prompt_ids for s in seqs],
+            [s.token_ids for s in seqs],
+            [s.logprobs for s in seqs],
+            [s.temperature for s in seqs],
+            [self._generators[s.request_id] for s in seqs],
+            q_model,
+        )
+        self.reverify_passes += 1
+        self.old_policy_rows += out.rejected_rows
+        states: dict[Hashable, torch.Tensor] = {}
+        for b, s in enumerate(seqs):
+            total = s.num_generated
+            if not s.reverified(out.kept_logprobs[b]):
+                s.append(out.next_tokens[b], out.next_logprobs[b])
+                self.tokens_generated += 1
+            self.reverified += 1
+            self.tokens_kept += out.kept[b]
+            self.tokens_discarded += total - out.kept[b]
+            n, m = s.num_prompt_tokens, s.num_generated
+            if s.request_id in self._want_hidden:
+                self._prompt_hidden[s.request_id] = out.hidden[b, : n - 1].clone()
+                if in_place:
+                    assert self._hidden is not None
+                    self._hidden[first_slot + b, :m] = out.hidden[b, n - 1 : n - 1 + m]
+                elif s.is_finished:
+                    states[s.request_id] = out.hidden[b, n - 1 : n - 1 + m].clone()
+                    self._want_hidden.discard(s.request_id)
+            if in_place:
+                self.cache.lengths[first_slot + b] = n + m - 1  # prompt and tokens but the last (fed next)
+                if self.proposer is not None:
+                    self._observe_prefix(s, first_slot + b, out.hidden[b])
+        return states
 
     @torch.inference_mode()
     def _decode_step(self, seqs: list[Sequence]) -> None:
@@ -321,7 +393,7 @@ class GenerationEngine:
         self._emit(seqs, hidden[:, 0])
         self.plain_steps += 1
         if self.proposer is not None:
-            rows = [row for row, s in enumerate(seqs) if not s.is_finished]
+            rows = [row for row, s in enumerate(seqs) if s.is_running]
             self.proposer.observe_step(rows, [seqs[row].token_ids[-1] for row in rows], hidden[:, 0])
 
     @torch.inference_mode()
@@ -348,7 +420,7 @@ class GenerationEngine:
             if s.request_id in self._want_hidden:
                 assert self._hidden is not None and s.slot is not None
                 self._hidden[s.slot, start : start + emitted] = outcome.hidden[row, :emitted]
-            if not s.is_finished:
+            if s.is_running:  # not finished, not parked
                 self.proposer.observe(row, outcome.tokens[row], outcome.hidden[row, :emitted])
         self._count_sources(proposal, arm, outcome.path, used)
 
@@ -402,22 +474,22 @@ class GenerationEngine:
                 assert self._hidden is not None
                 n = self.scheduler.running[move.dst].num_generated  # the moved sequence, now at dst
                 self._hidden[move.dst, :n] = self._hidden[move.src, :n]
-        results = []
-        for s in finished:
-            assert s.finish_reason is not None
-            self._generators.pop(s.request_id)
-            hidden = states.get(s.request_id)
-            accepts = self._accepts.pop(s.request_id)
-            results.append(
-                GenerationResult(
-                    s.request_id,
-                    s.prompt_ids,
-                    s.token_ids,
-                    s.logprobs,
-                    s.finish_reason,
-                    hidden,
-                    accepts,
-                    self._prompt_hidden.pop(s.request_id, None),
-                )
-            )
-        return results
+        return [self._result(s, states.get(s.request_id)) for s in finished]
+
+    def _result(self, s: Sequence, hidden: torch.Tensor | None) -> GenerationResult:
+        """The result of a finished request; its per-request state is dropped."""
+        assert s.finish_reason is not None
+        self._generators.pop(s.request_id)
+        return GenerationResult(
+            s.request_id,
+            s.prompt_ids,
+            s.token_ids,
+            s.logprobs,
+            s.finish_reason,
+            hidden,
+            self._accepts.pop(s.request_id),
+            self._prompt_hidden.pop(s.request_id, None),
+            s.reverifications,
+            s.tokens_kept,
+            s.tokens_discarded,
+        )

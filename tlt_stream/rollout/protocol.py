@@ -36,6 +36,11 @@ class RolloutEngine(Protocol):
         """Requests being decoded now."""
         ...
 
+    @property
+    def num_parked(self) -> int:
+        """Drafts (`ahead_limit`) waiting for `load_policy(..., reverify=True)`; `step` does nothing for them."""
+        ...
+
     def add_request(
         self,
         prompt_ids: Sequence[int],
@@ -47,16 +52,19 @@ class RolloutEngine(Protocol):
         *,
         stop: StopRule | None = None,
         return_hidden: bool = False,
+        ahead_limit: int | None = None,
     ) -> Hashable:
-        """Queue a request; its id (a fresh one when `request_id` is None)."""
+        """Queue a request; its id (a fresh one when `request_id` is None). With `ahead_limit` it is a draft
+        for the next policy version: it parks after that many tokens (or when it ends) until re-verified."""
         ...
 
     def step(self) -> list[GenerationResult]:
         """Advance every running request; the requests that finished."""
         ...
 
-    def load_policy(self, path: str | Path) -> None:
-        """Another version of the policy, in place (only with nothing in flight)."""
+    def load_policy(self, path: str | Path, *, reverify: bool = False) -> None:
+        """Another version of the policy, in place: only with nothing in flight, or with `reverify`, which
+        re-verifies every request holding tokens under it, losslessly (`rollout/reverify.py`)."""
         ...
 
     def load_drafter(self, path: str | Path) -> object:

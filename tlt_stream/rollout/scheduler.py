@@ -3,6 +3,12 @@
 Pure Python (no torch) so it is tested as plain code. Running sequences always occupy slots
 `0..n-1`: when one finishes, the sequence in the last slot moves into the hole, and the scheduler hands
 the moves to the engine to mirror in the KV cache. Contiguous slots let the model read the cache as a view.
+
+Partial rollouts (`rollout/reverify.py`): a request with an `ahead_limit` is a draft for the next policy
+version. After `ahead_limit` tokens, or when it ends earlier (its end may be rejected by the next version),
+it is parked: out of its slot, neither running nor finished. `new_version` hands every sequence holding
+tokens (running, parked, or queued to resume) to the engine for re-verification; the verified ones go back
+with `place` (into slots) or `requeue` (to the queue's front, resumed by a prefill over their tokens).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ StopRule = Callable[[SequenceOf[int]], bool]
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    PARKED = auto()
+    """A draft that used its `ahead_limit` (or ended): holds no slot until the next policy re-verifies it."""
     FINISHED = auto()
 
 
@@ -43,12 +51,22 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    ahead_limit: int | None = None
+    """Set for a draft: tokens it may generate before the next policy version (lifted by `new_version`)."""
+    reverifications: int = 0
+    """Re-verifications under a newly loaded policy that had tokens to check."""
+    tokens_kept: int = 0
+    """Tokens the re-verifications kept, summed over them."""
+    tokens_discarded: int = 0
+    """Tokens the re-verifications discarded (the rejected one and every one after it), summed over them."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id!r}: empty prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"request {self.request_id!r}: max_new_tokens must be >= 1")
+        if self.ahead_limit is not None and self.ahead_limit < 1:
+            raise ValueError(f"request {self.request_id!r}: ahead_limit must be >= 1 or None")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,6 +81,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.token_ids)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Inputs of its prefill: the prompt, plus every generated token but the last when it resumes."""
+        return len(self.prompt_ids) + max(0, len(self.token_ids) - 1)
+
+    @property
     def last_token(self) -> int:
         return self.token_ids[-1] if self.token_ids else self.prompt_ids[-1]
 
@@ -70,9 +93,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def is_running(self) -> bool:
+        return self.status is SequenceStatus.RUNNING
+
     def append(self, token: int, logprob: float) -> bool:
         """Record one generated token; stop on an EOS id (kept in the output), on the stop rule (its token
-        kept), or at the token budget."""
+        kept), or at the token budget. A draft parks instead of finishing, and parks at its `ahead_limit`
+        (a token count: where it waits never depends on what it would sample next). True: feed no more."""
         if self.status is not SequenceStatus.RUNNING:
             raise ValueError(f"request {self.request_id!r} is {self.status.name}, not RUNNING")
         self.token_ids.append(token)
@@ -83,10 +111,32 @@ class Sequence:
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
+        if self.ahead_limit is not None and (self.finish_reason is not None or len(self.token_ids) >= self.ahead_limit):
+            self.status = SequenceStatus.PARKED
+        elif self.finish_reason is not None:
+            self.status = SequenceStatus.FINISHED
         else:
             return False
-        self.status = SequenceStatus.FINISHED
         return True
+
+    def reverified(self, kept_logprobs: SequenceOf[float]) -> bool:
+        """Record a re-verification under a new policy: the first `len(kept_logprobs)` tokens are kept, with
+        the new policy's log-probabilities; the rest are discarded. Afterwards it is an ordinary request
+        (RUNNING, ready for the next token) or, when it kept every token and had already ended, FINISHED
+        (the return value)."""
+        kept, total = len(kept_logprobs), len(self.token_ids)
+        if not 0 <= kept <= total:
+            raise ValueError(f"request {self.request_id!r}: kept {kept} of {total} tokens")
+        self.reverifications += 1
+        self.tokens_kept += kept
+        self.tokens_discarded += total - kept
+        self.ahead_limit = None
+        del self.token_ids[kept:]
+        self.logprobs = [float(lp) for lp in kept_logprobs]
+        if kept < total:
+            self.finish_reason = None
+        self.status = SequenceStatus.RUNNING if self.finish_reason is None else SequenceStatus.FINISHED
+        return self.is_finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +160,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         """Index == slot."""
+        self.parked: list[Sequence] = []
+        """Drafts waiting for the next policy version, in the order they parked."""
         self._live_ids: set[Hashable] = set()
 
     @property
@@ -121,8 +173,12 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_parked(self) -> int:
+        return len(self.parked)
+
+    @property
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.parked
 
     def add(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.WAITING:
@@ -142,9 +198,8 @@ class Scheduler:
         longest = 0
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            longest_if = max(longest, seq.num_prompt_tokens)
-            budget = self.max_prefill_tokens
-            if admitted and budget is not None and longest_if * (len(admitted) + 1) > budget:
+            longest_if = max(longest, seq.num_prefill_tokens)
+            if admitted and not self._fits(len(admitted) + 1, longest_if):
                 break
             self.waiting.popleft()
             longest = longest_if
@@ -154,22 +209,81 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def retire(self) -> tuple[list[Sequence], list[SlotMove]]:
-        """Drop finished sequences and fill their slots from the tail.
+    def _fits(self, rows: int, longest: int) -> bool:
+        return self.max_prefill_tokens is None or rows * longest <= self.max_prefill_tokens
 
-        Returns the finished sequences (in slot order) and the slot moves to mirror in the KV cache.
+    def passes(self, seqs: SequenceOf[Sequence]) -> list[list[Sequence]]:
+        """Consecutive prefill-like passes over prompt + tokens of `seqs`, in order (a re-verification's):
+        at most `max_batch` rows and (with `max_prefill_tokens`) padded tokens each, one row at least."""
+        out: list[list[Sequence]] = []
+        longest = 0
+        for seq in seqs:
+            n = seq.num_tokens
+            if not out or len(out[-1]) == self.max_batch or not self._fits(len(out[-1]) + 1, max(longest, n)):
+                out.append([])
+                longest = 0
+            out[-1].append(seq)
+            longest = max(longest, n)
+        return out
+
+    def retire(self) -> tuple[list[Sequence], list[SlotMove]]:
+        """Drop finished and parked sequences and fill their slots from the tail.
+
+        Returns the finished sequences (in slot order) and the slot moves to mirror in the KV cache; the
+        parked ones join `parked`.
         """
-        finished = [s for s in self.running if s.is_finished]
-        if not finished:
+        leaving = [s for s in self.running if not s.is_running]
+        if not leaving:
             return [], []
-        alive = len(self.running) - len(finished)
-        holes = [i for i in range(alive) if self.running[i].is_finished]  # ascending
-        tail = [j for j in range(len(self.running) - 1, alive - 1, -1) if not self.running[j].is_finished]
+        alive = len(self.running) - len(leaving)
+        holes = [i for i in range(alive) if not self.running[i].is_running]  # ascending
+        tail = [j for j in range(len(self.running) - 1, alive - 1, -1) if self.running[j].is_running]
         moves = [SlotMove(src=j, dst=hole) for hole, j in zip(holes, tail, strict=True)]
         for move in moves:
             self.running[move.src].slot = move.dst
-        self.running = sorted((s for s in self.running if not s.is_finished), key=lambda s: s.slot)
-        for seq in finished:
+        self.running = sorted((s for s in self.running if s.is_running), key=lambda s: s.slot)
+        finished = [s for s in leaving if s.is_finished]
+        for seq in leaving:
             seq.slot = None
-            self._live_ids.discard(seq.request_id)
+        self.parked += [s for s in leaving if not s.is_finished]
+        self.forget(finished)
         return finished, moves
+
+    def forget(self, finished: SequenceOf[Sequence]) -> None:
+        """Finished sequences that hold no slot leave the scheduler (their ids may be used again)."""
+        for seq in finished:
+            self._live_ids.discard(seq.request_id)
+
+    def new_version(self) -> list[Sequence]:
+        """A new policy version: every sequence holding tokens leaves its slot or queue for re-verification
+        and is returned (running ones in slot order, then those queued to resume, then parked ones); drafts
+        not started yet become ordinary requests (nothing of theirs came from the old version). The engine
+        hands each returned sequence back with `place`, `requeue` or `forget`."""
+        out = [*self.running, *(s for s in self.waiting if s.token_ids), *self.parked]
+        self.running, self.parked = [], []
+        self.waiting = deque(s for s in self.waiting if not s.token_ids)
+        for seq in self.waiting:
+            seq.ahead_limit = None
+        for seq in out:
+            seq.slot = None
+        return out
+
+    def place(self, seqs: SequenceOf[Sequence]) -> None:
+        """Put sequences whose cache entries the engine just built into the slots after the running ones, in
+        order (finished ones too: the next `retire` takes them out)."""
+        if len(self.running) + len(seqs) > self.max_batch:
+            raise ValueError(f"{len(seqs)} sequences do not fit the {self.max_batch - len(self.running)} free slots")
+        for seq in seqs:
+            if seq.status not in (SequenceStatus.RUNNING, SequenceStatus.FINISHED):
+                raise ValueError(f"request {seq.request_id!r} is {seq.status.name}, not RUNNING or FINISHED")
+            seq.slot = len(self.running)
+            self.running.append(seq)
+
+    def requeue(self, seqs: SequenceOf[Sequence]) -> None:
+        """Queue sequences with tokens but no slot at the front of the queue, in order; their admission
+        resumes them (a prefill over prompt and tokens, no token emitted)."""
+        for seq in seqs:
+            if not seq.is_running:
+                raise ValueError(f"request {seq.request_id!r} is {seq.status.name}, not RUNNING")
+            seq.status, seq.slot = SequenceStatus.WAITING, None
+        self.waiting.extendleft(reversed(seqs))

@@ -20,6 +20,16 @@ version changes the worker makes:
   `vllm/model_executor/model_loader/reload/inplace.py`) or, on a vLLM without it, `model.load_weights` over
   the checkpoint's safetensors (what TRL and OpenRLHF do). No engine restart. The prefix cache is reset
   (its KV was computed by the old weights). Like the torch worker, only between requests.
+- **No partial rollouts** (`load_policy(..., reverify=True)`, `add_request(..., ahead_limit=...)`): they
+  raise `UnsupportedSetting`. The torch engine's lossless re-verification (`rollout/reverify.py`) would
+  need from vLLM: (1) holding a request after N tokens without returning it (a per-request token budget
+  that parks instead of finishing, ends included); (2) scoring prompt + partial response under the new
+  weights with each token's logprob at the request's temperature (prompt-logprob scoring,
+  `SamplingParams(prompt_logprobs=...)`, rescaled by T) plus the full distribution of the old weights at a
+  rejection (a second model, or the old weights kept); (3) resuming the request from the
+  kept prefix with its sampler's random stream continued, not re-seeded (a per-request generator state,
+  which vLLM does not expose). Until then, vLLM runs partial rollouts only as the off-policy fallback
+  the pipeline already has.
 - **Drafter versions in place** (`load_drafter`): the drafter is exported (`drafter/export.py`) and
   `tlt_swap_drafter` loads the export's layer and fc tensors into the draft model with its own
   `load_weights` (the embedding and LM head stay shared with the target, so they follow policy reloads).
@@ -404,6 +414,13 @@ class _Pending:
     stop: StopStrings | None = None
 
 
+_NO_PARTIAL_ROLLOUTS = (
+    "the vllm backend has no partial rollouts (load_policy(reverify=True), ahead_limit): it cannot park a "
+    "request, score its tokens under new weights at its temperature, or resume it with its random stream; "
+    "use the torch engine"
+)
+
+
 class VllmEngine:
     """`GenerationEngine`'s surface on vLLM (module docstring); `policy` is a Hugging Face checkpoint
     directory, `drafter` a drafter checkpoint (or an EAGLE export) for EAGLE arms."""
@@ -544,6 +561,11 @@ class VllmEngine:
         """Requests added and not yet returned (vLLM's running + waiting)."""
         return len(self._pending)
 
+    @property
+    def num_parked(self) -> int:
+        """Always 0: no drafts on vLLM (module docstring, partial rollouts)."""
+        return 0
+
     def add_request(
         self,
         prompt_ids: Sequence[int],
@@ -555,9 +577,13 @@ class VllmEngine:
         *,
         stop: StopRule | None = None,
         return_hidden: bool = False,
+        ahead_limit: int | None = None,
     ) -> Hashable:
         """Queue a request (`GenerationEngine.add_request`'s contract) and return its id. vLLM checks stop
-        rules itself, so `stop` must be a `StopStrings` (its strings go to vLLM)."""
+        rules itself, so `stop` must be a `StopStrings` (its strings go to vLLM). No drafts: `ahead_limit`
+        must be None (module docstring, partial rollouts)."""
+        if ahead_limit is not None:
+            raise UnsupportedSetting(_NO_PARTIAL_ROLLOUTS)
         from vllm.sampling_params import RequestOutputKind
 
         prompt = [int(t) for t in prompt_ids]
@@ -644,9 +670,12 @@ class VllmEngine:
 
     # -- versions
 
-    def load_policy(self, path: str | Path) -> None:
+    def load_policy(self, path: str | Path, *, reverify: bool = False) -> None:
         """Reload the policy's weights in place (every vLLM worker) from Hugging Face checkpoint `path`.
-        Only with nothing in flight: every sample must come from one policy version."""
+        Only with nothing in flight: every sample must come from one policy version. `reverify` (lossless
+        re-verification of requests in flight) is not available on vLLM (module docstring)."""
+        if reverify:
+            raise UnsupportedSetting(_NO_PARTIAL_ROLLOUTS)
         if self.has_unfinished:
             raise RuntimeError("load_policy() with requests in flight; let them finish first")
         from tlt_stream.model.loader import load_spec
