@@ -31,7 +31,8 @@ class GenerationResult:
     `token_ids[i]`, i.e. the state at input position `len(prompt_ids) - 1 + i` (input token
     `prompt_ids[-1]` for i = 0, else `token_ids[i - 1]`)."""
     accept_lengths: list[int] = field(default_factory=list)
-    """Tokens emitted by each speculative round of this request (empty when SD never ran for it)."""
+    """Tokens emitted by each speculative round of this request (empty when SD never ran for it), also the
+    rounds whose tokens a re-verification then discarded."""
     prompt_hidden: torch.Tensor | None = None
     """`[len(prompt_ids) - 1, H]` when hidden states were requested: the states at the prompt positions
     before the last one (whose state is `hidden[0]`), so `cat(prompt_hidden, hidden)` covers every input
