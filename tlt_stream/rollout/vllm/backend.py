@@ -386,7 +386,9 @@ class VllmSettings:
     """Instead of `arm`: bucket -> arm label (a published `sd_config`), as vLLM's batch-size schedule."""
     edges: tuple[int, ...] = DEFAULT_EDGES
     dtype: str = DEFAULTS.rollout.dtype
-    """vLLM's dtype: auto (the checkpoint's), float32 or bfloat16."""
+    """vLLM's dtype: auto, float32 or bfloat16. vLLM's auto is the checkpoint's dtype except for a float32
+    checkpoint, which it runs in the platform's half type (bfloat16 on CUDA; vLLM 0.33.0, checked on the CPU by
+    bench/vllm_cpu_check.sh): the same as this project's `rollout.dtype = "auto"` on CUDA."""
     gpu_memory_utilization: float = 0.80
     enforce_eager: bool = False
     seed: int = DEFAULTS.sd.seed
