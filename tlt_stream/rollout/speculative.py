@@ -69,22 +69,20 @@ def _greedy_chain(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Ten
 
 def _accept(
     logits: torch.Tensor,
+    logp: torch.Tensor,
     proposal: Proposal,
     temperatures: torch.Tensor,
     generators: list[torch.Generator | None],
 ) -> Verdict:
-    """Apply the lossless acceptance rule that fits the proposal (see `acceptance`)."""
+    """Apply the lossless acceptance rule that fits the proposal (see `acceptance`); `logp [B, N+1, V]` is
+    the target's log-distribution at the sampling temperature (`sampling.target_logprobs`)."""
     tree = proposal.tree
-    b, n = tree.tokens.shape
+    n = tree.num_nodes
     device = logits.device
     chain = tree.chain_lengths
     greedy = temperatures <= 0
     greedy_rows = greedy.tolist()
-    if all(greedy_rows) and chain is not None:
-        return _greedy_chain(logits, tree.tokens.to(device), chain.to(device))
-    vocab = logits.shape[-1]
-    logp = target_logprobs(logits.reshape(b * (n + 1), vocab), temperatures.repeat_interleave(n + 1))
-    p = logp.view(b, n + 1, vocab).exp()
+    p = logp.exp()
     if any(greedy_rows):
         p = torch.where(greedy.to(device)[:, None, None], greedy_onehot(logits), p)
     if proposal.q is not None or chain is not None:  # chains: the vectorised rule (q None: point masses)
@@ -124,7 +122,13 @@ def verify_round(
     hidden = model(ids, positions, cache, tree_mask=tree.ancestor_mask.to(device))  # [B, N+1, H]
     logits = model.logits(hidden).float()  # [B, N+1, V]
     temps = temperatures.to(device)
-    verdict = _accept(logits, proposal, temps, generators)
+    chain = tree.chain_lengths
+    logp = None  # [B, N+1, V] log p at the sampling temperature (T = 0 rows: at T = 1, see `sampling`)
+    if chain is not None and not bool((temps > 0).any()):  # greedy chains compare argmaxes, nothing more
+        verdict = _greedy_chain(logits, tokens, chain.to(device))
+    else:
+        logp = target_logprobs(logits.view(b * (n + 1), -1), temps.repeat_interleave(n + 1)).view(b, n + 1, -1)
+        verdict = _accept(logits, logp, proposal, temps, generators)
     count = verdict.count  # [B]
     # Commit the root and the accepted nodes (node indices are offsets after the committed entries). A
     # chain's accepted prefix already sits right after the root, so committing it is just advancing.
@@ -137,9 +141,13 @@ def verify_round(
     emitted = torch.cat([tokens.gather(1, (verdict.path - 1).clamp(min=0)), verdict.next_token[:, None]], dim=1)
     emitted.scatter_(1, count[:, None], verdict.next_token[:, None])  # the next token right after the path
     rows = torch.arange(b, device=device)[:, None]
-    t = torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]  # temperature-0 rows report T = 1
-    lse = torch.logsumexp(logits / t[..., None], dim=-1)  # [B, N+1]
-    lp = logits[rows, sources, emitted] / t - lse.gather(1, sources)  # log softmax(logits / T) at the token
+    if logp is None:  # only the distributions the emitted tokens came from
+        a = sources.shape[1]
+        at = logits[rows, sources].view(b * a, -1)  # [B*(A+1), V]
+        logp_at = target_logprobs(at, temps.repeat_interleave(a)).view(b, a, -1)
+    else:
+        logp_at = logp[rows, sources]  # [B, A+1, V]
+    lp = logp_at.gather(2, emitted[..., None]).squeeze(-1)  # [B, A+1] log softmax(logits / T) at the token
     counts = (count + 1).tolist()
     out_tokens = [row[:c] for row, c in zip(emitted.tolist(), counts, strict=True)]
     out_logprobs = [row[:c] for row, c in zip(lp.tolist(), counts, strict=True)]
