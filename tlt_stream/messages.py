@@ -165,10 +165,23 @@ class PromptGroup(_Entry, tag="prompt_group"):
     prompt_text: str = ""
     fields: dict[str, Any] = {}
     """The dataset row's other fields (JSON values), for a reward that asks for them by name."""
+    draft_version: NonNegInt | None = None
+    """Partial rollouts: a worker may start the group under this (older) policy version as a draft; its rows
+    are re-verified under `min_policy_version` before any sample is sent. None: not a draft."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("prompt_ids is empty")
+        if self.draft_version is not None and self.draft_version >= self.min_policy_version:
+            raise ValueError(
+                f"draft_version {self.draft_version} must be older than min_policy_version {self.min_policy_version}"
+            )
+
+    @property
+    def startable_version(self) -> int:
+        """The oldest policy version a worker may start this group under (as a draft when it is older than
+        `min_policy_version`)."""
+        return self.min_policy_version if self.draft_version is None else self.draft_version
 
 
 PromptsEntry = PromptGroup
@@ -299,6 +312,14 @@ class RolloutStats(_Entry, tag="rollout"):
     """Drafted tokens accepted and emitted in the interval, per source (as `drafted`)."""
     collapses: NonNegInt = 0
     """Swaps after which the worker's acceptance collapsed, since it started (`rollout.collapse`)."""
+    kept_tokens: NonNegInt = 0
+    """Partial rollouts: tokens of rows in flight (drafts generated ahead of their version, or rows running
+    at a version change) that a re-verification under the new version kept, in the interval."""
+    discarded_tokens: NonNegInt = 0
+    """Partial rollouts: such tokens a re-verification discarded (the first rejected one and all after it)."""
+    ahead_seconds: Annotated[float, Meta(ge=0)] = 0.0
+    """Partial rollouts: generation seconds in the interval with a draft group in flight, i.e. time the tail
+    of one step was filled with the next step's work."""
 
 
 class SdArmReport(_Entry, tag="sd_arm"):

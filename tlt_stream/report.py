@@ -208,6 +208,22 @@ def draft_sources(timeline: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return {name: s for name, s in draft_source_totals(reports).items() if s["drafted"]}
 
 
+def partial_rollouts(timeline: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per policy version, from the rollout reports: tokens re-verified, kept and discarded, and the seconds a
+    draft group was in flight (the tail filled with the next step's work); versions with none left out."""
+    out: dict[int, dict[str, float]] = {}
+    for e in timeline:
+        if e.get("kind") != "rollout":
+            continue
+        kept, discarded, ahead = e.get("kept_tokens") or 0, e.get("discarded_tokens") or 0, e.get("ahead_seconds") or 0
+        if kept or discarded or ahead:
+            row = out.setdefault(int(e.get("policy_version") or 0), {"kept": 0, "discarded": 0, "ahead_s": 0.0})
+            row["kept"] += kept
+            row["discarded"] += discarded
+            row["ahead_s"] += ahead
+    return dict(sorted(out.items()))
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write the run's plots and `report.html` into `RUN_DIR/report/`; returns the HTML path."""
     run_dir = Path(run_dir)
@@ -240,6 +256,14 @@ def write_report(run_dir: str | Path) -> Path:
         summary["draft acceptance by source"] = ", ".join(
             f"{name} {s['accepted'] / s['drafted']:.2f} ({s['accepted']} of {s['drafted']} drafted)"
             for name, s in sources.items()
+        )
+    if partial := partial_rollouts(timeline):
+        kept = sum(r["kept"] for r in partial.values())
+        verified = kept + sum(r["discarded"] for r in partial.values())
+        summary["partial rollouts"] = (
+            f"{kept} of {verified} re-verified tokens kept ({kept / max(verified, 1):.0%}); drafts filled the tail "
+            f"for {sum(r['ahead_s'] for r in partial.values()):.1f} worker-seconds; per version: "
+            + ", ".join(f"v{v} {r['kept']}/{r['kept'] + r['discarded']}" for v, r in partial.items())
         )
     items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in summary.items())
     figures = "".join(

@@ -68,6 +68,10 @@ class CpuVllmEngine:
         return self._engine.has_unfinished
 
     @property
+    def has_work(self) -> bool:
+        return self._engine.has_work
+
+    @property
     def num_running(self) -> int:
         return self._engine.scheduler.num_running + len(self._engine.scheduler.waiting)
 

@@ -159,6 +159,24 @@ class PolicyConfig(_Section, frozen=True):
             ge=0,
         ),
     ] = 0
+    partial_rollouts: Annotated[
+        bool,
+        _doc(
+            "Lossless partial rollouts: dispatch step s + 1 one version early, as drafts a worker may start "
+            "under the version before (in slots the tail leaves free); each row is re-verified under the new "
+            "version when it arrives (speculative sampling with the old policy as the drafter) and only then "
+            "sent, so every sample is exactly on-policy for the version it is stamped with. Workers also "
+            "re-verify rows in flight at every new version instead of draining first. Torch engine only.",
+        ),
+    ] = False
+    ahead_tokens: Annotated[
+        int,
+        _doc(
+            "With partial_rollouts: how many tokens a draft row may generate before its version arrives (it "
+            "then waits, holding no slot). A token count, never a content rule: the proof needs it.",
+            ge=1,
+        ),
+    ] = 512
     seed: Annotated[int, _doc("Seed of the prompt source (the prompts of step s depend on (seed, s) only).")] = 0
     start_step: Annotated[
         int,

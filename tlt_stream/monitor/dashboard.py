@@ -78,6 +78,7 @@ def _rollout(rollout: Mapping[str, Any]) -> Text:
         f"{_fmt(rollout['tokens_per_forward'], '.2f')} tokens per row per target forward; "
         f"SD on in {rollout['sd_on_workers']}/{len(rollout['workers'])} workers"
         + _sources(rollout.get("draft_sources") or {})
+        + _partial(rollout.get("partial") or {})
         + (f"; ACCEPTANCE COLLAPSED after {n} swap(s)" if (n := rollout.get("acceptance_collapses")) else "")
     )
 
@@ -90,6 +91,16 @@ def _sources(sources: Mapping[str, Any]) -> str:
         f"{name} {_fmt(s['rate'], '.2f')} ({s['accepted']}/{s['drafted']})" for name, s in sources.items()
     )
     return f"; drafts accepted: {shown}"
+
+
+def _partial(partial: Mapping[str, Any]) -> str:
+    """Partial rollouts in the window: re-verified tokens kept, and time the tail was filled with drafts."""
+    if not partial.get("verified_tokens") and not partial.get("ahead_seconds"):
+        return ""
+    return (
+        f"; partial rollouts: kept {partial['kept_tokens']}/{partial['verified_tokens']} re-verified tokens "
+        f"({_fmt(partial['kept_share'], '.0%')}), drafts ran {partial['ahead_seconds']:.1f} s ahead"
+    )
 
 
 def _learner(learner: Mapping[str, Any] | None) -> Text:

@@ -138,10 +138,18 @@ def rollout_summary(
     sources: dict[str, dict[str, Any]] = dict(draft_source_totals((r.drafted, r.accepted) for _, r in recent))
     for counts in sources.values():
         counts["rate"] = counts["accepted"] / counts["drafted"] if counts["drafted"] else None
+    kept = sum(r.kept_tokens for _, r in recent)
+    verified = kept + sum(r.discarded_tokens for _, r in recent)
     return {
         "window_s": window_s,
         "span_s": span if recent else 0.0,
         "draft_sources": dict(sorted(sources.items())),
+        "partial": {
+            "verified_tokens": verified,
+            "kept_tokens": kept,
+            "kept_share": kept / verified if verified else None,
+            "ahead_seconds": sum(r.ahead_seconds for _, r in recent),
+        },
         "reports": len(recent),
         "tokens": tokens,
         "tokens_per_s": tokens / span if recent else 0.0,

@@ -58,10 +58,14 @@ def prompt_problem(task: PromptGroup, *, vocab_size: int, max_len: int, newest_v
         return f"prompt of {len(task.prompt_ids)} tokens leaves no room for a response within max_len={max_len}"
     if problem := _ids_problem("prompt_ids", task.prompt_ids, vocab_size):
         return problem
-    if task.min_policy_version > newest_version:
+    if task.startable_version > newest_version:
         return (
             f"min_policy_version {task.min_policy_version} is newer than the newest published policy ({newest_version})"
+            if task.draft_version is None
+            else f"draft_version {task.draft_version} is newer than the newest published policy ({newest_version})"
         )
+    if task.min_policy_version > newest_version + 1:  # a draft runs at most one version ahead
+        return f"min_policy_version {task.min_policy_version} is more than one version ahead of {newest_version}"
     return None
 
 

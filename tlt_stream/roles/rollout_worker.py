@@ -119,6 +119,11 @@ class RolloutSettings:
     backend: str = DEFAULTS.rollout.backend
     """"torch" (this project's engine) or "vllm" (`rollout/vllm/backend.py`, optional extra, GPU; one engine
     for the worker's life: policy versions and drafters are loaded into it in place)."""
+    partial_rollouts: bool = DEFAULTS.policy.partial_rollouts
+    """Start draft groups a version early and re-verify every row in flight at each new version (losslessly:
+    `rollout/reverify.py`) instead of draining before loading it."""
+    ahead_tokens: int = DEFAULTS.policy.ahead_tokens
+    """Tokens a draft row may generate before its version arrives."""
 
     def __post_init__(self) -> None:
         if self.drafter == "ngram" and self.sd_arm.kind == "drafter":  # prompt lookup drafts a chain
@@ -133,6 +138,13 @@ class RolloutSettings:
             raise ValueError("online drafter training needs a drafter checkpoint to start from (--drafter DIR)")
         if self.backend not in ("torch", "vllm"):
             raise ValueError(f"unknown rollout backend {self.backend!r} (torch, vllm)")
+        if self.backend == "vllm" and self.partial_rollouts:
+            raise ValueError(
+                "partial rollouts re-verify rows under each new policy version, which the vLLM backend cannot "
+                "(docs/vllm.md): use the torch backend or turn policy.partial_rollouts off"
+            )
+        if self.ahead_tokens < 1:
+            raise ValueError(f"ahead_tokens must be >= 1, got {self.ahead_tokens}")
         if self.backend == "vllm" and self.adaptive is not None:
             raise ValueError(
                 "adaptive SD decides per decode step, which vLLM cannot (it fixes speculation when the engine is "
@@ -164,6 +176,8 @@ class RolloutSettings:
             device=device,
             dtype=own.dtype,
             backend=own.backend,
+            partial_rollouts=config.policy.partial_rollouts,
+            ahead_tokens=config.policy.ahead_tokens,
         )
 
     @property
@@ -182,6 +196,10 @@ class _Task:
     failed: str | None = None
     """Why the task cannot be scored (its reward raised): dead-lettered whole once its rows are done, never
     sent with some samples scored 0, which would bias the update."""
+    draft: bool = False
+    """Started ahead of its version (partial rollouts) and not yet re-verified under it."""
+    versions: dict[int, int] = field(default_factory=dict)
+    """The policy version each finished row was last verified under (what its sample is stamped with)."""
 
 
 class RolloutWorker:
@@ -232,6 +250,9 @@ class RolloutWorker:
         self.remembered = 0
         """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
         self._reported_sources: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._reported_reverify = (0, 0)
+        """The engine's (tokens kept, tokens discarded) by re-verification at the last stats report."""
+        self._ahead_seconds = 0.0
         self.watch = AcceptanceWatch(min_drafted=settings.collapse_min_drafted)
         """Judges every policy and drafter swap by the acceptance after it (no silent collapse)."""
         self.collapses = 0
@@ -293,20 +314,20 @@ class RolloutWorker:
             done_before = self.tasks_done
             while not stop.is_set() and (max_tasks is None or self.tasks_done - done_before < max_tasks):
                 await self.reader.maybe_refresh()  # what we hold stays ours however long it generates
-                if not self.tasks:
+                if not self.tasks or self.settings.partial_rollouts:  # partial: rows in flight are re-verified
                     await self._maybe_load()
                 await self._maybe_swap_drafter()
                 self._maybe_adopt_sd_config()
                 await self._admit()
                 await self._send_scored()
-                if self.engine.has_unfinished:
+                if self.engine.has_work:
                     if self.registry.state != WorkerStatus.GENERATING:
                         await self.registry.set_state(WorkerStatus.GENERATING)
                     await self._generate()
                     self._judge_swap()
                 elif self.scoring:  # nothing to decode but groups being scored: their samples go first
                     await asyncio.wait(list(self.scoring.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                elif not any(d.message.min_policy_version <= self.version for d in self.waiting):
+                elif not any(self._startable(d.message) for d in self.waiting):
                     # No work we can start: our tasks are done while others run the tail, or the tasks
                     # we hold wait for the next policy version. Idle time: train the drafter if we may.
                     if self.registry.state not in (WorkerStatus.IDLE, WorkerStatus.TRAINING_DRAFTER):
@@ -525,7 +546,10 @@ class RolloutWorker:
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
         if self.settings.stop and self.stop_rule is None:
             self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
-        if self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
+        if self.engine is not None and self.settings.partial_rollouts and self.engine.has_unfinished:
+            self.engine.load_policy(announced.location, reverify=True)  # every row in flight, losslessly
+            self._reverified(announced.version)
+        elif self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
             self.engine.load_policy(announced.location)
         else:
             self._build_engine(announced)
@@ -625,7 +649,8 @@ class RolloutWorker:
         """Idle, and not training a drafter: wait up to `bus.block_ms` for what would end it. Holding tasks
         ahead of our policy, that is a newer policy version; holding none, new tasks (a blocking read, never
         cancelled halfway: a cancelled XREADGROUP could leave delivered entries to the claim timeout)."""
-        if not self.waiting:
+        parked_only = self.engine is not None and getattr(self.engine, "num_parked", 0) > 0
+        if not self.waiting and not (parked_only and self._room() == 0):
             await self._read_tasks(max(1, self._room()), None)
             return
         with contextlib.suppress(TimeoutError):
@@ -636,16 +661,28 @@ class RolloutWorker:
         """Take the new tasks there are (without waiting: waiting is idle time, and the worker says so) while
         the engine has room; tasks ahead of our policy wait for it. Once a newer policy is announced nothing
         new starts, so the tasks in flight drain and the worker can load it."""
-        if self._loadable_policy() is not None and self.tasks:
+        if self._loadable_policy() is not None and self.tasks and not self.settings.partial_rollouts:
             return
         if count := self._room():
             await self._read_tasks(count, 0)
         if self._loadable_policy() is not None:  # announced while we read: load it before starting anything
             return
-        ready = [d for d in self.waiting if d.message.min_policy_version <= self.version]
-        self.waiting = [d for d in self.waiting if d.message.min_policy_version > self.version]
+        ready = [d for d in self.waiting if self._startable(d.message)]
+        self.waiting = [d for d in self.waiting if not self._startable(d.message)]
         for delivery in ready:
             self._start(delivery)
+
+    def _startable(self, task: PromptGroup) -> bool:
+        """Whether the task may start under our policy: its version, or the version before as a draft."""
+        if task.min_policy_version <= self.version:
+            return True
+        return self.settings.partial_rollouts and task.draft_version is not None and task.draft_version <= self.version
+
+    def _reverified(self, version: int) -> None:
+        """After a re-verifying load: drafts of `version` (or older) are ordinary tasks now."""
+        for task in self.tasks.values():
+            if task.draft and task.delivery.message.min_policy_version <= version:
+                task.draft = False
 
     def _start(self, delivery: Delivery[PromptGroup]) -> None:
         group = delivery.message
@@ -654,6 +691,8 @@ class RolloutWorker:
         budget = self.settings.max_len - len(group.prompt_ids)  # >= 1: `_read_tasks` dead-letters the rest
         if self.settings.max_response_len is not None:
             budget = min(budget, self.settings.max_response_len)
+        draft = group.min_policy_version > self.version  # started ahead: parks at ahead_tokens until verified
+        extra = {"ahead_limit": self.settings.ahead_tokens} if draft else {}
         eos = self.stop_ids
         for index in range(group.group_size):
             seed = stable_int(f"{group.task_id}/{index}", 12)
@@ -666,8 +705,9 @@ class RolloutWorker:
                 request_id=(group.task_id, index),
                 stop=self.stop_rule,
                 return_hidden=self.settings.stream_hidden and streams_hidden(f"{group.task_id}/{index}", self.settings),
+                **extra,
             )
-        self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())
+        self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter(), draft=draft)
 
     async def _generate(self) -> None:
         started = time.perf_counter()
@@ -685,12 +725,13 @@ class RolloutWorker:
             task = self.tasks[task_id]
             group = task.delivery.message
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            seconds = time.perf_counter() - task.started
+            since_start = time.perf_counter() - task.started
+            task.versions[index] = self.version  # every row out of step() was last verified under ours
             if result.hidden is not None and result.token_ids:
                 sample_id = f"{task_id}/{index}"  # `make_sample`'s id
-                windows.append(hidden_window(result, sample_id, task.policy_version, dtype=self.settings.hidden_dtype))
+                windows.append(hidden_window(result, sample_id, self.version, dtype=self.settings.hidden_dtype))
             if self.reward_pool is not None:  # scored with its group, in the pool, once the group is whole
-                task.finished[index] = (result, text, seconds)
+                task.finished[index] = (result, text, since_start)
                 if len(task.finished) == group.group_size:
                     texts = [task.finished[i][1] for i in range(group.group_size)]
                     score = self.reward_pool.score(texts, group.answer, group.fields)
@@ -703,7 +744,7 @@ class RolloutWorker:
                     log.exception("%s: the reward raised on task %s; it goes to dead", self.worker_id, task_id)
                 task.failed = task.failed or f"the reward raised: {type(exc).__name__}: {exc}"
                 reward = 0.0
-            task.samples[index] = self._sample(task, index, result, reward, seconds)
+            task.samples[index] = self._sample(task, index, result, reward, since_start)
             if len(task.samples) == group.group_size:
                 complete.append(task)
         if windows:  # a lossy, bounded buffer: never waits on the drafter trainer
@@ -711,6 +752,8 @@ class RolloutWorker:
         self._tokens += tokens
         self._forwards += forwards
         self._seconds += seconds
+        if any(t.draft for t in self.tasks.values()):
+            self._ahead_seconds += seconds
         for task in complete:
             await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
@@ -727,6 +770,7 @@ class RolloutWorker:
                     sd_on=self.engine.arm is not None,
                     collapses=self.collapses,
                     **self._source_counts(),
+                    **self._reverify_counts(),
                 ),
             )
             if self.adaptive is not None:
@@ -748,7 +792,7 @@ class RolloutWorker:
                 ]
                 if reports:
                     await self.producer.send("stats", reports)
-            self._tokens, self._forwards, self._seconds = 0, 0, 0.0
+            self._tokens, self._forwards, self._seconds, self._ahead_seconds = 0, 0, 0.0, 0.0
 
     def _source_counts(self) -> dict[str, dict[str, int]]:
         """Per-source drafted and accepted counts since the last report (deltas of the engine's counters)."""
@@ -759,6 +803,18 @@ class RolloutWorker:
         return {
             "drafted": {k: v - before_d.get(k, 0) for k, v in drafted.items() if v > before_d.get(k, 0)},
             "accepted": {k: v - before_a.get(k, 0) for k, v in accepted.items() if v > before_a.get(k, 0)},
+        }
+
+    def _reverify_counts(self) -> dict[str, Any]:
+        """Partial rollouts since the last report: tokens kept and discarded by re-verification, seconds with
+        a draft group in flight."""
+        kept, discarded = getattr(self.engine, "tokens_kept", 0), getattr(self.engine, "tokens_discarded", 0)
+        before_k, before_d = self._reported_reverify
+        self._reported_reverify = (kept, discarded)
+        return {
+            "kept_tokens": kept - before_k,
+            "discarded_tokens": discarded - before_d,
+            "ahead_seconds": self._ahead_seconds,
         }
 
     async def _send_task(self, task: _Task) -> None:
@@ -802,7 +858,7 @@ class RolloutWorker:
             task.delivery.message,
             index,
             reward=reward,
-            policy_version=task.policy_version,
+            policy_version=task.versions.get(index, task.policy_version),
             drafter_version=self.drafter_version,
             worker_id=self.worker_id,
             gen_seconds=seconds,
@@ -818,7 +874,7 @@ class RolloutWorker:
         engine = self.engine
         tokens, forwards = engine.tokens_generated, engine.rounds + engine.plain_steps
         for _ in range(self.settings.steps_per_hop):
-            if not engine.has_unfinished:
+            if not engine.has_work:
                 break
             finished += self.adaptive.step() if self.adaptive is not None else engine.step()
             if finished:

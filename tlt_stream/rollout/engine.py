@@ -117,6 +117,12 @@ class GenerationEngine:
         return not self.scheduler.is_idle or bool(self._done)
 
     @property
+    def has_work(self) -> bool:
+        """Whether `step` would do anything: rows waiting or running, or results a re-verification finished
+        (parked drafts alone: nothing until the next `load_policy(..., reverify=True)`)."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._done)
+
+    @property
     def num_running(self) -> int:
         """Rows being decoded now."""
         return self.scheduler.num_running

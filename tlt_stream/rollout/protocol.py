@@ -32,6 +32,11 @@ class RolloutEngine(Protocol):
         ...
 
     @property
+    def has_work(self) -> bool:
+        """Whether `step` would do anything: unfinished requests other than parked drafts."""
+        ...
+
+    @property
     def num_running(self) -> int:
         """Requests being decoded now."""
         ...

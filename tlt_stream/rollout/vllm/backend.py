@@ -559,6 +559,10 @@ class VllmEngine:
         return bool(self._pending) or self._engine.has_unfinished_requests()
 
     @property
+    def has_work(self) -> bool:
+        return self.has_unfinished  # nothing parks on vLLM
+
+    @property
     def num_running(self) -> int:
         """Requests added and not yet returned (vLLM's running + waiting)."""
         return len(self._pending)
