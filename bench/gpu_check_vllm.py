@@ -1,8 +1,10 @@
-"""GPU check of the vLLM rollout backend (issue 10), run by bench/gpu_check.sh. Prints one JSON object.
+"""GPU check of the vLLM rollout backend (issue 10). Prints one JSON object. bench/gpu_check.sh runs it (from
+bench.gpu_check) only where vLLM is importable: the device machines lent so far have none, and its wheel is too
+large to carry there.
 
 UNVERIFIED: written without a GPU; nothing here has run yet.
 
-    python -m bench.gpu_check --work DIR [--size check|small|default] [--arm d4k1v4] [--steps 2]
+    python -m bench.gpu_check_vllm --work DIR [--size check|small|default] [--arm d4k1v4] [--steps 2]
                               [--dtype float32|bfloat16] [--eager] [--deadline EPOCH_S]
 
 The tiny world is built in code on the CPU (the `tlt-stream bootstrap` recipe; no download), then each vLLM
@@ -34,13 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_check import build_world, world_prompts
+
 BATCH = 32
 SINGLE = 8
 """Requests timed one at a time for batch 1."""
 
 
 def log(message: str) -> None:
-    print(f"[gpu_check] {message}", file=sys.stderr, flush=True)
+    print(f"[gpu_check_vllm] {message}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,52 +71,6 @@ def left(args: argparse.Namespace) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ shared
-
-
-def build_world(world: Path, size: str) -> None:
-    """The tiny world, built in code on the CPU. `check`: the bootstrap recipe at a size chosen for this
-    check (head_dim 32: vLLM's Triton attention, its fp32 backend before FlexAttention, takes head sizes
-    >= 32; the `small` world's is 24), trained briefly; otherwise `tlt-stream bootstrap --size SIZE`."""
-    from tlt_stream.tasks import bootstrap as boot
-
-    def quiet(phase: str, done: int, total: int, metrics: dict[str, float]) -> None:
-        return None
-
-    if size != "check":
-        boot.bootstrap(world, size=size)
-        return
-    settings = boot.BootstrapSettings(
-        hidden_size=128,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        intermediate_size=256,
-        sft_steps=150,
-        sft_batch_tokens=4096,
-        sft_lr=3e-3,
-        drafter_samples=32,
-        drafter_steps=80,
-        drafter_lr=2e-3,
-    )
-    marker = world / "gpu_check_world.json"
-    if marker.is_file() and (world / "policy").is_dir() and (world / "drafter").is_dir():
-        return
-    world.mkdir(parents=True, exist_ok=True)
-    record = {"policy": boot.train_policy(settings, 0, world / "policy", quiet)}
-    windows = boot.drafter_windows(world / "policy", settings, 0, quiet)
-    record["drafter"] = boot.train_drafter(world / "policy", windows, settings, 0, world / "drafter", quiet)
-    marker.write_text(json.dumps(record))
-
-
-def world_prompts(world: Path, count: int, *, heldout: bool, seed: int) -> tuple[list[list[int]], list[str], int]:
-    from transformers import AutoTokenizer
-
-    from tlt_stream.tasks.repeated_add import RepeatedAddTask
-
-    tokenizer = AutoTokenizer.from_pretrained(str(world / "policy"))
-    problems = RepeatedAddTask().problems(count, seed, heldout=heldout)
-    prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
-    return prompts, [p.answer for p in problems], int(tokenizer.eos_token_id)
 
 
 def build_engine(args: argparse.Namespace, world: Path, *, arm: str | None, temperature: float) -> Any:
@@ -348,7 +306,7 @@ def run_phase(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     work = Path(args.work)
     out = work / f"{phase}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--phase", phase, "--work", str(work), "--size", args.size]
+    cmd = [sys.executable, "-m", "bench.gpu_check_vllm", "--phase", phase, "--work", str(work), "--size", args.size]
     cmd += ["--arm", args.arm, "--steps", str(args.steps), "--new-tokens", str(args.new_tokens)]
     cmd += ["--dtype", args.dtype, "--deadline", str(args.deadline)] + (["--eager"] if args.eager else [])
     timeout = max(10.0, left(args) - 5) if args.deadline else None
