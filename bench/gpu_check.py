@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=0.0, help="epoch seconds by which to print (0: none)")
     p.add_argument("--no-run", action="store_true", help="skip the `tlt-stream run` phase")
     p.add_argument("--vllm", choices=["auto", "off"], default="auto", help="auto: the vLLM check when importable")
+    p.add_argument("--world", help="the check world to use (built there when missing; default WORK/world)")
+    p.add_argument("--world-only", action="store_true", help="build the world (on the CPU) and exit")
     return p.parse_args(argv)
 
 
@@ -448,8 +450,11 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    world = work / "world"
+    world = Path(args.world) if args.world else work / "world"
     torch.set_num_threads(max(1, min(16, os.cpu_count() or 1)))
+    if args.world_only:
+        build_world(world)
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"check": "gpu", "ok": False, "error": f"torch {torch.__version__} sees no CUDA device"}))
         return 3

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the torch CUDA path (issue 25). Prints one JSON object on stdout, within 10 minutes.
 #
-#   bash bench/gpu_wheels.sh           # here, once, with a registry: wheels/ (~5 MB, ignored by git)
+#   bash bench/gpu_wheels.sh           # here, once, with a registry: wheels/ (~5 MB, ignored by git) and
+#                                      # wheels/world, the check's tiny world (built on this CPU, ~1 MB)
 #   bash bench/gpu_check.sh            # there, on a machine with an NVIDIA GPU, torch and transformers,
 #                                      # with wheels/ carried beside the repository (device tool: carry ["wheels"])
 #
@@ -13,8 +14,8 @@
 # not installed the JSON says the vLLM backend stays unverified.
 #
 # UNVERIFIED: rehearsed on a CPU (TLT_GPU_CHECK_DEVICE=cpu, Python 3.11, the wheels for 3.11), never on a GPU.
-# Budget: wheels (seconds), the world (about a minute on 16 cores, CPU), the greedy phases and RL steps (a
-# couple of minutes), the run (~2 minutes); everything under `timeout`.
+# Budget: wheels (seconds), the world (carried in wheels/world; else built there on the CPU: minutes), the
+# greedy phases and RL steps (a couple of minutes), the run (~2 minutes); everything under `timeout`.
 #
 # Environment: TLT_GPU_PYTHON (default python3), TLT_WHEELS (default ./wheels), TLT_GPU_CHECK_SECONDS (default
 # 590), TLT_GPU_CHECK_WORK (default: a fresh temporary directory), TLT_GPU_CHECK_DEVICE (cuda; cpu to rehearse),
@@ -67,11 +68,15 @@ ERROR=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("erro
 [ -z "$ERROR" ] || fail "$ERROR"
 echo "environment: $(cat "$PROBE")" >>"$LOG"
 
+WORLD=()
+if [ -f "$WHEELS/world/gpu_check_world.json" ]; then  # carried, built by gpu_wheels.sh: no minutes spent here
+    WORLD=(--world "$WHEELS/world")
+fi
 REMAINING=$(( $(left) - 5 ))
 [ "$REMAINING" -gt 60 ] || fail "only ${REMAINING}s left after installing; nothing was run"
 # shellcheck disable=SC2086  # TLT_GPU_CHECK_ARGS is a list of flags
 timeout --kill-after=5 "$REMAINING" "$PY" -m bench.gpu_check --work "$WORK" --device "$DEVICE" \
-    --deadline "$((DEADLINE - 10))" ${TLT_GPU_CHECK_ARGS:-} 2>>"$LOG"
+    --deadline "$((DEADLINE - 10))" ${WORLD[@]+"${WORLD[@]}"} ${TLT_GPU_CHECK_ARGS:-} 2>>"$LOG"
 STATUS=$?
 if [ "$STATUS" -eq 124 ] || [ "$STATUS" -eq 137 ]; then
     fail "bench.gpu_check ran past the ${BUDGET}s budget" 124

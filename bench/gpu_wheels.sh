@@ -6,6 +6,8 @@
 #
 #   bash bench/gpu_wheels.sh [DIR]        # default wheels/ (ignored by git); prints the total size
 #
+# It also builds the check's tiny world into DIR/world (TLT_GPU_WORLD=0: not), with TLT_PYTHON (.venv).
+#
 # Then carry DIR to the machine; gpu_check.sh installs every wheel in it with --no-index --no-deps.
 # Environment: TLT_WHEELS_PYTHON_VERSION (default 3.12).
 set -euo pipefail
@@ -29,4 +31,12 @@ done
 mkdir -p "$OUT"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$VERSION" --implementation cp \
     "${PLATFORMS[@]}" -d "$OUT" "${PACKAGES[@]}"
+# The check's tiny world, built here on the CPU (bootstrap recipe at the check size) so the device spends no
+# minutes on it; TLT_GPU_WORLD=0 skips it (gpu_check.sh then builds it there).
+PY=${TLT_PYTHON:-$ROOT/.venv/bin/python}
+if [ "${TLT_GPU_WORLD:-1}" != "0" ] && [ ! -f "$OUT/world/gpu_check_world.json" ]; then
+    echo "building the check world in $OUT/world (minutes on a small CPU)" >&2
+    (cd "$ROOT" && "$PY" -m bench.gpu_check --work "$OUT/.work" --device cpu --world "$OUT/world" --world-only)
+    rm -rf "$OUT/.work"
+fi
 echo "$(ls "$OUT"/*.whl | wc -l) wheels, $(du -sh "$OUT" | cut -f1) in $OUT" >&2
