@@ -43,6 +43,37 @@ def _victim_reclaimed(run: FaultRun, result: AuditResult) -> None:
 
 # --------------------------------------------------------------------------------------- rollout workers
 
+DRAFT_STARTED = r"started as a draft under policy version (\d+)"
+
+
+async def kill_worker_holding_drafts(run: FaultRun, servers: PrivateServers) -> float:
+    """Partial rollouts: a worker that started draft groups for the next version is frozen at once (so the
+    version they wait for arrives while it cannot re-verify them), then killed -9: the other worker must
+    reclaim every group it held, drafts included, and the run stay exactly on-policy (the audit's rule)."""
+    deadline = time.monotonic() + 90
+    while True:
+        worker = next((w for w in _rollouts(run) if re.search(DRAFT_STARTED, run.log_text(w))), None)
+        if worker is not None:
+            run.signal(worker, signal.SIGSTOP)
+            version = run.version()
+            held = [task for task, (owner, _) in (await run.held("rollout", "prompts")).items() if owner == worker]
+            if held:
+                break
+            run.signal(worker, signal.SIGCONT)  # its drafts were done and sent already: try again
+        assert time.monotonic() < deadline, "never caught a worker holding a draft group"
+        await asyncio.sleep(0.02)
+    run.notes["victim"] = worker
+    started = time.monotonic()
+    await run.wait_version(min(version + 1, run.plan.steps), 120)  # what its drafts waited for, meanwhile
+    await run.kill(worker)
+    return await _next_version_after(run, started)
+
+
+def _drafts_reclaimed(run: FaultRun, result: AuditResult) -> None:
+    """The victim had started drafts, and the other worker reclaimed what it held."""
+    run.expect_log(run.notes["victim"], DRAFT_STARTED)
+    _victim_reclaimed(run, result)
+
 
 async def kill_worker_generating(run: FaultRun, servers: PrivateServers) -> float:
     worker = await run.wait_any("GENERATING", 60)
@@ -545,6 +576,14 @@ SCENARIOS = [
         LONG_ROLLOUTS,
         _victim_reclaimed,
         extended=True,  # CI time (see EXTENDED_WHY)
+    ),
+    Scenario(
+        "kill9_rollout_holding_drafts",
+        "partial rollouts: a worker holding draft groups frozen until their version is out, then killed -9",
+        kill_worker_holding_drafts,
+        {**LONG_ROLLOUTS, "policy.partial_rollouts": True, "policy.ahead_tokens": 16},
+        _drafts_reclaimed,
+        env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
     ),
     Scenario(
         "kill9_rollout_training",

@@ -649,9 +649,12 @@ class RolloutWorker:
         """Idle, and not training a drafter: wait up to `bus.block_ms` for what would end it. Holding tasks
         ahead of our policy, that is a newer policy version; holding none, new tasks (a blocking read, never
         cancelled halfway: a cancelled XREADGROUP could leave delivered entries to the claim timeout)."""
-        parked_only = self.engine is not None and getattr(self.engine, "num_parked", 0) > 0
-        if not self.waiting and not (parked_only and self._room() == 0):
-            await self._read_tasks(max(1, self._room()), None)
+        if not self.waiting:
+            # With drafts parked, read even when full: a read is also how tasks of a dead worker are reclaimed,
+            # and the version the drafts wait for needs them (the next step is the only one dispatched early, so
+            # what else a read brings is bounded); and block briefly, so that version is noticed at once.
+            parked = self.engine is not None and getattr(self.engine, "num_parked", 0) > 0
+            await self._read_tasks(max(1, self._room()), min(self.config.bus.block_ms, 100) if parked else None)
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.bus.block_ms / 1000):
@@ -708,6 +711,14 @@ class RolloutWorker:
                 **extra,
             )
         self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter(), draft=draft)
+        if draft:
+            log.info(
+                "%s: task %s started as a draft under policy version %d (re-verified under version %d)",
+                self.worker_id,
+                group.task_id,
+                self.version,
+                group.min_policy_version,
+            )
 
     async def _generate(self) -> None:
         started = time.perf_counter()
