@@ -128,12 +128,22 @@ class BusConfig(_Section, frozen=True):
             "they resolve inside this directory (`tlt-stream run` and compose set it). None: not confined."
         ),
     ] = None
+    relative_locations: Annotated[
+        bool,
+        _doc(
+            "The learner announces policy locations relative to store_root, and every reader resolves them "
+            "under its own store_root, so each node may mount the checkpoint store at a different path. "
+            "false: absolute paths (the store at the same path on every node)."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         _check_url(self.redis_url, REDIS_SCHEMES, "redis_url")
         _check_url(self.mqtt_url, MQTT_SCHEMES, "mqtt_url")
         if self.heartbeat_ttl_s <= self.heartbeat_s:
             raise ValueError("heartbeat_ttl_s must be greater than heartbeat_s")
+        if self.relative_locations and self.store_root is None:
+            raise ValueError("bus.relative_locations needs bus.store_root")
 
 
 class PolicyConfig(_Section, frozen=True):

@@ -51,6 +51,7 @@ from tlt_stream.rl.sharded import Trainer
 from tlt_stream.rl.tracking import MissingTracker, Tracker, require_trackers, scalars, trackers_for
 from tlt_stream.rl.validate import sample_problem
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
+from tlt_stream.store.locations import announced_location
 
 __all__ = ["LearnerRunSettings", "LearnerService", "serve_learner"]
 
@@ -294,9 +295,9 @@ class LearnerService:
         )
 
     async def _publish(self, info: CheckpointInfo) -> PolicyVersion:
-        message = PolicyVersion(
-            version=info.step, location=str(info.policy_dir.resolve()), sha256=info.policy_sha256, step=info.step
-        )
+        bus = self.config.bus
+        location = announced_location(info.policy_dir, bus.store_root, relative=bus.relative_locations)
+        message = PolicyVersion(version=info.step, location=location, sha256=info.policy_sha256, step=info.step)
         await self.control.publish(message)
         return message
 

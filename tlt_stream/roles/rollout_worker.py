@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.consumer import Delivery, StreamReader
@@ -60,6 +61,7 @@ from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
+from tlt_stream.store.locations import local_location, unresolvable
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -495,7 +497,8 @@ class RolloutWorker:
         if announced is None:
             return
         await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
-        if problem := location_problem(announced.location, self.config.bus.store_root):
+        store_root = self.config.bus.store_root
+        if problem := unresolvable(announced.location, store_root) or location_problem(announced.location, store_root):
             self.versions.refuse(announced.version)
             log.error("refused policy version %d: %s", announced.version, problem)
             self.registry.update_info(refused_policy=f"{announced.version}: {problem}")
@@ -573,8 +576,12 @@ class RolloutWorker:
         self.engine, self.adaptive = build_engine(announced.location, spec, drafter_version=self.drafter_version)
 
     def _announced(self) -> PolicyVersion | None:
+        """The announced policy version, its location as a path on this node (`store/locations.py`)."""
         announced = self.control.current.get("policy")
-        return announced if isinstance(announced, PolicyVersion) else None
+        if not isinstance(announced, PolicyVersion):
+            return None
+        local = local_location(announced.location, self.config.bus.store_root)
+        return announced if local == announced.location else msgspec.structs.replace(announced, location=local)
 
     def _loadable_policy(self) -> PolicyVersion | None:
         """The announced policy version when it is newer than ours, not refused and past its backoff."""
