@@ -1,0 +1,143 @@
+"""Publish-to-loaded latency against model size (issue 25 point 3), on CPU, one process per side in turn.
+
+For each random Llama size, what stands between an update's end and a worker generating with its weights:
+the learner's checkpoint (`Trainer.save`: the policy written, every file and directory fsynced, the
+policy's sha256 computed by reading it back, the optimizer state, RNG, ledger, `LATEST`), then the
+worker's `verify_directory` (the sha256 again, over the files it is about to read) and the engine's
+in-place `load_policy`. The announcement itself (one retained MQTT message) is milliseconds and left out.
+The learner's digest pass is also timed on its own, the part a hash-while-writing save would remove.
+
+    python bench/publish_latency.py [--sizes tiny,25m,100m]
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {
+    "tiny": {"hidden": 128, "layers": 4, "heads": 4, "kv": 2, "inter": 384, "vocab": None},
+    "25m": {"hidden": 512, "layers": 8, "heads": 8, "kv": 8, "inter": 1408, "vocab": 8000},
+    "100m": {"hidden": 768, "layers": 12, "heads": 12, "kv": 12, "inter": 2048, "vocab": 32000},
+}
+
+
+def make_policy(size: str, out: Path) -> int:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    m = SIZES[size]
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=m["vocab"] or len(tokenizer),
+        hidden_size=m["hidden"],
+        intermediate_size=m["inter"],
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv"],
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # a worker builds its tokenizer from the policy directory
+    return sum(p.numel() for p in model.parameters())
+
+
+def one_group(vocab: int) -> list:
+    from tlt_stream.messages import Sample, Tensor
+    from tlt_stream.rl.groups import ReadyGroup
+
+    samples = [
+        Sample(
+            sample_id=f"t/{i}",
+            task_id="t",
+            prompt_id="t",
+            index=i,
+            group_size=2,
+            prompt_ids=[3, 4, 5],
+            token_ids=Tensor.from_values([(7 + i + j) % vocab for j in range(8)], "int32"),
+            logprobs=Tensor.from_values([-2.0] * 8, "float32"),
+            policy_version=0,
+            drafter_version=-1,
+            reward=float(i),
+            finish_reason="eos",
+            worker_id="bench",
+        )
+        for i in range(2)
+    ]
+    return [ReadyGroup("t", samples, ["0-0", "0-1"])]
+
+
+def measure(size: str, tmp: Path) -> dict:
+    import torch
+
+    from tlt_stream.rl.learner import LearnerSettings
+    from tlt_stream.rl.sharded import Trainer
+    from tlt_stream.rollout.build import EngineSpec, build_engine
+    from tlt_stream.store.digest import directory_sha256, verify_directory
+
+    params = make_policy(size, tmp / size)
+    trainer = Trainer(LearnerSettings(lr=1e-5), "cpu")
+    core = trainer.build(tmp / size)
+    root = tmp / f"ckpt-{size}"
+    common = {"extra": {}, "tokenizer": None, "keep": 3, "publish_dtype": torch.float32}
+    first = trainer.save(root, step=0, ledger=set(), **common)
+    core.step(one_group(int(core.model.get_input_embeddings().weight.shape[0])))  # AdamW state exists now
+    started = time.perf_counter()
+    info = trainer.save(root, step=1, ledger={"t/0", "t/1"}, **common)
+    save_s = time.perf_counter() - started
+    started = time.perf_counter()
+    directory_sha256(info.policy_dir)
+    digest_s = time.perf_counter() - started
+    engine, _ = build_engine(str(first.policy_dir), EngineSpec(max_batch=1, max_len=64, temperature=1.0, device="cpu"))
+    started = time.perf_counter()
+    verify_directory(info.policy_dir, info.policy_sha256)
+    verify_s = time.perf_counter() - started
+    started = time.perf_counter()
+    engine.load_policy(str(info.policy_dir))
+    load_s = time.perf_counter() - started
+    policy_mb = sum(p.stat().st_size for p in info.policy_dir.iterdir()) / 2**20
+    return {
+        "params": params,
+        "policy_mb": round(policy_mb, 1),
+        "learner_save_s": round(save_s, 3),
+        "of_which_digest_s": round(digest_s, 3),
+        "worker_verify_s": round(verify_s, 3),
+        "worker_load_s": round(load_s, 3),
+        "publish_to_loaded_s": round(save_s + verify_s + load_s, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="tiny,25m,100m")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    result: dict = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        result["sizes"] = {size: measure(size, Path(tmp)) for size in args.sizes.split(",")}
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
