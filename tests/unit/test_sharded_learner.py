@@ -252,3 +252,25 @@ def test_samples_are_dealt_to_ranks_by_tokens() -> None:
     assert sorted(j for part in deal_by_tokens(list(range(17)), 4) for j in part) == list(range(17))
     with pytest.raises(ValueError):
         deal_by_tokens([1], 0)
+
+
+def test_bf16_compute_on_ranks_keeps_fp32_masters_and_follows_the_single_process(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """learner.compute_dtype bfloat16: FSDP gathers parameters in bf16 (MixedPrecisionPolicy) and reduces
+    gradients in fp32; the single process autocasts. Not equal (bf16 rounds differently in each), but close,
+    and what is saved are the fp32 masters."""
+    bf16 = {"compute_dtype": "bfloat16"}
+    init = runs["tmp"] / "init"
+    single = Trainer(LearnerSettings(**{**SETTINGS.__dict__, **bf16}), "cpu")
+    drive(single, tmp_path / "single", init, resume=None, updates=range(1, 4), metrics=tmp_path / "single.json")
+    spec = {"init": str(init), "updates": [1, 4], "resume": None, "settings": bf16}
+    run_ranks(2, root=str(tmp_path / "two"), out=str(tmp_path / "two.json"), **spec)
+    one = json.loads((tmp_path / "single.json").read_text())
+    two = json.loads((tmp_path / "two.json").read_text())
+    fp32 = json.loads((runs["tmp"] / "two.json").read_text())
+    assert [b["loss"] for b in two] == pytest.approx([a["loss"] for a in one], rel=2e-2)
+    assert [b["loss"] for b in two] != pytest.approx([a["loss"] for a in fp32], rel=1e-5), "bf16 was used"
+    saved = weights(tmp_path / "two", 3)
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert_close(saved, weights(tmp_path / "single", 3), "bf16 weights", atol=0.05)
