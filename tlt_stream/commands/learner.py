@@ -16,7 +16,9 @@ def register(commands: Any) -> None:
         help="the GRPO learner service: consume samples, update, checkpoint, publish policy versions",
         description="Consumes the run's `samples` stream, assembles complete groups, applies one GRPO update "
         "per learner.groups_per_step groups, checkpoints to RUN_DIR/checkpoints (resuming from there after a "
-        "restart) and publishes each new policy version on MQTT and in the Redis mirror. Every setting is in "
+        "restart) and publishes each new policy version on MQTT and in the Redis mirror. Under `torchrun "
+        "--nproc-per-node N` the policy is sharded over the N ranks (FSDP2) and rank 0 alone talks to the bus "
+        "(give the run name as TLT_RUN there: torchrun's own parser takes --run). Every setting is in "
         "the configuration (`tlt-stream config describe`); the flags below set the common ones.",
     )
     setting(learn, "--run-dir", keys="learner.run_dir")
