@@ -694,14 +694,12 @@ def serve_learner(config: Config) -> int:
         finally:
             service.close_trackers()
 
-    if link is None:
-        return serve(config, "learner", ["policy"], body)
     try:
         code = serve(config, "learner", ["policy"], body)
     except RanksOutOfStep:
         raise  # a rank died or disagrees: nothing more can be said to the others (torchrun ends them)
     except Exception:
-        trainer.stop()
+        trainer.stop()  # the other ranks, if any, leave too
         raise
     trainer.stop()
     leave_ranks()
