@@ -8,6 +8,10 @@ Same tiny task, model, seed, prompts per step, group size and number of steps, i
     (d) trl          Hugging Face TRL's GRPOTrainer, same model, prompts, reward and hyperparameters
     (e) sync_group   (b) with group/history drafts beside EAGLE (`sd.group`, issue 23)
     (f) stream_group (c) with group/history drafts beside EAGLE
+    (g) sync_partial (b) with lossless partial rollouts (`policy.partial_rollouts`, issue 24): step s+1 starts
+                     as drafts of policy s in the tail's free slots and is re-verified when s+1 arrives; every
+                     trained sample is exactly on-policy (staleness 0)
+    (h) stream_partial (c) with partial rollouts: rows in flight re-verified at every new version
 
 (a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults (`tlt_stream.launch.RunPlan`), every service
 a separate process, every sample through Redis. (d) runs in this process on the same cores
@@ -50,8 +54,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (e), (f): (b), (c) with group/history drafts beside EAGLE (issue 23)
     "e_sync_group": {"launch.sd": "eagle", "policy.max_staleness": 0, "sd.group": True},
     "f_stream_group": {"launch.sd": "eagle", "policy.max_staleness": 1, "sd.group": True},
+    # (g), (h): (b), (c) with lossless partial rollouts (issue 24)
+    "g_sync_partial": {"launch.sd": "eagle", "policy.max_staleness": 0, "policy.partial_rollouts": True},
+    "h_stream_partial": {"launch.sd": "eagle", "policy.max_staleness": 1, "policy.partial_rollouts": True},
 }
-GOALS = {"b_over_a": 1.7, "c_over_a": 2.2, "b_over_d": 3.0, "e_over_a": 1.7, "f_over_a": 2.5}
+GOALS = {
+    "b_over_a": 1.7,
+    "c_over_a": 2.2,
+    "b_over_d": 3.0,
+    "e_over_a": 1.7,
+    "f_over_a": 2.5,
+    "g_over_a": 2.2,
+    "g_over_c": 0.9,  # within 10% of streaming (c), on-policy
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -120,8 +135,8 @@ def run_tlt(
     name: str, world: Path, run_dir: Path, config, *, steps: int, prompts: int, seed: int, cores: int
 ) -> dict[str, Any]:
     from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.report import write_report
-    from tlt_stream.rl.records import load_metrics
+    from tlt_stream.report import partial_rollouts, write_report
+    from tlt_stream.rl.records import load_metrics, read_jsonl
 
     named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=CONFIGS[name])
     named = override(named, {"run": f"{config.run}-e2e-{name}-{time.strftime('%H%M%S')}"})
@@ -140,6 +155,17 @@ def run_tlt(
     figures["run_wall_s"] = round(time.time() - started, 1)
     figures["accept_length_median"] = median([s["accept_length"] for s in per_step])
     figures["run_dir"] = str(run_dir)
+    rows = load_metrics(run_dir)
+    figures["staleness_max"] = max((r.get("staleness_max", 0) for r in rows), default=None)
+    figures["dropped_groups"] = rows[-1].get("dropped_groups") if rows else None
+    if partial := partial_rollouts(read_jsonl(run_dir / "timeline.jsonl")):
+        kept = sum(r["kept"] for r in partial.values())
+        verified = kept + sum(r["discarded"] for r in partial.values())
+        figures["partial"] = {
+            "reverified_tokens": verified,
+            "kept_share": round(kept / verified, 3) if verified else None,
+            "ahead_worker_s": round(sum(r["ahead_s"] for r in partial.values()), 1),
+        }
     write_report(run_dir)
     return figures
 
@@ -323,6 +349,10 @@ def main() -> None:
         "e_over_a": speedup("a_sync_plain", "e_sync_group"),
         "f_over_a": speedup("a_sync_plain", "f_stream_group"),
         "e_over_b": speedup("b_sync_tlt", "e_sync_group"),
+        "g_over_a": speedup("a_sync_plain", "g_sync_partial"),
+        "g_over_b": speedup("b_sync_tlt", "g_sync_partial"),
+        "g_over_c": speedup("c_stream_tlt", "g_sync_partial"),
+        "h_over_a": speedup("a_sync_plain", "h_stream_partial"),
     }
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "e2e.png")
