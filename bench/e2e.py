@@ -158,6 +158,13 @@ def run_tlt(
     rows = load_metrics(run_dir)
     figures["staleness_max"] = max((r.get("staleness_max", 0) for r in rows), default=None)
     figures["dropped_groups"] = rows[-1].get("dropped_groups") if rows else None
+    dropped = [(r["stale_dropped_groups"], r.get("stale_dropped_len_mean")) for r in rows if r.get("stale_dropped_groups")]
+    if dropped:  # streaming: are the groups dropped as too stale the long ones?
+        figures["stale_dropped"] = {
+            "groups": int(sum(n for n, _ in dropped)),
+            "response_len_mean": round(statistics.fmean(m for _, m in dropped if m is not None), 1),
+            "trained_response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in rows), 1),
+        }
     if partial := partial_rollouts(read_jsonl(run_dir / "timeline.jsonl")):
         kept = sum(r["kept"] for r in partial.values())
         verified = kept + sum(r["discarded"] for r in partial.values())

@@ -470,3 +470,43 @@ async def test_a_group_with_a_poison_member_is_trained_without_it(
     assert [codec_for("samples").decode(d.payload).sample_id for d in dead] == ["c/1"]
     assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
     await redis.aclose()
+
+
+async def test_groups_dropped_as_too_stale_are_counted_with_their_response_lengths(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """Streaming (max_staleness 1) drops a group two versions old; the next update's metrics say how many and
+    how long their responses were, so a bias against long responses (the slow ones go stale) is visible."""
+    import msgspec
+
+    def long_sample(task: str, index: int, reward: float, version: int, n: int) -> Sample:
+        tokens = [20 + index] * (n - 1) + [2]
+        return msgspec.structs.replace(
+            sample(task, index, reward, version),
+            token_ids=Tensor.from_values(tokens, "int32"),
+            logprobs=Tensor.from_values([-4.6] * n, "float32"),
+        )
+
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
+    async with service(bus_config, run_dir, init_policy) as learner:
+        await learner.start()
+        await producer.send("samples", [sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1)])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+        await producer.send("samples", [sample(t, i, float(i == 0), version=1) for t in ("c", "d") for i in (0, 1)])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+        assert learner.version == 2
+        stale = [long_sample("old", i, float(i == 0), version=0, n=9 + 2 * i) for i in (0, 1)]  # lengths 9, 11
+        fresh = [sample(t, i, float(i == 0), version=2) for t in ("e", "f") for i in (0, 1)]
+        await producer.send("samples", [*stale, *fresh])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    meta = json.loads((learner.checkpoint.path / "meta.json").read_text())
+    assert meta["extra"]["trained_groups"] == ["e", "f"], "the stale group was not trained"
+    assert [line["stale_dropped_groups"] for line in lines] == [0.0, 0.0, 1.0]
+    assert lines[2]["stale_dropped_len_mean"] == 10.0 and "stale_dropped_len_mean" not in lines[1]
+    await redis.aclose()

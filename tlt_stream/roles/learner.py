@@ -129,6 +129,9 @@ class LearnerService:
         self.core: LearnerCore | None = None
         self.tokenizer: Any = None
         self.assembler = GroupAssembler(settings.max_staleness)
+        self._dropped_tasks: set[str] = set()
+        self._dropped_lengths: list[int] = []
+        """Groups dropped as too stale since the last update, and their samples' response lengths."""
         self.version = -1
         self.checkpoint: CheckpointInfo | None = None
         self.ready: list[ReadyGroup] = []
@@ -400,6 +403,7 @@ class LearnerService:
         if offer.status == "stale":
             assert offer.group is not None
             log.warning("dropped stale group %s", offer.group.task_id)
+            self._note_dropped([offer.group])
             return offer.group.entry_ids
         if offer.status == "ready":
             assert offer.group is not None
@@ -438,6 +442,23 @@ class LearnerService:
                 await sleep_or_stop(self._stop, min(10.0, 0.5 * 2 ** (self.failed_updates - 1)))
             return False
 
+    def _note_dropped(self, groups: list[ReadyGroup]) -> None:
+        """Remember the samples of groups dropped as too stale (a group goes at its first stale member, its
+        late members after it): whether streaming drops the long responses (a bias against them) shows in the
+        step's metrics."""
+        for group in groups:
+            self._dropped_tasks.add(group.task_id)
+            self._dropped_lengths += [s.response_len for s in group.samples]
+
+    def _dropped_since_last(self) -> dict[str, float]:
+        """Groups dropped as too stale since the last update, and their responses' mean length (absent: none)."""
+        tasks, lengths = self._dropped_tasks, self._dropped_lengths
+        self._dropped_tasks, self._dropped_lengths = set(), []
+        out = {"stale_dropped_groups": float(len(tasks))}
+        if lengths:
+            out["stale_dropped_len_mean"] = sum(lengths) / len(lengths)
+        return out
+
     async def _dead_group(self, group: ReadyGroup, reason: str) -> None:
         """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised)."""
         for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
@@ -471,6 +492,7 @@ class LearnerService:
             staleness_max=float(max(staleness)),
             staleness_mean=sum(staleness) / len(staleness),
             dropped_groups=float(self.assembler.dropped_groups),
+            **self._dropped_since_last(),
             duplicates=float(self.assembler.duplicates),
             **{f"staleness_{k}": float(v) for k, v in histogram.items()},
             **{f"accept_length_drafter_{v}": a for v, a in accept_by_drafter(samples).items()},
@@ -511,6 +533,7 @@ class LearnerService:
             else:
                 keep.append(group)
         self.ready = keep
+        self._note_dropped(expired)
         await self._ack([entry for g in expired for entry in g.entry_ids])
         metrics["update_seconds"] = time.perf_counter() - started
         self._longest_update_s = max(self._longest_update_s, metrics["update_seconds"])
