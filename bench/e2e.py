@@ -158,7 +158,8 @@ def run_tlt(
     rows = load_metrics(run_dir)
     figures["staleness_max"] = max((r.get("staleness_max", 0) for r in rows), default=None)
     figures["dropped_groups"] = rows[-1].get("dropped_groups") if rows else None
-    dropped = [(r["stale_dropped_groups"], r.get("stale_dropped_len_mean")) for r in rows if r.get("stale_dropped_groups")]
+    dropped = [(r["stale_dropped_groups"], r.get("stale_dropped_len_mean")) for r in rows]
+    dropped = [(n, m) for n, m in dropped if n]
     if dropped:  # streaming: are the groups dropped as too stale the long ones?
         figures["stale_dropped"] = {
             "groups": int(sum(n for n, _ in dropped)),
