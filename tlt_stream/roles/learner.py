@@ -161,7 +161,13 @@ class LearnerService:
         """Take the run's learner lease, resume from the newest checkpoint (or create checkpoint 0) and publish
         the current version."""
         await self._take_lease()
-        await asyncio.to_thread(self._load)
+        # Resuming (verify, build, maybe write checkpoint 0) can outlast the lease's ttl on a loaded machine:
+        # keep renewing while it runs, or a restarted learner would find its own lease expired and taken.
+        loading = asyncio.create_task(asyncio.to_thread(self._load), name="learner-load")
+        while not loading.done():
+            await asyncio.wait([loading], timeout=self.lease.ttl_ms / 3000)
+            await self._renew_lease()
+        await loading
         assert self.checkpoint is not None
         if not self.trackers:
             self.trackers = trackers_for(self.config, self.run_dir)
