@@ -63,6 +63,13 @@ def register(commands: Any) -> None:
         const=True,
         help="draft also from the prompt's own responses and history (siblings, earlier steps)",
     )
+    setting(
+        run,
+        "--partial-rollouts",
+        keys="policy.partial_rollouts",
+        const=True,
+        help="start each step early as drafts of the version before and re-verify them losslessly on arrival",
+    )
     setting(run, "--max-len", keys="rollout.max_len")
     setting(run, "--eval", keys="launch.eval")
     setting(run, "--seed", keys="policy.seed")
