@@ -64,7 +64,7 @@ def acceptance(policy_dir: Path, drafter_dir: Path, prompts: list[list[int]]) ->
 
 
 async def test_a_drafter_that_collapses_acceptance_is_reported_and_replaced_by_the_one_before(
-    bus_config: Config, tmp_path: Path, init_policy: Path
+    bus_config: Config, tmp_path: Path, init_policy: Path, one_backend: str
 ) -> None:
     tokenizer = build_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]

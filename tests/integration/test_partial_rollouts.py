@@ -47,7 +47,7 @@ def hf_logprobs(location: Path, prompt: list[int], response: list[int], temperat
 
 
 async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_policy_samples(
-    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
 ) -> None:
     loads: list[tuple[bool, int]] = []  # (reverify, rows holding tokens) per load, as the test saw the calls
     original = GenerationEngine.load_policy
