@@ -16,36 +16,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tests.stats import chi2_threshold, chi_square
 from tlt_stream.drafter.model import Drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.acceptance import sample_from
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer
-
-ALPHA_Z = 3.719  # one-sided standard normal quantile for alpha = 1e-4
-
-
-def chi2_threshold(df: int) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-4."""
-    return df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi_square(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
-    """Pearson's statistic, cells expected below 5 merged into one; (statistic, degrees of freedom)."""
-    assert sum(observed.values()) == n
-    assert set(observed) <= {k for k, p in expected.items() if p > 0}, "an outcome the new policy gives no mass"
-    stat, df, rest_e, rest_o = 0.0, -1, 0.0, 0
-    for key, p in expected.items():
-        if p * n < 5:
-            rest_e, rest_o = rest_e + p * n, rest_o + observed.get(key, 0)
-            continue
-        stat += (observed.get(key, 0) - p * n) ** 2 / (p * n)
-        df += 1
-    if rest_e > 0:
-        stat += (rest_o - rest_e) ** 2 / rest_e
-        df += 1
-    return stat, df
 
 
 def save_policy(out: Path, seed: int, **config: object) -> tuple[torch.nn.Module, Path]:
