@@ -12,9 +12,11 @@ the base versions:
   rejection of each row);
 - `reverify_s`: the re-verifying load minus a plain load of the same checkpoint (the price, on the critical
   path, of keeping the drafts);
-- `saved_share`: 1 - (reverify_s + time to finish the re-verified rows) / (time from scratch): the share
-  of the new version's rollout time the drafts took off the critical path (the draft time itself is spent
-  in the previous step's tail, on slots that were idle).
+- `kept_share_of_rollout`: kept tokens / the tokens the fresh rows generate (decode work already done);
+- `saved_share`: (kept tokens per row - the re-verification's cost in decode steps) / the fresh run's decode
+  steps: the share of the new version's rollout the drafts took off the critical path (the draft time itself
+  is spent in the previous step's tail, on slots that were idle). Counted in decode work, not in seconds to
+  the longest row: continued and fresh rows sample different continuations, whose lengths differ by chance.
 
     python bench/partial_rollouts.py [--world artifacts/world] [--updates 4] [--quick]
 
@@ -138,7 +140,14 @@ def main() -> None:
             row = {k: statistics.median(v) for k, v in timings.items()}
             row["kept_share"] = kept / max(1, kept + discarded)
             row["ahead_tokens"] = kept + discarded
-            row["saved_share"] = 1 - (row["reverify_s"] + row["continue_s"]) / row["scratch_s"]
+            # The continued rows and the fresh ones sample different continuations (one random stream went
+            # on through the drafts), so their lengths, and the seconds to the longest, differ by chance:
+            # what is saved is counted in decode work, the kept tokens against the fresh rows' tokens, and
+            # the re-verification's cost in decode steps of the fresh run.
+            row["kept_share_of_rollout"] = kept / max(1, fresh.tokens_generated)
+            step_s = row["scratch_s"] / max(1, fresh.plain_steps)
+            row["reverify_in_decode_steps"] = row["reverify_s"] / step_s
+            row["saved_share"] = (kept / rows - row["reverify_in_decode_steps"]) / max(1, fresh.plain_steps)
             by_gap.setdefault(gap, []).append(row)
             log(f"gap {gap} base v{base}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
 
@@ -156,7 +165,17 @@ def main() -> None:
         "by_gap": {
             str(gap): {
                 "measurements": len(part),
-                **{k: med(part, k) for k in ("kept_share", "reverify_s", "continue_s", "scratch_s", "saved_share")},
+                **{
+                    k: med(part, k)
+                    for k in (
+                        "kept_share",
+                        "kept_share_of_rollout",
+                        "reverify_s",
+                        "reverify_in_decode_steps",
+                        "scratch_s",
+                        "saved_share",
+                    )
+                },
             }
             for gap, part in by_gap.items()
         },
