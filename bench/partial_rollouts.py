@@ -1,13 +1,12 @@
 """What a partial rollout keeps, and what it saves, against how many policy updates lie between the draft and
 its re-verification (issue 24), on the tiny world's real RL updates.
 
-Part 1: K GRPO updates of the bootstrapped policy (the learner's own `LearnerCore.step` on the tiny task, on-
-policy, with the tiny-world preset's learner settings), each version saved. Part 2, for every gap g in 1..K
+Part 1: K GRPO updates of the bootstrapped policy (the learner's own `LearnerCore.step` on the tiny task,
+on-policy, with the tiny-world preset's learner settings), each version saved. Part 2, for every gap g in 1..K
 and every base version b with b + g <= K: held-out prompts x G samples start under version b as drafts (T = 1,
 `ahead_limit` = --ahead tokens, one batch), run until every row has parked; version b + g is loaded with
 `reverify=True`; the rows then run to the end. Against that, the same prompts and seeds from scratch under
-version b + g. Per gap, medians over
-the base versions:
+version b + g. Per gap, medians over the base versions:
 
 - `kept_share`: re-verified tokens kept / tokens generated ahead (the rest are discarded at the first
   rejection of each row);
