@@ -584,6 +584,7 @@ SCENARIOS = [
         {**LONG_ROLLOUTS, "policy.partial_rollouts": True, "policy.ahead_tokens": 16},
         _drafts_reclaimed,
         env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
+        extended=True,  # CI time (see EXTENDED_WHY)
     ),
     Scenario(
         "kill9_rollout_training",
