@@ -198,8 +198,6 @@ class _Task:
     failed: str | None = None
     """Why the task cannot be scored (its reward raised): dead-lettered whole once its rows are done, never
     sent with some samples scored 0, which would bias the update."""
-    draft: bool = False
-    """Started ahead of its version (partial rollouts) and not yet re-verified under it."""
     versions: dict[int, int] = field(default_factory=dict)
     """The policy version each finished row was last verified under (what its sample is stamped with)."""
 
@@ -551,7 +549,6 @@ class RolloutWorker:
             self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
         if self.engine is not None and self.settings.partial_rollouts and self.engine.has_unfinished:
             self.engine.load_policy(announced.location, reverify=True)  # every row in flight, losslessly
-            self._reverified(announced.version)
         elif self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
             self.engine.load_policy(announced.location)
         else:
@@ -684,15 +681,8 @@ class RolloutWorker:
 
     def _startable(self, task: PromptGroup) -> bool:
         """Whether the task may start under our policy: its version, or the version before as a draft."""
-        if task.min_policy_version <= self.version:
-            return True
-        return self.settings.partial_rollouts and task.draft_version is not None and task.draft_version <= self.version
-
-    def _reverified(self, version: int) -> None:
-        """After a re-verifying load: drafts of `version` (or older) are ordinary tasks now."""
-        for task in self.tasks.values():
-            if task.draft and task.delivery.message.min_policy_version <= version:
-                task.draft = False
+        oldest = task.startable_version if self.settings.partial_rollouts else task.min_policy_version
+        return oldest <= self.version
 
     def _start(self, delivery: Delivery[PromptGroup]) -> None:
         group = delivery.message
@@ -717,7 +707,7 @@ class RolloutWorker:
                 return_hidden=self.settings.stream_hidden and streams_hidden(f"{group.task_id}/{index}", self.settings),
                 **extra,
             )
-        self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter(), draft=draft)
+        self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())
         if draft:
             log.info(
                 "%s: task %s started as a draft under policy version %d (re-verified under version %d)",
@@ -770,7 +760,7 @@ class RolloutWorker:
         self._tokens += tokens
         self._forwards += forwards
         self._seconds += seconds
-        if any(t.draft for t in self.tasks.values()):
+        if any(t.delivery.message.min_policy_version > self.version for t in self.tasks.values()):  # a draft
             self._ahead_seconds += seconds
         for task in complete:
             await self._send_task(task)
