@@ -320,6 +320,10 @@ class RolloutStats(_Entry, tag="rollout"):
     ahead_seconds: Annotated[float, Meta(ge=0)] = 0.0
     """Partial rollouts: generation seconds in the interval with a draft group in flight, i.e. time the tail
     of one step was filled with the next step's work."""
+    load_latency_s: dict[str, Annotated[float, Meta(ge=0)]] = {}
+    """Policy versions loaded since the last report (by version number, as a string): wall-clock seconds from
+    the version's `PolicyVersion.published_at` to this worker having it loaded (publisher and worker clocks:
+    skew shifts it; a negative difference is reported as 0)."""
 
 
 class SdArmReport(_Entry, tag="sd_arm"):
@@ -419,6 +423,11 @@ class PolicyVersion(_Entry, tag="policy"):
     location: str
     sha256: Sha256
     step: NonNegInt = 0
+    digest: Literal["v1", "v2"] = "v1"
+    """The scheme `sha256` was computed with (`store/digest.py`); absent in announcements from before v2."""
+    published_at: Annotated[float, Meta(ge=0)] = 0.0
+    """Wall-clock seconds (the publisher's `time.time()`) when it was announced: workers report the time from
+    it to having the version loaded. 0: unknown (an announcement from before the field)."""
 
 
 class DrafterVersion(_Entry, tag="drafter"):

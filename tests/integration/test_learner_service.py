@@ -78,7 +78,7 @@ async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
         mirror = await read_mirror(redis, keys)
         published = mirror["policy"]
         assert published.version == 2
-        assert published.sha256 == directory_sha256(published.location)
+        assert published.sha256 == directory_sha256(published.location, scheme=published.digest)
         pending = await redis.xpending(keys.stream("samples"), "learner")
         assert pending["pending"] == 0, "every entry the updates used (and the duplicate) is acked"
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -295,7 +295,7 @@ async def test_a_learner_process_killed_between_updates_resumes_with_the_same_le
         assert (await redis.xpending(stream, "learner"))["pending"] == 0, "b/0's redelivery and both copies acked"
         published = (await read_mirror(redis, keys))["policy"]
         assert published.version == 2
-        assert published.sha256 == directory_sha256(published.location)
+        assert published.sha256 == directory_sha256(published.location, scheme=published.digest)
     finally:
         for process in processes:
             if process.returncode is None:

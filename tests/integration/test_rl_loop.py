@@ -256,19 +256,20 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
     It must refuse that version and load the next one, not die."""
     import shutil
 
-    import tlt_stream.roles.rollout_worker as rollout_service
+    import tlt_stream.store.weights as weights_module
     from tlt_stream.messages import PolicyVersion
     from tlt_stream.store.digest import directory_sha256
 
     copies = {v: shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1, 2)}
-    real_verify = rollout_service.verify_directory
+    real_read = weights_module.read_weights
 
-    def verify_then_prune(location: str, sha256: str) -> None:
-        real_verify(location, sha256)
-        if location == str(copies[1]):  # the learner prunes it right after the worker checked it
+    def read_then_prune(location: str, sha256: str, **kwargs: object) -> object:
+        read = real_read(location, sha256, **kwargs)
+        if location == str(copies[1]):  # the learner prunes it right after the worker read and checked it
             shutil.rmtree(location)
+        return read
 
-    monkeypatch.setattr(rollout_service, "verify_directory", verify_then_prune)
+    monkeypatch.setattr(weights_module, "read_weights", read_then_prune)
     async with learner_and_worker_planes(bus_config) as planes:
         settings = RolloutSettings(max_batch=2, max_len=64)
         worker = RolloutWorker(

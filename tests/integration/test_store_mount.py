@@ -58,7 +58,7 @@ async def test_a_worker_loads_a_version_from_the_store_mounted_elsewhere(
             await asyncio.wait_for(running, timeout=30)
         assert worker.policy is not None and worker.policy.sha256 == announced.sha256
         assert Path(worker.policy.location) == worker_mount / announced.location
-        assert directory_sha256(worker.policy.location) == announced.sha256
+        assert directory_sha256(worker.policy.location, scheme=announced.digest) == announced.sha256
 
 
 async def test_a_relative_location_without_a_store_root_is_refused(

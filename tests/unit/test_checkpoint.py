@@ -110,16 +110,16 @@ def test_policy_sha256_is_stable_and_catches_one_flipped_byte(tmp_path: Path) ->
     model, optimizer = trained()
     a = save(tmp_path / "a", 1, model, optimizer)
     b = save(tmp_path / "b", 5, model, optimizer)
-    assert a.policy_sha256 == b.policy_sha256 == directory_sha256(b.policy_dir)
-    verify_directory(a.policy_dir, a.policy_sha256.upper())
+    assert a.digest == "v2" and a.policy_sha256 == b.policy_sha256 == directory_sha256(b.policy_dir, scheme="v2")
+    verify_directory(a.policy_dir, a.policy_sha256.upper(), scheme="v2")
 
     weights = b.policy_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01
     weights.write_bytes(bytes(data))
-    assert directory_sha256(b.policy_dir) != b.policy_sha256
+    assert directory_sha256(b.policy_dir, scheme="v2") != b.policy_sha256
     with pytest.raises(ChecksumMismatch, match=str(b.policy_dir)) as err:
-        verify_directory(b.policy_dir, b.policy_sha256)
+        verify_directory(b.policy_dir, b.policy_sha256, scheme="v2")
     assert "\n" not in str(err.value) and b.policy_sha256[:12] in str(err.value)
     with pytest.raises(ChecksumMismatch):
         restore_checkpoint(b, model=make_model(seed=1))

@@ -2,14 +2,16 @@
 
 A checkpoint this runtime would silently mis-run (scaled RoPE, sliding windows, another architecture) is
 rejected at load time with `CheckpointError`, never half-supported. Weights come only from safetensors
-(single file or sharded with an index), and q/k/v and gate/up are fused here, once.
+(single file or sharded with an index), or from tensors a caller already read and verified
+(`store/weights.py`, what a rollout worker loads), and q/k/v and gate/up are fused here, once.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -18,6 +20,9 @@ from tlt_stream.errors import CheckpointError
 from tlt_stream.model.layers import rope_inv_freq
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from tlt_stream.store.weights import PolicyWeights
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
@@ -134,11 +139,15 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _read_tensors(files: dict[str, Path], names: list[str], path: Path) -> dict[str, torch.Tensor]:
-    missing = [n for n in names if n not in files]
+def _missing(have: Mapping[str, Any], names: list[str], path: Path) -> None:
+    missing = [n for n in names if n not in have]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"{path}: missing tensors {shown}")
+
+
+def _read_tensors(files: dict[str, Path], names: list[str], path: Path) -> dict[str, torch.Tensor]:
+    _missing(files, names, path)
     by_file: dict[Path, list[str]] = {}
     for n in names:
         by_file.setdefault(files[n], []).append(n)
@@ -150,15 +159,16 @@ def _read_tensors(files: dict[str, Path], names: list[str], path: Path) -> dict[
     return out
 
 
-def _fused_state_dict(spec: ModelSpec, files: dict[str, Path], path: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> this runtime's names, with q/k/v and gate/up concatenated."""
+def _fused_state_dict(spec: ModelSpec, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this runtime's names, with q/k/v and gate/up concatenated; `read(names)` gives
+    the Hugging Face tensors."""
     prefix = "model."
     names = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(spec.num_layers):
         names += layer_tensor_names(f"{prefix}layers.{i}.", spec)
-    hf = _read_tensors(files, names, path)
+    hf = read(names)
     sd = {
         "embed_tokens.weight": hf[f"{prefix}embed_tokens.weight"],
         "norm.weight": hf[f"{prefix}norm.weight"],
@@ -219,13 +229,28 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    weights: PolicyWeights | None = None,
 ) -> Transformer:
-    """Load `path` (config.json + safetensors) as an eval-mode `Transformer` with `dtype` weights on `device`."""
+    """Load `path` (config.json + safetensors) as an eval-mode `Transformer` with `dtype` weights on `device`;
+    with `weights`, from those (the directory's contents already read and verified) without reading `path`."""
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
-    spec = load_spec(path)
-    sd = _fused_state_dict(spec, _weight_files(path), path)
+    if weights is not None:
+        spec = spec_from_hf_config(weights.config, path)
+        tensors = weights.tensors
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            _missing(tensors, names, path)
+            return {n: tensors[n] for n in names}
+    else:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: checkpoint directory does not exist")
+        spec = load_spec(path)
+        files = _weight_files(path)
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            return _read_tensors(files, names, path)
+
+    sd = _fused_state_dict(spec, read)
     with torch.device("meta"):
         model = Transformer(spec)
     expected = {k: v.shape for k, v in model.state_dict().items()}

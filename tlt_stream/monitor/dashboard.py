@@ -83,6 +83,18 @@ def _rollout(rollout: Mapping[str, Any]) -> Text:
     )
 
 
+def _load_latency(rollout: Mapping[str, Any]) -> Text:
+    """Publish-to-loaded seconds of the newest policy versions the workers reported loading."""
+    latency = rollout.get("load_latency") or {}
+    if not latency:
+        return Text("weight sync: no policy load reported in the stats read")
+    shown = "; ".join(
+        f"v{v} max {s['max_s']:.2f}s mean {s['mean_s']:.2f}s ({s['workers']} worker{'s' * (s['workers'] != 1)})"
+        for v, s in latency.items()
+    )
+    return Text(f"weight sync, publish -> loaded: {shown}")
+
+
 def _sources(sources: Mapping[str, Any]) -> str:
     """Each draft source's acceptance (accepted / drafted nodes) in the window."""
     if not sources:
@@ -146,7 +158,7 @@ def render(snap: Mapping[str, Any]) -> Group:
     rows: list[Any] = [head, Text("versions: " + ", ".join(parts) + sd_table)]
     if not (any(message for message in versions.values()) or any(e["length"] for e in snap["streams"].values())):
         rows.append(Text(f"nothing in Redis for run {snap['run']!r} yet (check --run / TLT_RUN)", style="yellow"))
-    rows += [_streams(snap), _workers(snap), _rollout(snap["rollout"])]
+    rows += [_streams(snap), _workers(snap), _rollout(snap["rollout"]), _load_latency(snap["rollout"])]
     rows += [_learner(snap["learner"]), _drafter(snap["drafter"])]
     dead = snap["dead"]
     counts = ", ".join(f"{k} {v}" for k, v in sorted(dead["counts"].items())) or "none"

@@ -55,6 +55,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tlt_rollout_sd_on_workers": (
         "gauge", (), "Workers whose latest rollout report had speculative decoding on",
     ),
+    "tlt_policy_load_latency_seconds": (
+        "gauge", (), "Slowest worker's seconds from the newest loaded policy version's announcement to loaded",
+    ),
     "tlt_learner_step": ("gauge", (), "Step of the latest learner update"),
     "tlt_learner_policy_version": ("gauge", (), "Policy version the latest learner update produced"),
     "tlt_learner_age_seconds": ("gauge", (), "Time since the latest learner update"),
@@ -127,6 +130,8 @@ def metric_families(snap: Mapping[str, Any]) -> list[Metric]:
     out.add("tlt_rollout_generation_tokens_per_second", rollout["generation_tokens_per_s"])
     out.add("tlt_rollout_tokens_per_forward", rollout["tokens_per_forward"])
     out.add("tlt_rollout_sd_on_workers", rollout["sd_on_workers"])
+    if latency := rollout.get("load_latency"):
+        out.add("tlt_policy_load_latency_seconds", next(iter(latency.values()))["max_s"])
     if (learner := snap["learner"]) is not None:
         out.add("tlt_learner_step", learner["step"])
         out.add("tlt_learner_policy_version", learner["policy_version"])

@@ -19,6 +19,7 @@ __all__ = [
     "entry_seconds",
     "group_lag",
     "learner_summary",
+    "load_latency_summary",
     "next_entry_id",
     "pending_age",
     "rollout_summary",
@@ -35,6 +36,8 @@ LEARNER_HEADLINES = (
     "accept_length_mean",
 )
 """The learner figures shown on their own; the rest stay under `metrics`."""
+LOAD_LATENCY_VERSIONS = 5
+"""Policy versions whose publish-to-loaded latency a snapshot shows (the newest ones read)."""
 
 
 def entry_seconds(entry_id: bytes | str) -> float:
@@ -155,9 +158,26 @@ def rollout_summary(
         "tokens_per_s": tokens / span if recent else 0.0,
         "generation_tokens_per_s": tokens / seconds if seconds > 0 else None,
         "tokens_per_forward": sum(r.tokens for r in counted) / row_forwards if row_forwards else None,
+        "load_latency": load_latency_summary(reports),
         "sd_on_workers": sum(w["sd_on"] for w in workers.values()),
         "acceptance_collapses": sum(w["collapses"] for w in workers.values()),
         "workers": workers,
+    }
+
+
+def load_latency_summary(
+    reports: Iterable[tuple[float, RolloutStats]], versions: int = LOAD_LATENCY_VERSIONS
+) -> dict[str, dict[str, Any]]:
+    """Per policy version (the newest `versions` among the reports, newest first, keyed by the number as a
+    string): how many workers reported loading it and the max and mean seconds from its announcement to
+    loaded (`RolloutStats.load_latency_s`; each worker reports a version once)."""
+    per: dict[int, list[float]] = {}
+    for _, report in reports:
+        for version, seconds in report.load_latency_s.items():
+            per.setdefault(int(version), []).append(seconds)
+    return {
+        str(v): {"workers": len(per[v]), "max_s": max(per[v]), "mean_s": sum(per[v]) / len(per[v])}
+        for v in sorted(per, reverse=True)[:versions]
     }
 
 

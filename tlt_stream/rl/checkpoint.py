@@ -15,13 +15,26 @@ the ledger and `meta.json`; every rank its piece of the optimizer state into `op
 inside the same temporary directory, before rank 0 renames it. Any number of ranks, or one process, resumes
 from it.
 
-The digest workers check before loading a version (`store/digest.py`), the durable writes
-(`store/durable.py`) and the optimizer/RNG tensors (`store/tensors.py`) are shared with the drafter; this
-module is the learner's layout on top of them.
+The policy is written once: its safetensors are serialised, hashed and written in one pass
+(`store/weights.py`), so the sha256 announced with it (the v2 digest, `store/digest.py`) costs no read back;
+`meta.json` says which digest its sha256s are (`policy_digest`; absent in checkpoints from before v2,
+which verify as v1).
+
+The optimizer state may be written in the background (`optimizer_writes`, `store/background.py`): the
+policy, RNG, ledger and meta are durable and `LATEST` names the step before `save_checkpoint` returns, so the
+version can be acked and published while the optimizer snapshot is still being written into the step's
+`optimizer/`, which appears whole or not at all. A step without one is still a checkpoint (its weights and
+ledger are exactly-once's state); a resume from it takes the optimizer moments of the newest checkpoint that
+has them and says so (`optimizer_source`), and pruning keeps that checkpoint and never touches the step
+being written.
+
+The durable writes (`store/durable.py`) and the optimizer/RNG tensors (`store/tensors.py`) are shared with
+the drafter; this module is the learner's layout on top of them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,9 +51,10 @@ import torch
 from safetensors.torch import load_file
 
 from tlt_stream.errors import CheckpointError
-from tlt_stream.store.digest import directory_sha256, verify_directory
+from tlt_stream.store.background import BackgroundWriter
+from tlt_stream.store.digest import DigestScheme, verify_directory
 from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, fsync_dir, remove_dir, write_json
-from tlt_stream.store.shards import read_shards
+from tlt_stream.store.shards import read_shards, write_shard
 from tlt_stream.store.tensors import (
     load_tensors,
     optimizer_state,
@@ -49,6 +63,7 @@ from tlt_stream.store.tensors import (
     save_tensors,
     set_rng_state,
 )
+from tlt_stream.store.weights import save_policy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -58,7 +73,11 @@ __all__ = [
     "CheckpointInfo",
     "checkpoint_at",
     "complete_checkpoints",
+    "has_optimizer_state",
     "latest_checkpoint",
+    "load_optimizer_state",
+    "note_optimizer_source",
+    "optimizer_source",
     "restore_checkpoint",
     "save_checkpoint",
 ]
@@ -70,7 +89,10 @@ FORMAT_VERSION = 2
 LATEST = "LATEST"
 POLICY = "policy"
 OPTIMIZER = "optimizer"
-"""`optimizer.{safetensors,json}` from one process; an `optimizer/` directory of per-rank pieces when sharded."""
+"""`optimizer.{safetensors,json}` written inline; an `optimizer/` directory of per-rank pieces (one piece when
+written in the background by one process)."""
+DIGEST: DigestScheme = "v2"
+"""The digest new checkpoints record (`meta.json` `policy_digest`)."""
 MASTER = "master"
 """fp32 master weights, written beside `policy/` when the policy is published in another dtype."""
 _STEP_DIR = re.compile(r"step-(\d{8,})")
@@ -91,6 +113,8 @@ class CheckpointInfo:
     master_sha256: str | None = None
     """sha256 of `master/`, the fp32 weights training resumes from when `policy/` holds a cast copy (None:
     `policy/` holds the learner's own weights)."""
+    digest: DigestScheme = "v1"
+    """The scheme of both sha256s (`meta.json` `policy_digest`; v1 in checkpoints written before v2)."""
 
     @property
     def master_dir(self) -> Path:
@@ -136,13 +160,46 @@ def _read_info(path: Path) -> CheckpointInfo | None:
     if not isinstance(meta, dict) or meta.get("step") != step or not isinstance(meta.get("policy_sha256"), str):
         return None
     master = meta.get("master_sha256")
+    digest = meta.get("policy_digest", "v1")
+    if digest not in ("v1", "v2"):
+        return None
     return CheckpointInfo(
         path=path,
         step=step,
         policy_dir=path / POLICY,
         policy_sha256=meta["policy_sha256"],
         master_sha256=master if isinstance(master, str) else None,
+        digest=digest,
     )
+
+
+def has_optimizer_state(path: Path) -> bool:
+    """Whether checkpoint directory `path` holds a complete optimizer state (a background write not yet
+    finished, failed or killed leaves none)."""
+    return (path / OPTIMIZER).is_dir() or (path / f"{OPTIMIZER}.safetensors").is_file()
+
+
+def optimizer_source(info: CheckpointInfo) -> CheckpointInfo | None:
+    """The checkpoint whose optimizer state a resume from `info` loads: `info` when its state is complete,
+    else the newest older complete checkpoint with one, else None (fresh moments)."""
+    if has_optimizer_state(info.path):
+        return info
+    older = [c for c in _complete_checkpoints(info.path.parent) if c.step < info.step and has_optimizer_state(c.path)]
+    return older[-1] if older else None
+
+
+def note_optimizer_source(info: CheckpointInfo, source: CheckpointInfo | None) -> int:
+    """Say (a warning) when a resume from `info` takes older optimizer moments; the step they are from (-1:
+    none, fresh moments)."""
+    if source is None:
+        log.warning("%s has no optimizer state and no older checkpoint has one: AdamW starts from fresh "
+                    "moments (the weights and the ledger are the checkpoint's)", info.path)  # fmt: skip
+        return -1
+    if source.step != info.step:
+        log.warning("%s has no optimizer state (its background write did not finish): resuming with the "
+                    "optimizer moments of step %d, %d update(s) older (the weights and the ledger are step %d's)",
+                    info.path, source.step, info.step - source.step, info.step)  # fmt: skip
+    return source.step
 
 
 def complete_checkpoints(root: Path | str) -> list[CheckpointInfo]:
@@ -184,8 +241,8 @@ def latest_checkpoint(root: Path | str, *, clean: bool = False) -> CheckpointInf
     root = Path(root)
     if not root.is_dir():
         return None
-    if clean:
-        for leftover in root.glob(f"{TMP_PREFIX}*"):
+    if clean:  # also background writes a crash cut short, inside step directories
+        for leftover in [*root.glob(f"{TMP_PREFIX}*"), *root.glob(f"step-*/{TMP_PREFIX}*")]:
             if leftover.is_dir() and not leftover.is_symlink():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -217,20 +274,23 @@ def save_checkpoint(
     weights: dict[str, torch.Tensor] | None = None,
     write_optimizer: Callable[[Path], None] | None = None,
     tmp_name: str | None = None,
+    optimizer_writes: BackgroundWriter | None = None,
 ) -> CheckpointInfo:
     """Write `root/step-{step:08d}` atomically, point `root/LATEST` at it, and prune to the newest `keep`.
 
-    The directory holds `policy/` (safetensors, plus the tokenizer when given),
-    `optimizer.{safetensors,json}`, `rng.{safetensors,json}` (torch, CUDA and Python `random` generators),
-    `ledger.json` (the sorted consumed sample ids) and `meta.json` (step, policy sha256, creation time,
-    `extra`, format version). With a `publish_dtype` other than the model's (bf16 for a bf16 rollout), `policy/`
-    holds the weights cast to it, what workers load, and `master/` the model's own (fp32) weights, what
-    training resumes from. Raises ValueError for a step that already exists or is lower than the current
+    The directory holds `policy/` (safetensors, plus the tokenizer when given), the optimizer state,
+    `rng.{safetensors,json}` (torch, CUDA and Python `random` generators), `ledger.json` (the sorted consumed
+    sample ids) and `meta.json` (step, policy sha256 and its digest scheme, creation time, `extra`, format
+    version). With a `publish_dtype` other than the model's (bf16 for a bf16 rollout), `policy/` holds the
+    weights cast to it, what workers load, and `master/` the model's own (fp32) weights, what training
+    resumes from. Raises ValueError for a step that already exists or is lower than the current
     checkpoint's.
 
-    A sharded model passes its gathered `weights` (what `model.state_dict()` would be, tied tensors once),
-    `write_optimizer(tmp)` in place of `optimizer` (every rank writes its piece into `tmp/optimizer/`) and
-    the `tmp_name` the other ranks were told.
+    With `optimizer_writes`, the optimizer state is snapshot (copied) now and written into `optimizer/` in
+    the background after `LATEST` names the step (module docstring); without, `optimizer.{safetensors,json}`
+    is written inline. A sharded model passes its gathered `weights` (what `model.state_dict()` would be,
+    tied tensors once), `write_optimizer(tmp)` in place of `optimizer` (every rank writes its piece into
+    `tmp/optimizer/`, inline) and the `tmp_name` the other ranks were told.
     """
     if (optimizer is None) == (write_optimizer is None):
         raise ValueError("give either optimizer or write_optimizer")
@@ -248,6 +308,9 @@ def save_checkpoint(
         json.dumps(extra)
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra must be JSON-serialisable: {e}") from None
+    background = optimizer_writes is not None and optimizer is not None
+    # The snapshot is taken before anything else can run: the next optimizer step changes the state in place.
+    state = optimizer_tensors(optimizer.state_dict(), copy=background) if optimizer is not None else None
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -264,21 +327,18 @@ def save_checkpoint(
         raise ValueError(f"{final}: checkpoint directory already exists; refusing to overwrite it")
 
     with atomic_directory(final, tmp_name) as tmp:
-        policy = tmp / POLICY
         own_dtype = next(model.parameters()).dtype
         master_sha = None
         if publish_dtype is not None and publish_dtype != own_dtype:
-            _save_policy(model, tmp / MASTER, tokenizer, weights)
-            master_sha = directory_sha256(tmp / MASTER)
-            _save_policy(model, policy, tokenizer, weights, dtype=publish_dtype)
+            master_sha = save_policy(model, tmp / MASTER, tokenizer, weights)
+            sha = save_policy(model, tmp / POLICY, tokenizer, weights, dtype=publish_dtype)
         else:
-            _save_policy(model, policy, tokenizer, weights)
-        sha = directory_sha256(policy)
-        if optimizer is not None:
-            save_tensors(*optimizer_tensors(optimizer.state_dict()), tmp / OPTIMIZER)
-        else:
-            assert write_optimizer is not None
+            sha = save_policy(model, tmp / POLICY, tokenizer, weights)
+        if write_optimizer is not None:
             write_optimizer(tmp)
+        elif not background:
+            assert state is not None
+            save_tensors(*state, tmp / OPTIMIZER)
         save_tensors(*rng_tensors(), tmp / "rng")
         write_json(tmp / "ledger.json", ids)
         meta = {
@@ -286,49 +346,44 @@ def save_checkpoint(
             "step": step,
             "policy_sha256": sha,
             **({"master_sha256": master_sha} if master_sha is not None else {}),
+            "policy_digest": DIGEST,
+            "optimizer": "background" if background else "inline",
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "ledger_size": len(ids),
             "extra": extra,
         }
         write_json(tmp / "meta.json", meta)
     _write_pointer(root, final.name)
+    if background:
+        assert optimizer_writes is not None and state is not None
+        optimizer_writes.submit(final / OPTIMIZER, functools.partial(_write_optimizer_state, state))
+    _prune(root, keep, busy=optimizer_writes.busy if optimizer_writes is not None else None)
+    return CheckpointInfo(
+        path=final, step=step, policy_dir=final / POLICY, policy_sha256=sha, master_sha256=master_sha, digest=DIGEST
+    )
 
-    for old in _complete_checkpoints(root)[:-keep]:
-        if old.path != final:
+
+def _write_optimizer_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]], tmp: Path) -> None:
+    """A background write's body: the snapshot as a one-piece `optimizer/` (`store/shards.py`)."""
+    tensors, meta = state
+    write_shard(tmp, rank=0, world=1, tensors=tensors, pieces=set(), meta=meta)
+
+
+def _prune(root: Path, keep: int, *, busy: Path | None) -> None:
+    """Delete all but the newest `keep` checkpoints, never the newest one with a complete optimizer state
+    (what a resume falls back to while the newest's is being written) nor one being written into."""
+    complete = _complete_checkpoints(root)
+    keepers = {c.path for c in complete[-keep:]}
+    with_state = [c.path for c in complete if has_optimizer_state(c.path)]
+    keepers.update(with_state[-1:])
+    if busy is not None:
+        keepers.add(busy.parent)
+    for old in complete:
+        if old.path not in keepers:
             try:
                 remove_dir(old.path)
             except OSError as e:
                 log.warning("%s: could not prune %s: %s", root, old.path.name, e)
-    return CheckpointInfo(path=final, step=step, policy_dir=final / POLICY, policy_sha256=sha, master_sha256=master_sha)
-
-
-def _save_policy(
-    model: PreTrainedModel,
-    out: Path,
-    tokenizer: PreTrainedTokenizerBase | None,
-    weights: dict[str, torch.Tensor] | None,
-    *,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """`model` (or its gathered `weights`) as a Hugging Face directory in `out`, its floating-point weights cast
-    to `dtype` when given (tensors that share storage, as tied embeddings do, stay shared so the file holds
-    them once)."""
-    if dtype is None:
-        model.save_pretrained(out, safe_serialization=True, **({} if weights is None else {"state_dict": weights}))
-    else:
-        cast: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        state = {
-            name: cast.setdefault((t.data_ptr(), tuple(t.shape)), t.detach().to(dtype)) if t.is_floating_point() else t
-            for name, t in (model.state_dict() if weights is None else weights).items()
-        }
-        saved = model.config.dtype
-        model.config.dtype = dtype  # config.json says what the files hold
-        try:
-            model.save_pretrained(out, state_dict=state, safe_serialization=True)
-        finally:
-            model.config.dtype = saved
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
 
 
 def _safetensors_files(policy_dir: Path) -> list[Path]:
@@ -373,31 +428,41 @@ def restore_checkpoint(
     """Verify the policy's (and master weights') hash, load what is given (weights, from the fp32 master copy
     when there is one; optimizer state; RNG streams); return (ledger, meta).
 
-    Raises `ChecksumMismatch` when the policy files no longer hash to the recorded sha256. `verified=True`
-    skips that one check for a caller that has just made it (hashing a real policy costs a full read).
+    The optimizer state is `optimizer_source(info)`'s: `info`'s own, or, when its background write did not
+    finish, the newest older one (said in a warning; meta's `optimizer_step` is the step it came from, -1
+    for none). Raises `ChecksumMismatch` when the policy files no longer hash to the recorded sha256.
+    `verified=True` skips that one check for a caller that has just made it (hashing costs a full read).
     """
     meta = json.loads((info.path / "meta.json").read_text(encoding="utf-8"))
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{info.path}: checkpoint format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
     if not verified:
-        verify_directory(info.policy_dir, info.policy_sha256)
+        verify_directory(info.policy_dir, info.policy_sha256, scheme=info.digest)
         if info.master_sha256 is not None:
-            verify_directory(info.master_dir, info.master_sha256)
+            verify_directory(info.master_dir, info.master_sha256, scheme=info.digest)
     if model is not None:
         _load_weights(model, info.master_dir)
     if optimizer is not None:
-        if (info.path / OPTIMIZER).is_dir():  # written by a sharded learner: its pieces joined into whole tensors
-            state = optimizer_state(*read_shards(info.path / OPTIMIZER, rank=None, world=1))
-        else:
-            state = optimizer_state(*load_tensors(info.path / OPTIMIZER))  # refuses a pickle on its own
-        try:
-            optimizer.load_state_dict(state)
-        except ValueError as exc:  # e.g. a different number of parameter groups
-            raise CheckpointError(
-                f"{info.path}: its optimizer state does not fit this learner ({exc}); resume with the settings "
-                "it was written with (final_norm_lr_scale 1 vs other values changes the parameter groups)"
-            ) from None
+        source = optimizer_source(info)
+        meta["optimizer_step"] = note_optimizer_source(info, source)
+        if source is not None:
+            load_optimizer_state(optimizer, source.path)
     if restore_rng:
         set_rng_state(*load_tensors(info.path / "rng"))
     ledger = json.loads((info.path / "ledger.json").read_text(encoding="utf-8"))
     return set(ledger), meta
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The whole optimizer state of checkpoint `path` into `optimizer` (pieces joined when sharded)."""
+    if (path / OPTIMIZER).is_dir():  # per-rank pieces (or one background-written piece): joined
+        state = optimizer_state(*read_shards(path / OPTIMIZER, rank=None, world=1))
+    else:
+        state = optimizer_state(*load_tensors(path / OPTIMIZER))  # refuses a pickle on its own
+    try:
+        optimizer.load_state_dict(state)
+    except ValueError as exc:  # e.g. a different number of parameter groups
+        raise CheckpointError(
+            f"{path}: its optimizer state does not fit this learner ({exc}); resume with the settings "
+            "it was written with (final_norm_lr_scale 1 vs other values changes the parameter groups)"
+        ) from None

@@ -16,6 +16,12 @@ policy, the RNG, the ledger of consumed samples and `meta.json`; every rank writ
 the same temporary directory (`store/shards.py`); only when every rank has said its piece is on disk does
 rank 0 rename the directory and move `LATEST`. Only rank 0 holds and writes the ledger, so exactly-once is
 the single process's argument unchanged; every rank checks that it is at the step being saved.
+
+One process writes its optimizer state in the background (`rl/checkpoint.py`, `store/background.py`): the
+next update runs while it is written. The ranks write theirs inline, inside the step's directory before
+it is renamed: making that asynchronous would need every rank's background write to finish, and be agreed
+on by a collective, before anything could count it complete, in the middle of later updates' collectives.
+The sharded save costs that write's time on the critical path; its resume falls back like one process's.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ from tlt_stream.rl.checkpoint import (
     OPTIMIZER,
     CheckpointInfo,
     checkpoint_at,
+    note_optimizer_source,
+    optimizer_source,
     restore_checkpoint,
     save_checkpoint,
 )
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings, compute_dtype_on, load_for_training
 from tlt_stream.rl.ranks import Command, RankLink, RanksOutOfStep
+from tlt_stream.store.background import BackgroundWriter
 from tlt_stream.store.durable import TMP_PREFIX
 from tlt_stream.store.shards import piece, read_shards, write_shard
 from tlt_stream.store.tensors import load_tensors, optimizer_state, optimizer_tensors
@@ -88,6 +97,8 @@ class Trainer:
         self.device = device
         self.link = link
         self.core: LearnerCore | None = None
+        self.optimizer_writes = BackgroundWriter("optimizer-write")
+        """One process's optimizer state, written while the next update runs (unused when sharded)."""
 
     @property
     def _commands(self) -> bool:
@@ -107,19 +118,25 @@ class Trainer:
         self.core.updates = max(step, 0)
         return self.core
 
-    def restore(self, info: CheckpointInfo) -> tuple[set[str], dict[str, Any]]:
-        """Load `info`'s optimizer state into the core built from it (each rank its piece) and return (ledger,
-        meta); the caller has verified the policy's digest. The other ranks get only their piece."""
+    def restore(self, info: CheckpointInfo, *, source_step: int | None = None) -> tuple[set[str], dict[str, Any]]:
+        """Load the optimizer state for a resume from `info` into the core built from it (each rank its piece;
+        `optimizer_source`'s, whose step rank 0 tells the others as `source_step`) and return (ledger, meta,
+        with `optimizer_step`); the caller has verified the policy's digest."""
         assert self.core is not None
         if self.link is None:
             return restore_checkpoint(info, optimizer=self.core.optimizer, verified=True)
+        if source_step is None:
+            source = optimizer_source(info)
+            source_step = note_optimizer_source(info, source)
         if self.link.leader:
-            self.link.command(Command.RESTORE, info.step)
-        _load_optimizer_piece(self.core.optimizer, info.path, self.link)
+            self.link.command(Command.RESTORE, info.step, source_step)
+        if source_step >= 0:
+            _load_optimizer_piece(self.core.optimizer, checkpoint_at(info.path.parent, source_step).path, self.link)
         self.core.updates = info.step
         if not self.link.leader:
             return set(), {}
-        return restore_checkpoint(info, verified=True)
+        ledger, meta = restore_checkpoint(info, verified=True)
+        return ledger, {**meta, "optimizer_step": source_step}
 
     def save(
         self,
@@ -137,7 +154,10 @@ class Trainer:
         common = {"step": step, "ledger": ledger, "extra": extra, "tokenizer": tokenizer, "keep": keep}
         common["publish_dtype"] = publish_dtype
         if self.link is None:
-            return save_checkpoint(root, model=self.core.model, optimizer=self.core.optimizer, **common)
+            return save_checkpoint(
+                root, model=self.core.model, optimizer=self.core.optimizer, optimizer_writes=self.optimizer_writes,
+                **common,
+            )  # fmt: skip
         nonce = secrets.randbits(48)
         self.link.command(Command.SAVE, step, nonce)
         weights = full_weights(self.core.model)
@@ -177,8 +197,13 @@ class Trainer:
             return  # rank 0 gave up before its directory existed (or the ranks disagree: it raises)
         self.link.agree(self._write_piece(root / _tmp_name(step, nonce) / OPTIMIZER, tensors, pieces, meta))
 
+    def wait_for_writes(self) -> float:
+        """Block until the background optimizer write (if any) is durable or has failed; seconds waited."""
+        return self.optimizer_writes.wait()
+
     def stop(self) -> None:
-        """Rank 0, leaving: let the other ranks leave too."""
+        """Leaving: the background optimizer write finishes first; rank 0 lets the other ranks leave too."""
+        self.wait_for_writes()
         if self._commands:
             assert self.link is not None
             self.link.command(Command.STOP)
@@ -215,7 +240,7 @@ def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
             case Command.BUILD:
                 trainer.build(init_policy if first < 0 else checkpoint_at(root, first).master_dir, step=first)
             case Command.RESTORE:
-                trainer.restore(checkpoint_at(root, first))
+                trainer.restore(checkpoint_at(root, first), source_step=second)
             case Command.STEP:
                 assert trainer.core is not None
                 try:

@@ -4,7 +4,8 @@ The loop reads `samples` through the `learner` consumer group, assembles complet
 and every `groups_per_step` usable groups runs one update (`learner.py`, in a worker thread so the event
 loop keeps heartbeating), then, in this order:
 
-1. saves a checkpoint (weights, optimizer, RNG and the ledger of every sample id applied so far);
+1. saves a checkpoint (weights, RNG and the ledger of every sample id applied so far, durable; the optimizer
+   state is written in the background while the next update runs, `rl/checkpoint.py`);
 2. acks the stream entries the update consumed;
 3. publishes the new `PolicyVersion` (retained MQTT + Redis mirror) with the checkpoint's sha256;
 4. writes `LearnerStats` to `stats` and one JSON line to `{run_dir}/metrics.jsonl`: reward and accuracy,
@@ -152,6 +153,8 @@ class LearnerService:
         self._lease_lock = asyncio.Lock()
         self.trackers: list[Tracker] = []
         """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
+        self._resume_note: dict[str, float] = {}
+        """Set when a resume took older optimizer moments (-1: none); reported in the next update's metrics."""
 
     @property
     def checkpoints(self) -> Path:
@@ -244,9 +247,9 @@ class LearnerService:
 
         for found in candidates:
             try:  # verified before anything reads it; a checkpoint that fits no learner is the user's to fix
-                verify_directory(found.policy_dir, found.policy_sha256)
+                verify_directory(found.policy_dir, found.policy_sha256, scheme=found.digest)
                 if found.master_sha256 is not None:
-                    verify_directory(found.master_dir, found.master_sha256)
+                    verify_directory(found.master_dir, found.master_sha256, scheme=found.digest)
                 self._build(found.master_dir, step=found.step)
                 ledger, meta = self.trainer.restore(found)
             except (ChecksumMismatch, OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -262,6 +265,8 @@ class LearnerService:
                 )
                 continue
             self._recover_metrics_row(found, meta)
+            if meta.get("optimizer_step", found.step) != found.step:  # said in the next update's metrics too
+                self._resume_note = {"optimizer_resumed_from_step": float(meta["optimizer_step"])}
             self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
             self.version, self.checkpoint = found.step, found
             self.core.updates = found.step  # the learning-rate schedule continues where it stopped
@@ -306,7 +311,14 @@ class LearnerService:
     async def _publish(self, info: CheckpointInfo) -> PolicyVersion:
         bus = self.config.bus
         location = announced_location(info.policy_dir, bus.store_root, relative=bus.relative_locations)
-        message = PolicyVersion(version=info.step, location=location, sha256=info.policy_sha256, step=info.step)
+        message = PolicyVersion(
+            version=info.step,
+            location=location,
+            sha256=info.policy_sha256,
+            step=info.step,
+            digest=info.digest,
+            published_at=time.time(),
+        )
         await self.control.publish(message)
         return message
 
@@ -325,6 +337,9 @@ class LearnerService:
             if finished:
                 await self._ack_trained_leftovers()
         finally:
+            # The optimizer state being written is the newest checkpoint's: done before another learner may
+            # take the run (SIGTERM and a normal end both come through here).
+            await asyncio.to_thread(self.trainer.wait_for_writes)
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
             if self.grant is not None:
@@ -521,7 +536,8 @@ class LearnerService:
             cap=10.0,
             stop=self._stop,
         )
-        metrics["checkpoint_seconds"] = time.perf_counter() - saving
+        metrics["checkpoint_seconds"] = time.perf_counter() - saving  # the optimizer's write is not in it
+        metrics.update(self._optimizer_write_figures())
         # The previous update's entries are acked now, this one's after the next checkpoint: a newest
         # checkpoint found damaged on restart is fallen back from, and its update's samples are then still
         # pending, so they are trained again instead of lost.
@@ -585,6 +601,17 @@ class LearnerService:
         )
         self._idle_since = time.perf_counter()
         return metrics
+
+    def _optimizer_write_figures(self) -> dict[str, float]:
+        """The newest finished background optimizer write (its seconds, failures so far) and, once after a
+        resume that took older optimizer moments, the step they came from."""
+        writes = self.trainer.optimizer_writes
+        out = {"optimizer_write_failures": float(writes.failures)}
+        if writes.last is not None:
+            out["optimizer_write_seconds"] = writes.last.seconds
+        out.update(self._resume_note)
+        self._resume_note = {}
+        return out
 
     async def _save_or_stop(self, extra: dict[str, Any]) -> CheckpointInfo:
         """`_save` off the loop; ranks out of step (a rank died mid-save) stop the service, since no retry can

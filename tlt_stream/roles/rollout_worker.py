@@ -253,6 +253,8 @@ class RolloutWorker:
         self._reported_reverify = (0, 0)
         """The engine's (tokens kept, tokens discarded) by re-verification at the last stats report."""
         self._ahead_seconds = 0.0
+        self._load_latencies: dict[str, float] = {}
+        """Versions loaded since the last stats report: seconds from their announcement to loaded."""
         self.watch = AcceptanceWatch(min_drafted=settings.collapse_min_drafted)
         """Judges every policy and drafter swap by the acceptance after it (no silent collapse)."""
         self.collapses = 0
@@ -527,13 +529,26 @@ class RolloutWorker:
             return
         self.versions.loaded(announced.version)
         self.registry.update_info(policy_version=announced.version)
+        if announced.published_at > 0:  # publisher's and our wall clocks: skew shifts it, never below 0
+            latency = max(0.0, time.time() - announced.published_at)
+            self._load_latencies[str(announced.version)] = latency
+            self.registry.update_info(load_latency_s=f"{latency:.3f}")
         log.info("loaded policy version %d", announced.version)
         self._swapped("policy", announced.version)
 
     def _load(self, announced: PolicyVersion) -> None:
+        """Verify and load `announced`. On torch each file is read once: hashed, and its tensors parsed from
+        those same bytes (`store/weights.py`), so nothing reaches the engine before the whole directory
+        matched; vLLM's processes read the checkpoint themselves, so it is verified first (a second read)."""
         from transformers import AutoTokenizer
 
-        verify_directory(announced.location, announced.sha256)
+        from tlt_stream.store.weights import read_weights
+
+        weights = None
+        if self.settings.backend == "torch":
+            weights = read_weights(announced.location, announced.sha256, scheme=announced.digest)
+        else:
+            verify_directory(announced.location, announced.sha256, scheme=announced.digest)
         self.vocab_size, positions = _policy_limits(announced.location)
         if positions is not None and self.settings.max_len > positions:  # every long sample would be poison
             raise ValueError(
@@ -547,15 +562,16 @@ class RolloutWorker:
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
         if self.settings.stop and self.stop_rule is None:
             self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
+        verified = {} if weights is None else {"weights": weights}
         if self.engine is not None and self.settings.partial_rollouts and self.engine.has_unfinished:
-            self.engine.load_policy(announced.location, reverify=True)  # every row in flight, losslessly
+            self.engine.load_policy(announced.location, reverify=True, **verified)  # every row in flight, losslessly
         elif self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
-            self.engine.load_policy(announced.location)
+            self.engine.load_policy(announced.location, **verified)
         else:
-            self._build_engine(announced)
+            self._build_engine(announced, weights)
         self.policy = announced
 
-    def _build_engine(self, announced: PolicyVersion) -> None:
+    def _build_engine(self, announced: PolicyVersion, weights: Any = None) -> None:
         drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
         spec = EngineSpec(
             max_batch=self.settings.max_batch,
@@ -570,7 +586,9 @@ class RolloutWorker:
             backend=self.settings.backend,  # type: ignore[arg-type]
             hidden=self.settings.stream_hidden or self.idle_trainer is not None,
         )
-        self.engine, self.adaptive = build_engine(announced.location, spec, drafter_version=self.drafter_version)
+        self.engine, self.adaptive = build_engine(
+            announced.location, spec, drafter_version=self.drafter_version, weights=weights
+        )
 
     def _announced(self) -> PolicyVersion | None:
         """The announced policy version, its location as a path on this node (`store/locations.py`)."""
@@ -765,22 +783,7 @@ class RolloutWorker:
         for task in complete:
             await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
-            await self.producer.send_one(
-                "stats",
-                RolloutStats(
-                    worker_id=self.worker_id,
-                    policy_version=self.version,
-                    drafter_version=self.drafter_version,
-                    batch_size=self._running(),
-                    tokens=self._tokens,
-                    seconds=self._seconds,
-                    target_forwards=self._forwards,
-                    sd_on=self.engine.arm is not None,
-                    collapses=self.collapses,
-                    **self._source_counts(),
-                    **self._reverify_counts(),
-                ),
-            )
+            await self.producer.send_one("stats", self._rollout_stats())
             if self.adaptive is not None:
                 reports = [
                     SdArmReport(
@@ -801,6 +804,24 @@ class RolloutWorker:
                 if reports:
                     await self.producer.send("stats", reports)
             self._tokens, self._forwards, self._seconds, self._ahead_seconds = 0, 0, 0.0, 0.0
+
+    def _rollout_stats(self) -> RolloutStats:
+        """The report of the steps since the last one (the loop restarts its counters after it is sent)."""
+        latencies, self._load_latencies = self._load_latencies, {}
+        return RolloutStats(
+            worker_id=self.worker_id,
+            policy_version=self.version,
+            drafter_version=self.drafter_version,
+            batch_size=self._running(),
+            tokens=self._tokens,
+            seconds=self._seconds,
+            target_forwards=self._forwards,
+            sd_on=self.engine.arm is not None,
+            collapses=self.collapses,
+            load_latency_s=latencies,
+            **self._source_counts(),
+            **self._reverify_counts(),
+        )
 
     def _source_counts(self) -> dict[str, dict[str, int]]:
         """Per-source drafted and accepted counts since the last report (deltas of the engine's counters)."""

@@ -57,10 +57,15 @@ def _max_nodes(spec: EngineSpec) -> int:
     return max([PLAIN_NODES, *(max(a.depth, a.nodes) for a in arms)])
 
 
-def build_engine(policy: str, spec: EngineSpec, *, drafter_version: int = -1) -> tuple[Any, AdaptiveSd | None]:
-    """(the engine, its adaptive SD controller or None) for the checkpoint directory `policy`. The EAGLE
-    drafter binds to this policy's embedding and LM head."""
+def build_engine(
+    policy: str, spec: EngineSpec, *, drafter_version: int = -1, weights: Any = None
+) -> tuple[Any, AdaptiveSd | None]:
+    """(the engine, its adaptive SD controller or None) for the checkpoint directory `policy`, from `weights`
+    when given (its contents already read and verified, `store/weights.py`; torch only). The EAGLE drafter
+    binds to this policy's embedding and LM head."""
     if spec.backend == "vllm":
+        if weights is not None:
+            raise ValueError("vLLM's workers read the checkpoint themselves: pass its path, not its tensors")
         from tlt_stream.rollout.vllm.backend import VllmEngine
 
         drafter = spec.drafter if spec.drafter not in (None, "ngram") else None
@@ -71,7 +76,7 @@ def build_engine(policy: str, spec: EngineSpec, *, drafter_version: int = -1) ->
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import GroupProposer, MixedProposer, build_proposer
 
-    model = load_model(policy, device=spec.device, dtype=resolve_dtype(spec.dtype, spec.device))
+    model = load_model(policy, device=spec.device, dtype=resolve_dtype(spec.dtype, spec.device), weights=weights)
     proposer: Any = None
     if spec.drafter == "ngram" and spec.group:
         proposer = GroupProposer()

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from tlt_stream.rollout.reverify import verify_rows
 from tlt_stream.rollout.sampling import sample
 from tlt_stream.rollout.scheduler import Scheduler, Sequence, StopRule
 from tlt_stream.rollout.speculative import verify_round
+
+if TYPE_CHECKING:
+    from tlt_stream.store.weights import PolicyWeights
 
 __all__ = ["GenerationEngine", "GenerationResult", "generate_all"]
 
@@ -133,11 +137,12 @@ class GenerationEngine:
         `step()` does nothing for them, so a loop stepping while `has_unfinished` must also stop here."""
         return self.scheduler.num_parked
 
-    def load_policy(self, path: str | Path, *, reverify: bool = False) -> None:
+    def load_policy(self, path: str | Path, *, reverify: bool = False, weights: PolicyWeights | None = None) -> None:
         """Load another version of the policy (a checkpoint of the same architecture) into the engine's model
-        in place. The caches stay allocated (rebuilding the engine per version cost 0.1-0.4 s of a ~4.5 s RL
-        step on the tiny world), and a drafter bound to the model, which borrows its embedding and LM head,
-        follows.
+        in place: from `weights` when given (`path`'s contents, read once and verified by the caller,
+        `store/weights.py`), else read from `path`. The caches stay allocated (rebuilding the engine per
+        version cost 0.1-0.4 s of a ~4.5 s RL step on the tiny world), and a drafter bound to the model, which
+        borrows its embedding and LM head, follows.
 
         Without `reverify`, only with nothing in flight: every sample must come from one policy version. With
         it, every request holding tokens (running, parked, queued to resume) is re-verified at once by the
@@ -151,7 +156,7 @@ class GenerationEngine:
 
         if self.has_unfinished and not reverify:
             raise RuntimeError("load_policy() with requests in flight; let them finish first (or reverify=True)")
-        fresh = load_model(path, dtype=self.model.dtype, device=self.model.device)
+        fresh = load_model(path, dtype=self.model.dtype, device=self.model.device, weights=weights)
         if fresh.spec != self.model.spec:
             raise CheckpointError(f"{path}: a different architecture than the engine's policy; build a new engine")
         rows = self.scheduler.new_version() if reverify else []
@@ -420,7 +425,7 @@ class GenerationEngine:
                 emitted += 1
                 if s.append(token, logprob):
                     break
-            used.append(min(emitted, int(outcome.count[row])))  # drafted tokens emitted (not cut by a stop)
+            used.append(min(emitted, len(outcome.path[row])))  # drafted tokens emitted (not cut by a stop)
             self.tokens_generated += emitted
             self._accepts[s.request_id].append(emitted)
             if s.request_id in self._want_hidden:
@@ -430,19 +435,19 @@ class GenerationEngine:
                 self.proposer.observe(row, outcome.tokens[row], outcome.hidden[row, :emitted])
         self._count_sources(proposal, arm, outcome.path, used)
 
-    def _count_sources(self, proposal: Proposal, arm: Arm, path: torch.Tensor, used: list[int]) -> None:
+    def _count_sources(self, proposal: Proposal, arm: Arm, paths: list[list[int]], used: list[int]) -> None:
         """Per-source drafted and accepted counts of one round (`drafted_by`, `accepted_by`)."""
-        real = proposal.tree.parents >= 0  # [B, N]
         if proposal.sources is None:
             name = _SOURCE_OF_ARM.get(arm.kind, type(self.proposer).__name__.removesuffix("Proposer").lower())
-            self.drafted_by[name] += int(real.sum())
+            self.drafted_by[name] += int((proposal.tree.parents >= 0).sum())
             self.accepted_by[name] += sum(used)
             return
-        bits = proposal.sources.long()
-        by_node = bits.tolist()  # one transfer, then plain Python: this runs every round
-        taken = [by_node[b][node - 1] for b, row in enumerate(path.tolist()) for node in row[: used[b]]]
+        # Nodes per bit pattern (padding nodes carry none): one transfer, then plain Python every round.
+        drafted = torch.bincount(proposal.sources.view(-1).long(), minlength=4).tolist()
+        by_node = proposal.sources.tolist()
+        taken = [by_node[b][node - 1] for b, path in enumerate(paths) for node in path[: used[b]]]
         for name, bit in (("eagle", SOURCE_EAGLE), ("group", SOURCE_GROUP)):
-            self.drafted_by[name] += int((((bits & bit) > 0) & real).sum())
+            self.drafted_by[name] += sum(count for bits, count in enumerate(drafted) if bits & bit)
             self.accepted_by[name] += sum(1 for source in taken if source & bit)
 
     def _emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from tlt_stream.rollout.engine import GenerationResult
     from tlt_stream.rollout.scheduler import StopRule
+    from tlt_stream.store.weights import PolicyWeights
 
 __all__ = ["RolloutEngine"]
 
@@ -67,9 +68,11 @@ class RolloutEngine(Protocol):
         """Advance every running request; the requests that finished."""
         ...
 
-    def load_policy(self, path: str | Path, *, reverify: bool = False) -> None:
+    def load_policy(self, path: str | Path, *, reverify: bool = False, weights: PolicyWeights | None = None) -> None:
         """Another version of the policy, in place: only with nothing in flight, or with `reverify`, which
-        re-verifies every request holding tokens under it, losslessly (`rollout/reverify.py`)."""
+        re-verifies every request holding tokens under it, losslessly (`rollout/reverify.py`). `weights`:
+        `path`'s contents already read and verified by the caller (torch only: vLLM's own processes read
+        `path`)."""
         ...
 
     def load_drafter(self, path: str | Path) -> object:

@@ -42,14 +42,16 @@ def load_tensors(stem: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, meta
 
 
-def optimizer_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer `state_dict` as safetensors tensors (`state.{param}.{slot}`) and JSON for the rest."""
+def optimizer_tensors(state: dict[str, Any], *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer `state_dict` as safetensors tensors (`state.{param}.{slot}`) and JSON for the rest. With
+    `copy`, every tensor is a CPU copy (a snapshot the next optimizer step cannot change; without, a CPU
+    tensor is the optimizer's own)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for index, slots in state["state"].items():
         for slot, value in slots.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{slot}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{index}.{slot}"] = value.detach().to("cpu", copy=copy).contiguous()
             else:
                 scalars.setdefault(str(index), {})[slot] = value
     groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items()} for group in state["param_groups"]]

@@ -676,10 +676,13 @@ class VllmEngine:
 
     # -- versions
 
-    def load_policy(self, path: str | Path, *, reverify: bool = False) -> None:
+    def load_policy(self, path: str | Path, *, reverify: bool = False, weights: Any = None) -> None:
         """Reload the policy's weights in place (every vLLM worker) from Hugging Face checkpoint `path`.
         Only with nothing in flight: every sample must come from one policy version. `reverify` (lossless
-        re-verification of requests in flight) is not available on vLLM (module docstring)."""
+        re-verification of requests in flight) is not available on vLLM (module docstring), nor `weights`:
+        vLLM's workers read `path` in their own processes, so a caller verifies it before (a second read)."""
+        if weights is not None:
+            raise ValueError("vLLM's workers read the checkpoint themselves: pass its path, not its tensors")
         if reverify:
             raise UnsupportedSetting(_NO_PARTIAL_ROLLOUTS)
         if self.has_unfinished:

@@ -1,0 +1,161 @@
+"""A policy's weights as Hugging Face safetensors, written and read with the digest in the same pass.
+
+The learner writes a version's weights once: each shard is serialised in memory, hashed and written
+(`HashingWriter`), so the directory's sha256 costs no read. A worker reads each file once (`read_verified`),
+hashes it and parses the tensors from those same bytes, so what it loads is exactly what it verified, and a
+directory that does not match is refused before any tensor of it reaches a model.
+
+The layout is what `save_pretrained` writes: `model.safetensors`, or `model-0000i-of-0000n.safetensors`
+shards with `model.safetensors.index.json` when the weights exceed one shard; `{"format": "pt"}` metadata;
+a tensor shared under several names (a tied LM head) is written once, under its first name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+
+from tlt_stream.store.digest import DigestScheme, HashingWriter, read_verified
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "INDEX",
+    "SHARD_BYTES",
+    "PolicyWeights",
+    "read_weights",
+    "save_policy",
+    "unique_tensors",
+    "write_weights",
+]
+
+SHARD_BYTES = 2 << 30
+"""Largest shard: the writer holds one serialised shard in memory, a reader one file's bytes."""
+INDEX = "model.safetensors.index.json"
+_METADATA = {"format": "pt"}
+
+
+@dataclass
+class PolicyWeights:
+    """A policy directory's verified contents: what a loader needs, parsed from the bytes that were hashed."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every tensor of every safetensors file, by its Hugging Face name."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """`config.json`."""
+
+
+def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with each storage once, under its first name (a tied LM head is the embedding's tensor)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() == 0 or key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
+
+
+def _shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `shard_bytes` (a larger tensor gets a shard of its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_weights(writer: HashingWriter, state: Mapping[str, torch.Tensor], *, shard_bytes: int | None = None) -> None:
+    """Write `state` (tied tensors once) as safetensors into `writer`'s directory, each file hashed as written;
+    shards of at most `shard_bytes` (default `SHARD_BYTES`)."""
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in unique_tensors(state).items()}
+    shards = _shards(tensors, shard_bytes or SHARD_BYTES)
+    if len(shards) == 1:
+        writer.write("model.safetensors", save(shards[0], metadata=_METADATA))
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        writer.write(name, save(shard, metadata=_METADATA))
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    writer.write(INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+
+
+def read_weights(directory: Path | str, expected_sha256: str, *, scheme: DigestScheme = "v1") -> PolicyWeights:
+    """Every tensor and the config of policy `directory`, each file read once and verified against
+    `expected_sha256` (`ChecksumMismatch` otherwise, and nothing is returned). ValueError for a weights file
+    or config that does not parse."""
+    out = PolicyWeights()
+
+    def parse(name: str, data: bytes) -> bool | None:
+        if name.endswith(".safetensors") and "/" not in name:
+            try:
+                tensors = load(data)
+            except SafetensorError as exc:
+                raise ValueError(f"{directory}/{name}: unreadable safetensors ({exc})") from exc
+            clash = out.tensors.keys() & tensors.keys()
+            if clash:
+                raise ValueError(f"{directory}: tensor {sorted(clash)[0]} is in more than one file")
+            out.tensors.update(tensors)
+        elif name == "config.json":
+            out.config = json.loads(data)
+        return None
+
+    read_verified(directory, expected_sha256, parse, scheme=scheme)
+    return out
+
+
+def save_policy(
+    model: PreTrainedModel,
+    out: Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    weights: dict[str, torch.Tensor] | None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """`model` (or its gathered `weights`) as a Hugging Face directory in `out`, as `save_pretrained` writes
+    it for the Llama/Qwen2 models the runtime loads (config with `architectures` and `dtype`, generation
+    config, safetensors, tied tensors once), its floating-point weights cast to `dtype` when given; returns
+    its v2 sha256, hashed from the bytes as they were written (the config and tokenizer files, small, are
+    hashed from disk)."""
+    state = dict(model.state_dict() if weights is None else weights)
+    for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(ignored, None)
+    if dtype is not None:
+        cast: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        state = {
+            name: cast.setdefault((t.data_ptr(), tuple(t.shape)), t.detach().to(dtype)) if t.is_floating_point() else t
+            for name, t in state.items()
+        }
+    out.mkdir()
+    config = model.config
+    saved = config.dtype, config.architectures
+    config.dtype = str(dtype or model.dtype).removeprefix("torch.")  # config.json says what the files hold
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the sharded class
+    try:
+        config.save_pretrained(out)
+    finally:
+        config.dtype, config.architectures = saved
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    writer = HashingWriter(out)
+    write_weights(writer, state)
+    return writer.sha256()
