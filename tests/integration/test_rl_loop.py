@@ -263,13 +263,12 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
     copies = {v: shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1, 2)}
     real_read = weights_module.read_weights
 
-    def read_then_prune(location: str, sha256: str, **kwargs: object) -> object:
-        read = real_read(location, sha256, **kwargs)
-        if location == str(copies[1]):  # the learner prunes it right after the worker read and checked it
+    def pruned_then_read(location: str, sha256: str, **kwargs: object) -> object:
+        if location == str(copies[1]):  # the learner prunes it just as the worker comes to read it
             shutil.rmtree(location)
-        return read
+        return real_read(location, sha256, **kwargs)
 
-    monkeypatch.setattr(weights_module, "read_weights", read_then_prune)
+    monkeypatch.setattr(weights_module, "read_weights", pruned_then_read)
     async with learner_and_worker_planes(bus_config) as planes:
         settings = RolloutSettings(max_batch=2, max_len=64)
         worker = RolloutWorker(

@@ -126,13 +126,14 @@ def test_a_resume_past_an_unfinished_write_takes_the_newest_complete_state_and_s
 ) -> None:
     trainer = trainer_on(init_policy)
     root = tmp_path / "checkpoints"
+    common = {"extra": {}, "tokenizer": None, "keep": 3, "publish_dtype": torch.float32}
     update(trainer, "a")
-    save(trainer, root, 1)
+    trainer.save(root, step=1, ledger={"a/0", "a/1"}, **common)
     trainer.wait_for_writes()
     step_1 = moments(trainer)
     update(trainer, "b")
     gate = Gate(monkeypatch, end=end)
-    info = save(trainer, root, 2)
+    info = trainer.save(root, step=2, ledger={"a/0", "a/1", "b/0", "b/1"}, **common)
     gate.release.set()
     trainer.wait_for_writes()
     assert trainer.optimizer_writes.failures == (end == "failed") and not has_optimizer_state(info.path)
@@ -143,7 +144,10 @@ def test_a_resume_past_an_unfinished_write_takes_the_newest_complete_state_and_s
     assert not any(p.name.startswith(".tmp-") for p in info.path.iterdir()), "cleaned on resume"
     fresh = trainer_on(info.master_dir)
     with caplog.at_level(logging.WARNING, logger="tlt_stream.rl.checkpoint"):
-        _, meta = fresh.restore(info)
+        ledger, meta = fresh.restore(info)
+    # Update 2 counts once: its samples are in the ledger (redelivered copies are duplicates, never retrained)
+    # and its weights are the ones resumed; only its optimizer moments are step 1's, and that is said.
+    assert ledger == {"a/0", "a/1", "b/0", "b/1"} and meta["step"] == 2
     assert meta["optimizer_step"] == 1 and "optimizer moments of step 1" in caplog.text
     assert all(torch.equal(moments(fresh)[k], v) for k, v in step_1.items())
     assert all(torch.equal(a, b) for a, b in zip(fresh.core.model.state_dict().values(),
