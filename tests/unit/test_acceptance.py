@@ -13,7 +13,14 @@ import math
 import pytest
 import torch
 
-from tlt_stream.rollout.acceptance import DraftTree, accept_chain, accept_tree, greedy_onehot
+from tlt_stream.rollout.acceptance import (
+    DraftTree,
+    accept_chain,
+    accept_tree,
+    build_structure,
+    greedy_onehot,
+    tree_structure,
+)
 
 V = 5
 ALPHA_Z = 3.719  # one-sided standard normal quantile for alpha = 1e-4
@@ -87,11 +94,12 @@ def test_tree_structure_helpers() -> None:
     assert mask[6].nonzero().flatten().tolist() == [0, 3, 6]
 
 
-def test_tree_acceptance_preserves_the_target_distribution() -> None:
+@pytest.mark.parametrize("walk", [False, True])
+def test_tree_acceptance_preserves_the_target_distribution(walk: bool) -> None:
     n = 200_000
     tree, p, _ = tree_case(n)
     g = torch.Generator().manual_seed(0)
-    verdict = accept_tree(p, tree, torch.rand(n, 7, 3, generator=g), torch.rand(n, generator=g))
+    verdict = accept_tree(p, tree, torch.rand(n, 7, 3, generator=g), torch.rand(n, generator=g), walk=walk)
     first_two = torch.where(
         verdict.count >= 1,
         tree.tokens.gather(1, (verdict.path[:, 0] - 1).clamp(min=0)[:, None]).squeeze(1),
@@ -108,11 +116,12 @@ def test_tree_acceptance_preserves_the_target_distribution() -> None:
     assert float(verdict.count.float().mean()) > 0.3, "candidates are accepted at a useful rate"
 
 
-def test_tree_greedy_accepts_exactly_the_argmax_path() -> None:
+@pytest.mark.parametrize("walk", [False, True])
+def test_tree_greedy_accepts_exactly_the_argmax_path(walk: bool) -> None:
     tree, p, _ = tree_case(1)
     logits = torch.log(p[0])
     onehot = greedy_onehot(logits)[None]
-    verdict = accept_tree(onehot, tree, torch.rand(1, 7, 3), torch.rand(1))
+    verdict = accept_tree(onehot, tree, torch.rand(1, 7, 3), torch.rand(1), walk=walk)
     # follow argmax through the tree by hand
     emitted, node = [], 0
     children = {0: [1, 2, 3], 1: [4, 5], 3: [6]}
@@ -130,8 +139,9 @@ def test_tree_greedy_accepts_exactly_the_argmax_path() -> None:
     assert got == emitted
 
 
+@pytest.mark.parametrize("walk", [False, True])
 @pytest.mark.parametrize("drafter", ["close", "uniform", "adversarial"])
-def test_chain_speculative_sampling_preserves_the_target_distribution(drafter: str) -> None:
+def test_chain_speculative_sampling_preserves_the_target_distribution(drafter: str, walk: bool) -> None:
     n, d = 200_000, 2
     g = torch.Generator().manual_seed(1)
     p0 = target(())
@@ -151,7 +161,7 @@ def test_chain_speculative_sampling_preserves_the_target_distribution(drafter: s
     p = torch.stack([p0.expand(n, V), p1, p2], dim=1)  # [n, 3, V]
     q = torch.stack([q0.expand(n, V), q1], dim=1)
     draft = torch.stack([x1, x2], dim=1)
-    verdict = accept_chain(p, q, draft, torch.rand(n, d, generator=g), torch.rand(n, generator=g))
+    verdict = accept_chain(p, q, draft, torch.rand(n, d, generator=g), torch.rand(n, generator=g), walk=walk)
     first = torch.where(verdict.count >= 1, x1, verdict.next_token)
     second = torch.where(verdict.count >= 2, x2, torch.where(verdict.count == 1, verdict.next_token, -1))
     observed = pair_counts(first, second, verdict.count, g)
@@ -164,7 +174,8 @@ def test_chain_speculative_sampling_preserves_the_target_distribution(drafter: s
         assert rate < 0.5
 
 
-def test_chain_greedy_is_exact_match() -> None:
+@pytest.mark.parametrize("walk", [False, True])
+def test_chain_greedy_is_exact_match(walk: bool) -> None:
     logits = torch.randn(3, 4, V)  # 3 rows, root + 3 drafted positions
     onehot = greedy_onehot(logits)
     argmax = logits.argmax(-1)
@@ -172,12 +183,13 @@ def test_chain_greedy_is_exact_match() -> None:
     draft[1, 1] = (draft[1, 1] + 1) % V  # row 1 diverges at position 2
     draft[2, 0] = (draft[2, 0] + 1) % V  # row 2 diverges at once
     q = greedy_onehot(torch.nn.functional.one_hot(draft, V).float())
-    verdict = accept_chain(onehot, q, draft, torch.rand(3, 3), torch.rand(3))
+    verdict = accept_chain(onehot, q, draft, torch.rand(3, 3), torch.rand(3), walk=walk)
     assert verdict.count.tolist() == [3, 1, 0]
     assert verdict.next_token.tolist() == [int(argmax[0, 3]), int(argmax[1, 1]), int(argmax[2, 0])]
 
 
-def test_a_token_drafted_twice_under_one_node_is_tried_once() -> None:
+@pytest.mark.parametrize("walk", [False, True])
+def test_a_token_drafted_twice_under_one_node_is_tried_once(walk: bool) -> None:
     """Two sources proposing the same token under a node: root children [3, 3, 1, 3], node 2 (the second 3)
     with a child of its own. Without the rule a token of p = 0.5 would be accepted with probability 1."""
     n = 200_000
@@ -187,7 +199,7 @@ def test_a_token_drafted_twice_under_one_node_is_tried_once() -> None:
     p = torch.stack([target(pre) for pre in prefixes]).expand(n, -1, -1)
     tree = DraftTree(tokens, parents)
     g = torch.Generator().manual_seed(1)
-    verdict = accept_tree(p, tree, torch.rand(n, 6, 4, generator=g), torch.rand(n, generator=g))
+    verdict = accept_tree(p, tree, torch.rand(n, 6, 4, generator=g), torch.rand(n, generator=g), walk=walk)
     accepted = verdict.path[:, 0]
     assert not bool(((verdict.count >= 1) & (accepted != 1) & (accepted != 3)).any()), "a repeat is never taken"
     drafted = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None]).squeeze(1)
@@ -196,6 +208,26 @@ def test_a_token_drafted_twice_under_one_node_is_tried_once() -> None:
     expected = {a: float(target(())[a]) for a in range(V)}
     stat = sum((observed[a] - expected[a] * n) ** 2 / (expected[a] * n) for a in range(V))
     assert stat < chi2_threshold(V - 1), (observed, expected)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chain_host_walk_equals_the_vectorised_rule(sampled: bool) -> None:
+    """Random chains (padding, greedy rows, point masses or sampled drafts), the same uniforms: the host
+    walk of `accept_chain` returns exactly the vectorised verdict."""
+    g = torch.Generator().manual_seed(7)
+    b, d = 256, 6
+    p = torch.softmax(torch.randn(b, d + 1, V, generator=g) * 2, dim=-1)
+    p[::3] = greedy_onehot(torch.log(p[::3]))
+    q = torch.softmax(torch.randn(b, d, V, generator=g), dim=-1) if sampled else None
+    draft = torch.randint(0, V, (b, d), generator=g)
+    lengths = torch.randint(0, d + 1, (b,), generator=g)
+    accept_u = torch.rand(b, d, generator=g, dtype=torch.float64)
+    residual_u = torch.rand(b, generator=g, dtype=torch.float64)
+    walked = accept_chain(p, q, draft, accept_u, residual_u, lengths, walk=True)
+    judged = accept_chain(p, q, draft, accept_u, residual_u, lengths, walk=False)
+    for name in ("path", "count", "next_token", "next_from"):
+        assert torch.equal(getattr(walked, name), getattr(judged, name)), name
+    assert 0 < float(judged.count.float().mean()) < d
 
 
 def walk_tree(p: torch.Tensor, tokens: list[int], parents: list[int], sibling_u: torch.Tensor, residual_u: float):
@@ -228,11 +260,12 @@ def walk_tree(p: torch.Tensor, tokens: list[int], parents: list[int], sibling_u:
             return path, token
 
 
+@pytest.mark.parametrize("walk", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_tree_acceptance_equals_the_node_by_node_walk(seed: int) -> None:
+def test_tree_acceptance_equals_the_node_by_node_walk(seed: int, walk: bool) -> None:
     """Random trees (repeats, padding, several widths) and random targets, one-hot greedy rows among them:
-    the loop-free `accept_tree` takes exactly the path and the token a node-by-node walk takes with the
-    same uniforms."""
+    the loop-free form and the host walk of `accept_tree` take exactly the path and the token the
+    reference walk takes with the same uniforms."""
     g = torch.Generator().manual_seed(seed)
     b, n = 64, 9
     tokens = torch.randint(0, 4, (b, n), generator=g)  # 4 of V tokens: repeats under a node are common
@@ -246,7 +279,7 @@ def test_tree_acceptance_equals_the_node_by_node_walk(seed: int) -> None:
     tree = DraftTree(tokens, parents)
     k = tree.children.shape[-1]
     sibling_u, residual_u = torch.rand(b, n + 1, k, generator=g), torch.rand(b, generator=g)
-    verdict = accept_tree(p, tree, sibling_u, residual_u)
+    verdict = accept_tree(p, tree, sibling_u, residual_u, walk=walk)
     for row in range(b):
         path, token = walk_tree(
             p[row], tokens[row].tolist(), parents[row].tolist(), sibling_u[row], float(residual_u[row])
@@ -256,3 +289,65 @@ def test_tree_acceptance_equals_the_node_by_node_walk(seed: int) -> None:
         assert not bool(verdict.path[row, count:].any())
         assert int(verdict.next_token[row]) == token, row
         assert int(verdict.next_from[row]) == (path[-1] if path else 0)
+
+
+def reference_structure(parents: list[int]) -> tuple[list[list[bool]], list[int], list[list[int]]]:
+    """Ancestor mask, depths and children of one row, by following parent links in plain Python."""
+    n = len(parents)
+    mask = [[False] * (n + 1) for _ in range(n + 1)]
+    depths = [0] * (n + 1)
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    for i in range(n + 1):
+        node = i
+        while True:
+            mask[i][node] = True
+            parent = parents[node - 1] if node > 0 else -1
+            if parent < 0:
+                break
+            depths[i] += 1
+            node = parent
+        if i > 0 and parents[i - 1] >= 0:
+            children[parents[i - 1]].append(i)
+    return mask, depths, children
+
+
+def random_parents(g: torch.Generator, b: int, n: int) -> torch.Tensor:
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    for row in range(b):
+        real = int(torch.randint(0, n + 1, (), generator=g))
+        for i in range(real):
+            parents[row, i] = int(torch.randint(0, i + 1, (), generator=g))
+    return parents
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cached_tree_structure_equals_a_fresh_one(seed: int) -> None:
+    """Every shape the proposers produce (random trees with padding, chains of every length, widths 1..16,
+    batches 1..5): the cached structure is the same as one built afresh and as plain parent-following;
+    a second lookup returns the cached one."""
+    g = torch.Generator().manual_seed(seed)
+    for b, n in itertools.product([1, 2, 5], [1, 3, 8, 16]):
+        for parents in (random_parents(g, b, n), DraftTree.chain(torch.zeros(b, n, dtype=torch.long)).parents):
+            cached = tree_structure(parents)
+            assert tree_structure(parents.clone()) is cached
+            fresh = build_structure(parents)
+            for name in ("ancestor_mask", "depths", "children"):
+                assert torch.equal(getattr(cached, name), getattr(fresh, name)), (b, n, name)
+            for row in range(b):
+                mask, depths, children = reference_structure(parents[row].tolist())
+                assert cached.ancestor_mask[row].tolist() == mask
+                assert cached.depths[row].tolist() == depths
+                k = cached.children.shape[-1]
+                assert cached.children[row].tolist() == [kids + [-1] * (k - len(kids)) for kids in children]
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_cached_chain_equals_a_fresh_tree_of_its_parents(b: int) -> None:
+    """`DraftTree.chain` (its own builder, cached by lengths) against the general structure of its parents."""
+    for n in range(1, 13):
+        for lengths in (None, torch.randint(0, n + 1, (b,))):
+            chain = DraftTree.chain(torch.zeros(b, n, dtype=torch.long), lengths)
+            fresh = build_structure(chain.parents)
+            assert DraftTree.chain(torch.ones(b, n, dtype=torch.long), lengths).structure is chain.structure
+            for name in ("ancestor_mask", "depths", "children", "chain_lengths"):
+                assert torch.equal(getattr(chain.structure, name), getattr(fresh, name)), (n, lengths, name)

@@ -19,18 +19,109 @@ greedy decoding. Randomness comes from caller-supplied uniforms, so the function
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
     "DraftTree",
+    "TreeStructure",
     "Verdict",
     "accept_chain",
     "accept_tree",
     "greedy_onehot",
     "sample_from",
+    "tree_structure",
 ]
+
+
+@dataclass(frozen=True)
+class TreeStructure:
+    """What a draft tree's shape (its `parents`) determines, independent of its tokens. Shapes repeat from
+    round to round (a draft source at fixed depth and width, a chain of a given length), so each distinct
+    shape is built once and shared (`tree_structure`): the tensors are read-only by contract."""
+
+    ancestor_mask: torch.Tensor
+    """`[B, N+1, N+1]` bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    depths: torch.Tensor
+    """`[B, N+1]` depth of every node (root 0, its children 1; padding nodes 0)."""
+    children: torch.Tensor
+    """`[B, N+1, K]` children of each node (root included) in try order, padded with -1."""
+    chain_lengths: torch.Tensor | None
+    """`[B]` real nodes per row when every row is a chain (padding only at its end), else None."""
+
+
+_MAX_STRUCTURES = 1024
+_structures: OrderedDict[tuple, TreeStructure] = OrderedDict()
+"""Shapes built so far, least recently used first: the key is the parents' device, shape and bytes."""
+
+
+def tree_structure(parents: torch.Tensor) -> TreeStructure:
+    """The structure of a tree with `parents [B, N]`, built on the first sight of this shape (an LRU of
+    `_MAX_STRUCTURES` shapes). A key costs one small host copy of `parents`."""
+    key = (parents.device, parents.dtype, tuple(parents.shape), parents.cpu().numpy().tobytes())
+    found = _structures.get(key)
+    if found is not None:
+        _structures.move_to_end(key)
+        return found
+    found = _structures[key] = build_structure(parents)
+    if len(_structures) > _MAX_STRUCTURES:
+        _structures.popitem(last=False)
+    return found
+
+
+def build_structure(parents: torch.Tensor) -> TreeStructure:
+    """`TreeStructure` of `parents [B, N]` computed afresh (what `tree_structure` caches), on the host: one
+    numpy row update per node (`parents[b, i-1] < i`, so a node's parent row is complete before its own)."""
+    par = parents.cpu().numpy()
+    b, n = par.shape
+    node = np.arange(n + 1)
+    mask = np.zeros((b, n + 1, n + 1), dtype=bool)
+    mask[:, node, node] = True
+    for i in range(1, n + 1):
+        rows = np.flatnonzero(par[:, i - 1] >= 0)
+        mask[rows, i] |= mask[rows, par[rows, i - 1]]  # node i sees itself and its parent's ancestors
+    is_child = par[:, None, :] == node[None, :, None]  # [B, N+1, N]
+    k = max(1, int(is_child.sum(-1).max()))
+    order = np.sort(np.where(is_child, node[1:], n + 1), axis=-1)[..., :k]  # [B, N+1, K] in node order
+    children = np.where(order <= n, order, -1)
+    real = par >= 0
+    is_chain = bool(((par == node[None, :-1]) | ~real).all()) and bool((real[:, :-1] >= real[:, 1:]).all())
+    device = parents.device
+    return TreeStructure(
+        torch.from_numpy(mask).to(device),
+        torch.from_numpy(mask.sum(-1) - 1).to(device),
+        torch.from_numpy(children).to(device),
+        torch.from_numpy(real.sum(1)).to(device) if is_chain else None,
+    )
+
+
+_chains: OrderedDict[tuple, tuple[torch.Tensor, TreeStructure]] = OrderedDict()
+"""Chains built so far, by (device, batch, nodes, lengths): their parents and structure."""
+
+
+def _chain(b: int, n: int, lengths: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, TreeStructure]:
+    """Parents and structure of a chain per row whose first `lengths[b]` nodes are real (cached by shape)."""
+    key = (device, b, n, None if lengths is None else tuple(lengths.tolist()))
+    found = _chains.get(key)
+    if found is not None:
+        _chains.move_to_end(key)
+        return found
+    node = torch.arange(n + 1, device=device)
+    limit = lengths.to(device)[:, None] if lengths is not None else torch.full((b, 1), n, device=device)
+    real = node[None, :] <= limit  # [B, N+1], root included
+    parents = torch.where(real[:, 1:], node[None, :-1], torch.full_like(node[None, :-1], -1)).expand(b, n)
+    causal = node[None, :, None] >= node[None, None, :]  # [1, N+1, N+1]
+    mask = (causal & real[:, :, None] & real[:, None, :]) | torch.eye(n + 1, dtype=torch.bool, device=device)
+    depths = torch.where(real, node[None, :], torch.zeros_like(node[None, :]))
+    children = torch.where(real[:, 1:], node[None, 1:], torch.full_like(node[None, 1:], -1))  # [B, N]
+    children = torch.cat([children, torch.full((b, 1), -1, device=device, dtype=children.dtype)], dim=1)
+    found = _chains[key] = (parents.contiguous(), TreeStructure(mask, depths, children[..., None], real[:, 1:].sum(1)))
+    if len(_chains) > _MAX_STRUCTURES:
+        _chains.popitem(last=False)
+    return found
 
 
 @dataclass(frozen=True)
@@ -48,74 +139,40 @@ class DraftTree:
     @classmethod
     def chain(cls, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> DraftTree:
         """A chain per row (node i's parent is node i-1) whose first `lengths[b]` nodes are real; the
-        structure is known, so depths and the ancestor mask are built directly."""
+        structure is known, so it is built directly (once per shape)."""
         b, n = tokens.shape
-        device = tokens.device
-        node = torch.arange(n + 1, device=device)
-        limit = lengths.to(device)[:, None] if lengths is not None else torch.full((b, 1), n, device=device)
-        real = node[None, :] <= limit  # [B, N+1], root included
-        parents = torch.where(real[:, 1:], node[None, :-1], torch.full_like(node[None, :-1], -1)).expand(b, n)
-        tree = cls(tokens, parents.contiguous())
-        causal = node[None, :, None] >= node[None, None, :]  # [1, N+1, N+1]
-        mask = (causal & real[:, :, None] & real[:, None, :]) | torch.eye(n + 1, dtype=torch.bool, device=device)
-        tree.__dict__["ancestor_mask"] = mask
-        tree.__dict__["depths"] = torch.where(real, node[None, :], torch.zeros_like(node[None, :]))
-        tree.__dict__["chain_lengths"] = real[:, 1:].sum(dim=1)
+        parents, structure = _chain(b, n, lengths, tokens.device)
+        tree = cls(tokens, parents)
+        tree.__dict__["structure"] = structure
         return tree
 
     @functools.cached_property
+    def structure(self) -> TreeStructure:
+        return tree_structure(self.parents)
+
+    @property
     def chain_lengths(self) -> torch.Tensor | None:
         """`[B]` real nodes per row when every row is a chain (padding only at its end), else None."""
-        n = self.num_nodes
-        expected = torch.arange(n, device=self.parents.device)[None, :]
-        real = self.parents >= 0
-        is_chain = bool(((self.parents == expected) | ~real).all()) and bool((real[:, :-1] >= real[:, 1:]).all())
-        return real.sum(dim=1) if is_chain else None
+        return self.structure.chain_lengths
 
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
-    @functools.cached_property
+    @property
     def ancestor_mask(self) -> torch.Tensor:
-        """`[B, N+1, N+1]` bool: entry (i, j) is True when node j is node i or one of its ancestors.
+        """`[B, N+1, N+1]` bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+        return self.structure.ancestor_mask
 
-        Computed as I + P + P^2 + ... with P the parent matrix, one batched matmul per tree level.
-        """
-        b, n = self.tokens.shape
-        device = self.tokens.device
-        step = torch.zeros(b, n + 1, n + 1, device=device)  # step[i, parent(i)] = 1
-        has_parent = self.parents >= 0
-        rows = torch.arange(1, n + 1, device=device).expand(b, n)
-        step[
-            torch.arange(b, device=device)[:, None].expand(b, n)[has_parent], rows[has_parent], self.parents[has_parent]
-        ] = 1.0
-        reach = torch.eye(n + 1, device=device).expand(b, n + 1, n + 1)
-        mask = reach > 0
-        while True:
-            reach = torch.bmm(reach, step)
-            found = reach > 0
-            if not bool(found.any()):
-                return mask
-            mask = mask | found
-
-    @functools.cached_property
+    @property
     def depths(self) -> torch.Tensor:
         """`[B, N+1]` depth of every node (root 0, its children 1; padding nodes 0)."""
-        return self.ancestor_mask.sum(dim=-1) - 1
+        return self.structure.depths
 
-    @functools.cached_property
+    @property
     def children(self) -> torch.Tensor:
         """`[B, N+1, K]` children of each node (root included) in try order, padded with -1."""
-        b, n = self.tokens.shape
-        device = self.tokens.device
-        node = torch.arange(1, n + 1, device=device).expand(b, n)
-        is_child = self.parents[:, None, :] == torch.arange(n + 1, device=device)[None, :, None]  # [B, N+1, N]
-        k = max(1, int(is_child.sum(-1).max()))
-        # Stable order: children keep node order; non-children sort last.
-        key = torch.where(is_child, node[:, None, :], torch.full_like(node[:, None, :], n + 1))
-        order = key.sort(dim=-1, stable=True).values[..., :k]  # [B, N+1, K]
-        return torch.where(order <= n, order, torch.full_like(order, -1))
+        return self.structure.children
 
 
 @dataclass(frozen=True)
@@ -145,20 +202,84 @@ def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
 
 
-def accept_tree(p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, residual_u: torch.Tensor) -> Verdict:
-    """Accept point-mass candidates down the tree by the residual rule, every node at once.
+HOST_WALK_ROWS = 8
+"""CPU batches of at most this many rows walk a tree in Python over one host copy of the candidates'
+probabilities (`_walk_tree`: a quarter of `_judge_tree`'s tensor ops, each a few microseconds at batch 1);
+larger batches and accelerators judge every node at once, with no host round trip."""
+
+
+def accept_tree(
+    p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, residual_u: torch.Tensor, *, walk: bool | None = None
+) -> Verdict:
+    """Accept point-mass candidates down the tree by the residual rule.
 
     `p [B, N+1, V]`: the target's distribution at the root (index 0) and at every node (probabilities at
     the sampling temperature; one-hot for greedy rows). `sibling_u [B, N+1, K]` and `residual_u [B]` are
-    independent uniforms in [0, 1): child j of node a is tried with `sibling_u[b, a, j]`.
-
-    The walk from the root ("at the current node, take the first child that passes, stop when none does")
-    has no data-dependent loop here: every node's children are judged at once (which child of each node
-    would be taken if the walk got there), a node is reached when it and all its ancestors are the child
-    taken at their parent (one product with the ancestor mask), and the walk's end is the deepest reached
-    node. The same uniforms give the same outcome as walking node by node, with no host round trip per
-    level (a round at batch 1 spent ~0.4 ms in the walk on CPU).
+    independent uniforms in [0, 1): child j of node a is tried with `sibling_u[b, a, j]`. `walk` picks the
+    host walk (True) or the loop-free form (False); None: by device and batch (`HOST_WALK_ROWS`). Both take
+    the same path with the same uniforms (up to float rounding at a threshold).
     """
+    if walk is None:
+        walk = p.device.type == "cpu" and p.shape[0] <= HOST_WALK_ROWS
+    return (_walk_tree if walk else _judge_tree)(p, tree, sibling_u, residual_u)
+
+
+def _walk_tree(p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, residual_u: torch.Tensor) -> Verdict:
+    """The walk from the root in plain Python: at the current node, try its children in order (child x
+    passes when u * (1 - mass of the siblings tried before it) < p(x)), move to the first that passes, stop
+    when none does; then sample from p at the walk's end without every tried candidate."""
+    b = p.shape[0]
+    device = p.device
+    rows = torch.arange(b, device=device)
+    mass = p[rows[:, None], tree.parents.clamp(min=0), tree.tokens].tolist()  # [B, N] p(node's token) at its parent
+    tokens, kids, u = tree.tokens.tolist(), tree.children.tolist(), sibling_u.tolist()
+    paths: list[list[int]] = []
+    ends: list[int] = []
+    tried_rows: list[int] = []
+    tried_tokens: list[int] = []
+    for r in range(b):
+        node, path = 0, []
+        while True:
+            tried: list[int] = []  # a token repeated under one node is tried once: its residual is then 0
+            before, taken = 0.0, -1
+            for j, kid in enumerate(kids[r][node]):
+                if kid < 0:
+                    break
+                x = tokens[r][kid - 1]
+                if x in tried:
+                    continue
+                tried.append(x)
+                c = mass[r][kid - 1]
+                if u[r][node][j] * (1.0 - before) < c:
+                    taken = kid
+                    break
+                before += c
+            if taken < 0:
+                break
+            path.append(taken)
+            node = taken
+        paths.append(path)
+        ends.append(node)
+        tried_rows += [r] * len(tried)
+        tried_tokens += tried
+    last = torch.tensor(ends, device=device)
+    here = p[rows, last].float()  # [B, V]
+    residual = here.clone()
+    if tried_rows:  # p at the walk's end with every tried candidate removed
+        residual[torch.tensor(tried_rows, device=device), torch.tensor(tried_tokens, device=device)] = 0.0
+    empty = residual.sum(dim=1, keepdim=True) <= 0  # numerically exhausted: fall back to p
+    next_token = sample_from(torch.where(empty, here, residual), residual_u)
+    width = max(1, *(len(path) for path in paths))
+    path = torch.tensor([path + [0] * (width - len(path)) for path in paths], device=device)
+    count = torch.tensor([len(path) for path in paths], device=device)
+    return Verdict(path, count, next_token, last)
+
+
+def _judge_tree(p: torch.Tensor, tree: DraftTree, sibling_u: torch.Tensor, residual_u: torch.Tensor) -> Verdict:
+    """The walk with no data-dependent loop: every node's children are judged at once (which child of each
+    node would be taken if the walk got there), a node is reached when it and all its ancestors are the
+    child taken at their parent (one product with the ancestor mask), and the walk's end is the deepest
+    reached node. No host round trip per level: the form for accelerators and large batches."""
     b, n1, _ = p.shape
     device = p.device
     rows = torch.arange(b, device=device)
@@ -208,26 +329,45 @@ def accept_chain(
     accept_u: torch.Tensor,
     residual_u: torch.Tensor,
     lengths: torch.Tensor | None = None,
+    *,
+    walk: bool | None = None,
 ) -> Verdict:
-    """Speculative sampling for a chain of drafted tokens, fully vectorised.
+    """Speculative sampling for a chain of drafted tokens.
 
     `p [B, d+1, V]` target probabilities at the root and after each draft token; `q [B, d, V]` the drafter
     distributions the draft tokens `draft [B, d]` were sampled from, or None for point-mass proposals
     (then acceptance is u < p(x) and the residual is p without x: the tree rule for one child per node);
     `lengths [B]` the real drafts per row (the rest is padding, never accepted); `accept_u [B, d]`,
-    `residual_u [B]` uniforms in [0, 1). Node i of the returned path is draft position i (1-based).
+    `residual_u [B]` uniforms in [0, 1). Node i of the returned path is draft position i (1-based). `walk`
+    as in `accept_tree`: the accepted prefix found on the host, or vectorised; the same outcome either way.
     """
     b, d = draft.shape
     device = p.device
     rows = torch.arange(b, device=device)
-    positions = torch.arange(d, device=device)[None, :]
-    valid = positions < (lengths[:, None] if lengths is not None else d)  # [B, d]
     p_x = p[:, :d].gather(2, draft[..., None]).squeeze(-1).float()  # [B, d]
-    q_x = q.gather(2, draft[..., None]).squeeze(-1).float() if q is not None else torch.ones_like(p_x)
-    ok = (accept_u * q_x < p_x) & valid  # u < p(x)/q(x), i.e. accept with probability min(1, p/q)
-    count = ok.long().cumprod(dim=1).sum(dim=1)  # [B] accepted prefix length
+    q_x = q.gather(2, draft[..., None]).squeeze(-1).float() if q is not None else None
+    if walk is None:
+        walk = device.type == "cpu" and b <= HOST_WALK_ROWS
+    if walk:  # u < p(x)/q(x) in float64 on the host, as the vectorised comparison promotes it
+        real = [d] * b if lengths is None else lengths.tolist()
+        ps, us = p_x.tolist(), accept_u.tolist()
+        qs = q_x.tolist() if q_x is not None else [[1.0] * d] * b
+        counts = []
+        for r in range(b):
+            c = 0
+            while c < real[r] and us[r][c] * qs[r][c] < ps[r][c]:
+                c += 1
+            counts.append(c)
+        count = torch.tensor(counts, device=device)
+        rejected = torch.tensor([c < n for c, n in zip(counts, real, strict=True)], device=device)
+    else:
+        positions = torch.arange(d, device=device)[None, :]
+        valid = positions < (lengths[:, None] if lengths is not None else d)  # [B, d]
+        q_ones = q_x if q_x is not None else torch.ones_like(p_x)
+        ok = (accept_u * q_ones < p_x) & valid  # u < p(x)/q(x), i.e. accept with probability min(1, p/q)
+        count = ok.long().cumprod(dim=1).sum(dim=1)  # [B] accepted prefix length
+        rejected = count < valid.sum(dim=1)  # stopped at a real draft (else: bonus token)
     p_next = p[rows, count].float()  # [B, V] distribution after the accepted prefix
-    rejected = count < valid.sum(dim=1)  # stopped at a real draft (else: bonus token)
     at = count.clamp(max=d - 1)
     if q is not None:
         q_next = q[rows, at].float()
@@ -237,5 +377,6 @@ def accept_chain(
     empty = residual.sum(dim=1, keepdim=True) <= 0
     residual = torch.where(empty, p_next, residual)
     next_token = sample_from(residual, residual_u)
+    positions = torch.arange(d, device=device)[None, :]
     path = torch.where(positions < count[:, None], positions + 1, torch.zeros_like(positions)).expand(b, d)
     return Verdict(path, count, next_token, count)
