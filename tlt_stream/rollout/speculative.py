@@ -35,10 +35,8 @@ class RoundOutcome:
     """`[B, A+1, H]` the target hidden state that produced each emitted token (padded past the row's count)."""
     drafted: int
     """Nodes verified per row."""
-    path: torch.Tensor
-    """`[B, A]` the accepted draft nodes in order (1-based node indices; 0 past `count`)."""
-    count: torch.Tensor
-    """`[B]` drafted tokens accepted per row."""
+    path: list[list[int]]
+    """The accepted draft nodes of each row in order (1-based node indices); as many as it accepted."""
 
 
 def _uniforms(generators: list[torch.Generator | None], greedy: list[bool], shape: tuple[int, ...]) -> torch.Tensor:
@@ -116,39 +114,53 @@ def verify_round(
     tree = proposal.tree
     b, n = tree.tokens.shape
     device = model.device
+    structure = tree.structure  # shared by every tree of this shape (`acceptance.tree_structure`)
     tokens = tree.tokens.to(device)
     ids = torch.cat([last_tokens.to(device)[:, None], tokens], dim=1)  # [B, N+1]
-    positions = cache.lengths[:b, None] + tree.depths.to(device)  # [B, N+1]
-    hidden = model(ids, positions, cache, tree_mask=tree.ancestor_mask.to(device))  # [B, N+1, H]
+    positions = cache.lengths[:b, None] + structure.depths.to(device)  # [B, N+1]
+    hidden = model(ids, positions, cache, tree_mask=structure.ancestor_mask.to(device))  # [B, N+1, H]
     logits = model.logits(hidden).float()  # [B, N+1, V]
     temps = temperatures.to(device)
-    chain = tree.chain_lengths
+    chain = structure.chain_lengths
     logp = None  # [B, N+1, V] log p at the sampling temperature (T = 0 rows: at T = 1, see `sampling`)
     if chain is not None and not bool((temps > 0).any()):  # greedy chains compare argmaxes, nothing more
         verdict = _greedy_chain(logits, tokens, chain.to(device))
     else:
         logp = target_logprobs(logits.view(b * (n + 1), -1), temps.repeat_interleave(n + 1)).view(b, n + 1, -1)
         verdict = _accept(logits, logp, proposal, temps, generators)
-    count = verdict.count  # [B]
-    # Commit the root and the accepted nodes (node indices are offsets after the committed entries). A
-    # chain's accepted prefix already sits right after the root, so committing it is just advancing.
-    sources = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), verdict.path], dim=1)  # [B, A+1]
-    if tree.chain_lengths is not None:
-        cache.advance(count + 1)
+    # One host copy of the verdict; what follows is per emitted token, a handful per row.
+    counts = verdict.count.tolist()
+    paths = [row[:c] for row, c in zip(verdict.path.tolist(), counts, strict=True)]
+    drafted = tree.tokens.tolist()
+    emitted = [
+        [drafted[r][node - 1] for node in path] + [token]
+        for r, (path, token) in enumerate(zip(paths, verdict.next_token.tolist(), strict=True))
+    ]
+    # Emitted token j was drawn from the distribution at node sources[j]: the root, then each accepted node.
+    width = max(counts) + 1
+    sources = torch.tensor([[0, *path] + [0] * (width - 1 - len(path)) for path in paths], device=device)
+    # Commit the root and the accepted nodes (node indices are offsets after the committed entries). A path
+    # that is the tree's leading chain (always, for chains) already sits right after the root: just advance.
+    if all(path == list(range(1, len(path) + 1)) for path in paths):
+        cache.advance(verdict.count + 1)
     else:
-        cache.compact(b, sources, count + 1)
-    # Emitted token j was drawn from the distribution at sources[j]: the root, then each accepted node.
-    emitted = torch.cat([tokens.gather(1, (verdict.path - 1).clamp(min=0)), verdict.next_token[:, None]], dim=1)
-    emitted.scatter_(1, count[:, None], verdict.next_token[:, None])  # the next token right after the path
-    rows = torch.arange(b, device=device)[:, None]
+        cache.compact(b, sources, verdict.count + 1)
+    at = torch.tensor(
+        [
+            [r for r, row in enumerate(emitted) for _ in row],
+            [node for path in paths for node in (0, *path)],
+            [token for row in emitted for token in row],
+        ],
+        device=device,
+    )  # [3, M]: (row, source node, token) of every emitted token
     if logp is None:  # only the distributions the emitted tokens came from
-        a = sources.shape[1]
-        at = logits[rows, sources].view(b * a, -1)  # [B*(A+1), V]
-        logp_at = target_logprobs(at, temps.repeat_interleave(a)).view(b, a, -1)
+        lp = target_logprobs(logits[at[0], at[1]], temps[at[0]]).gather(1, at[2, :, None]).squeeze(1)  # [M]
     else:
-        logp_at = logp[rows, sources]  # [B, A+1, V]
-    lp = logp_at.gather(2, emitted[..., None]).squeeze(-1)  # [B, A+1] log softmax(logits / T) at the token
-    counts = (count + 1).tolist()
-    out_tokens = [row[:c] for row, c in zip(emitted.tolist(), counts, strict=True)]
-    out_logprobs = [row[:c] for row, c in zip(lp.tolist(), counts, strict=True)]
-    return RoundOutcome(out_tokens, out_logprobs, hidden[rows, sources], n, verdict.path, count)
+        lp = logp[at[0], at[1], at[2]]  # [M] log softmax(logits / T) at the token
+    flat = lp.tolist()
+    logprobs, start = [], 0
+    for row in emitted:
+        logprobs.append(flat[start : start + len(row)])
+        start += len(row)
+    rows = torch.arange(b, device=device)[:, None]
+    return RoundOutcome(emitted, logprobs, hidden[rows, sources], n, paths)
