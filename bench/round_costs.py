@@ -1,14 +1,22 @@
 """Where a speculative round's time goes at batch 1 (issue 23 point 4: the round's own cost is the ceiling
 once drafting is nearly free): per round, milliseconds in drafting (`proposer.propose`), the target's verify
-forward, acceptance (`speculative._accept`), and everything else (the rest of `verify_round`: ids, positions,
-the ancestor mask, logits, log-probabilities, KV commit; and the engine's per-token bookkeeping: appends, stop
-checks, observing the committed tokens, per-source counts), against one plain decode step.
+forward, acceptance (`speculative._accept`), the rest of `verify_round` (ids, positions, the tree's mask and
+depths, logits, log-probabilities, the KV commit, the emitted tokens and their logprobs) and the engine's
+bookkeeping around it (appends, stop checks, observing the committed tokens, per-source counts), against one
+plain decode step.
 
 Timers wrap the engine's pieces from outside (nothing in the engine is changed for measuring), on the tiny
 world's policy and drafter, the last row of a group (7 siblings finished, remembered by the group source),
-T = 1, EOS stops, 4 long held-out prompts per arm.
+T = 1, EOS stops, 4 long held-out prompts per arm. Times are the measuring thread's CPU time by default
+(`--clock cpu`: on a shared machine wall time mostly measures the neighbours; run it with `--threads 1`, so
+every op runs on that thread), or wall time (`--clock wall`), tokens/s included.
+
+With `--baseline DIR` (another checkout, e.g. `git worktree add /tmp/rc-before HEAD~3`), the same timers run
+on both trees in fresh processes, alternated `--repeats` times, and the medians of each phase are printed
+side by side: a before/after measured in one run.
 
     python bench/round_costs.py [--world artifacts/world] [--prompts 4]
+    python bench/round_costs.py --threads 1 --baseline /tmp/rc-before --repeats 5
 
 Prints one JSON object.
 """
@@ -17,26 +25,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-
+def measure(args: argparse.Namespace) -> dict:
+    """One pass over the three arms with the package imported from `args.src`."""
+    sys.path.insert(0, str(Path(args.src).resolve()))
     import torch
 
     from tlt_stream.drafter.model import load_drafter
     from tlt_stream.model import load_model
+    from tlt_stream.rollout import engine as engine_module
     from tlt_stream.rollout import speculative
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
@@ -53,24 +60,26 @@ def main() -> None:
     prompts = [tokenizer(q.prompt, add_special_tokens=False)["input_ids"] for q in problems]
     eos = [tokenizer.eos_token_id]
     spent: dict[str, float] = defaultdict(float)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     def timed(name: str, fn):
         def wrapper(*a, **k):
-            started = time.perf_counter()
+            started = clock()
             try:
                 return fn(*a, **k)
             finally:
-                spent[name] += time.perf_counter() - started
+                spent[name] += clock() - started
 
         return wrapper
 
     forward = policy.forward
     speculative._accept = timed("accept", speculative._accept)
+    engine_module.verify_round = timed("verify", engine_module.verify_round)
     out = {}
     for name, arm in (("plain", None), ("eagle", Arm.drafter(6, 1, 6)), ("group", Arm.group_source(12, 12))):
         spent.clear()
         rounds = tokens = 0
-        wall = 0.0
+        elapsed = 0.0
         for i, prompt in enumerate(prompts):
             proposer = None
             if name == "eagle":
@@ -84,22 +93,81 @@ def main() -> None:
             if proposer is not None:
                 proposer.propose = timed("drafting", proposer.propose)
             policy.forward = timed("target_forward", forward)  # instance attribute: this model only
-            started = time.perf_counter()
+            started = clock()
             (result,) = engine.generate([prompt], 256, 1.0, seed=i, eos_ids=eos)
-            wall += time.perf_counter() - started
+            elapsed += clock() - started
             del policy.forward
             rounds += engine.rounds + engine.plain_steps
             tokens += len(result.token_ids)
-        per_round = {k: round(1e3 * v / rounds, 3) for k, v in spent.items()}
-        per_round["total"] = round(1e3 * wall / rounds, 3)
-        per_round["other"] = round(per_round["total"] - sum(v for k, v in per_round.items() if k != "total"), 3)
+        ms = {k: 1e3 * v / rounds for k, v in spent.items()}
+        total = 1e3 * elapsed / rounds
+        per_round = {"total": total, "target_forward": ms["target_forward"]}
+        if name == "plain":
+            per_round["other"] = total - ms["target_forward"]
+        else:
+            verify = ms.pop("verify")
+            per_round |= {
+                "drafting": ms["drafting"],
+                "accept": ms["accept"],
+                "verify_rest": verify - ms["target_forward"] - ms["accept"],
+                "engine": total - verify - ms["drafting"],
+            }
         out[name] = {
-            "ms_per_round": per_round,
+            "ms_per_round": {k: round(v, 3) for k, v in per_round.items()},
             "tokens_per_round": round(tokens / rounds, 2),
-            "tokens_per_s": round(tokens / wall, 1),
+            "tokens_per_s": round(tokens / elapsed, 1),
         }
-        print(f"[round_costs] {name}: {out[name]}", file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "round_costs", "batch": 1, "temperature": 1.0, "arms": out}))
+        print(f"[round_costs] {args.src} {name}: {out[name]}", file=sys.stderr, flush=True)
+    return out
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Both trees in fresh processes, alternated; medians of every figure per tree."""
+    runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+    command = [sys.executable, str(Path(__file__).resolve()), "--world", args.world, "--prompts", str(args.prompts)]
+    command += ["--threads", str(args.threads), "--clock", args.clock]
+    for _ in range(args.repeats):
+        for label, src in (("baseline", args.baseline), ("current", str(ROOT))):
+            done = subprocess.run([*command, "--src", src], check=True, capture_output=True, text=True)
+            runs[label].append(json.loads(done.stdout)["arms"])
+            print(f"[round_costs] {label}: {runs[label][-1]}", file=sys.stderr, flush=True)
+    medians: dict[str, dict] = {}
+    for label, passes in runs.items():
+        medians[label] = {}
+        for arm in passes[0]:
+            phases = passes[0][arm]["ms_per_round"]
+            medians[label][arm] = {
+                "ms_per_round": {
+                    k: round(statistics.median(p[arm]["ms_per_round"][k] for p in passes), 3) for k in phases
+                },
+                "tokens_per_round": round(statistics.median(p[arm]["tokens_per_round"] for p in passes), 2),
+                "tokens_per_s": round(statistics.median(p[arm]["tokens_per_s"] for p in passes), 1),
+            }
+    return medians
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: this thread's CPU time (steady on a shared machine; with --threads 1 every op runs on it)",
+    )
+    p.add_argument("--src", default=str(ROOT), help="checkout whose tlt_stream is measured")
+    p.add_argument("--baseline", help="another checkout to measure alternately with this one")
+    p.add_argument("--repeats", type=int, default=3, help="alternations with --baseline (medians reported)")
+    args = p.parse_args()
+    report = {"benchmark": "round_costs", "batch": 1, "temperature": 1.0, "threads": args.threads, "clock": args.clock}
+    report["machine"] = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
+    if args.baseline:
+        report |= {"repeats": args.repeats, "baseline": args.baseline, "arms": compare(args)}
+    else:
+        report["arms"] = measure(args)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":
