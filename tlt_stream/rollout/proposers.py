@@ -360,17 +360,13 @@ class NgramProposer:
 
 def pad_trees(rows: list[tuple[list[int], list[int]]], sources: list[list[int]] | None = None) -> Proposal:
     """Per-row (tokens, parents) lists as one `DraftTree`, rows padded with padding nodes (parent -1)."""
-    batch = len(rows)
     width = max(1, max(len(tokens) for tokens, _ in rows))
-    tok = torch.zeros(batch, width, dtype=torch.long)
-    par = torch.full((batch, width), -1, dtype=torch.long)
-    src = torch.zeros(batch, width, dtype=torch.uint8) if sources is not None else None
-    for b, (tokens, parents) in enumerate(rows):
-        if tokens:
-            tok[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            par[b, : len(parents)] = torch.tensor(parents, dtype=torch.long)
-            if sources is not None:
-                src[b, : len(tokens)] = torch.tensor(sources[b], dtype=torch.uint8)
+    pad = [width - len(tokens) for tokens, _ in rows]
+    tok = torch.tensor([tokens + [0] * n for (tokens, _), n in zip(rows, pad, strict=True)], dtype=torch.long)
+    par = torch.tensor([parents + [-1] * n for (_, parents), n in zip(rows, pad, strict=True)], dtype=torch.long)
+    src = None
+    if sources is not None:
+        src = torch.tensor([bits + [0] * n for bits, n in zip(sources, pad, strict=True)], dtype=torch.uint8)
     return Proposal(DraftTree(tok, par), sources=src)
 
 
