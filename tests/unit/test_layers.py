@@ -23,7 +23,7 @@ LAYERS = {
     "commands": 4,
 }
 CORES = {"model", "rollout", "drafter", "rl", "tasks", "store"}
-BASICS = {"__init__", "common", "config", "messages", "errors", "aio", "progress"}
+BASICS = {"__init__", "common", "config", "messages", "errors", "aio", "progress", "failpoints"}
 TRANSPORTS = ("redis", "aiomqtt", "fakeredis", "amqtt", "paho")
 """Third-party packages only the bus (and the layers above it) may import."""
 

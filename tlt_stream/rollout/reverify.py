@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt_stream.failpoints import failpoint
 from tlt_stream.model.cache import KVCache
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import greedy_onehot, sample_from
@@ -167,6 +168,7 @@ def verify_rows(
     hidden = model(
         ids.to(device), positions, cache, num_new=None if min(lens) == t else num_new, first_slot=first_slot
     )  # [B, T, H]
+    failpoint("rollout.reverify")  # fault tests: die here, the new weights in, the rows' caches half rebuilt
 
     # p(x_i | x_<i) for every old token: state n - 1 + i produced x_{i+1}.
     rows = torch.repeat_interleave(torch.arange(b), torch.tensor(k))  # [M]
