@@ -50,45 +50,50 @@ def test_policy_loads_in_transformers_and_the_runtime_with_matching_logits(world
     assert drafter.bound
 
 
-def test_bootstrap_is_deterministic_and_skips_finished_work(world: Path, tmp_path: Path) -> None:
+def test_bootstrap_is_deterministic_and_skips_finished_work(tiny: str, tmp_path: Path) -> None:
+    world = tmp_path / "world"
+    first = bootstrap(world, seed=3, size=tiny)
     marker = world / "bootstrap.json"
     before = marker.stat().st_mtime_ns
-    record = bootstrap(world, seed=3, size="small")
-    assert marker.stat().st_mtime_ns == before and record == json.loads(marker.read_text())
+    record = bootstrap(world, seed=3, size=tiny)
+    assert marker.stat().st_mtime_ns == before and record == first == json.loads(marker.read_text())
     again = tmp_path / "again"
-    bootstrap(again, seed=3, size="small")
+    bootstrap(again, seed=3, size=tiny)
     for part in ("policy", "drafter"):
         a, b = load_file(world / part / "model.safetensors"), load_file(again / part / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{part} differs for one seed"
 
 
 def test_a_change_in_the_drafter_settings_alone_retrains_only_the_drafter(
-    world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(path / "model.safetensors")
 
     old = tmp_path / "old"
-    shutil.copytree(world, old)
+    bootstrap(old, seed=3, size=tiny)
+    first_policy, first_drafter = tensors(old / "policy"), tensors(old / "drafter")
     policy_files = {f: f.stat().st_mtime_ns for f in (old / "policy").iterdir()}
-    small = bootstrap_module.SIZES["small"]
+    settings = bootstrap_module.SIZES[tiny]
     monkeypatch.setitem(
-        bootstrap_module.SIZES, "small", dataclasses.replace(small, drafter_steps=small.drafter_steps + 5)
+        bootstrap_module.SIZES, tiny, dataclasses.replace(settings, drafter_steps=settings.drafter_steps + 5)
     )
-    record = bootstrap(old, seed=3, size="small")
-    assert record["policy_kept"] and record["settings"]["drafter_steps"] == small.drafter_steps + 5
+    record = bootstrap(old, seed=3, size=tiny)
+    assert record["policy_kept"] and record["settings"]["drafter_steps"] == settings.drafter_steps + 5
     assert {f: f.stat().st_mtime_ns for f in (old / "policy").iterdir()} == policy_files  # not rewritten
     assert json.loads((old / "bootstrap.json").read_text()) == record
     fresh = tmp_path / "fresh"
-    bootstrap(fresh, seed=3, size="small")  # the same settings from nothing: the same drafter
+    bootstrap(fresh, seed=3, size=tiny)  # the same settings from nothing: the same drafter
     a, b = tensors(old / "drafter"), tensors(fresh / "drafter")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(a[k], v) for k, v in tensors(world / "drafter").items())
+    assert any(not torch.equal(a[k], v) for k, v in first_drafter.items())
 
-    monkeypatch.setitem(bootstrap_module.SIZES, "small", dataclasses.replace(small, sft_steps=small.sft_steps + 1))
-    record = bootstrap(old, seed=3, size="small")  # a policy setting changed: everything is rebuilt
+    monkeypatch.setitem(
+        bootstrap_module.SIZES, tiny, dataclasses.replace(settings, sft_steps=settings.sft_steps + 1)
+    )
+    record = bootstrap(old, seed=3, size=tiny)  # a policy setting changed: everything is rebuilt
     assert "policy_kept" not in record
-    assert any(not torch.equal(tensors(old / "policy")[k], v) for k, v in tensors(world / "policy").items())
+    assert any(not torch.equal(tensors(old / "policy")[k], v) for k, v in first_policy.items())
 
 
 def test_eval_reports_accuracy_lengths_and_acceptance(world: Path) -> None:
