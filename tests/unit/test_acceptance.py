@@ -322,14 +322,15 @@ def random_parents(g: torch.Generator, b: int, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_cached_tree_structure_equals_a_fresh_one(seed: int) -> None:
-    """Every shape the proposers produce (random trees with padding, chains of every length, widths 1..16,
-    batches 1..5): the cached structure is the same as one built afresh and as plain parent-following;
-    a second lookup returns the cached one."""
+    """Every shape the proposers produce (random trees with padding, chains, widths 1..16, batches 1..32):
+    the cached structure is the same as one built afresh and as plain parent-following; a second lookup
+    returns the cached one (small batches; large ones are built each time)."""
     g = torch.Generator().manual_seed(seed)
-    for b, n in itertools.product([1, 2, 5], [1, 3, 8, 16]):
+    for b, n in itertools.product([1, 2, 5, 32], [1, 3, 8, 16]):
         for parents in (random_parents(g, b, n), DraftTree.chain(torch.zeros(b, n, dtype=torch.long)).parents):
             cached = tree_structure(parents)
-            assert tree_structure(parents.clone()) is cached
+            kept = b * n <= 256  # larger batches are built every time, not kept
+            assert (tree_structure(parents.clone()) is cached) == kept, (b, n)
             fresh = build_structure(parents)
             for name in ("ancestor_mask", "depths", "children"):
                 assert torch.equal(getattr(cached, name), getattr(fresh, name)), (b, n, name)

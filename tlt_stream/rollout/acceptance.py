@@ -19,8 +19,11 @@ greedy decoding. Randomness comes from caller-supplied uniforms, so the function
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,23 +56,43 @@ class TreeStructure:
     """`[B]` real nodes per row when every row is a chain (padding only at its end), else None."""
 
 
-_MAX_STRUCTURES = 1024
-_structures: OrderedDict[tuple, TreeStructure] = OrderedDict()
-"""Shapes built so far, least recently used first: the key is the parents' device, shape and bytes."""
+class _ShapeCache:
+    """A bounded LRU of structures by shape, shared by every engine of the process (threads included). Only
+    small batches are kept (at most `max_nodes` nodes over the batch): they are the ones whose shapes
+    repeat, and whose round is short enough for the build to matter; the bound keeps memory to a few MB."""
+
+    def __init__(self, max_entries: int = 512, max_nodes: int = 256) -> None:
+        self.max_entries, self.max_nodes = max_entries, max_nodes
+        self._entries: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, nodes: int, build: Callable[[], Any]) -> Any:
+        if nodes > self.max_nodes:
+            return build()
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                return found
+        found = build()
+        with self._lock:
+            self._entries[key] = found
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return found
+
+
+_structures = _ShapeCache()
+"""Tree structures by the parents' device, dtype, shape and bytes."""
+_chains = _ShapeCache()
+"""Chains (their parents and structure) by device, batch, nodes and lengths."""
 
 
 def tree_structure(parents: torch.Tensor) -> TreeStructure:
-    """The structure of a tree with `parents [B, N]`, built on the first sight of this shape (an LRU of
-    `_MAX_STRUCTURES` shapes). A key costs one small host copy of `parents`."""
+    """The structure of a tree with `parents [B, N]`, built on the first sight of this shape (`_ShapeCache`).
+    A key costs one small host copy of `parents`."""
     key = (parents.device, parents.dtype, tuple(parents.shape), parents.cpu().numpy().tobytes())
-    found = _structures.get(key)
-    if found is not None:
-        _structures.move_to_end(key)
-        return found
-    found = _structures[key] = build_structure(parents)
-    if len(_structures) > _MAX_STRUCTURES:
-        _structures.popitem(last=False)
-    return found
+    return _structures.get(key, parents.numel(), lambda: build_structure(parents))
 
 
 def build_structure(parents: torch.Tensor) -> TreeStructure:
@@ -98,17 +121,15 @@ def build_structure(parents: torch.Tensor) -> TreeStructure:
     )
 
 
-_chains: OrderedDict[tuple, tuple[torch.Tensor, TreeStructure]] = OrderedDict()
-"""Chains built so far, by (device, batch, nodes, lengths): their parents and structure."""
-
-
 def _chain(b: int, n: int, lengths: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, TreeStructure]:
     """Parents and structure of a chain per row whose first `lengths[b]` nodes are real (cached by shape)."""
     key = (device, b, n, None if lengths is None else tuple(lengths.tolist()))
-    found = _chains.get(key)
-    if found is not None:
-        _chains.move_to_end(key)
-        return found
+    return _chains.get(key, b * n, lambda: _build_chain(b, n, lengths, device))
+
+
+def _build_chain(
+    b: int, n: int, lengths: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, TreeStructure]:
     node = torch.arange(n + 1, device=device)
     limit = lengths.to(device)[:, None] if lengths is not None else torch.full((b, 1), n, device=device)
     real = node[None, :] <= limit  # [B, N+1], root included
@@ -118,10 +139,7 @@ def _chain(b: int, n: int, lengths: torch.Tensor | None, device: torch.device) -
     depths = torch.where(real, node[None, :], torch.zeros_like(node[None, :]))
     children = torch.where(real[:, 1:], node[None, 1:], torch.full_like(node[None, 1:], -1))  # [B, N]
     children = torch.cat([children, torch.full((b, 1), -1, device=device, dtype=children.dtype)], dim=1)
-    found = _chains[key] = (parents.contiguous(), TreeStructure(mask, depths, children[..., None], real[:, 1:].sum(1)))
-    if len(_chains) > _MAX_STRUCTURES:
-        _chains.popitem(last=False)
-    return found
+    return parents.contiguous(), TreeStructure(mask, depths, children[..., None], real[:, 1:].sum(1))
 
 
 @dataclass(frozen=True)

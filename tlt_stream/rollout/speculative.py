@@ -6,6 +6,14 @@ and at every node then decides, by the rules in `acceptance`, which path survive
 it; the accepted path's K/V are compacted right after the committed entries (the rest is dropped by not
 advancing over it). The emitted tokens carry the target's log-probabilities and the hidden state that
 produced each of them, exactly as plain decoding would report them.
+
+At small batches on CPU a round is mostly per-op overhead, so the tree's structure is looked up, not built
+(`acceptance.tree_structure`), acceptance walks on the host, and the verdict is copied to the host once.
+On an accelerator, CUDA graphs are the next step (issue 23 point 4; a hook, unverified: no GPU was
+available): the verify forward, `target_logprobs` and the loop-free `acceptance._judge_tree` have static
+shapes per (batch, N, K); what keeps them out of one captured graph today are the host reads (the greedy
+chain test, `_judge_tree`'s path width, `attention_context`'s length range) and the per-row generators of
+`_uniforms`. Capture would wrap everything in `verify_round` up to the verdict, per shape.
 """
 
 from __future__ import annotations
