@@ -6,7 +6,8 @@ A failpoint is that window made addressable: the code calls `failpoint("rollout.
 and the environment says what happens there.
 
     TLT_FAILPOINTS="rollout.reverify=kill"                  every process that gets there dies (SIGKILL)
-    TLT_FAILPOINTS="rollout.reverify=kill:once=/tmp/tok"    only the first one (the one that creates /tmp/tok)
+    TLT_FAILPOINTS="rollout.reverify=kill:once=/tmp/d/tok"  only the first one (the one that creates tok),
+                                                            and only once /tmp/d exists (the harness arms it)
     TLT_FAILPOINTS="a=stop,b=kill"                          `stop`: SIGSTOP itself (the harness decides what next)
 
 A line `failpoint <name>: <action>` goes to stderr, flushed, before the action, so the harness can tell
@@ -54,7 +55,7 @@ def failpoint(name: str) -> None:
     if once is not None:
         try:  # the first process to create the token takes the fault; the others go on
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
+        except (FileExistsError, FileNotFoundError):  # taken, or not armed yet (no directory)
             return
     print(f"failpoint {name}: {action}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), ACTIONS[action])

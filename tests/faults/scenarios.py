@@ -75,6 +75,34 @@ def _drafts_reclaimed(run: FaultRun, result: AuditResult) -> None:
     _victim_reclaimed(run, result)
 
 
+REVERIFY_FAILPOINT = "failpoint rollout.reverify: kill"
+
+
+@contextlib.asynccontextmanager
+async def reverify_failpoint(run: FaultRun) -> AsyncIterator[None]:
+    """The first worker to re-verify rows under a new policy once the injection armed the failpoint (made
+    its token's directory) dies there (SIGKILL from inside `load_policy`: `tlt_stream.failpoints`); the
+    others, sharing the token file, go on."""
+    run.env["TLT_FAILPOINTS"] = f"rollout.reverify=kill:once={run.plan.run_dir / 'failpoints' / 'reverify'}"
+    yield
+
+
+async def kill_worker_reverifying(run: FaultRun, servers: PrivateServers) -> float:
+    """Partial rollouts: a worker dies inside `load_policy(reverify=True)`, after the new weights went in and
+    its rows' KV caches were half rebuilt, before any row's outcome was committed or sent. The other worker
+    must reclaim every group it held (drafts and re-verified rows alike) and the run stay on-policy."""
+    (run.plan.run_dir / "failpoints").mkdir()  # armed: the next re-verification anywhere is the last
+    deadline = time.monotonic() + 120
+    while (victim := next((w for w in _rollouts(run) if REVERIFY_FAILPOINT in run.log_text(w)), None)) is None:
+        assert time.monotonic() < deadline, "no worker reached the re-verification failpoint"
+        await asyncio.sleep(0.05)
+    started = time.monotonic()
+    run.exit_codes[victim] = -signal.SIGKILL  # it kills itself, exactly there
+    assert await run.wait_exit(victim, 30) == -signal.SIGKILL
+    run.notes["victim"] = victim
+    return await _next_version_after(run, started)
+
+
 async def kill_worker_generating(run: FaultRun, servers: PrivateServers) -> float:
     worker = await run.wait_any("GENERATING", 60)
     await run.kill(worker)  # its task stays pending; once its heartbeat expires the other worker reclaims it
@@ -585,6 +613,15 @@ SCENARIOS = [
         _drafts_reclaimed,
         env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
         extended=True,  # CI time (see EXTENDED_WHY)
+    ),
+    Scenario(
+        "kill9_rollout_reverifying",
+        "partial rollouts: a worker killed -9 inside load_policy's re-verification (a failpoint), new weights in",
+        kill_worker_reverifying,
+        {**LONG_ROLLOUTS, "policy.partial_rollouts": True, "policy.ahead_tokens": 16},
+        _victim_reclaimed,
+        env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
+        prepare=reverify_failpoint,
     ),
     Scenario(
         "kill9_rollout_training",

@@ -52,9 +52,9 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
     loads: list[tuple[bool, int]] = []  # (reverify, rows holding tokens) per load, as the test saw the calls
     original = GenerationEngine.load_policy
 
-    def spy(engine: GenerationEngine, path: object, *, reverify: bool = False) -> None:
+    def spy(engine: GenerationEngine, path: object, *, reverify: bool = False, **verified: object) -> None:
         loads.append((reverify, engine.num_parked + engine.num_running))
-        original(engine, path, reverify=reverify)
+        original(engine, path, reverify=reverify, **verified)
 
     monkeypatch.setattr(GenerationEngine, "load_policy", spy)
     keys = Keys(bus_config.run)

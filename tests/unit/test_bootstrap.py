@@ -88,9 +88,7 @@ def test_a_change_in_the_drafter_settings_alone_retrains_only_the_drafter(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], v) for k, v in first_drafter.items())
 
-    monkeypatch.setitem(
-        bootstrap_module.SIZES, tiny, dataclasses.replace(settings, sft_steps=settings.sft_steps + 1)
-    )
+    monkeypatch.setitem(bootstrap_module.SIZES, tiny, dataclasses.replace(settings, sft_steps=settings.sft_steps + 1))
     record = bootstrap(old, seed=3, size=tiny)  # a policy setting changed: everything is rebuilt
     assert "policy_kept" not in record
     assert any(not torch.equal(tensors(old / "policy")[k], v) for k, v in first_policy.items())

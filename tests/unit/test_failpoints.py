@@ -1,4 +1,5 @@
-"""Failpoints: a process dies exactly where the environment says, and with `once` only the first one."""
+"""Failpoints: a process dies exactly where the environment says; with `once`, only the first one, and only once
+the harness armed it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def test_parse_reads_actions_and_once_and_names_what_is_wrong() -> None:
 def test_a_process_dies_at_its_failpoint_and_once_lets_the_next_one_through(tmp_path: Path) -> None:
     assert _run(tmp_path, "other=kill").stdout == "went on\n"  # another point: nothing happens
 
-    token = tmp_path / "token"
+    token = tmp_path / "armed" / "token"
+    assert _run(tmp_path, f"a.b=kill:once={token}").stdout == "went on\n"  # not armed: no directory yet
+    token.parent.mkdir()
     first = _run(tmp_path, f"a.b=kill:once={token}")
     assert first.returncode == -signal.SIGKILL and "went on" not in first.stdout
     assert "failpoint a.b: kill" in first.stderr and token.exists()
