@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel for a laptop; on a GPU host use e.g. TORCH_SPEC="torch>=2.5,<2.15".
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the suite mostly waits on service processes and servers. The fault scenarios
+# share one worker (xdist_group "faults"); `make test XDIST=` runs everything in one process.
+XDIST ?= -n 2 --dist loadgroup
 
 .PHONY: demo test lint bench-quick clean
 
@@ -18,7 +21,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tlt-stream run
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -24,7 +24,8 @@ from tlt_stream.config import BusConfig, Config
 REAL_REDIS = os.environ.get("TLT_TEST_REDIS_URL")
 REAL_MQTT = os.environ.get("TLT_TEST_MQTT_URL")
 
-torch_threads = int(os.environ.get("TLT_TEST_TORCH_THREADS", "2"))
+# One thread per process under pytest-xdist (`make test` runs two workers on CI's two cores), two otherwise.
+torch_threads = int(os.environ.get("TLT_TEST_TORCH_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

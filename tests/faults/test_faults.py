@@ -149,6 +149,7 @@ def _params() -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("faults")  # under `make test`'s two xdist workers: one scenario (a whole run) at a time
 @pytest.mark.skipif(have_servers() is not None, reason=have_servers() or "")
 @pytest.mark.parametrize("scenario", _params())
 async def test_fault(scenario: Scenario, tmp_path: Path, init_policy: Path) -> None:
