@@ -13,7 +13,8 @@ every op runs on that thread), or wall time (`--clock wall`), tokens/s included.
 
 With `--baseline DIR` (another checkout, e.g. `git worktree add /tmp/rc-before HEAD~3`), the same timers run
 on both trees in fresh processes, alternated `--repeats` times, and the medians of each phase are printed
-side by side: a before/after measured in one run.
+side by side, with the median of the per-alternation ratios (current / baseline) of every phase: a
+before/after measured in one run.
 
     python bench/round_costs.py [--world artifacts/world] [--prompts 4]
     python bench/round_costs.py --threads 1 --baseline /tmp/rc-before --repeats 5
@@ -143,6 +144,14 @@ def compare(args: argparse.Namespace) -> dict:
                 "tokens_per_round": round(statistics.median(p[arm]["tokens_per_round"] for p in passes), 2),
                 "tokens_per_s": round(statistics.median(p[arm]["tokens_per_s"] for p in passes), 1),
             }
+    # Paired: each alternation's current / baseline, then the median (the machine's speed drifts between runs).
+    pairs = list(zip(runs["baseline"], runs["current"], strict=True))
+    medians["ratio"] = {}
+    for arm, figures in runs["baseline"][0].items():
+        medians["ratio"][arm] = {
+            k: round(statistics.median(c[arm]["ms_per_round"][k] / b[arm]["ms_per_round"][k] for b, c in pairs), 3)
+            for k in figures["ms_per_round"]
+        }
     return medians
 
 
