@@ -276,3 +276,58 @@ def test_a_flipped_byte_is_refused_by_the_worker_and_nothing_of_it_is_loaded(
     assert all(torch.equal(before[k], after[k]) for k in before), "no tensor of the damaged version was loaded"
     worker._load(announced[2])  # the next good version loads
     assert worker.policy == announced[2]
+
+
+# --- the zero-copy reader ----------------------------------------------------------------------------------
+
+
+def test_tensors_in_reads_every_dtype_as_safetensors_does_without_copying() -> None:
+    from safetensors.torch import load, save
+
+    from tlt_stream.store.weights import tensors_in
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "f32": torch.randn(3, 4, generator=g),
+        "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "i64": torch.arange(7),
+        "u8": torch.arange(9, dtype=torch.uint8).view(3, 3),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    data = bytearray(save(state, metadata={"format": "pt"}))
+    got, expected = tensors_in(data), load(bytes(data))
+    assert got.keys() == expected.keys() == state.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape and torch.equal(got[name], tensor)
+    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    assert base <= got["f32"].data_ptr() < base + len(data)  # a view of the bytes read, not a copy
+
+
+def test_tensors_in_refuses_headers_that_do_not_describe_the_bytes() -> None:
+    from safetensors.torch import save
+
+    from tlt_stream.store.weights import tensors_in
+
+    good = save({"a": torch.ones(4), "b": torch.zeros(4)})
+    n = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8 : 8 + n])
+
+    def with_header(h: dict) -> bytearray:
+        raw = json.dumps(h).encode()
+        return bytearray(len(raw).to_bytes(8, "little") + raw + good[8 + n :])
+
+    a, b = header["a"]["data_offsets"], header["b"]["data_offsets"]
+    cases = {
+        "shorter": bytearray(good[:5]),
+        "past the end": bytearray((10**9).to_bytes(8, "little") + good[8:]),
+        "not JSON": bytearray((3).to_bytes(8, "little") + b"{x:" + good[8 + n :]),
+        "do not hold": with_header({**header, "a": {**header["a"], "shape": [5]}}),
+        "overlap": with_header({**header, "b": {**header["b"], "data_offsets": [a[0] + 4, b[1] - 12]}}),
+        "out of range": with_header({**header, "b": {**header["b"], "data_offsets": [b[0] + 4, b[1] + 4]}}),
+    }
+    for words, data in cases.items():
+        with pytest.raises(ValueError, match=words):
+            tensors_in(data)

@@ -105,15 +105,19 @@ class _Digest:
         self.file = None
 
 
-def _read(root: Path, name: str, digest: _Digest, *, whole: bool) -> bytes | None:
+def _read(root: Path, name: str, digest: _Digest, *, whole: bool) -> bytearray | None:
     """Hash file `name` into `digest` in one read; its bytes when `whole`, else streamed in 1 MiB chunks."""
     with open(root / name, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         digest.start(name, size)
-        if whole:
-            data = f.read()
-            digest.update(data)
-            read = len(data)
+        if whole:  # into one buffer the caller may keep views of (no second copy)
+            data = bytearray(size)
+            view, read = memoryview(data), 0
+            while read < size and (got := f.readinto(view[read:])):
+                read += got
+            if read == size and f.read(1):
+                read += 1  # it grew while read: said below
+            digest.update(view[: min(read, size)])
         else:
             data, read = None, 0
             while chunk := f.read(_HASH_CHUNK):
@@ -147,7 +151,7 @@ def verify_directory(directory: Path | str, expected_sha256: str, *, scheme: Dig
 def read_verified(
     directory: Path | str,
     expected_sha256: str,
-    parse: Callable[[str, bytes], T | None],
+    parse: Callable[[str, bytearray], T | None],
     *,
     scheme: DigestScheme = "v1",
 ) -> dict[str, T]:

@@ -12,7 +12,10 @@ a tensor shared under several names (a tied LM head) is written once, under its 
 
 from __future__ import annotations
 
+import itertools
 import json
+import struct
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,20 @@ __all__ = [
     "unique_tensors",
     "write_weights",
 ]
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+"""safetensors dtype names this reader maps without a copy (others go through safetensors' own parser)."""
 
 SHARD_BYTES = 2 << 30
 """Largest shard: the writer holds one serialised shard in memory, a reader one file's bytes."""
@@ -103,11 +120,11 @@ def read_weights(directory: Path | str, expected_sha256: str, *, scheme: DigestS
     or config that does not parse."""
     out = PolicyWeights()
 
-    def parse(name: str, data: bytes) -> bool | None:
+    def parse(name: str, data: bytearray) -> bool | None:
         if name.endswith(".safetensors") and "/" not in name:
             try:
-                tensors = load(data)
-            except SafetensorError as exc:
+                tensors = tensors_in(data)
+            except (SafetensorError, ValueError) as exc:
                 raise ValueError(f"{directory}/{name}: unreadable safetensors ({exc})") from exc
             clash = out.tensors.keys() & tensors.keys()
             if clash:
@@ -118,6 +135,54 @@ def read_weights(directory: Path | str, expected_sha256: str, *, scheme: DigestS
         return None
 
     read_verified(directory, expected_sha256, parse, scheme=scheme)
+    return out
+
+
+def tensors_in(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file's bytes, as views of `data` (no copy: a loader copies them into
+    its model once). The format: an 8-byte little-endian header length, a JSON header of
+    {name: {dtype, shape, data_offsets}} (plus `__metadata__`), then the data. ValueError for a header that
+    does not describe the bytes (truncated, overlapping or out-of-range offsets, a size that is not the
+    shape's); a dtype this reader does not map, or a big-endian host, goes through safetensors' parser."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if n > len(data) - 8:
+        raise ValueError(f"header length {n} past the end of the file ({len(data)} bytes)")
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    header.pop("__metadata__", None)
+    if sys.byteorder != "little" or any(
+        not isinstance(v, dict) or v.get("dtype") not in _DTYPES for v in header.values()
+    ):
+        return load(bytes(data))
+    start, size = 8 + n, len(data) - 8 - n
+    out, spans = {}, []
+    for name, info in header.items():
+        dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= size:
+            raise ValueError(f"tensor {name}: offsets {begin}..{end} out of range of the data ({size} bytes)")
+        if end - begin != numel * itemsize:
+            raise ValueError(f"tensor {name}: offsets {begin}..{end} do not hold {info['dtype']}{shape}")
+        spans.append((begin, end, name))
+        flat = (
+            torch.frombuffer(data, dtype=dtype, count=numel, offset=start + begin)
+            if numel
+            else torch.empty(0, dtype=dtype)
+        )
+        out[name] = flat.view(shape)
+    spans.sort()
+    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
+        if begin < end:
+            raise ValueError(f"tensors {a} and {b} overlap")
     return out
 
 
