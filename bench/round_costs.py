@@ -3,7 +3,7 @@ once drafting is nearly free): per round, milliseconds in drafting (`proposer.pr
 forward, acceptance (`speculative._accept`), the rest of `verify_round` (ids, positions, the tree's mask and
 depths, logits, log-probabilities, the KV commit, the emitted tokens and their logprobs) and the engine's
 bookkeeping around it (appends, stop checks, observing the committed tokens, per-source counts), against one
-plain decode step.
+plain decode step; then `verify_round` alone with the target's forward stubbed (its own work, in µs).
 
 Timers wrap the engine's pieces from outside (nothing in the engine is changed for measuring), on the tiny
 world's policy and drafter, the last row of a group (7 siblings finished, remembered by the group source),
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """One pass over the three arms with the package imported from `args.src`."""
+    """One pass over the three arms, then `stubbed_verify`, with the package imported from `args.src`."""
     sys.path.insert(0, str(Path(args.src).resolve()))
     import torch
 
@@ -119,18 +119,57 @@ def measure(args: argparse.Namespace) -> dict:
             "tokens_per_s": round(tokens / elapsed, 1),
         }
         print(f"[round_costs] {args.src} {name}: {out[name]}", file=sys.stderr, flush=True)
+    return {"arms": out, "verify_round_stubbed_us": stubbed_verify(policy, torch)}
+
+
+def stubbed_verify(policy, torch) -> dict[str, float]:
+    """`verify_round`'s own work: µs per call (median of 5 x 300, wall clock) with the target's forward replaced
+    by a fixed hidden state, for a group chain and a group tree of 12 nodes and EAGLE's sampled 6-chain."""
+    from tlt_stream.rollout.acceptance import DraftTree
+    from tlt_stream.rollout.proposers import Proposal, pad_trees
+    from tlt_stream.rollout.speculative import verify_round
+
+    cache = policy.new_cache(1, 600)
+    vocab, hidden_size = policy.spec.vocab_size, policy.spec.hidden_size
+    g = torch.Generator().manual_seed(0)
+    states = {n: torch.randn(1, n, hidden_size, generator=g) * 0.3 for n in (7, 13)}
+    policy.forward = lambda ids, positions, cache, **kw: states[ids.shape[1]]
+    tokens = list(range(5, 17))
+    q = torch.softmax(torch.randn(1, 6, vocab, generator=g), dim=-1)
+    cases = {
+        "group_chain": lambda: pad_trees([(tokens, list(range(12)))], [[2] * 12]),
+        "group_tree": lambda: pad_trees([(tokens, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 3])], [[2] * 12]),
+        "eagle_chain": lambda: Proposal(DraftTree.chain(torch.tensor([tokens[:6]])), q),
+    }
+    out = {}
+    for name, make in cases.items():
+        medians = []
+        for _ in range(5):
+            times = []
+            for _ in range(300):
+                cache.lengths[0] = 100
+                proposal = make()
+                started = time.perf_counter()
+                verify_round(policy, cache, proposal, torch.tensor([3]), torch.tensor([1.0]), [g])
+                times.append(time.perf_counter() - started)
+            medians.append(statistics.median(times))
+        out[name] = round(1e6 * statistics.median(medians), 1)
+    del policy.forward
     return out
 
 
 def compare(args: argparse.Namespace) -> dict:
     """Both trees in fresh processes, alternated; medians of every figure per tree."""
     runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+    stubbed: dict[str, list[dict]] = {"baseline": [], "current": []}
     command = [sys.executable, str(Path(__file__).resolve()), "--world", args.world, "--prompts", str(args.prompts)]
     command += ["--threads", str(args.threads), "--clock", args.clock]
     for _ in range(args.repeats):
         for label, src in (("baseline", args.baseline), ("current", str(ROOT))):
             done = subprocess.run([*command, "--src", src], check=True, capture_output=True, text=True)
-            runs[label].append(json.loads(done.stdout)["arms"])
+            report = json.loads(done.stdout)
+            runs[label].append(report["arms"])
+            stubbed[label].append(report["verify_round_stubbed_us"])
             print(f"[round_costs] {label}: {runs[label][-1]}", file=sys.stderr, flush=True)
     medians: dict[str, dict] = {}
     for label, passes in runs.items():
@@ -152,7 +191,11 @@ def compare(args: argparse.Namespace) -> dict:
             k: round(statistics.median(c[arm]["ms_per_round"][k] / b[arm]["ms_per_round"][k] for b, c in pairs), 3)
             for k in figures["ms_per_round"]
         }
-    return medians
+    stubbed_medians = {
+        label: {k: round(statistics.median(p[k] for p in passes), 1) for k in passes[0]}
+        for label, passes in stubbed.items()
+    }
+    return {"arms": medians, "verify_round_stubbed_us": stubbed_medians}
 
 
 def main() -> None:
@@ -173,9 +216,9 @@ def main() -> None:
     report = {"benchmark": "round_costs", "batch": 1, "temperature": 1.0, "threads": args.threads, "clock": args.clock}
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
     if args.baseline:
-        report |= {"repeats": args.repeats, "baseline": args.baseline, "arms": compare(args)}
+        report |= {"repeats": args.repeats, "baseline": args.baseline} | compare(args)
     else:
-        report["arms"] = measure(args)
+        report |= measure(args)
     print(json.dumps(report))
 
 
