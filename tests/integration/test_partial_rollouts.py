@@ -135,3 +135,97 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
         for service in services:
             await asyncio.gather(service, return_exceptions=True)
         await redis.aclose()
+
+
+def greedy_mismatches(location: Path, prompt: list[int], response: list[int], margin: float = 1e-4) -> list[int]:
+    """Positions where `response` is not the greedy continuation of `prompt` under the checkpoint at `location`
+    (transformers): its token is not the argmax, unless the argmax's lead over it is below `margin` (a tie
+    that float rounding may break either way)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(location, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()  # [n, V]
+    chosen = logits.gather(1, torch.tensor(response)[:, None]).squeeze(1)
+    return [i for i, lead in enumerate((logits.max(dim=1).values - chosen).tolist()) if lead > margin]
+
+
+async def test_at_temperature_zero_every_sample_of_a_partial_run_is_its_versions_greedy_response(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
+) -> None:
+    """At T = 0 re-verification keeps a draft's token exactly when it is the new policy's argmax, so every
+    response of an on-policy run with partial rollouts is the greedy response of the version it is stamped
+    with, token for token, as transformers computes it: the samples a plain on-policy run would generate,
+    hence its accuracy curve (the transformers check would fail for a draft kept unverified, unless the update
+    changed none of its argmaxes). Re-verifying loads with rows holding tokens must really have run."""
+    loads: list[tuple[bool, int]] = []
+    original = GenerationEngine.load_policy
+
+    def spy(engine: GenerationEngine, path: object, *, reverify: bool = False, **verified: object) -> None:
+        loads.append((reverify, engine.num_parked + engine.num_running))
+        original(engine, path, reverify=reverify, **verified)
+
+    monkeypatch.setattr(GenerationEngine, "load_policy", spy)
+    keys = Keys(bus_config.run)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    await keep_for_audit(redis, keys)
+    planes = {
+        role: ControlPlane(bus_config, redis, role=role, owns=["policy"] if role == "learner" else [])
+        for role in ("learner", "policy", "rollout")
+    }
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(plane.run(stop)) for plane in planes.values()]
+    services: list[asyncio.Task[None]] = []
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(plane.connected.wait() for plane in planes.values()))
+        learner = LearnerService(
+            bus_config,
+            redis,
+            planes["learner"],
+            run_dir=tmp_path / "run",
+            init_policy=init_policy,
+            settings=LearnerRunSettings(groups_per_step=PROMPTS, max_staleness=0, keep_checkpoints=STEPS + 2),
+        )
+        dispatcher = PolicyService(
+            bus_config,
+            redis,
+            planes["policy"],
+            RepeatedAddSource(build_tokenizer(), seed=5),
+            prompts_per_step=PROMPTS,
+            group_size=GROUP,
+            total_steps=STEPS,
+            partial_rollouts=True,
+        )
+        settings = RolloutSettings(
+            max_batch=8, max_len=96, max_response_len=24, partial_rollouts=True, ahead_tokens=AHEAD, temperature=0.0
+        )
+        worker = RolloutWorker(bus_config, redis, planes["rollout"], worker_id="w0", reward=reward, settings=settings)
+        await learner.start()
+        services = [
+            asyncio.create_task(learner.run(stop, max_updates=STEPS)),
+            asyncio.create_task(dispatcher.run(stop)),
+            asyncio.create_task(worker.run(stop)),
+        ]
+        async with asyncio.timeout(180):
+            while not services[0].done():
+                running = [task for task in services if not task.done()]
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+        samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
+        assert len(samples) == STEPS * PROMPTS * GROUP and all(s.policy_version == s.step for s in samples)
+        locations = {info.step: info.policy_dir for info in complete_checkpoints(learner.checkpoints)}
+        for s in samples:
+            response = s.token_ids.to_torch().tolist()
+            assert response, s.sample_id
+            bad = greedy_mismatches(locations[s.policy_version], s.prompt_ids, response)
+            assert bad == [], f"{s.sample_id} (version {s.policy_version}) leaves greedy decoding at {bad}"
+        assert any(reverify and rows > 0 for reverify, rows in loads), loads
+        assert worker.engine.tokens_kept + worker.engine.tokens_discarded >= AHEAD, "no draft was re-verified"
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for service in services:
+            await asyncio.gather(service, return_exceptions=True)
+        await redis.aclose()

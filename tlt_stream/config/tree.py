@@ -172,11 +172,12 @@ class PolicyConfig(_Section, frozen=True):
     partial_rollouts: Annotated[
         bool,
         _doc(
-            "Lossless partial rollouts: dispatch step s + 1 one version early, as drafts a worker may start "
-            "under the version before (in slots the tail leaves free); each row is re-verified under the new "
-            "version when it arrives (speculative sampling with the old policy as the drafter) and only then "
-            "sent, so every sample is exactly on-policy for the version it is stamped with. Workers also "
-            "re-verify rows in flight at every new version instead of draining first. Torch engine only.",
+            "Lossless partial rollouts. Workers re-verify rows in flight at every new version instead of "
+            "draining first (speculative sampling with the old policy as the drafter), so every sample is "
+            "exactly on-policy for the version it is stamped with. With max_staleness 0 the policy service "
+            "also dispatches step s + 1 one version early, as drafts a worker may start under the version "
+            "before in the slots the tail leaves free, sent only once re-verified (with max_staleness > 0 "
+            "streaming fills the tail already and the window stays as it is). Torch engine only.",
         ),
     ] = False
     ahead_tokens: Annotated[

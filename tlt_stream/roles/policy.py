@@ -109,8 +109,12 @@ class PolicyService:
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.max_staleness = max_staleness
-        self.ahead = 1 if partial_rollouts else 0
-        """Steps dispatched ahead of the staleness window, as drafts of the version before (partial rollouts)."""
+        self.ahead = 1 if partial_rollouts and max_staleness == 0 else 0
+        """Steps dispatched ahead of the staleness window, as drafts of the version before (partial rollouts,
+        on-policy only). Streaming already fills the tail; one more step in flight there would let a group's
+        first samples age past the window while its tail runs (a run of (h) in bench/e2e.py dropped 14 of 128
+        groups as too stale with it, (c) none), so with max_staleness > 0 partial rollouts mean re-verifying
+        rows in flight at each new version only."""
         self.start_step = start_step
         """Where dispatch starts when Redis holds no cursor (a resumed run on fresh servers)."""
         self.total_steps = total_steps
