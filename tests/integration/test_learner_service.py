@@ -509,4 +509,6 @@ async def test_groups_dropped_as_too_stale_are_counted_with_their_response_lengt
     assert meta["extra"]["trained_groups"] == ["e", "f"], "the stale group was not trained"
     assert [line["stale_dropped_groups"] for line in lines] == [0.0, 0.0, 1.0]
     assert lines[2]["stale_dropped_len_mean"] == 10.0 and "stale_dropped_len_mean" not in lines[1]
+    # Recorded in Redis for the policy service to send again (tests/integration/test_dropped_groups.py).
+    assert await redis.hgetall(Keys(bus_config.run).dropped) == {b"old": b"0"}
     await redis.aclose()

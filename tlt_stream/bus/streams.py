@@ -81,6 +81,17 @@ class Keys:
         return f"{self.prefix}worker:{worker_id}"
 
     @property
+    def dropped(self) -> str:
+        """Hash: task id of a group the learner dropped as too stale -> its step (written once per task, so a
+        restarted learner that drops it again changes nothing); the policy service sends each one again."""
+        return f"{self.prefix}dropped"
+
+    @property
+    def replaced(self) -> str:
+        """Hash: dropped task id -> the task id the policy service sent in its place (with that XADD, atomically)."""
+        return f"{self.prefix}replaced"
+
+    @property
     def dead_counts(self) -> str:
         """Hash: stream name -> entries ever dead-lettered from it (the dead stream itself is bounded)."""
         return f"{self.prefix}dead_counts"

@@ -423,8 +423,12 @@ class LearnerService:
             return [delivery.entry_id]
         if offer.status == "stale":
             assert offer.group is not None
-            log.warning("dropped stale group %s", offer.group.task_id)
+            if offer.group.task_id not in self._dropped_tasks:
+                log.warning("dropped stale group %s", offer.group.task_id)
             self._note_dropped([offer.group])
+            # Before its entries are acked: the policy service sends the task again, so that a streaming run
+            # still gets the groups its steps need (nothing else would replace it, and the run would stall).
+            await self.redis.hsetnx(self.keys.dropped, offer.group.task_id, sample.step)
             return offer.group.entry_ids
         if offer.status == "ready":
             assert offer.group is not None

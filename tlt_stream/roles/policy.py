@@ -193,6 +193,53 @@ class PolicyService:
         await self.trim()
         return [r.decode() if isinstance(r, bytes) else r for r in replies]
 
+    async def replace_dropped(self) -> int:
+        """Send again, once each, the tasks the learner dropped as too stale (`Keys.dropped`, streaming only):
+        the same prompt under the task id `<id>.r`, asking for the newest policy version, recorded in
+        `Keys.replaced` in the same transaction (a restarted service sends none twice). Without this a
+        streaming run that dropped a group would wait for ever for the groups its last step needs. Returns
+        how many it sent."""
+        dropped = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.dropped)).items()}
+        if not dropped:
+            return 0
+        key = self.keys.stream("prompts")
+
+        async def transaction() -> int:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(self.keys.replaced)
+                done = {k.decode() for k in await pipe.hkeys(self.keys.replaced)}
+                todo = sorted(task for task in dropped if task not in done)
+                if not todo:
+                    return 0
+                version = max(0, self.control.version("policy"))
+                pipe.multi()
+                for task_id in todo:
+                    again = self._again(task_id, dropped[task_id], version)
+                    pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(again)})
+                    pipe.hset(self.keys.replaced, task_id, again.task_id)
+                await pipe.execute()
+                log.warning("sent %d group(s) again that the learner dropped as too stale: %s", len(todo), todo)
+                return len(todo)
+
+        return await retry(transaction, retry_on=(WatchError,), what="re-sending dropped groups", cap=4.0)
+
+    def _again(self, task_id: str, step: int, version: int) -> PromptGroup:
+        """Task `task_id` of step `step` (a dispatched `s{step}-{i}`, or a re-sent one: `...r`) sent again: the
+        same prompt (a pure function of (seed, step)), for policy `version` or newer."""
+        index = int(task_id.split(".")[0].rsplit("-", 1)[1])
+        prompt_id, text, prompt_ids, answer = self.source.prompts(step, self.prompts_per_step)[index]
+        return PromptGroup(
+            task_id=f"{task_id}.r",
+            prompt_id=prompt_id,
+            prompt_ids=prompt_ids,
+            answer=answer,
+            group_size=self.group_size,
+            min_policy_version=version,
+            step=step,
+            prompt_text=text,
+            fields=getattr(self.source, "fields", {}).get(prompt_id, {}),
+        )
+
     def _draft_version(self, step: int) -> int | None:
         """The version step `step`'s groups may start under as drafts (partial rollouts), or None."""
         wanted = max(0, step - self.max_staleness)
@@ -227,6 +274,8 @@ class PolicyService:
         checked every `CURSOR_CHECK_S`, and steps Redis lost are sent again."""
         step = await self.next_step()
         while not stop.is_set():
+            if self.max_staleness > 0:
+                await self.replace_dropped()
             if (at := await self.next_step()) < step:
                 step = await self._resend_from(at, step, stop)
                 continue
