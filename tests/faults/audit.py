@@ -76,6 +76,10 @@ class RunRecord:
     lost_samples: list[tuple[str, Any]] = field(default_factory=list)
     """`samples` entries the harness read from Redis before a fault made Redis lose them (its newest writes):
     the copies the learner may have trained, which the stream no longer shows."""
+    dropped: set[str] = field(default_factory=set)
+    """Tasks the learner dropped as too stale (its `dropped` record): their ids join a ledger untrained."""
+    replaced: dict[str, str] = field(default_factory=dict)
+    """Dropped task -> the task the policy service sent in its place (its `replaced` record)."""
 
 
 @dataclass
@@ -163,9 +167,13 @@ def audit(
             continue
         tasks[task.task_id] = task
     planned = {f"s{s:06d}-{i:04d}" for s in range(steps) for i in range(prompts_per_step)}
+    dropped = record.dropped
+    if unreplaced := sorted(t for t in dropped if record.replaced.get(t) not in tasks):
+        problems.append(f"dropped as too stale and never sent again: {unreplaced[:6]}")
+    planned |= {record.replaced[t] for t in dropped if t in record.replaced}  # a streaming run's re-sent groups
     if set(tasks) != planned:
         problems.append(f"dispatched {sorted(set(tasks) ^ planned)[:6]} (un)expectedly")
-    expected = {f"{t}/{i}" for t, task in tasks.items() for i in range(task.group_size)}
+    expected = {f"{t}/{i}" for t, task in tasks.items() for i in range(task.group_size) if t not in dropped}
     copies: dict[str, list[Any]] = {}
     newest: dict[str, int] = {}
     by_id = {entry_id: sample for entry_id, sample in [*record.lost_samples, *record.samples]}
@@ -179,7 +187,7 @@ def audit(
         if sample.policy_version < newest.get(sample.worker_id, -1):
             problems.append(f"{sample.worker_id}: {sample.sample_id} of version {sample.policy_version} after a newer")
         newest[sample.worker_id] = max(newest.get(sample.worker_id, -1), sample.policy_version)
-    if stray := sorted(set(copies) - expected):
+    if stray := sorted(s for s in set(copies) - expected if _task_of(s) not in dropped):
         problems.append(f"samples of no dispatched task: {stray[:6]}")
 
     points = record.checkpoints
@@ -193,6 +201,12 @@ def audit(
         if forgotten := before.ledger - after.ledger:
             problems.append(f"checkpoint {after.step}'s ledger lacks {len(forgotten)} ids of {before.step}'s")
         new = after.ledger - before.ledger
+        if stale := {s for s in new if _task_of(s) in dropped}:  # dropped in this update: ledgered, untrained
+            new -= stale
+            for sample_id in stale:
+                made_by = {c.policy_version for c in copies.get(sample_id, [])}
+                if made_by and all(0 <= after.step - 1 - v <= max_staleness for v in made_by):
+                    problems.append(f"update {after.step} dropped {sample_id} of versions {sorted(made_by)}: not stale")
         groups = set(after.trained_groups)
         if {_task_of(s) for s in new} != groups:
             problems.append(f"update {after.step} added {sorted({_task_of(s) for s in new} - groups)[:4]} "

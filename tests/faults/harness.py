@@ -440,6 +440,8 @@ class FaultRun:
                 groups = {_text(g["name"]): g for g in await redis.xinfo_groups(keys.stream(stream))}
                 pending[f"{stream}/{group}"] = int(groups[group]["pending"]) if group in groups else 0
             counts = {_text(k): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
+            dropped = {_text(k) for k in await redis.hkeys(keys.dropped)}
+            replaced = {_text(k): _text(v) for k, v in (await redis.hgetall(keys.replaced)).items()}
             mirrored = await redis.hget(keys.versions, "policy")
         entries = {s: [(_text(i), decode(s, f.get(b"m"))) for i, f in rows] for s, rows in streams.items()}
         checkpoints, set_aside = read_checkpoints(self.plan.run_dir / "checkpoints")
@@ -455,6 +457,8 @@ class FaultRun:
             checkpoints=checkpoints,
             set_aside=set_aside,
             lost_samples=[(i, decode("samples", payload)) for i, payload in self.lost_samples],
+            dropped=dropped,
+            replaced=replaced,
         )
 
     async def retained(self, kind: str, timeout: float = 5.0) -> Any:

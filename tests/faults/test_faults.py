@@ -180,3 +180,38 @@ async def test_fault(scenario: Scenario, tmp_path: Path, init_policy: Path) -> N
         row["hung_after_stop"] = sorted(run.hung_after_stop)  # a known open bug, recorded (see unclean_stops)
         with Path(os.environ["TLT_FAULTS_REPORT"]).open("a") as out:  # noqa: ASYNC230 - one small line
             out.write(json.dumps(row) + "\n")
+
+
+def _dropped_record(*, stale: bool = True, replaced: bool = True) -> RunRecord:
+    """Step 1's group came back made by version 0 (too stale for update 2 on-policy): the learner dropped it
+    (its ids in update 2's ledger, untrained) and trained the copy the policy service sent again."""
+    record = _record()
+    again = NS(task_id="s000001-0000.r", group_size=2)
+    made = 0 if stale else 1
+    record.samples = [
+        (i, NS(**{**vars(x), "policy_version": made}) if x.task_id == "s000001-0000" else x) for i, x in record.samples
+    ]
+    if replaced:
+        record.prompts.append(("2-0", again))
+        copy = {"task_id": again.task_id, "policy_version": 1, "worker_id": "w0"}
+        record.samples += [(f"{4 + i}-0", NS(sample_id=f"{again.task_id}/{i}", **copy)) for i in range(2)]
+        record.added = {"prompts": 3, "samples": 6}
+        two = record.checkpoints[2]
+        ledger = two.ledger | {f"{again.task_id}/0", f"{again.task_id}/1"}
+        record.checkpoints[2] = dataclasses.replace(two, ledger=ledger, trained_groups=(again.task_id,))
+        record.replaced = {"s000001-0000": again.task_id}
+    else:
+        record.checkpoints[2] = dataclasses.replace(record.checkpoints[2], trained_groups=())
+    record.dropped = {"s000001-0000"}
+    return record
+
+
+def test_the_audit_accepts_a_stale_group_dropped_and_sent_again_and_nothing_less() -> None:
+    result = audit(_dropped_record(), scenario="d", steps=2, prompts_per_step=1, max_staleness=0)
+    assert result.clean and result.lost == [] and result.trained == 4, result
+    for record, says in (
+        (_dropped_record(replaced=False), "never sent again"),
+        (_dropped_record(stale=False), "not stale"),
+    ):
+        result = audit(record, scenario="d", steps=2, prompts_per_step=1, max_staleness=0)
+        assert any(says in p for p in result.problems), result
