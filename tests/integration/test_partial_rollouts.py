@@ -23,16 +23,22 @@ from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
 from tlt_stream.messages import codec_for
 from tlt_stream.rl.checkpoint import complete_checkpoints
+from tlt_stream.rl.learner import LearnerSettings
 from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
 STEPS, PROMPTS, GROUP, AHEAD = 3, 2, 2, 6
+
+
+def varied_reward(response: str, answer: str) -> float:
+    """A reward that differs within a group (the test policy never solves the task: with the task's reward
+    every advantage is 0 and no update changes the policy, so nothing would tell versions apart)."""
+    return float(len(response) % 2)
 
 
 def hf_logprobs(location: Path, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
@@ -76,7 +82,14 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
             planes["learner"],
             run_dir=tmp_path / "run",
             init_policy=init_policy,
-            settings=LearnerRunSettings(groups_per_step=PROMPTS, max_staleness=0, keep_checkpoints=STEPS + 2),
+            # Updates large enough that consecutive versions' logprobs differ far beyond the tolerance below (the
+            # defaults barely move the test policy: a draft kept with its old logprobs would pass unnoticed).
+            settings=LearnerRunSettings(
+                groups_per_step=PROMPTS,
+                max_staleness=0,
+                keep_checkpoints=STEPS + 2,
+                learner=LearnerSettings(lr=1e-2, warmup_steps=0),
+            ),
         )
         dispatcher = PolicyService(
             bus_config,
@@ -91,7 +104,9 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
         settings = RolloutSettings(
             max_batch=8, max_len=96, max_response_len=24, partial_rollouts=True, ahead_tokens=AHEAD
         )
-        worker = RolloutWorker(bus_config, redis, planes["rollout"], worker_id="w0", reward=reward, settings=settings)
+        worker = RolloutWorker(
+            bus_config, redis, planes["rollout"], worker_id="w0", reward=varied_reward, settings=settings
+        )
         await learner.start()
 
         services = [
@@ -120,12 +135,17 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
         assert all(s.policy_version == s.step for s in samples), "each sample stamped with its step's version"
         # The stamp is true: every response's logprobs are its stamped version's, recomputed by transformers.
         locations = {info.step: info.policy_dir for info in complete_checkpoints(learner.checkpoints)}
+        moved: list[float] = []
         for s in samples:
             response = s.token_ids.to_torch().tolist()
             if not response:
                 continue
             expected_lp = hf_logprobs(locations[s.policy_version], s.prompt_ids, response, settings.temperature)
             torch.testing.assert_close(s.logprobs.to_torch(), expected_lp, atol=2e-4, rtol=1e-4)
+            if s.policy_version > 0:  # the check has power: the version before would have given other logprobs
+                older = hf_logprobs(locations[s.policy_version - 1], s.prompt_ids, response, settings.temperature)
+                moved.append(float((older - expected_lp).abs().max()))
+        assert moved and min(moved) > 1e-2, f"versions too alike for the check to see a stale draft: {moved}"
         # Drafts really ran ahead: versions 1.. were loaded re-verifying rows already holding tokens.
         assert any(reverify and rows > 0 for reverify, rows in loads), loads
         assert worker.engine.tokens_kept + worker.engine.tokens_discarded >= AHEAD
