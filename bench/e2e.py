@@ -12,6 +12,7 @@ Same tiny task, model, seed, prompts per step, group size and number of steps, i
                      as drafts of policy s in the tail's free slots and is re-verified when s+1 arrives; every
                      trained sample is exactly on-policy (staleness 0)
     (h) stream_partial (c) with partial rollouts: rows in flight re-verified at every new version
+    (g64) g64_sync_partial (g) with drafts stopping 64 tokens ahead (`policy.ahead_tokens`; default 512)
 
 (a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults (`tlt_stream.launch.RunPlan`), every service
 a separate process, every sample through Redis. (d) runs in this process on the same cores
@@ -57,6 +58,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (g), (h): (b), (c) with lossless partial rollouts (issue 24)
     "g_sync_partial": {"launch.sd": "eagle", "policy.max_staleness": 0, "policy.partial_rollouts": True},
     "h_stream_partial": {"launch.sd": "eagle", "policy.max_staleness": 1, "policy.partial_rollouts": True},
+    # (g) with drafts that stop 64 tokens ahead (the default lets them run 512: whole responses here)
+    "g64_sync_partial": {
+        "launch.sd": "eagle",
+        "policy.max_staleness": 0,
+        "policy.partial_rollouts": True,
+        "policy.ahead_tokens": 64,
+    },
 }
 GOALS = {
     "b_over_a": 1.7,
@@ -361,6 +369,7 @@ def main() -> None:
         "g_over_b": speedup("b_sync_tlt", "g_sync_partial"),
         "g_over_c": speedup("c_stream_tlt", "g_sync_partial"),
         "h_over_a": speedup("a_sync_plain", "h_stream_partial"),
+        "g64_over_a": speedup("a_sync_plain", "g64_sync_partial"),
     }
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "e2e.png")
