@@ -24,7 +24,8 @@ from tlt_stream.tasks import bootstrap as bootstrap_module
 from tlt_stream.tasks.bootstrap import MARKER, STAGING, bootstrap, unfinished
 from tlt_stream.tasks.evaluate import evaluate
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_bootstrap")]
 
 
 @pytest.fixture(scope="module")

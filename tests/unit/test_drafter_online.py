@@ -25,6 +25,9 @@ from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_drafter_online")
+
 SPEC = ModelSpec(
     "qwen2", vocab_size=29, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
 )

@@ -10,6 +10,9 @@ from tlt_stream.model import Transformer, load_model
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.sampling import sample, sample_with_uniforms, target_logprobs
 
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_engine_plain")
+
 VOCAB = 97
 
 

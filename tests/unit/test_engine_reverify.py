@@ -24,6 +24,9 @@ from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer
 
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_engine_reverify")
+
 
 def save_policy(out: Path, seed: int, **config: object) -> tuple[torch.nn.Module, Path]:
     torch.manual_seed(seed)

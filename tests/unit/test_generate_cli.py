@@ -15,6 +15,9 @@ from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.model import load_model
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_generate_cli")
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -27,7 +27,8 @@ from tlt_stream.rl.learner import LearnerSettings, deal_by_tokens
 from tlt_stream.rl.sharded import Trainer
 from tlt_stream.store.shards import piece, read_shards
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_sharded_learner")]
 
 ROOT = Path(__file__).parents[2]
 SETTINGS = LearnerSettings(lr=1e-2, micro_batch_tokens=24, max_grad_norm=0.5, final_norm_lr_scale=4.0)

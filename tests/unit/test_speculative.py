@@ -30,6 +30,9 @@ from tlt_stream.rollout.proposers import (
     Proposal,
 )
 
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_speculative")
+
 VOCAB = 41
 EOS = 0
 

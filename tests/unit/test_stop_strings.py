@@ -11,6 +11,9 @@ from transformers import PreTrainedTokenizerFast
 
 from tlt_stream.rollout.stops import StopStrings
 
+# One xdist worker runs this module, so its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_stop_strings")
+
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
