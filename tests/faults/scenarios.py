@@ -225,6 +225,39 @@ async def _restart_killed_learner(run: FaultRun) -> None:
     run.notes["lease"] = {"left_ms": left_ms, "taken_after_expiry_s": (before - expires, taken_by - expires)}
 
 
+OPTIMIZER_FAILPOINT = "failpoint learner.optimizer_write: kill"
+
+
+@contextlib.asynccontextmanager
+async def optimizer_write_failpoint(run: FaultRun) -> AsyncIterator[None]:
+    """The learner dies (SIGKILL, `tlt_stream.failpoints`) inside its first background optimizer write after
+    the injection armed the failpoint: the state written, not yet renamed into the checkpoint."""
+    run.env["TLT_FAILPOINTS"] = f"learner.optimizer_write=kill:once={run.plan.run_dir / 'failpoints' / 'optimizer'}"
+    yield
+
+
+async def kill_learner_writing_optimizer(run: FaultRun, servers: PrivateServers) -> float:
+    """Killed inside the background optimizer write: its version is published and its samples acked (the
+    policy, ledger and meta were durable first), the optimizer state is not. The restarted learner resumes
+    from that checkpoint with the previous one's moments, says so, and trains every sample once."""
+    (run.plan.run_dir / "failpoints").mkdir()  # armed: the next background write is the learner's last
+    deadline = time.monotonic() + 120
+    while OPTIMIZER_FAILPOINT not in run.log_text("learner"):
+        assert time.monotonic() < deadline, "the learner never reached the optimizer-write failpoint"
+        await asyncio.sleep(0.05)
+    assert await run.wait_exit("learner", 30) == -signal.SIGKILL
+    started = time.monotonic()
+    await _restart_killed_learner(run)
+    return await _next_version_after(run, started)
+
+
+def _older_moments_evidence(run: FaultRun, result: AuditResult) -> None:
+    """The restart found the newest checkpoint without optimizer state and took the one before's."""
+    _restarted_learner(after_kill=True)(run, result)
+    older = r"has no optimizer state \(its background write did not finish\): resuming with the optimizer moments"
+    run.expect_log("learner", older, start=2)
+
+
 def _restarted_learner(*, after_kill: bool) -> Check:
     def check(run: FaultRun, result: AuditResult) -> None:
         if after_kill:  # the dead holder's lease stayed until it expired; only then was it taken, anew
@@ -646,6 +679,13 @@ SCENARIOS = [
         _victim_reclaimed,
         env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
         prepare=reverify_failpoint,
+    ),
+    Scenario(
+        "kill9_learner_writing_optimizer",
+        "the learner killed -9 inside its background optimizer-state write (a failpoint), restarted",
+        kill_learner_writing_optimizer,
+        evidence=_older_moments_evidence,
+        prepare=optimizer_write_failpoint,
     ),
     Scenario(
         "kill9_rollout_training",

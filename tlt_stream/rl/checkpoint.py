@@ -51,6 +51,7 @@ import torch
 from safetensors.torch import load_file
 
 from tlt_stream.errors import CheckpointError
+from tlt_stream.failpoints import failpoint
 from tlt_stream.store.background import BackgroundWriter
 from tlt_stream.store.digest import DigestScheme, verify_directory
 from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, fsync_dir, remove_dir, write_json
@@ -373,6 +374,7 @@ def _write_optimizer_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]]
     """A background write's body: the snapshot as a one-piece `optimizer/` (`store/shards.py`)."""
     tensors, meta = state
     write_shard(tmp, rank=0, world=1, tensors=tensors, pieces=set(), meta=meta)
+    failpoint("learner.optimizer_write")  # fault tests: die with the state written but not yet named complete
 
 
 def _prune(root: Path, keep: int, *, busy: Path | None) -> None:
