@@ -11,7 +11,7 @@ import json
 import re
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tests.faults.audit import AuditResult
@@ -75,30 +75,36 @@ def _drafts_reclaimed(run: FaultRun, result: AuditResult) -> None:
     _victim_reclaimed(run, result)
 
 
-REVERIFY_FAILPOINT = "failpoint rollout.reverify: kill"
+def _failpoint(name: str) -> Callable[[FaultRun], contextlib.AbstractAsyncContextManager[None]]:
+    """A `prepare` giving every service failpoint `name` (`tlt_stream.failpoints`: SIGKILL, once per run),
+    armed only when the injection makes the run's `failpoints/` directory (`_killed_at`)."""
+
+    @contextlib.asynccontextmanager
+    async def prepare(run: FaultRun) -> AsyncIterator[None]:
+        run.env["TLT_FAILPOINTS"] = f"{name}=kill:once={run.plan.run_dir / 'failpoints' / name}"
+        yield
+
+    return prepare
 
 
-@contextlib.asynccontextmanager
-async def reverify_failpoint(run: FaultRun) -> AsyncIterator[None]:
-    """The first worker to re-verify rows under a new policy once the injection armed the failpoint (made
-    its token's directory) dies there (SIGKILL from inside `load_policy`: `tlt_stream.failpoints`); the
-    others, sharing the token file, go on."""
-    run.env["TLT_FAILPOINTS"] = f"rollout.reverify=kill:once={run.plan.run_dir / 'failpoints' / 'reverify'}"
-    yield
+async def _killed_at(run: FaultRun, name: str, services: list[str]) -> str:
+    """Arm failpoint `name` and wait until one of `services` has killed itself there; its name."""
+    (run.plan.run_dir / "failpoints").mkdir()  # armed: the next process to get there is the last
+    said, deadline = f"failpoint {name}: kill", time.monotonic() + 120
+    while (victim := next((s for s in services if said in run.log_text(s)), None)) is None:
+        assert time.monotonic() < deadline, f"no service reached failpoint {name}"
+        await asyncio.sleep(0.05)
+    assert await run.wait_exit(victim, 30) == -signal.SIGKILL
+    return victim
 
 
 async def kill_worker_reverifying(run: FaultRun, servers: PrivateServers) -> float:
     """Partial rollouts: a worker dies inside `load_policy(reverify=True)`, after the new weights went in and
     its rows' KV caches were half rebuilt, before any row's outcome was committed or sent. The other worker
     must reclaim every group it held (drafts and re-verified rows alike) and the run stay on-policy."""
-    (run.plan.run_dir / "failpoints").mkdir()  # armed: the next re-verification anywhere is the last
-    deadline = time.monotonic() + 120
-    while (victim := next((w for w in _rollouts(run) if REVERIFY_FAILPOINT in run.log_text(w)), None)) is None:
-        assert time.monotonic() < deadline, "no worker reached the re-verification failpoint"
-        await asyncio.sleep(0.05)
+    victim = await _killed_at(run, "rollout.reverify", _rollouts(run))
     started = time.monotonic()
-    run.exit_codes[victim] = -signal.SIGKILL  # it kills itself, exactly there
-    assert await run.wait_exit(victim, 30) == -signal.SIGKILL
+    run.exit_codes[victim] = -signal.SIGKILL  # it killed itself, exactly there, and stays dead
     run.notes["victim"] = victim
     return await _next_version_after(run, started)
 
@@ -225,27 +231,11 @@ async def _restart_killed_learner(run: FaultRun) -> None:
     run.notes["lease"] = {"left_ms": left_ms, "taken_after_expiry_s": (before - expires, taken_by - expires)}
 
 
-OPTIMIZER_FAILPOINT = "failpoint learner.optimizer_write: kill"
-
-
-@contextlib.asynccontextmanager
-async def optimizer_write_failpoint(run: FaultRun) -> AsyncIterator[None]:
-    """The learner dies (SIGKILL, `tlt_stream.failpoints`) inside its first background optimizer write after
-    the injection armed the failpoint: the state written, not yet renamed into the checkpoint."""
-    run.env["TLT_FAILPOINTS"] = f"learner.optimizer_write=kill:once={run.plan.run_dir / 'failpoints' / 'optimizer'}"
-    yield
-
-
 async def kill_learner_writing_optimizer(run: FaultRun, servers: PrivateServers) -> float:
     """Killed inside the background optimizer write: its version is published and its samples acked (the
     policy, ledger and meta were durable first), the optimizer state is not. The restarted learner resumes
     from that checkpoint with the previous one's moments, says so, and trains every sample once."""
-    (run.plan.run_dir / "failpoints").mkdir()  # armed: the next background write is the learner's last
-    deadline = time.monotonic() + 120
-    while OPTIMIZER_FAILPOINT not in run.log_text("learner"):
-        assert time.monotonic() < deadline, "the learner never reached the optimizer-write failpoint"
-        await asyncio.sleep(0.05)
-    assert await run.wait_exit("learner", 30) == -signal.SIGKILL
+    await _killed_at(run, "learner.optimizer_write", ["learner"])
     started = time.monotonic()
     await _restart_killed_learner(run)
     return await _next_version_after(run, started)
@@ -640,6 +630,12 @@ policy's rollouts at the small plan's max_len take ~10 ms a step, too short a wi
 reliably. 256 is the test policy's context (the learner dead-letters a longer sample); 4 rows a worker make
 each step's 16 responses run in waves."""
 
+PARTIAL_ROLLOUTS = {**LONG_ROLLOUTS, "policy.partial_rollouts": True, "policy.ahead_tokens": 16}
+"""Long rollouts with partial rollouts on, drafts parking after 16 tokens: workers hold drafts and
+re-verify rows at every version."""
+FAST_HEARTBEAT = {"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"}
+"""A dead or frozen worker's heartbeat expires in 2 s, so its tasks are reclaimed within the scenario."""
+
 SLOW_TAIL = {"rollout.max_len": 256, "policy.prompts_per_step": 16, "rollout.max_batch": 1}
 """Steps of ~1.5 s (16 responses a worker, one at a time): a step's first groups wait at the learner for well
 over the slow-tail scenarios' reclaim time (300 ms) while the rest is generated."""
@@ -666,26 +662,26 @@ SCENARIOS = [
         "kill9_rollout_holding_drafts",
         "partial rollouts: a worker holding draft groups frozen until their version is out, then killed -9",
         kill_worker_holding_drafts,
-        {**LONG_ROLLOUTS, "policy.partial_rollouts": True, "policy.ahead_tokens": 16},
+        PARTIAL_ROLLOUTS,
         _drafts_reclaimed,
-        env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
+        env=FAST_HEARTBEAT,
         extended=True,  # CI time (see EXTENDED_WHY)
     ),
     Scenario(
         "kill9_rollout_reverifying",
         "partial rollouts: a worker killed -9 inside load_policy's re-verification (a failpoint), new weights in",
         kill_worker_reverifying,
-        {**LONG_ROLLOUTS, "policy.partial_rollouts": True, "policy.ahead_tokens": 16},
+        PARTIAL_ROLLOUTS,
         _victim_reclaimed,
-        env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
-        prepare=reverify_failpoint,
+        env=FAST_HEARTBEAT,
+        prepare=_failpoint("rollout.reverify"),
     ),
     Scenario(
         "kill9_learner_writing_optimizer",
         "the learner killed -9 inside its background optimizer-state write (a failpoint), restarted",
         kill_learner_writing_optimizer,
         evidence=_older_moments_evidence,
-        prepare=optimizer_write_failpoint,
+        prepare=_failpoint("learner.optimizer_write"),
     ),
     Scenario(
         "kill9_rollout_training",
@@ -727,7 +723,7 @@ SCENARIOS = [
         freeze_worker,
         LONG_ROLLOUTS,
         _freeze_evidence,
-        env={"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"},
+        env=FAST_HEARTBEAT,
         extended=True,  # CI time (see EXTENDED_WHY)
     ),
     Scenario(
