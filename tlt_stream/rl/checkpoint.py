@@ -60,6 +60,7 @@ from tlt_stream.store.tensors import (
     load_tensors,
     optimizer_state,
     optimizer_tensors,
+    refuse_pickle,
     rng_tensors,
     save_tensors,
     set_rng_state,
@@ -178,12 +179,10 @@ def has_optimizer_state(path: Path) -> bool:
     """Whether checkpoint directory `path` holds a complete optimizer state (a background write not yet
     finished, failed or killed leaves none). A pickle where it belongs is refused (ValueError), never taken
     for a missing state: a resume must not quietly start from fresh moments beside a file it will not read."""
-    found = (path / OPTIMIZER).is_dir() or (path / f"{OPTIMIZER}.safetensors").is_file()
-    if not found and (path / f"{OPTIMIZER}.pt").exists():
-        raise ValueError(
-            f"{path / OPTIMIZER}.pt: a pickle; tlt-stream loads only safetensors + JSON (it never unpickles)"
-        )
-    return found
+    if (path / OPTIMIZER).is_dir():
+        return True
+    refuse_pickle(path / OPTIMIZER)
+    return (path / f"{OPTIMIZER}.safetensors").is_file()
 
 
 def optimizer_source(info: CheckpointInfo) -> CheckpointInfo | None:

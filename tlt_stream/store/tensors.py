@@ -17,7 +17,15 @@ from safetensors.torch import load_file, save
 
 from tlt_stream.store.durable import write_json
 
-__all__ = ["load_tensors", "optimizer_state", "optimizer_tensors", "rng_tensors", "save_tensors", "set_rng_state"]
+__all__ = [
+    "load_tensors",
+    "optimizer_state",
+    "optimizer_tensors",
+    "refuse_pickle",
+    "rng_tensors",
+    "save_tensors",
+    "set_rng_state",
+]
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], stem: Path) -> None:
@@ -30,10 +38,16 @@ def save_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any], stem: P
     write_json(stem.with_suffix(".json"), meta)
 
 
-def load_tensors(stem: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def refuse_pickle(stem: Path) -> None:
+    """ValueError when a pickle (`stem.pt`) stands where `stem.safetensors` belongs: never unpickled, and
+    never taken for a missing part either."""
     pickled = stem.with_suffix(".pt")
     if pickled.exists() and not stem.with_suffix(".safetensors").exists():
         raise ValueError(f"{pickled}: a pickle; tlt-stream loads only safetensors + JSON (it never unpickles)")
+
+
+def load_tensors(stem: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    refuse_pickle(stem)
     try:
         tensors = load_file(stem.with_suffix(".safetensors"))
         meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
