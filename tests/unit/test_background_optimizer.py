@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -106,9 +107,16 @@ def test_at_most_one_write_in_flight_and_pruning_keeps_the_fallback_and_the_one_
     )
     gate.started.clear()
     saving.start()
+    committed = root / "step-00000002" / "meta.json"
+    deadline = time.monotonic() + 120
+    while not committed.exists():  # step 2 itself is committed before its optimizer write is submitted
+        assert saving.is_alive(), "step 2's save ended without committing"
+        assert time.monotonic() < deadline, "step 2 was never committed"
+        time.sleep(0.01)
+    # Submitted now or in a moment: a second write in flight would start (gate.started) and let the save
+    # return; it can only stay blocked while it waits for step 1's write, which the gate holds.
     saving.join(timeout=5)
-    assert saving.is_alive(), "step 2's write waits for step 1's: at most one in flight"
-    assert (root / "step-00000002" / "meta.json").exists(), "while step 2 itself is already committed"
+    assert saving.is_alive() and not gate.started.is_set(), "step 2's write waits for step 1's: one in flight"
     gate.release.set()
     saving.join(timeout=60)
     trainer.wait_for_writes()
