@@ -130,20 +130,10 @@ class PolicyService:
 
     async def dispatch(self, step: int) -> list[str]:
         """Send step `step`'s tasks and move the cursor past it, atomically; returns the entry ids."""
+        version, draft = max(0, step - self.max_staleness), self._draft_version(step)
         tasks = [
-            PromptGroup(
-                task_id=f"s{step:06d}-{i:04d}",
-                prompt_id=prompt_id,
-                prompt_ids=prompt_ids,
-                answer=answer,
-                group_size=self.group_size,
-                min_policy_version=max(0, step - self.max_staleness),
-                step=step,
-                prompt_text=text,
-                fields=getattr(self.source, "fields", {}).get(prompt_id, {}),
-                draft_version=self._draft_version(step),
-            )
-            for i, (prompt_id, text, prompt_ids, answer) in enumerate(self.source.prompts(step, self.prompts_per_step))
+            self._task(f"s{step:06d}-{i:04d}", step, prompt, version, draft)
+            for i, prompt in enumerate(self.source.prompts(step, self.prompts_per_step))
         ]
         key = self.keys.stream("prompts")
         token = uuid.uuid4().hex  # this call's mark on the cursor: a retry can tell its own commit from a race
@@ -227,9 +217,21 @@ class PolicyService:
         """Task `task_id` of step `step` (a dispatched `s{step}-{i}`, or a re-sent one: `...r`) sent again: the
         same prompt (a pure function of (seed, step)), for policy `version` or newer."""
         index = int(task_id.split(".")[0].rsplit("-", 1)[1])
-        prompt_id, text, prompt_ids, answer = self.source.prompts(step, self.prompts_per_step)[index]
+        return self._task(f"{task_id}.r", step, self.source.prompts(step, self.prompts_per_step)[index], version)
+
+    def _task(
+        self,
+        task_id: str,
+        step: int,
+        prompt: tuple[str, str, list[int], str],
+        version: int,
+        draft_version: int | None = None,
+    ) -> PromptGroup:
+        """One task: `prompt` (the source's (prompt_id, text, token ids, answer)) asked `group_size` times of
+        policy `version` or newer (startable as a draft under `draft_version`)."""
+        prompt_id, text, prompt_ids, answer = prompt
         return PromptGroup(
-            task_id=f"{task_id}.r",
+            task_id=task_id,
             prompt_id=prompt_id,
             prompt_ids=prompt_ids,
             answer=answer,
@@ -238,6 +240,7 @@ class PolicyService:
             step=step,
             prompt_text=text,
             fields=getattr(self.source, "fields", {}).get(prompt_id, {}),
+            draft_version=draft_version,
         )
 
     def _draft_version(self, step: int) -> int | None:
