@@ -54,7 +54,8 @@ class CpuVllmEngine:
 
         return GenerationEngine(load_model(policy), self.settings.max_batch, self.settings.max_len)
 
-    def load_policy(self, path: Any) -> None:
+    def load_policy(self, path: Any, *, weights: Any = None) -> None:
+        assert weights is None, "vLLM's workers read the checkpoint themselves: no verified tensors for it"
         assert not self.has_unfinished, "a policy reload with requests in flight"
         self.policies.append(str(path))
         self._engine = self._build(path)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -62,6 +62,9 @@ from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 from tlt_stream.store.locations import local_location, unresolvable
+
+if TYPE_CHECKING:
+    from tlt_stream.store.weights import PolicyWeights
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
 
@@ -562,16 +565,15 @@ class RolloutWorker:
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
         if self.settings.stop and self.stop_rule is None:
             self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
-        verified = {} if weights is None else {"weights": weights}
         if self.engine is not None and self.settings.partial_rollouts and self.engine.has_unfinished:
-            self.engine.load_policy(announced.location, reverify=True, **verified)  # every row in flight, losslessly
+            self.engine.load_policy(announced.location, reverify=True, weights=weights)  # rows in flight, losslessly
         elif self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
-            self.engine.load_policy(announced.location, **verified)
+            self.engine.load_policy(announced.location, weights=weights)
         else:
             self._build_engine(announced, weights)
         self.policy = announced
 
-    def _build_engine(self, announced: PolicyVersion, weights: Any = None) -> None:
+    def _build_engine(self, announced: PolicyVersion, weights: PolicyWeights | None = None) -> None:
         drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
         spec = EngineSpec(
             max_batch=self.settings.max_batch,
