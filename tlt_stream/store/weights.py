@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import struct
 import sys
 from collections.abc import Mapping
@@ -120,7 +121,7 @@ def read_weights(directory: Path | str, expected_sha256: str, *, scheme: DigestS
     or config that does not parse."""
     out = PolicyWeights()
 
-    def parse(name: str, data: bytearray) -> bool | None:
+    def parse(name: str, data: bytearray) -> None:
         if name.endswith(".safetensors") and "/" not in name:
             try:
                 tensors = tensors_in(data)
@@ -132,7 +133,6 @@ def read_weights(directory: Path | str, expected_sha256: str, *, scheme: DigestS
             out.tensors.update(tensors)
         elif name == "config.json":
             out.config = json.loads(data)
-        return None
 
     read_verified(directory, expected_sha256, parse, scheme=scheme)
     return out
@@ -164,13 +164,10 @@ def tensors_in(data: bytearray) -> dict[str, torch.Tensor]:
     out, spans = {}, []
     for name, info in header.items():
         dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(shape)
         if not 0 <= begin <= end <= size:
             raise ValueError(f"tensor {name}: offsets {begin}..{end} out of range of the data ({size} bytes)")
-        if end - begin != numel * itemsize:
+        if end - begin != numel * dtype.itemsize:
             raise ValueError(f"tensor {name}: offsets {begin}..{end} do not hold {info['dtype']}{shape}")
         spans.append((begin, end, name))
         flat = (
