@@ -472,6 +472,28 @@ async def test_a_group_with_a_poison_member_is_trained_without_it(
     await redis.aclose()
 
 
+async def test_a_group_an_update_leaves_behind_is_recorded_for_the_policy_service_to_send_again(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A group still incomplete when two updates have passed it by (its first sample made by version 0, the
+    learner at 2, staleness 1) is dropped by the update, not by an arriving sample; it is recorded in Redis
+    all the same, so the policy service sends it again (tests/integration/test_dropped_groups.py)."""
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
+    async with service(bus_config, tmp_path / "run", init_policy) as learner:
+        await learner.start()
+        waiting = sample("x", 0, 1.0)  # its sibling never comes
+        await producer.send("samples", [waiting, *(sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1))])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+        await producer.send("samples", [sample(t, i, float(i == 0), version=1) for t in ("c", "d") for i in (0, 1)])
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+        assert learner.version == 2 and learner.assembler.dropped_groups == 1
+    assert await redis.hgetall(Keys(bus_config.run).dropped) == {b"x": str(waiting.step).encode()}
+    await redis.aclose()
+
+
 async def test_groups_dropped_as_too_stale_are_counted_with_their_response_lengths(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:

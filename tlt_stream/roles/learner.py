@@ -425,10 +425,7 @@ class LearnerService:
             assert offer.group is not None
             if offer.group.task_id not in self._dropped_tasks:
                 log.warning("dropped stale group %s", offer.group.task_id)
-            self._note_dropped([offer.group])
-            # Before its entries are acked: the policy service sends the task again, so that a streaming run
-            # still gets the groups its steps need (nothing else would replace it, and the run would stall).
-            await self.redis.hsetnx(self.keys.dropped, offer.group.task_id, sample.step)
+            await self._note_dropped([offer.group])
             return offer.group.entry_ids
         if offer.status == "ready":
             assert offer.group is not None
@@ -467,13 +464,20 @@ class LearnerService:
                 await sleep_or_stop(self._stop, min(10.0, 0.5 * 2 ** (self.failed_updates - 1)))
             return False
 
-    def _note_dropped(self, groups: list[ReadyGroup]) -> None:
-        """Remember the samples of groups dropped as too stale (a group goes at its first stale member, its
-        late members after it): whether streaming drops the long responses (a bias against them) shows in the
-        step's metrics."""
-        for group in groups:
-            self._dropped_tasks.add(group.task_id)
-            self._dropped_lengths += [s.response_len for s in group.samples]
+    async def _note_dropped(self, groups: list[ReadyGroup]) -> None:
+        """Groups dropped as too stale (a group goes at its first stale member, its late members after it, or
+        when an update leaves it behind), before their entries are acked. Recorded in Redis (`Keys.dropped`,
+        once per task) for the policy service to send each task again: nothing else would replace it, and a
+        streaming run would wait for ever for the groups its steps need. Their samples are remembered too:
+        whether streaming drops the long responses (a bias against them) shows in the step's metrics."""
+        if not groups:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group in groups:
+                self._dropped_tasks.add(group.task_id)
+                self._dropped_lengths += [s.response_len for s in group.samples]
+                pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)  # stale: it has samples
+            await pipe.execute()
 
     def _dropped_since_last(self) -> dict[str, float]:
         """Groups dropped as too stale since the last update, and their responses' mean length (absent: none)."""
@@ -559,7 +563,7 @@ class LearnerService:
             else:
                 keep.append(group)
         self.ready = keep
-        self._note_dropped(expired)
+        await self._note_dropped(expired)
         await self._ack([entry for g in expired for entry in g.entry_ids])
         metrics["update_seconds"] = time.perf_counter() - started
         self._longest_update_s = max(self._longest_update_s, metrics["update_seconds"])
