@@ -476,7 +476,8 @@ class LearnerService:
             for group in groups:
                 self._dropped_tasks.add(group.task_id)
                 self._dropped_lengths += [s.response_len for s in group.samples]
-                pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)  # stale: it has samples
+                if group.samples:  # one whose members were all dead-lettered has nothing to send again
+                    pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)
             await pipe.execute()
 
     def _dropped_since_last(self) -> dict[str, float]:
