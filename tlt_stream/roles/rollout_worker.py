@@ -17,30 +17,26 @@ policy waits until that version arrives.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import redis.asyncio as aioredis
 
-from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.common import stable_int
 from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import (
     DrafterVersion,
     HiddenWindow,
     PolicyVersion,
-    PromptGroup,
     RolloutStats,
     Sample,
     SdArmReport,
@@ -51,12 +47,13 @@ from tlt_stream.model.loader import CheckpointError, stop_token_ids
 from tlt_stream.rl.reward_pool import RewardFailed, RewardPool, pool_size
 from tlt_stream.rl.rewards import call_reward
 from tlt_stream.rl.samples import hidden_window, make_sample
-from tlt_stream.rl.validate import location_problem, prompt_problem
+from tlt_stream.rl.validate import location_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
+from tlt_stream.roles.worker import log
+from tlt_stream.roles.worker.intake import GroupTask, TaskIntake, streams_hidden
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.build import EngineSpec, build_engine
 from tlt_stream.rollout.collapse import AcceptanceWatch
-from tlt_stream.rollout.protocol import RolloutEngine
 from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.tuner import Arm, bucket_of
 from tlt_stream.rollout.versions import PolicyVersions
@@ -64,20 +61,10 @@ from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 from tlt_stream.store.locations import local_location, unresolvable
 
 if TYPE_CHECKING:
+    from tlt_stream.rollout.protocol import RolloutEngine
     from tlt_stream.store.weights import PolicyWeights
 
-__all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker"]
-
-log = logging.getLogger(__name__)
-
-
-def streams_hidden(sample_id: str, settings: RolloutSettings) -> bool:
-    """Whether the sample's hidden states are streamed: a stable hash of its id against `hidden_share` (the
-    same in every process and on redelivery; salted apart from the drafter trainer's held-out split)."""
-    if settings.hidden_share >= 1:
-        return True
-    digest = stable_int(f"hidden-share/{sample_id}", 8)
-    return digest < settings.hidden_share * 2**32
+__all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker", "streams_hidden"]
 
 
 DEFAULT_ARM = Arm.from_label(DEFAULTS.sd.arm)
@@ -190,22 +177,7 @@ class RolloutSettings:
         return self.drafter not in (None, "ngram")
 
 
-@dataclass
-class _Task:
-    delivery: Delivery[PromptGroup]
-    policy_version: int
-    started: float
-    samples: dict[int, Sample] = field(default_factory=dict)
-    finished: dict[int, tuple[Any, str, float]] = field(default_factory=dict)
-    """With a reward pool: (result, response text, generation seconds) per row, until the group is scored."""
-    failed: str | None = None
-    """Why the task cannot be scored (its reward raised): dead-lettered whole once its rows are done, never
-    sent with some samples scored 0, which would bias the update."""
-    versions: dict[int, int] = field(default_factory=dict)
-    """The policy version each finished row was last verified under (what its sample is stamped with)."""
-
-
-class RolloutWorker:
+class RolloutWorker(TaskIntake):
     """One rollout worker process (run as many as there are devices)."""
 
     def __init__(
@@ -226,60 +198,22 @@ class RolloutWorker:
         self.reward = reward
         self.reward_pool = reward_pool
         """Scores whole groups in worker processes (slow rewards, with a timeout); None: `reward` inline."""
-        self.scoring: dict[str, asyncio.Future[list[float]]] = {}
-        """Groups whose responses are all generated, being scored by the pool (task id -> their rewards)."""
-        self.reward_failures = 0
         self.settings = settings
         self.keys = Keys(config.run)
         self.reader = StreamReader(redis, self.keys, config.bus, "prompts", worker_id)
         self.producer = StreamProducer(redis, self.keys, config.bus)
         self.registry = WorkerRegistry(redis, self.keys, config.bus, self.producer, worker_id, role="rollout")
         self.engine: RolloutEngine | None = None
-        self.tokenizer: Any = None
-        self.stop_ids: list[int] = []
-        """Every EOS id of the loaded policy (`model.stop_token_ids`)."""
-        self.stop_rule: StopStrings | None = None
-        """The stop strings, on the policy's tokenizer (None without any)."""
-        self.policy: PolicyVersion | None = None
-        self.versions = PolicyVersions()
-        """Refused policy versions, and one that was not there when we tried to load it (tried again after
-        a backoff unless a newer one comes first)."""
-        self.tasks: dict[str, _Task] = {}
-        self.waiting: list[Delivery[PromptGroup]] = []
-        self.vocab_size: int | None = None
-        """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
-        self.invalid_tasks = 0
-        self.samples_sent = 0
-        self.remembered = 0
-        """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
-        self._reported_sources: tuple[dict[str, int], dict[str, int]] = ({}, {})
-        self._reported_reverify = (0, 0)
-        """The engine's (tokens kept, tokens discarded) by re-verification at the last stats report."""
-        self._ahead_seconds = 0.0
-        self._load_latencies: dict[str, float] = {}
-        """Versions loaded since the last stats report: seconds from their announcement to loaded."""
-        self.watch = AcceptanceWatch(min_drafted=settings.collapse_min_drafted)
-        """Judges every policy and drafter swap by the acceptance after it (no silent collapse)."""
-        self.collapses = 0
-        self.refused_drafters: set[int] = set()
-        """Drafter versions gone back from after their acceptance collapsed (never swapped in again)."""
-        self._drafter_in_use: tuple[str | None, DrafterVersion | None] = (settings.drafter, None)
-        """(location, announcement) of the drafter in the engine; the warm-up drafter has no announcement."""
-        self._drafter_before: tuple[str | None, DrafterVersion | None] | None = None
-        self.following = asyncio.Event()
-        """Set once `_follow_samples` reads `samples` from a position: entries added after it are seen."""
-        self.tasks_done = 0
-        self._tokens = 0
-        self._forwards = 0
-        self._seconds = 0.0
-        self.drafter: DrafterVersion | None = None
-        """The announced drafter version in use (None: the warm-up drafter given by `settings.drafter`)."""
-        self.drafter_swaps = 0
+        """Built at the first policy load, then kept for the worker's life (`roles/worker/loading.py`)."""
         self.adaptive: AdaptiveSd | None = None
-        self._group_hint = 1
-        """Group size of the last task read (how many tasks fit in the free rows)."""
-        self.sd_config = -1
-        """The `sd_config` version adopted."""
+        self.tasks: dict[str, GroupTask] = {}
+        """The tasks in flight, by task id: started, not yet sent or dead-lettered."""
+        self._init_intake()
+        self._init_generation()
+        self._init_loading()
+        self._init_drafters()
+        self._init_reports()
+        self._init_following()
         self.idle_trainer: IdleDrafterTrainer | None = None
         if settings.drafter_training is not None:
             assert settings.drafter is not None
@@ -294,6 +228,58 @@ class RolloutWorker:
                 settings=settings.drafter_training,
                 initial_drafter=settings.drafter,
             )
+
+    def _init_generation(self) -> None:
+        self.scoring: dict[str, asyncio.Future[list[float]]] = {}
+        """Groups whose responses are all generated, being scored by the pool (task id -> their rewards)."""
+        self.reward_failures = 0
+        self.samples_sent = 0
+        self.tasks_done = 0
+
+    def _init_reports(self) -> None:
+        self._tokens = 0
+        self._forwards = 0
+        self._seconds = 0.0
+        self._ahead_seconds = 0.0
+        self._reported_sources: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._reported_reverify = (0, 0)
+        """The engine's (tokens kept, tokens discarded) by re-verification at the last stats report."""
+        self._load_latencies: dict[str, float] = {}
+        """Versions loaded since the last stats report: seconds from their announcement to loaded."""
+
+    def _init_loading(self) -> None:
+        self.policy: PolicyVersion | None = None
+        self.versions = PolicyVersions()
+        """Refused policy versions, and one that was not there when we tried to load it (tried again after
+        a backoff unless a newer one comes first)."""
+        self.tokenizer: Any = None
+        self.stop_ids: list[int] = []
+        """Every EOS id of the loaded policy (`model.stop_token_ids`)."""
+        self.stop_rule: StopStrings | None = None
+        """The stop strings, on the policy's tokenizer (None without any)."""
+        self.vocab_size: int | None = None
+        """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
+
+    def _init_drafters(self) -> None:
+        self.drafter: DrafterVersion | None = None
+        """The announced drafter version in use (None: the warm-up drafter given by `settings.drafter`)."""
+        self.drafter_swaps = 0
+        self._drafter_in_use: tuple[str | None, DrafterVersion | None] = (self.settings.drafter, None)
+        """(location, announcement) of the drafter in the engine; the warm-up drafter has no announcement."""
+        self._drafter_before: tuple[str | None, DrafterVersion | None] | None = None
+        self.refused_drafters: set[int] = set()
+        """Drafter versions gone back from after their acceptance collapsed (never swapped in again)."""
+        self.watch = AcceptanceWatch(min_drafted=self.settings.collapse_min_drafted)
+        """Judges every policy and drafter swap by the acceptance after it (no silent collapse)."""
+        self.collapses = 0
+        self.sd_config = -1
+        """The `sd_config` version adopted."""
+
+    def _init_following(self) -> None:
+        self.remembered = 0
+        """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
+        self.following = asyncio.Event()
+        """Set once `_follow_samples` reads `samples` from a position: entries added after it are seen."""
 
     @property
     def drafter_version(self) -> int:
@@ -628,115 +614,6 @@ class RolloutWorker:
                 w.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
 
-    def _room(self) -> int:
-        """How many tasks to read now: as many as fit at once (admitting one per engine hop would fill the
-        batch over dozens of steps and stretch every rollout; measured: 3x the rollout span at 16 tasks of
-        8), 0 when the engine is full."""
-        free = self.settings.max_batch * 2 - sum(
-            t.delivery.message.group_size - len(t.samples) for t in self.tasks.values()
-        )
-        return max(1, min(self.config.bus.read_count, free // self._group_hint)) if free > 0 else 0
-
-    async def _read_tasks(self, count: int, block_ms: int | None) -> None:
-        deliveries = await self.reader.read(count=count, block_ms=block_ms)
-        usable = []
-        for delivery in deliveries:
-            if problem := await self._task_problem(delivery.message):
-                # Poison (it would fail the same way on every worker and every redelivery): dead-lettered,
-                # and the worker goes on.
-                self.invalid_tasks += 1
-                await self.reader.give_up(delivery, f"invalid task: {problem}")
-                continue
-            usable.append(delivery)
-        if usable:
-            self._group_hint = max(1, usable[-1].message.group_size)
-        self.waiting += usable
-
-    async def _task_problem(self, task: PromptGroup) -> str | None:
-        def problem() -> str | None:
-            return prompt_problem(
-                task,
-                vocab_size=self.vocab_size or 2**31,
-                max_len=self.settings.max_len,
-                newest_version=self.control.version("policy"),
-            )
-
-        found = problem()
-        if found is not None and task.min_policy_version > self.control.version("policy"):
-            # Our view may lag the mirror the dispatcher went by; a mirror we cannot read proves nothing.
-            if not await self.control.refresh_from_mirror():
-                return None
-            found = problem()
-        return found
-
-    async def _wait_for_work(self) -> None:
-        """Idle, and not training a drafter: wait up to `bus.block_ms` for what would end it. Holding tasks
-        ahead of our policy, that is a newer policy version; holding none, new tasks (a blocking read, never
-        cancelled halfway: a cancelled XREADGROUP could leave delivered entries to the claim timeout)."""
-        if not self.waiting:
-            # With drafts parked, read even when full: a read is also how tasks of a dead worker are reclaimed,
-            # and the version the drafts wait for needs them (the next step is the only one dispatched early, so
-            # what else a read brings is bounded); and block briefly, so that version is noticed at once.
-            parked = self.engine is not None and getattr(self.engine, "num_parked", 0) > 0
-            await self._read_tasks(max(1, self._room()), min(self.config.bus.block_ms, 100) if parked else None)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.bus.block_ms / 1000):
-                await self.control.wait_for("policy", self.control.version("policy") + 1)
-
-    async def _admit(self) -> None:
-        """Take the new tasks there are (without waiting: waiting is idle time, and the worker says so) while
-        the engine has room; tasks ahead of our policy wait for it. Once a newer policy is announced nothing
-        new starts, so the tasks in flight drain and the worker can load it."""
-        if self._loadable_policy() is not None and self.tasks and not self.settings.partial_rollouts:
-            return
-        if count := self._room():
-            await self._read_tasks(count, 0)
-        if self._loadable_policy() is not None:  # announced while we read: load it before starting anything
-            return
-        ready = [d for d in self.waiting if self._startable(d.message)]
-        self.waiting = [d for d in self.waiting if not self._startable(d.message)]
-        for delivery in ready:
-            self._start(delivery)
-
-    def _startable(self, task: PromptGroup) -> bool:
-        """Whether the task may start under our policy: its version, or the version before as a draft."""
-        oldest = task.startable_version if self.settings.partial_rollouts else task.min_policy_version
-        return oldest <= self.version
-
-    def _start(self, delivery: Delivery[PromptGroup]) -> None:
-        group = delivery.message
-        if group.task_id in self.tasks:  # the same task redelivered while we still work on it
-            return
-        budget = self.settings.max_len - len(group.prompt_ids)  # >= 1: `_read_tasks` dead-letters the rest
-        if self.settings.max_response_len is not None:
-            budget = min(budget, self.settings.max_response_len)
-        draft = group.min_policy_version > self.version  # started ahead: parks at ahead_tokens until verified
-        extra = {"ahead_limit": self.settings.ahead_tokens} if draft else {}
-        eos = self.stop_ids
-        for index in range(group.group_size):
-            seed = stable_int(f"{group.task_id}/{index}", 12)
-            self.engine.add_request(
-                group.prompt_ids,
-                budget,
-                self.settings.temperature,
-                seed,
-                eos,
-                request_id=(group.task_id, index),
-                stop=self.stop_rule,
-                return_hidden=self.settings.stream_hidden and streams_hidden(f"{group.task_id}/{index}", self.settings),
-                **extra,
-            )
-        self.tasks[group.task_id] = _Task(delivery, self.version, time.perf_counter())
-        if draft:
-            log.info(
-                "%s: task %s started as a draft under policy version %d (re-verified under version %d)",
-                self.worker_id,
-                group.task_id,
-                self.version,
-                group.min_policy_version,
-            )
-
     async def _generate(self) -> None:
         started = time.perf_counter()
         # Decode steps run on the event loop's own thread, one hop of at most `steps_per_hop` steps at a
@@ -777,35 +654,44 @@ class RolloutWorker:
                 complete.append(task)
         if windows:  # a lossy, bounded buffer: never waits on the drafter trainer
             await self.producer.send("hidden", windows)
+        self._count_hop(tokens, forwards, seconds)
+        for task in complete:
+            await self._send_task(task)
+        if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
+            await self._send_reports()
+
+    def _count_hop(self, tokens: int, forwards: int, seconds: float) -> None:
+        """One hop of engine steps into the next report (its seconds also as ahead time while a draft runs)."""
         self._tokens += tokens
         self._forwards += forwards
         self._seconds += seconds
         if any(t.delivery.message.min_policy_version > self.version for t in self.tasks.values()):  # a draft
             self._ahead_seconds += seconds
-        for task in complete:
-            await self._send_task(task)
-        if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
-            await self.producer.send_one("stats", self._rollout_stats())
-            if self.adaptive is not None:
-                reports = [
-                    SdArmReport(
-                        worker_id=self.worker_id,
-                        drafter_version=self.drafter_version,
-                        bucket=m.bucket,
-                        depth=m.arm.depth,
-                        topk=m.arm.topk,
-                        verify=m.arm.verify,
-                        tokens=m.tokens,
-                        seconds=m.seconds,
-                        proposer=m.arm.kind,
-                        steps=m.steps,
-                        group=m.arm.group_nodes,
-                    )
-                    for m in self.adaptive.drain_reports()
-                ]
-                if reports:
-                    await self.producer.send("stats", reports)
-            self._tokens, self._forwards, self._seconds, self._ahead_seconds = 0, 0, 0.0, 0.0
+
+    async def _send_reports(self) -> None:
+        """The report of the steps since the last one and the arm reports the controller holds, then the
+        counters restart."""
+        await self.producer.send_one("stats", self._rollout_stats())
+        if self.adaptive is not None:
+            reports = [
+                SdArmReport(
+                    worker_id=self.worker_id,
+                    drafter_version=self.drafter_version,
+                    bucket=m.bucket,
+                    depth=m.arm.depth,
+                    topk=m.arm.topk,
+                    verify=m.arm.verify,
+                    tokens=m.tokens,
+                    seconds=m.seconds,
+                    proposer=m.arm.kind,
+                    steps=m.steps,
+                    group=m.arm.group_nodes,
+                )
+                for m in self.adaptive.drain_reports()
+            ]
+            if reports:
+                await self.producer.send("stats", reports)
+        self._tokens, self._forwards, self._seconds, self._ahead_seconds = 0, 0, 0.0, 0.0
 
     def _rollout_stats(self) -> RolloutStats:
         """The report of the steps since the last one (the loop restarts its counters after it is sent)."""
@@ -848,7 +734,7 @@ class RolloutWorker:
             "ahead_seconds": self._ahead_seconds,
         }
 
-    async def _send_task(self, task: _Task) -> None:
+    async def _send_task(self, task: GroupTask) -> None:
         """A whole group's samples to `samples`, then the task's ack; a group that cannot be scored goes to
         `dead` whole instead."""
         if task.failed is not None:
@@ -883,7 +769,7 @@ class RolloutWorker:
                 task.samples[index] = self._sample(task, index, result, rewards[index], seconds)
             await self._send_task(task)
 
-    def _sample(self, task: _Task, index: int, result: Any, reward: float, seconds: float) -> Sample:
+    def _sample(self, task: GroupTask, index: int, result: Any, reward: float, seconds: float) -> Sample:
         return make_sample(
             result,
             task.delivery.message,
