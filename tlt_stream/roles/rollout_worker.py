@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.consumer import StreamReader
@@ -33,27 +30,23 @@ from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import DrafterVersion, PolicyVersion, SdConfigVersion, WorkerStatus
-from tlt_stream.model.loader import CheckpointError, stop_token_ids
+from tlt_stream.messages import DrafterVersion, SdConfigVersion, WorkerStatus
+from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.reward_pool import RewardPool, pool_size
 from tlt_stream.rl.validate import location_problem
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.roles.worker import log
 from tlt_stream.roles.worker.generation import Generation
 from tlt_stream.roles.worker.intake import GroupTask, TaskIntake, streams_hidden
+from tlt_stream.roles.worker.loading import PolicyLoading
 from tlt_stream.roles.worker.reports import RolloutReports
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
-from tlt_stream.rollout.build import EngineSpec, build_engine
 from tlt_stream.rollout.collapse import AcceptanceWatch
-from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.tuner import Arm, bucket_of
-from tlt_stream.rollout.versions import PolicyVersions
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
-from tlt_stream.store.locations import local_location, unresolvable
 
 if TYPE_CHECKING:
     from tlt_stream.rollout.protocol import RolloutEngine
-    from tlt_stream.store.weights import PolicyWeights
 
 __all__ = ["RolloutSettings", "RolloutWorker", "serve_rollout_worker", "streams_hidden"]
 
@@ -168,7 +161,7 @@ class RolloutSettings:
         return self.drafter not in (None, "ngram")
 
 
-class RolloutWorker(TaskIntake, Generation, RolloutReports):
+class RolloutWorker(TaskIntake, Generation, RolloutReports, PolicyLoading):
     """One rollout worker process (run as many as there are devices)."""
 
     def __init__(
@@ -220,19 +213,6 @@ class RolloutWorker(TaskIntake, Generation, RolloutReports):
                 initial_drafter=settings.drafter,
             )
 
-    def _init_loading(self) -> None:
-        self.policy: PolicyVersion | None = None
-        self.versions = PolicyVersions()
-        """Refused policy versions, and one that was not there when we tried to load it (tried again after
-        a backoff unless a newer one comes first)."""
-        self.tokenizer: Any = None
-        self.stop_ids: list[int] = []
-        """Every EOS id of the loaded policy (`model.stop_token_ids`)."""
-        self.stop_rule: StopStrings | None = None
-        """The stop strings, on the policy's tokenizer (None without any)."""
-        self.vocab_size: int | None = None
-        """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
-
     def _init_drafters(self) -> None:
         self.drafter: DrafterVersion | None = None
         """The announced drafter version in use (None: the warm-up drafter given by `settings.drafter`)."""
@@ -260,10 +240,6 @@ class RolloutWorker(TaskIntake, Generation, RolloutReports):
         if self.drafter is not None:
             return self.drafter.version
         return 0 if self.settings.eagle else -1
-
-    @property
-    def version(self) -> int:
-        return self.policy.version if self.policy is not None else -1
 
     async def run(self, stop: asyncio.Event, *, max_tasks: int | None = None) -> None:
         """Generate until `stop` is set (or `max_tasks` tasks were completed by this call)."""
@@ -452,157 +428,6 @@ class RolloutWorker(TaskIntake, Generation, RolloutReports):
             self.adaptive.on_new_drafter(announced.version)
         self.registry.update_info(drafter_version=announced.version)
         log.info("%s: swapped in drafter version %d", self.worker_id, announced.version)
-
-    async def _maybe_load(self) -> None:
-        """Load the announced policy if it is newer than ours (only ever called with nothing in flight)."""
-        announced = self._loadable_policy()
-        if announced is None:
-            return
-        await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
-        store_root = self.config.bus.store_root
-        if problem := unresolvable(announced.location, store_root) or location_problem(announced.location, store_root):
-            self.versions.refuse(announced.version)
-            log.error("refused policy version %d: %s", announced.version, problem)
-            self.registry.update_info(refused_policy=f"{announced.version}: {problem}")
-            return
-        try:
-            await asyncio.to_thread(self._load, announced)
-        except (ChecksumMismatch, CheckpointError, OSError) as exc:
-            if not isinstance(exc, ChecksumMismatch) and not await asyncio.to_thread(Path(announced.location).is_dir):
-                # Not there now: pruned by the learner for a newer version (which is announced next), or its
-                # storage away for a while. Refusing it for good would stall an on-policy run whose tasks
-                # need exactly this version, so try it again after a backoff unless a newer one comes first.
-                delay = self.versions.unreadable(announced.version, time.monotonic())
-                log.warning("policy version %d unreadable (%s); trying again in %.1f s", announced.version, exc, delay)
-                self.registry.update_info(unreadable_policy=f"{announced.version}: {exc}")
-                if self.policy is not None:
-                    await self.registry.set_state(
-                        WorkerStatus.IDLE, f"policy version {announced.version} unreadable, kept {self.version}: {exc}"
-                    )
-                return
-            # Corrupt (its bytes do not match the announced sha256) or unusable: refused for good.
-            self.versions.refuse(announced.version)
-            log.error("refused policy version %d: %s", announced.version, exc)
-            self.registry.update_info(refused_policy=f"{announced.version}: {exc}")
-            if self.policy is not None:  # keep generating with the version we have, and say why
-                await self.registry.set_state(
-                    WorkerStatus.IDLE, f"refused policy version {announced.version}, kept {self.version}: {exc}"
-                )
-            return
-        self.versions.loaded(announced.version)
-        self.registry.update_info(policy_version=announced.version)
-        if announced.published_at > 0:  # publisher's and our wall clocks: skew shifts it, never below 0
-            latency = max(0.0, time.time() - announced.published_at)
-            self._load_latencies[str(announced.version)] = latency
-            self.registry.update_info(load_latency_s=f"{latency:.3f}")
-        log.info("loaded policy version %d", announced.version)
-        self._swapped("policy", announced.version)
-
-    def _load(self, announced: PolicyVersion) -> None:
-        """Verify and load `announced`. On torch each file is read once: hashed, and its tensors parsed from
-        those same bytes (`store/weights.py`), so nothing reaches the engine before the whole directory
-        matched; vLLM's processes read the checkpoint themselves, so it is verified first (a second read)."""
-        from transformers import AutoTokenizer
-
-        from tlt_stream.store.weights import read_weights
-
-        weights = None
-        if self.settings.backend == "torch":
-            weights = read_weights(announced.location, announced.sha256, scheme=announced.digest)
-        else:
-            verify_directory(announced.location, announced.sha256, scheme=announced.digest)
-        self.vocab_size, positions = _policy_limits(announced.location)
-        if positions is not None and self.settings.max_len > positions:  # every long sample would be poison
-            raise ValueError(
-                f"--max-len {self.settings.max_len} is longer than the policy's {positions} positions "
-                f"(max_position_embeddings of {announced.location}): use --max-len {positions} or less"
-            )
-        if self.tokenizer is None:
-            if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
-                raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
-            self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
-        self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
-        if self.settings.stop and self.stop_rule is None:
-            self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
-        if self.engine is not None and self.settings.partial_rollouts and self.engine.has_unfinished:
-            self.engine.load_policy(announced.location, reverify=True, weights=weights)  # rows in flight, losslessly
-        elif self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
-            self.engine.load_policy(announced.location, weights=weights)
-        else:
-            self._build_engine(announced, weights)
-        self.policy = announced
-
-    def _build_engine(self, announced: PolicyVersion, weights: PolicyWeights | None = None) -> None:
-        drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
-        spec = EngineSpec(
-            max_batch=self.settings.max_batch,
-            max_len=self.settings.max_len,
-            temperature=self.settings.temperature,
-            device=self.settings.device,
-            dtype=self.settings.dtype,
-            drafter=drafter,
-            group=self.settings.group and drafter is not None and self.settings.backend == "torch",
-            arm=self.settings.sd_arm,
-            adaptive=self.settings.adaptive,
-            backend=self.settings.backend,  # type: ignore[arg-type]
-            hidden=self.settings.stream_hidden or self.idle_trainer is not None,
-        )
-        self.engine, self.adaptive = build_engine(
-            announced.location, spec, drafter_version=self.drafter_version, weights=weights
-        )
-
-    def _announced(self) -> PolicyVersion | None:
-        """The announced policy version, its location as a path on this node (`store/locations.py`)."""
-        announced = self.control.current.get("policy")
-        if not isinstance(announced, PolicyVersion):
-            return None
-        local = local_location(announced.location, self.config.bus.store_root)
-        return announced if local == announced.location else msgspec.structs.replace(announced, location=local)
-
-    def _loadable_policy(self) -> PolicyVersion | None:
-        """The announced policy version when it is newer than ours, not refused and past its backoff."""
-        announced = self._announced()
-        number = announced.version if announced is not None else None
-        return announced if self.versions.loadable(number, self.version, time.monotonic()) else None
-
-    def _awaiting_retry(self) -> bool:
-        """Whether the newest announced policy is one we could not read and will try again."""
-        announced = self._announced()
-        return self.versions.awaiting_retry(announced.version if announced is not None else None, self.version)
-
-    async def _wait_to_retry(self, stop: asyncio.Event) -> None:
-        """Until the unreadable version's next try, a newer announcement, or `stop`."""
-        assert self.versions.unavailable is not None
-        version, retry_at = self.versions.unavailable, self.versions.retry_at
-        waits = [
-            asyncio.ensure_future(self.control.wait_for("policy", version + 1)),
-            asyncio.ensure_future(stop.wait()),
-        ]
-        try:
-            await asyncio.wait(
-                waits, timeout=max(0.0, retry_at - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-
-
-def _policy_limits(location: str) -> tuple[int | None, int | None]:
-    """(`vocab_size`, `max_position_embeddings`) from a Hugging Face checkpoint's config.json (None for what
-    it does not say)."""
-    import json
-
-    try:
-        config = json.loads((Path(location) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None, None
-
-    def positive(name: str) -> int | None:
-        value = config.get(name) if isinstance(config, dict) else None
-        return int(value) if isinstance(value, int) and value > 0 else None
-
-    return positive("vocab_size"), positive("max_position_embeddings")
 
 
 def serve_rollout_worker(config: Config) -> int:
