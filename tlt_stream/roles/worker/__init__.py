@@ -4,6 +4,7 @@
 - `intake.py`: which tasks to read and when, poison dead-lettered, each group's G requests started;
 - `generation.py`: one hop of engine steps, each response scored, whole groups sent and then acked;
 - `loading.py`: the announced policy verified and loaded between steps (refused, or tried again later);
+- `drafters.py`: drafter hot swaps, a verdict on every swap, the SD table, drafter training in idle time;
 - `reports.py`: `RolloutStats` and `SdArmReport` entries, counted since the last report;
 
 Each part is a mixin over the worker's one state (the engine, the policy and drafter in it, the tasks in
