@@ -12,6 +12,9 @@ refused, logged and reported as a `WorkerState` reason; the old weights stay in 
 loaded between engine steps once the requests in flight have finished (every sample comes from exactly
 one policy version, the one it reports). A task whose `min_policy_version` is ahead of the loaded
 policy waits until that version arrives.
+
+This file holds the worker's settings, its loop and its wiring; the loop's parts (intake, generation,
+policy loading, drafter swaps, reports, following `samples`) live in `roles/worker/`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -34,6 +37,7 @@ from tlt_stream.messages import WorkerStatus
 from tlt_stream.rl.reward_pool import RewardPool, pool_size
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.roles.worker.drafters import DrafterSwaps
+from tlt_stream.roles.worker.follow import SampleFollowing
 from tlt_stream.roles.worker.generation import Generation
 from tlt_stream.roles.worker.intake import GroupTask, TaskIntake, streams_hidden
 from tlt_stream.roles.worker.loading import PolicyLoading
@@ -157,7 +161,7 @@ class RolloutSettings:
         return self.drafter not in (None, "ngram")
 
 
-class RolloutWorker(TaskIntake, Generation, RolloutReports, PolicyLoading, DrafterSwaps):
+class RolloutWorker(TaskIntake, Generation, RolloutReports, PolicyLoading, DrafterSwaps, SampleFollowing):
     """One rollout worker process (run as many as there are devices)."""
 
     def __init__(
@@ -209,12 +213,6 @@ class RolloutWorker(TaskIntake, Generation, RolloutReports, PolicyLoading, Draft
                 initial_drafter=settings.drafter,
             )
 
-    def _init_following(self) -> None:
-        self.remembered = 0
-        """Other workers' finished responses indexed for group/history drafts (`_follow_samples`)."""
-        self.following = asyncio.Event()
-        """Set once `_follow_samples` reads `samples` from a position: entries added after it are seen."""
-
     async def run(self, stop: asyncio.Event, *, max_tasks: int | None = None) -> None:
         """Generate until `stop` is set (or `max_tasks` tasks were completed by this call)."""
         heartbeat = asyncio.create_task(self.registry.heartbeat(stop))
@@ -260,48 +258,6 @@ class RolloutWorker(TaskIntake, Generation, RolloutReports, PolicyLoading, Draft
             heartbeat.cancel()
             if follower is not None:
                 follower.cancel()
-
-    def _group_source(self) -> Any:
-        """The engine's group/history draft source (`GroupProposer`), or None."""
-        proposer = getattr(self.engine, "proposer", None)
-        source = getattr(proposer, "group", proposer)
-        return source if hasattr(source, "remember") else None
-
-    async def _follow_samples(self, stop: asyncio.Event) -> None:
-        """Index other workers' finished responses as history for group drafts, read from `samples` as they
-        are produced (a plain XREAD from the stream's end, no consumer group, no round trip per decode
-        step). Lossy by design: an entry trimmed before it is read is a draft source missed, nothing else.
-        Our own responses are indexed while they run."""
-        from tlt_stream.aio import sleep_or_stop
-        from tlt_stream.bus.producer import PAYLOAD_FIELD
-        from tlt_stream.messages import codec_for
-
-        stream, codec = self.keys.stream("samples"), codec_for("samples")
-        last: str | bytes | None = None
-        while not stop.is_set():
-            source = self._group_source()
-            if source is None:  # no engine yet (or no group source): read nothing, lose nothing
-                await sleep_or_stop(stop, 0.2)
-                continue
-            try:
-                if last is None:  # start at the stream's end: the history from now on
-                    newest = await self.redis.xrevrange(stream, count=1)
-                    last = newest[0][0] if newest else "0-0"
-                    self.following.set()
-                replies = await self.redis.xread({stream: last}, count=256, block=500)
-            except aioredis.RedisError:  # the bus's outage handling is the main loop's; drafts can wait
-                await sleep_or_stop(stop, 1.0)
-                continue
-            for _, entries in replies or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    try:
-                        sample = codec.decode(fields[PAYLOAD_FIELD])
-                    except Exception:  # a malformed entry is the learner's to dead-letter
-                        continue
-                    if sample.worker_id != self.worker_id and sample.token_ids.shape[0]:
-                        source.remember(sample.prompt_ids, sample.token_ids.to_torch().tolist())
-                        self.remembered += 1
 
 
 def serve_rollout_worker(config: Config) -> int:

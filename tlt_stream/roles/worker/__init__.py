@@ -6,6 +6,7 @@
 - `loading.py`: the announced policy verified and loaded between steps (refused, or tried again later);
 - `drafters.py`: drafter hot swaps, a verdict on every swap, the SD table, drafter training in idle time;
 - `reports.py`: `RolloutStats` and `SdArmReport` entries, counted since the last report;
+- `follow.py`: other workers' responses, indexed as history for group drafts.
 
 Each part is a mixin over the worker's one state (the engine, the policy and drafter in it, the tasks in
 flight): the parts call each other through `self`, each declares the attributes it reads from the others,
