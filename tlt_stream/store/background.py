@@ -4,9 +4,12 @@ The learner publishes a version once its policy, ledger and meta are durable; it
 the policy's bytes in fp32) only matter to a resume, so they are written on a thread while the next update
 runs, as TLT's selective checkpoints write what rollout does not need off the critical path. The state is a
 snapshot taken before the next optimizer step can change it. At most one write is in flight: a new one first
-waits for the previous. Each lands through `atomic_directory`, so its directory appears whole or not at all,
-and its presence is what marks the state complete; a write that fails or is killed leaves only a `.tmp-`
-leftover, and a resume falls back to the newest complete state (`rl/checkpoint.py`, `optimizer_source`).
+waits for the previous. One process's write lands through `atomic_directory`, so its directory appears
+whole or not at all, and its presence is what marks the state complete; a write that fails or is killed
+leaves only a `.tmp-` leftover. A sharded learner's rank lands one file of a set the ranks write each on
+their own thread (`directory=False`: the write is atomic itself, `store/shards.py`), and the set counts
+only once complete. Either way a resume falls back to the newest complete state (`rl/checkpoint.py`,
+`optimizer_source`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class WriteReport:
 
 
 class BackgroundWriter:
-    """One background write at a time, each into a directory that appears whole or not at all."""
+    """One background write at a time, each of a directory or file that appears whole or not at all."""
 
     def __init__(self, name: str = "background-write") -> None:
         self.name = name
@@ -48,18 +51,21 @@ class BackgroundWriter:
 
     @property
     def busy(self) -> Path | None:
-        """The directory a write in flight is making (None when idle); nothing may remove its parent."""
+        """The directory or file a write in flight is making (None when idle); nothing may remove the
+        checkpoint it is in."""
         thread = self._thread
         return self._target if thread is not None and thread.is_alive() else None
 
-    def submit(self, target: Path, write: Callable[[Path], None]) -> float:
-        """Make directory `target` by `write(tmp)` on a thread, after the previous write has finished; the
-        seconds spent waiting for that one (0 when it was done)."""
+    def submit(self, target: Path, write: Callable[[Path], None], *, directory: bool = True) -> float:
+        """Make `target` on a thread, after the previous write has finished: a directory that `write(tmp)`
+        fills in a temporary sibling, or (`directory=False`) whatever `write(target)` lands atomically on its
+        own. The seconds spent waiting for the previous write (0 when it was done)."""
         waited = self.wait()
         if target.exists():
             raise FileExistsError(f"{target}: already written")
         self._target = target
-        self._thread = threading.Thread(target=self._run, args=(target, write), name=self.name, daemon=False)
+        args = (target, write, directory)
+        self._thread = threading.Thread(target=self._run, args=args, name=self.name, daemon=False)
         self._thread.start()
         return waited
 
@@ -74,11 +80,14 @@ class BackgroundWriter:
         self._thread = None
         return time.perf_counter() - started
 
-    def _run(self, target: Path, write: Callable[[Path], None]) -> None:
+    def _run(self, target: Path, write: Callable[[Path], None], directory: bool) -> None:
         started = time.perf_counter()
         try:
-            with atomic_directory(target) as tmp:
-                write(tmp)
+            if directory:
+                with atomic_directory(target) as tmp:
+                    write(tmp)
+            else:
+                write(target)
         except Exception as exc:  # a thread's exception would vanish: the checkpoint just lacks this state
             self.failures += 1
             self.last = WriteReport(target, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
