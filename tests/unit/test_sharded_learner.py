@@ -14,7 +14,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -90,28 +93,62 @@ def ledger_after(update: int) -> set[str]:
     return {s.sample_id for u in range(1, update + 1) for g in groups_of(u) for s in g.samples}
 
 
-def drive(trainer: Trainer, root: Path, init: Path, *, resume: int | None, updates: range, metrics: Path) -> None:
-    """What the learner service does with its trainer: build (or resume), then update and checkpoint."""
+def drive(
+    trainer: Trainer,
+    root: Path,
+    init: Path,
+    *,
+    resume: int | None,
+    updates: range,
+    metrics: Path,
+    keep: int = 10,
+    save_last: bool = True,
+) -> None:
+    """What the learner service does with its trainer: build (or resume), then update and checkpoint (the
+    last update too, unless not `save_last`); `metrics` gets the updates' figures once all are done (and,
+    after a resume, `metrics.resume.json` the step its optimizer moments came from), then the background
+    optimizer write is waited for."""
     if resume is None:
         trainer.build(init)
-        save(trainer, root, 0)
+        save(trainer, root, 0, keep=keep)
     else:
         info = checkpoint_at(root, resume)
         trainer.build(info.master_dir, step=resume)
-        ledger, _ = trainer.restore(info)
+        ledger, meta = trainer.restore(info)
         assert ledger == ledger_after(resume)
+        metrics.with_suffix(".resume.json").write_text(json.dumps({"optimizer_step": meta["optimizer_step"]}))
     assert trainer.core is not None
     rows = []
     for update in updates:
         rows.append(trainer.core.step(groups_of(update)))
-        save(trainer, root, update)
+        if save_last or update != updates[-1]:
+            save(trainer, root, update, keep=keep)
     metrics.write_text(json.dumps(rows))
+    trainer.wait_for_writes()  # this process's optimizer state (or piece) is on disk for the test to read
 
 
-def save(trainer: Trainer, root: Path, step: int) -> None:
+def save(trainer: Trainer, root: Path, step: int, *, keep: int = 10) -> None:
     trainer.save(
-        root, step=step, ledger=ledger_after(step), extra={}, tokenizer=None, keep=10, publish_dtype=torch.float32
+        root, step=step, ledger=ledger_after(step), extra={}, tokenizer=None, keep=keep, publish_dtype=torch.float32
     )
+
+
+def hold_writes(hold: dict, rank: int) -> None:
+    """This rank's background write of step `hold["step"]`'s optimizer piece (if `rank` is in `hold["ranks"]`)
+    says it started (`started-{rank}` in `hold["dir"]`) and waits until the test creates `release` there: a
+    slow disk, deterministically, across processes. The write itself is the real one, into real files."""
+    from tlt_stream.rl import sharded
+
+    real, gate = sharded._write_piece, Path(hold["dir"])
+
+    def held(directory: Path, **shard: object) -> None:
+        if rank in hold["ranks"] and directory.parent.name == f"step-{hold['step']:08d}":
+            (gate / f"started-{rank}").touch()
+            while not (gate / "release").exists():
+                time.sleep(0.02)
+        real(directory, **shard)
+
+    sharded._write_piece = held
 
 
 def rank_main(spec: str) -> None:
@@ -124,17 +161,25 @@ def rank_main(spec: str) -> None:
     settings = LearnerSettings(**{**SETTINGS.__dict__, **args.get("settings", {})})
     link = join_ranks("cpu", timeout_s=120)
     assert link is not None
+    if "hold" in args:
+        hold_writes(args["hold"], link.rank)
     trainer = Trainer(settings, "cpu", link)
     root, init = Path(args["root"]), Path(args["init"])
     if link.leader:
-        drive(trainer, root, init, resume=args["resume"], updates=range(*args["updates"]), metrics=Path(args["out"]))
+        updates, out = range(*args["updates"]), Path(args["out"])
+        options = {key: args[key] for key in ("keep", "save_last") if key in args}
+        drive(trainer, root, init, resume=args["resume"], updates=updates, metrics=out, **options)
         trainer.stop()
     else:
         follow(trainer, root=root, init_policy=init)
     leave_ranks()
 
 
-def run_ranks(world: int, **spec: object) -> None:
+Ranks = list[tuple[subprocess.Popen, IO[bytes]]]
+"""Rank processes and their stderr (a file: nobody drains a pipe while a test waits on the ranks)."""
+
+
+def start_ranks(world: int, **spec: object) -> Ranks:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -143,10 +188,22 @@ def run_ranks(world: int, **spec: object) -> None:
     for rank in range(world):
         env = {**os.environ, "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        processes.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=subprocess.PIPE))
-    errors = [p.communicate(timeout=240)[1].decode() for p in processes]
-    for p, err in zip(processes, errors, strict=True):
-        assert p.returncode == 0, err[-3000:]
+        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed by finish_ranks)
+        processes.append((subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=err), err))
+    return processes
+
+
+def run_ranks(world: int, **spec: object) -> None:
+    finish_ranks(start_ranks(world, **spec))
+
+
+def finish_ranks(ranks: Ranks) -> None:
+    for process, _ in ranks:
+        process.wait(timeout=240)
+    for process, err in ranks:
+        err.seek(0)
+        assert process.returncode == 0, err.read().decode()[-3000:]
+        err.close()
 
 
 def weights(root: Path, step: int) -> dict[str, torch.Tensor]:

@@ -11,9 +11,9 @@ taken for a checkpoint. Nothing in a checkpoint is a pickle: tensors are safeten
 loading one can never run code (a `.pt` where safetensors belong is refused, not unpickled).
 
 A sharded learner (`rl/sharded.py`) writes the same layout: rank 0 the policy (gathered whole), the RNG,
-the ledger and `meta.json`; every rank its piece of the optimizer state into `optimizer/` (`store/shards.py`)
-inside the same temporary directory, before rank 0 renames it. Any number of ranks, or one process, resumes
-from it.
+the ledger and `meta.json`, committed as above; then every rank its piece of the optimizer state into the
+committed step's `optimizer/` (`store/shards.py`), in the background like one process's (below). Any
+number of ranks, or one process, resumes from it.
 
 The policy is written once: its safetensors are serialised, hashed and written in one pass
 (`store/weights.py`), so the sha256 announced with it (the v2 digest, `store/digest.py`) costs no read back;
@@ -23,10 +23,11 @@ which verify as v1).
 The optimizer state may be written in the background (`optimizer_writes`, `store/background.py`): the
 policy, RNG, ledger and meta are durable and `LATEST` names the step before `save_checkpoint` returns, so the
 version can be acked and published while the optimizer snapshot is still being written into the step's
-`optimizer/`, which appears whole or not at all. A step without one is still a checkpoint (its weights and
-ledger are exactly-once's state); a resume from it takes the optimizer moments of the newest checkpoint that
-has them and says so (`optimizer_source`), and pruning keeps that checkpoint and never touches the step
-being written.
+`optimizer/`, which counts only once complete (one process's appears whole or not at all; the ranks' pieces
+land one by one, and the set counts when every rank's is there: `store/shards.py` `incomplete`). A step
+without one is still a checkpoint (its weights and ledger are exactly-once's state); a resume from it takes
+the optimizer moments of the newest checkpoint that has them and says so (`optimizer_source`), and pruning
+keeps that checkpoint and never touches a step being written (`_prune`).
 
 The durable writes (`store/durable.py`) and the optimizer/RNG tensors (`store/tensors.py`) are shared with
 the drafter; this module is the learner's layout on top of them.
@@ -41,7 +42,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,7 +56,7 @@ from tlt_stream.failpoints import failpoint
 from tlt_stream.store.background import BackgroundWriter
 from tlt_stream.store.digest import DigestScheme, verify_directory
 from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, fsync_dir, remove_dir, write_json
-from tlt_stream.store.shards import read_shards, write_shard
+from tlt_stream.store.shards import incomplete, read_shards, write_shard
 from tlt_stream.store.tensors import (
     load_tensors,
     optimizer_state,
@@ -91,8 +92,8 @@ FORMAT_VERSION = 2
 LATEST = "LATEST"
 POLICY = "policy"
 OPTIMIZER = "optimizer"
-"""`optimizer.{safetensors,json}` written inline; an `optimizer/` directory of per-rank pieces (one piece when
-written in the background by one process)."""
+"""`optimizer.{safetensors,json}` written inline; an `optimizer/` directory of per-rank pieces written in the
+background (one piece when by one process), a state only once complete."""
 DIGEST: DigestScheme = "v2"
 """The digest new checkpoints record (`meta.json` `policy_digest`)."""
 MASTER = "master"
@@ -177,10 +178,11 @@ def _read_info(path: Path) -> CheckpointInfo | None:
 
 def has_optimizer_state(path: Path) -> bool:
     """Whether checkpoint directory `path` holds a complete optimizer state (a background write not yet
-    finished, failed or killed leaves none). A pickle where it belongs is refused (ValueError), never taken
-    for a missing state: a resume must not quietly start from fresh moments beside a file it will not read."""
+    finished, failed or killed leaves none; so does any rank's piece missing). A pickle where it belongs is
+    refused (ValueError), never taken for a missing state: a resume must not quietly start from fresh
+    moments beside a file it will not read."""
     if (path / OPTIMIZER).is_dir():
-        return True
+        return incomplete(path / OPTIMIZER) is None
     refuse_pickle(path / OPTIMIZER)
     return (path / f"{OPTIMIZER}.safetensors").is_file()
 
@@ -247,8 +249,9 @@ def latest_checkpoint(root: Path | str, *, clean: bool = False) -> CheckpointInf
     root = Path(root)
     if not root.is_dir():
         return None
-    if clean:  # also background writes a crash cut short, inside step directories
-        for leftover in [*root.glob(f"{TMP_PREFIX}*"), *root.glob(f"step-*/{TMP_PREFIX}*")]:
+    if clean:  # also background writes a crash cut short, inside step directories and their optimizer/
+        here = [root, *root.glob("step-*"), *root.glob(f"step-*/{OPTIMIZER}")]
+        for leftover in [p for d in here for p in d.glob(f"{TMP_PREFIX}*")]:
             if leftover.is_dir() and not leftover.is_symlink():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -278,9 +281,9 @@ def save_checkpoint(
     keep: int = 3,
     publish_dtype: torch.dtype | None = None,
     weights: dict[str, torch.Tensor] | None = None,
-    write_optimizer: Callable[[Path], None] | None = None,
-    tmp_name: str | None = None,
     optimizer_writes: BackgroundWriter | None = None,
+    start_optimizer_writes: Callable[[Path], None] | None = None,
+    in_flight: Collection[Path] = (),
 ) -> CheckpointInfo:
     """Write `root/step-{step:08d}` atomically, point `root/LATEST` at it, and prune to the newest `keep`.
 
@@ -295,11 +298,13 @@ def save_checkpoint(
     With `optimizer_writes`, the optimizer state is snapshot (copied) now and written into `optimizer/` in
     the background after `LATEST` names the step (module docstring); without, `optimizer.{safetensors,json}`
     is written inline. A sharded model passes its gathered `weights` (what `model.state_dict()` would be,
-    tied tensors once), `write_optimizer(tmp)` in place of `optimizer` (every rank writes its piece into
-    `tmp/optimizer/`, inline) and the `tmp_name` the other ranks were told.
+    tied tensors once) and, in place of `optimizer`, `start_optimizer_writes(final)`, called once `LATEST`
+    names `final` (every rank starts writing its piece into `final/optimizer/` in the background), with
+    `optimizer_writes` its own writer and `in_flight` the step directories other ranks may still be writing
+    into; pruning spares both.
     """
-    if (optimizer is None) == (write_optimizer is None):
-        raise ValueError("give either optimizer or write_optimizer")
+    if (optimizer is None) == (start_optimizer_writes is None):
+        raise ValueError("give either optimizer or start_optimizer_writes")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -332,7 +337,7 @@ def save_checkpoint(
     if os.path.lexists(final):
         raise ValueError(f"{final}: checkpoint directory already exists; refusing to overwrite it")
 
-    with atomic_directory(final, tmp_name) as tmp:
+    with atomic_directory(final) as tmp:
         own_dtype = next(model.parameters()).dtype
         master_sha = None
         if publish_dtype is not None and publish_dtype != own_dtype:
@@ -340,10 +345,7 @@ def save_checkpoint(
             sha = save_policy(model, tmp / POLICY, tokenizer, weights, dtype=publish_dtype)
         else:
             sha = save_policy(model, tmp / POLICY, tokenizer, weights)
-        if write_optimizer is not None:
-            write_optimizer(tmp)
-        elif not background:
-            assert state is not None
+        if state is not None and not background:
             save_tensors(*state, tmp / OPTIMIZER)
         save_tensors(*rng_tensors(), tmp / "rng")
         write_json(tmp / "ledger.json", ids)
@@ -353,7 +355,7 @@ def save_checkpoint(
             "policy_sha256": sha,
             **({"master_sha256": master_sha} if master_sha is not None else {}),
             "policy_digest": DIGEST,
-            "optimizer": "background" if background else "inline",
+            "optimizer": "inline" if state is not None and not background else "background",
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "ledger_size": len(ids),
             "extra": extra,
@@ -363,7 +365,10 @@ def save_checkpoint(
     if background:
         assert optimizer_writes is not None and state is not None
         optimizer_writes.submit(final / OPTIMIZER, functools.partial(_write_optimizer_state, state))
-    _prune(root, keep, busy=optimizer_writes.busy if optimizer_writes is not None else None)
+    elif start_optimizer_writes is not None:
+        start_optimizer_writes(final)
+    busy = optimizer_writes.busy if optimizer_writes is not None else None
+    _prune(root, keep, busy=[*in_flight, *([busy] if busy is not None else [])])
     return CheckpointInfo(
         path=final, step=step, policy_dir=final / POLICY, policy_sha256=sha, master_sha256=master_sha, digest=DIGEST
     )
@@ -372,19 +377,19 @@ def save_checkpoint(
 def _write_optimizer_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]], tmp: Path) -> None:
     """A background write's body: the snapshot as a one-piece `optimizer/` (`store/shards.py`)."""
     tensors, meta = state
-    write_shard(tmp, rank=0, world=1, tensors=tensors, pieces=set(), meta=meta)
+    write_shard(tmp, rank=0, world=1, tensors=tensors, pieces=set(), meta=meta, save_id=uuid.uuid4().hex[:12])
     failpoint("learner.optimizer_write")  # fault tests: die with the state written but not yet named complete
 
 
-def _prune(root: Path, keep: int, *, busy: Path | None) -> None:
+def _prune(root: Path, keep: int, *, busy: Collection[Path]) -> None:
     """Delete all but the newest `keep` checkpoints, never the newest one with a complete optimizer state
-    (what a resume falls back to while the newest's is being written) nor one being written into."""
+    (what a resume falls back to while the newest's is being written) nor one a path in `busy` is in (being
+    written into)."""
     complete = _complete_checkpoints(root)
     keepers = {c.path for c in complete[-keep:]}
     with_state = [c.path for c in complete if has_optimizer_state(c.path)]
     keepers.update(with_state[-1:])
-    if busy is not None:
-        keepers.add(busy.parent)
+    keepers.update(c.path for c in complete if any(p == c.path or c.path in p.parents for p in busy))
     for old in complete:
         if old.path not in keepers:
             try:

@@ -40,9 +40,10 @@ class Command(IntEnum):
     BUILD = 2
     """Build and shard the policy: (checkpoint step whose master weights to load, -1: the initial policy)."""
     RESTORE = 3
-    """Load this rank's piece of a checkpoint's optimizer state: (step)."""
+    """Resume from a checkpoint: (its step, the step whose optimizer state each rank loads its piece of; -1:
+    none, fresh moments)."""
     SAVE = 4
-    """Write a checkpoint: (step, nonce of its temporary directory's name)."""
+    """Write a checkpoint: (step, nonce naming the save, recorded in every rank's optimizer piece)."""
 
 
 class RanksOutOfStep(RuntimeError):

@@ -11,17 +11,23 @@ gathered in bf16 for forward and backward and gradients reduced in fp32. Gradien
 not averaged: each rank's loss is already divided by the whole update's token count, so the sum is the
 single process's gradient, and clipping by the (global) norm of the sharded gradients clips the same.
 
-A checkpoint stays one directory, written without a pickle: rank 0 gathers the whole weights and writes the
-policy, the RNG, the ledger of consumed samples and `meta.json`; every rank writes its optimizer piece into
-the same temporary directory (`store/shards.py`); only when every rank has said its piece is on disk does
-rank 0 rename the directory and move `LATEST`. Only rank 0 holds and writes the ledger, so exactly-once is
-the single process's argument unchanged; every rank checks that it is at the step being saved.
+A checkpoint stays one directory, written without a pickle. A save is two agreements (`agree`) besides
+the command and the gather of the whole weights: every rank agrees that it is at the step being saved
+(each has by then taken a CPU snapshot of its optimizer piece, which the next update cannot change); rank
+0 writes the policy, the RNG, the ledger of consumed samples and `meta.json`, renames the directory and
+moves `LATEST` (the commit, as one process's), then every rank agrees that it is committed. Only rank 0
+holds and writes the ledger, so exactly-once is the single process's argument unchanged.
 
-One process writes its optimizer state in the background (`rl/checkpoint.py`, `store/background.py`): the
-next update runs while it is written. The ranks write theirs inline, inside the step's directory before
-it is renamed: making that asynchronous would need every rank's background write to finish, and be agreed
-on by a collective, before anything could count it complete, in the middle of later updates' collectives.
-The sharded save costs that write's time on the critical path; its resume falls back like one process's.
+The optimizer pieces are then written in the background, as one process's state is (`rl/checkpoint.py`,
+`store/background.py`): each rank on its own thread lands its piece in the committed step's `optimizer/`
+(rank 0 also the index), while the next updates run. No collective says when they are done: the
+filesystem does. Each piece lands atomically and records its rank, the world and the save, and the state
+counts only when the index and all `world` pieces of the same save are there (`store/shards.py`
+`incomplete`), so a rank that dies mid-write leaves a step without optimizer state, and a resume takes the
+newest complete one and says so. Each rank has at most one write in flight and starts the next only after
+its previous one has ended, so while rank 0 saves a step, the ranks can be writing into that step or the
+one saved before it; pruning (rank 0) spares both (the earlier until its set is complete) and the newest
+complete state. A rank leaving waits for its write.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
+from tlt_stream.failpoints import failpoint
 from tlt_stream.rl.checkpoint import (
     OPTIMIZER,
     CheckpointInfo,
     checkpoint_at,
+    has_optimizer_state,
     note_optimizer_source,
     optimizer_source,
     restore_checkpoint,
@@ -46,8 +53,7 @@ from tlt_stream.rl.checkpoint import (
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings, compute_dtype_on, load_for_training
 from tlt_stream.rl.ranks import Command, RankLink, RanksOutOfStep
 from tlt_stream.store.background import BackgroundWriter
-from tlt_stream.store.durable import TMP_PREFIX
-from tlt_stream.store.shards import piece, read_shards, write_shard
+from tlt_stream.store.shards import piece, rank_file, read_shards, write_shard
 from tlt_stream.store.tensors import load_tensors, optimizer_state, optimizer_tensors
 
 __all__ = ["Trainer", "follow", "full_weights", "shard_policy"]
@@ -98,7 +104,9 @@ class Trainer:
         self.link = link
         self.core: LearnerCore | None = None
         self.optimizer_writes = BackgroundWriter("optimizer-write")
-        """One process's optimizer state, written while the next update runs (unused when sharded)."""
+        """This process's optimizer state (or, sharded, its piece), written while the next update runs."""
+        self._saved: Path | None = None
+        """Rank 0: the step directory of the previous save, which another rank may still be writing into."""
 
     @property
     def _commands(self) -> bool:
@@ -158,51 +166,59 @@ class Trainer:
                 root, model=self.core.model, optimizer=self.core.optimizer, optimizer_writes=self.optimizer_writes,
                 **common,
             )  # fmt: skip
-        nonce = secrets.randbits(48)
-        self.link.command(Command.SAVE, step, nonce)
+        link, nonce = self.link, secrets.randbits(48)
+        link.command(Command.SAVE, step, nonce)
         weights = full_weights(self.core.model)
-        tensors, meta, pieces = _local_optimizer_state(self.core.optimizer)
-        written = False
+        snapshot = _local_optimizer_state(self.core.optimizer)
+        if not self._agree_step(step):  # every rank is at this step, its snapshot taken
+            raise RanksOutOfStep(f"a rank is not at step {step}: the ranks are out of step")
+        released = False
 
-        def write_optimizer(tmp: Path) -> None:
-            nonlocal written
-            written = True
-            if not self._agree_step(step):  # barrier: the directory exists, every rank is at this step
-                raise RanksOutOfStep(f"a rank is not at step {step}: the ranks are out of step")
-            ok = self._write_piece(tmp / OPTIMIZER, tensors, pieces, meta)
-            if not self.link.agree(ok):  # barrier: every piece is on disk (fsynced) before the rename
-                raise OSError(f"checkpoint {step}: a rank could not write its optimizer piece")
+        def start_writes(final: Path) -> None:
+            nonlocal released
+            released = True
+            if not link.agree(True):  # barrier: committed; every rank may write into it
+                raise RanksOutOfStep(f"checkpoint {step}: a rank did not take part in its commit")
+            self._write_piece_behind(final, snapshot, nonce)
 
+        # The previous save's pieces may still be being written by a rank (never older ones: each rank ends
+        # a write before it starts the next); spared until they are all there.
+        in_flight = [self._saved] if self._saved is not None and not has_optimizer_state(self._saved) else []
         try:
-            return save_checkpoint(
+            info = save_checkpoint(
                 root,
                 model=self.core.model,
                 optimizer=None,
                 weights=weights,
-                write_optimizer=write_optimizer,
-                tmp_name=_tmp_name(step, nonce),
+                optimizer_writes=self.optimizer_writes,
+                start_optimizer_writes=start_writes,
+                in_flight=in_flight,
                 **common,
             )
         except Exception:
-            if not written:  # failed before the other ranks were let write: release them
-                self.link.agree(False)
+            if not released:  # failed before the commit: release the other ranks, with nothing to write
+                link.agree(False)
             raise
+        self._saved = info.path
+        return info
 
     def save_share(self, root: Path, *, step: int, nonce: int) -> None:
         """A rank other than 0, told SAVE: its part of rank 0's `save`."""
         assert self.core is not None and self.link is not None
         full_weights(self.core.model)
-        tensors, meta, pieces = _local_optimizer_state(self.core.optimizer)
+        snapshot = _local_optimizer_state(self.core.optimizer)
         if not self._agree_step(step):
-            return  # rank 0 gave up before its directory existed (or the ranks disagree: it raises)
-        self.link.agree(self._write_piece(root / _tmp_name(step, nonce) / OPTIMIZER, tensors, pieces, meta))
+            return  # the ranks disagree: rank 0 raises
+        if self.link.agree(True):  # False: rank 0 could not commit the step; nothing to write into
+            self._write_piece_behind(root / f"step-{step:08d}", snapshot, nonce)
 
     def wait_for_writes(self) -> float:
         """Block until the background optimizer write (if any) is durable or has failed; seconds waited."""
         return self.optimizer_writes.wait()
 
     def stop(self) -> None:
-        """Leaving: the background optimizer write finishes first; rank 0 lets the other ranks leave too."""
+        """Leaving: the background optimizer write finishes first; rank 0 lets the other ranks leave too (each
+        waits for its own write: `follow`)."""
         self.wait_for_writes()
         if self._commands:
             assert self.link is not None
@@ -215,16 +231,19 @@ class Trainer:
             log.error("rank %d is at update %d, asked to save step %d", self.link.rank, self.core.updates, step)
         return self.link.agree(mine)
 
-    def _write_piece(self, directory: Path, tensors: dict, pieces: set[str], meta: dict[str, Any]) -> bool:
+    def _write_piece_behind(self, final: Path, snapshot: tuple[dict, dict[str, Any], set[str]], nonce: int) -> None:
+        """Start writing this rank's optimizer piece into committed checkpoint `final` on the background
+        writer (after its previous write has ended). A write that fails (or whose checkpoint was pruned under
+        it) is logged and counted, not raised: the step is committed either way, only without optimizer state."""
         assert self.link is not None
-        try:
-            write_shard(
-                directory, rank=self.link.rank, world=self.link.world, tensors=tensors, pieces=pieces, meta=meta
-            )
-            return True
-        except (OSError, SafetensorError) as exc:
-            log.error("rank %d could not write its optimizer piece to %s: %s", self.link.rank, directory, exc)
-            return False
+        tensors, meta, pieces = snapshot
+        rank, world = self.link.rank, self.link.world
+
+        def write(target: Path) -> None:
+            _write_piece(target.parent, rank=rank, world=world, tensors=tensors, pieces=pieces, meta=meta,
+                         save_id=f"{nonce:012x}")  # fmt: skip
+
+        self.optimizer_writes.submit(rank_file(final / OPTIMIZER, rank), write, directory=False)
 
 
 def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
@@ -236,6 +255,7 @@ def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
         kind, (first, second, _) = link.next_command()
         match kind:
             case Command.STOP:
+                trainer.wait_for_writes()
                 return
             case Command.BUILD:
                 trainer.build(init_policy if first < 0 else checkpoint_at(root, first).master_dir, step=first)
@@ -251,12 +271,16 @@ def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
                 trainer.save_share(root, step=first, nonce=second)
 
 
-def _tmp_name(step: int, nonce: int) -> str:
-    return f"{TMP_PREFIX}step-{step:08d}-{nonce:012x}"
+def _write_piece(directory: Path, **shard: Any) -> None:
+    """A background write's body: this rank's piece (and rank 0's index) into `directory`; the checkpoint
+    around it already committed."""
+    failpoint("learner.optimizer_write")  # fault tests: die before this rank's piece has landed
+    write_shard(directory, **shard)
 
 
 def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Any], set[str]]:
-    """This rank's optimizer state as (tensors, JSON part, names of the tensors that are dim-0 pieces)."""
+    """This rank's optimizer state as (CPU copies of its tensors, a snapshot the next step cannot change; the
+    JSON part; names of the tensors that are dim-0 pieces)."""
     from torch.distributed.tensor import DTensor
 
     state = optimizer.state_dict()
@@ -269,7 +293,7 @@ def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, dict
                 value = value.to_local()
                 pieces.add(f"state.{index}.{slot}")
             local[index][slot] = value
-    tensors, meta = optimizer_tensors({"state": local, "param_groups": state["param_groups"]})
+    tensors, meta = optimizer_tensors({"state": local, "param_groups": state["param_groups"]}, copy=True)
     return tensors, meta, pieces
 
 

@@ -7,60 +7,124 @@ which tensors are pieces (the rest, a step count say, is the same on every rank)
 state. A run with as many ranks reads only its own file; any other number (one process included) reads
 every file, joins the pieces into whole tensors and cuts its own (`piece`). Safetensors + JSON only: no
 pickle, no torch.distributed.checkpoint metadata file (which is one).
+
+The ranks write at their own pace (each on its own thread, after the checkpoint is committed:
+`rl/sharded.py`) and any of them may die meanwhile, so each file lands whole or not at all (a `.tmp-` name,
+fsynced, renamed) and the set counts only when it is complete (`incomplete`): the index and every one of
+its `world` pieces, each piece recording (safetensors metadata) its rank, the world and the save it belongs
+to, the same save as the index's. Anything less is no state at all: `read_shards` refuses it, and a resume
+takes an older complete one. Sets written before pieces recorded their save (no `save` in the index) were
+made whole with their checkpoint directory; all their files present is all they need.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from tlt_stream.store.durable import write_json
+from tlt_stream.store.durable import TMP_PREFIX, fsync_dir
 
-__all__ = ["INDEX", "piece", "read_shards", "write_shard"]
+__all__ = ["INDEX", "incomplete", "piece", "rank_file", "read_shards", "write_shard"]
 
 INDEX = "index.json"
 FORMAT = "dim0-chunks-v1"
 
 
-def _rank_file(directory: Path, rank: int) -> Path:
+def rank_file(directory: Path, rank: int) -> Path:
+    """Where rank `rank`'s piece of the state in `directory` lands."""
     return directory / f"rank-{rank:05d}.safetensors"
 
 
 def write_shard(
-    directory: Path, *, rank: int, world: int, tensors: dict[str, torch.Tensor], pieces: set[str], meta: dict[str, Any]
+    directory: Path,
+    *,
+    rank: int,
+    world: int,
+    tensors: dict[str, torch.Tensor],
+    pieces: set[str],
+    meta: dict[str, Any],
+    save_id: str,
 ) -> None:
-    """Write this rank's `tensors` (those named in `pieces` are its dim-0 pieces) into `directory`, fsynced;
-    rank 0 also writes the index with `meta` (the state's JSON part, the same on every rank)."""
+    """Land this rank's `tensors` (those named in `pieces` are its dim-0 pieces) in `directory`, made if need
+    be, as one atomic, fsynced file; rank 0 then lands the index with `meta` (the state's JSON part, the same
+    on every rank). `save_id` is the same on every rank of one save and differs between saves."""
     if not pieces <= set(tensors):
         raise ValueError(f"pieces names tensors not given: {sorted(pieces - set(tensors))[:3]}")
-    directory.mkdir(exist_ok=True)
-    data = save({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
-    with open(_rank_file(directory, rank), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world}")
+    directory.mkdir(exist_ok=True)  # FileNotFoundError when the checkpoint around it is gone (pruned)
+    fsync_dir(directory.parent)
+    stamp = {"rank": str(rank), "world": str(world), "save": save_id}
+    data = save({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, metadata=stamp)
+    _land(rank_file(directory, rank), data)
     if rank == 0:
-        write_json(directory / INDEX, {"format": FORMAT, "world": world, "pieces": sorted(pieces), "meta": meta})
+        index = {"format": FORMAT, "world": world, "save": save_id, "pieces": sorted(pieces), "meta": meta}
+        _land(directory / INDEX, json.dumps(index).encode())
+
+
+def _land(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, durably, or is untouched: a `.tmp-` sibling, fsynced, renamed, the
+    directory fsynced."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def incomplete(directory: Path) -> str | None:
+    """Why the state in `directory` is not a complete set (None: it is): the index missing or unreadable, a
+    rank's piece missing, or a piece of another save, rank or world than the index says."""
+    try:
+        index = json.loads((directory / INDEX).read_text(encoding="utf-8"))
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            return f"an index of format {index.get('format') if isinstance(index, dict) else None!r}"
+        world, save_id = index["world"], index.get("save")
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            return f"an index saying world {world!r}"
+        for rank in range(world):
+            file = rank_file(directory, rank)
+            if not file.is_file():
+                return f"no piece of rank {rank} of {world}"
+            if save_id is None:  # written whole with its checkpoint directory, before pieces said their save
+                continue
+            with safe_open(file, framework="pt") as f:
+                stamp = f.metadata() or {}
+            if stamp != {"rank": str(rank), "world": str(world), "save": str(save_id)}:
+                return f"{file.name} says {stamp}, the index rank {rank} of {world}, save {save_id}"
+    except FileNotFoundError:
+        return "no index"
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        return f"unreadable ({exc})"
+    return None
 
 
 def read_shards(directory: Path, *, rank: int | None, world: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The state in `directory` for rank `rank` of `world`: its own pieces when the state was written by as
     many ranks, else whole tensors for the reader to cut (`piece`); `rank=None` asks for whole tensors. Returns
     (tensors, the state's JSON part). ValueError for anything unreadable or incomplete."""
+    why = incomplete(directory)
+    if why is not None:
+        raise ValueError(f"{directory}: incomplete sharded state ({why})")
     try:
         index = json.loads((directory / INDEX).read_text(encoding="utf-8"))
-        if index.get("format") != FORMAT:
-            raise ValueError(f"format {index.get('format')!r}, expected {FORMAT!r}")
         written = int(index["world"])
         if rank is not None and written == world:
-            return load_file(_rank_file(directory, rank)), index["meta"]
-        files = [load_file(_rank_file(directory, r)) for r in range(written)]
+            return load_file(rank_file(directory, rank)), index["meta"]
+        files = [load_file(rank_file(directory, r)) for r in range(written)]
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise ValueError(f"{directory}: unreadable sharded state ({exc})") from exc
     pieces = set(index["pieces"])
