@@ -60,8 +60,8 @@ async def test_another_workers_finished_response_drafts_this_workers_row_of_the_
             await producer.send("prompts", [task])
             await running
     group = worker._group_source()
-    trie = group.tries[tuple(prompt)]
-    assert any(trie.tokens(doc)[-len(elsewhere) :] == elsewhere for doc in trie.documents if doc != "prompt"), (
+    index = group.indexes[tuple(prompt)]
+    assert any(index.tokens(doc)[-len(elsewhere) :] == elsewhere for doc in index.documents if doc != "prompt"), (
         "the other worker's response is indexed under the prompt"
     )
     assert worker.engine.drafted_by["group"] > 0, "the worker's rows were drafted by the group source"

@@ -231,7 +231,7 @@ def sd_engine(model, kind: str, max_batch: int, max_prefill_tokens: int | None =
     proposer, arm = {
         "eagle-chain": (eagle, Arm.drafter(3, 1, 3)),
         "eagle-tree": (eagle, Arm.drafter(3, 2, 5)),
-        "mixed": (MixedProposer(eagle, GroupProposer(max_depth=8, max_match=4)), Arm.mixed(2, 2, 3, 4)),
+        "mixed": (MixedProposer(eagle, GroupProposer(max_match=4)), Arm.mixed(2, 2, 3, 4)),
     }[kind]
     return GenerationEngine(model, max_batch, 64, max_prefill_tokens=max_prefill_tokens, proposer=proposer, arm=arm)
 

@@ -390,7 +390,7 @@ def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they
     ps = prompts()
     reference = {tuple(p): hf_greedy(hf, p, 24) for p in ps}
     assert any(len(r) < 24 for r in reference.values()), "some rows stop early on EOS"
-    group = GroupProposer(max_depth=16, max_match=6)
+    group = GroupProposer(max_match=6)
     g = torch.Generator().manual_seed(5)
     for p, ref in reference.items():
         cut = len(ref) // 2

@@ -360,7 +360,7 @@ class SdConfig(_Section, frozen=True):
         bool,
         _doc(
             "Draft also from the prompt's own responses: the group's running and finished siblings, earlier "
-            "steps' responses to it and the row's own context (a suffix trie per prompt, no model). With a "
+            "steps' responses to it and the row's own context (a suffix automaton per prompt, no model). With a "
             "drafter: group arms (group-d<depth>v<nodes>) and EAGLE + group merged in one tree (d4k2v8+g8) "
             "beside the drafter's; with ngram, group arms replace prompt lookup (they include it)."
         ),

@@ -27,7 +27,7 @@ from tlt_stream.drafter.model import Drafter, load_drafter
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import DraftTree
 from tlt_stream.rollout.arms import Arm
-from tlt_stream.rollout.suffix import SuffixTrie
+from tlt_stream.rollout.suffix import SuffixAutomaton
 
 __all__ = [
     "SOURCE_EAGLE",
@@ -372,7 +372,7 @@ def pad_trees(rows: list[tuple[list[int], list[int]]], sources: list[list[int]] 
 
 @dataclass
 class _GroupRow:
-    trie: SuffixTrie
+    index: SuffixAutomaton
     doc: int
     history: list[int]
     """The row's prompt and response so far: the context a draft continues."""
@@ -383,25 +383,24 @@ class _GroupRow:
 class GroupProposer:
     """Drafts from the responses to the row's own prompt (`rollout.suffix`): its group's running and finished
     siblings, earlier steps' and epochs' responses to the same prompt, and the row's own prompt and response.
-    The index is one suffix trie per prompt (keyed by the prompt's tokens, so siblings and later visits of
-    the prompt share it), kept in an LRU cache bounded by `max_nodes` trie nodes and `max_docs` responses per
-    prompt. Model-free: a draft costs Python dictionary walks, no forward."""
+    The index is one suffix automaton per prompt (keyed by the prompt's tokens, so siblings and later visits
+    of the prompt share it), kept in an LRU cache bounded by `max_nodes` automaton states and `max_docs`
+    responses per prompt. Model-free: a draft costs Python dictionary walks, no forward."""
 
     def __init__(
         self,
         *,
-        max_depth: int = 24,
         max_match: int = 12,
         min_match: int = 1,
         min_prob: float = 0.0,
         max_nodes: int = 500_000,
         max_docs: int = 64,
     ) -> None:
-        if not 1 <= min_match <= max_match < max_depth:
-            raise ValueError(f"need 1 <= min_match <= max_match < max_depth, got {min_match}, {max_match}, {max_depth}")
-        self.max_depth, self.max_match, self.min_match, self.min_prob = max_depth, max_match, min_match, min_prob
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.max_match, self.min_match, self.min_prob = max_match, min_match, min_prob
         self.max_nodes, self.max_docs = max_nodes, max_docs
-        self.tries: OrderedDict[tuple[int, ...], SuffixTrie] = OrderedDict()
+        self.indexes: OrderedDict[tuple[int, ...], SuffixAutomaton] = OrderedDict()
         self.kinds = frozenset({"group"})
         """The arm kinds it drafts."""
         self._rows: dict[int, _GroupRow] = {}
@@ -409,52 +408,52 @@ class GroupProposer:
 
     @property
     def nodes(self) -> int:
-        """Trie nodes held over every cached prompt."""
-        return sum(trie.nodes for trie in self.tries.values())
+        """Automaton states held over every cached prompt."""
+        return sum(index.nodes for index in self.indexes.values())
 
     def allocate(self, max_batch: int, max_len: int) -> None:
-        """Nothing to allocate: the tries grow with what is indexed."""
+        """Nothing to allocate: the indexes grow with what is indexed."""
 
     def reset_slot(self, slot: int, prompt: SequenceOf[int] = ()) -> None:
         key = tuple(int(t) for t in prompt)
-        trie, doc = self._new_response(key, ())
-        self._rows[slot] = _GroupRow(trie, doc, list(key), max(0, len(key) - 1))
-        self._bound(trie)
+        index, doc = self._new_response(key, ())
+        self._rows[slot] = _GroupRow(index, doc, list(key), max(0, len(key) - 1))
+        self._bound(index)
 
     def remember(self, prompt: SequenceOf[int], response: SequenceOf[int]) -> None:
         """A finished response to `prompt` produced elsewhere (another worker, an earlier run): history the
         prompt's next rows draft from."""
-        trie, _ = self._new_response(tuple(int(t) for t in prompt), [int(t) for t in response])
-        self._bound(trie)
+        index, _ = self._new_response(tuple(int(t) for t in prompt), [int(t) for t in response])
+        self._bound(index)
 
-    def _new_response(self, key: tuple[int, ...], response: SequenceOf[int]) -> tuple[SuffixTrie, int]:
-        """A new document in the trie of prompt `key` (created, with the prompt itself as a document: the row's
-        own context, prompt lookup), holding `response` after the prompt's tail, so that a sibling's first
-        tokens are found after it; (the trie, the document's id)."""
-        trie = self.tries.get(key)
-        if trie is None:
-            trie = self.tries[key] = SuffixTrie(self.max_depth)
-            trie.extend("prompt", key)
-        self.tries.move_to_end(key)
+    def _new_response(self, key: tuple[int, ...], response: SequenceOf[int]) -> tuple[SuffixAutomaton, int]:
+        """A new document in the index of prompt `key` (created, with the prompt itself as a document: the
+        row's own context, prompt lookup), holding `response` after the prompt's tail, so that a sibling's
+        first tokens are found after it; (the index, the document's id)."""
+        index = self.indexes.get(key)
+        if index is None:
+            index = self.indexes[key] = SuffixAutomaton()
+            index.extend("prompt", key)
+        self.indexes.move_to_end(key)
         doc = self._next_doc
         self._next_doc += 1
-        trie.extend(doc, [*key[-self.max_match :], *response])
-        return trie, doc
+        index.extend(doc, [*key[-self.max_match :], *response])
+        return index, doc
 
-    def _bound(self, current: SuffixTrie) -> None:
-        live = {row.doc for row in self._rows.values() if row.trie is current}
-        in_use = {id(row.trie) for row in self._rows.values()}
+    def _bound(self, current: SuffixAutomaton) -> None:
+        live = {row.doc for row in self._rows.values() if row.index is current}
+        in_use = {id(row.index) for row in self._rows.values()}
         finished = [d for d in current.documents if d != "prompt" and d not in live]
         for doc in finished[: max(0, len(finished) - self.max_docs)]:  # the oldest responses go first
             current.remove(doc)
         total = self.nodes
-        for key in list(self.tries):
+        for key in list(self.indexes):
             if total <= self.max_nodes:
                 break
-            trie = self.tries[key]
-            if id(trie) not in in_use:  # a prompt no running row uses, least recently started first
-                total -= trie.nodes
-                del self.tries[key]
+            index = self.indexes[key]
+            if id(index) not in in_use:  # a prompt no running row uses, least recently started first
+                total -= index.nodes
+                del self.indexes[key]
 
     def move_slot(self, src: int, dst: int) -> None:
         self._rows[dst] = self._rows.pop(src)
@@ -466,7 +465,7 @@ class GroupProposer:
             tokens, row.skip = tokens[n:], row.skip - n
         if tokens:
             row.history.extend(tokens)
-            row.trie.extend(row.doc, tokens)
+            row.index.extend(row.doc, tokens)
 
     def observe_step(self, rows: list[int], tokens: list[int], features: torch.Tensor) -> None:
         for row, token in zip(rows, tokens, strict=True):
@@ -477,7 +476,7 @@ class GroupProposer:
         out = []
         for slot in range(batch):
             row = self._rows[slot]
-            tokens, parents, _ = row.trie.draft(
+            tokens, parents, _ = row.index.draft(
                 row.history,
                 depth=depth,
                 budget=budget,

@@ -1,19 +1,25 @@
-"""Drafts from the group itself: a depth-bounded suffix trie over what a prompt's responses already wrote.
+"""Drafts from the group itself: a suffix automaton over what a prompt's responses already wrote.
 
 GRPO samples G responses to one prompt, and RL revisits prompts epoch after epoch; by the time the long tail
 runs, most siblings have finished, and what they wrote is a cheap and often right guess for what the last
 ones write next (Seer drafts from a group's responses; SPEC-RL, RhymeRL and DAS from earlier epochs'). This
-is the index those drafts come from, in the form SuffixDecoding uses: every substring of at most
-`max_depth` tokens of every indexed document is a path from the root, and each node counts how often its
-substring occurred. Appending a token updates the `max_depth` suffixes that end at it (O(max_depth)), so
-running responses are indexed as they grow; removing a document walks its substrings again and frees the
-nodes no other document holds (memory is bounded by the documents kept).
+is the index those drafts come from: a generalized suffix automaton (Blumer et al.) over a set of documents
+that grow token by token, interleaved, as a batch's rows do. Each state is a class of substrings that end at
+the same positions; its `count` is how many positions that is, over the documents kept. Appending a token
+is the automaton's amortised O(1) extension plus one count per state on the new prefix's suffix-link path
+(the distinct classes among its suffixes: a few for varied text, more for repetitive text), where a
+depth-bounded suffix trie (SuffixDecoding's form, this module's first version) updated every suffix up to
+its depth, dozens of node updates per token of every running row, on every decode step.
 
-A draft for a row: the longest suffix of the row's own tokens (up to `max_match`) that the trie holds and
-that something followed, then a best-first tree of what followed it, ranked by empirical probability
-(count of the child over the counts of its siblings, multiplied down the path). Candidates under one node
-are distinct tokens (the trie's children), so the point-mass acceptance rule (`acceptance.accept_tree`)
-keeps decoding lossless at any temperature: the drafts only change how many tokens a round accepts.
+Removing a document walks its prefixes' suffix-link paths again and takes its counts back, so a state only a
+removed document reached has count 0 and counts as absent; the automaton is rebuilt from the documents kept
+once removed text outweighs them, so memory follows the documents kept (at most ~4x their tokens in states).
+
+A draft for a row: the longest suffix of the row's own tokens (up to `max_match`) that occurs and that
+something followed, then a best-first tree of what followed it, ranked by empirical probability (count of
+the child over the counts of its siblings, multiplied down the path). Candidates under one node are distinct
+tokens (the state's transitions), so the point-mass acceptance rule (`acceptance.accept_tree`) keeps decoding
+lossless at any temperature: the drafts only change how many tokens a round accepts.
 """
 
 from __future__ import annotations
@@ -21,30 +27,38 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 
-__all__ = ["SuffixTrie"]
+__all__ = ["SuffixAutomaton"]
+
+REBUILD_MIN = 256
+"""Removed tokens below this never trigger a rebuild (a rebuild costs one extension per kept token)."""
 
 
-class _Node:
-    __slots__ = ("children", "count")
+class SuffixAutomaton:
+    """Every substring of a set of documents, with occurrence counts, as a generalized suffix automaton.
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
+    States are indices into parallel lists: `_len` (the longest substring of the class), `_link` (suffix
+    link), `_next` (transitions, token -> state) and `_count` (end positions in the documents kept). State 0
+    is the root (the empty string)."""
 
-
-class SuffixTrie:
-    """Substrings (up to `max_depth` tokens) of a set of documents, with occurrence counts."""
-
-    def __init__(self, max_depth: int = 24) -> None:
-        if max_depth < 2:
-            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
-        self.max_depth = max_depth
-        self.root = _Node()
-        self.nodes = 0
-        """Nodes held (the root not counted): the trie's memory, about 200 bytes each in CPython."""
+    def __init__(self, *, rebuild_min: int = REBUILD_MIN) -> None:
+        self.rebuild_min = rebuild_min
         self._docs: dict[Hashable, list[int]] = {}
-        self._ends: dict[Hashable, list[_Node]] = {}
-        """Per document, the nodes of its suffixes of length 1, 2, ... that end at its last token."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self._len: list[int] = [0]
+        self._link: list[int] = [-1]
+        self._next: list[dict[int, int]] = [{}]
+        self._count: list[int] = [0]
+        self._ends: dict[Hashable, list[int]] = {}
+        """Per document, the state of each of its prefixes (whose longest substring that prefix stays)."""
+        self._dead = 0
+        """Tokens of removed documents still in the automaton (their states hold count 0)."""
+
+    @property
+    def nodes(self) -> int:
+        """States held (the root not counted): the automaton's memory, a list slot each and a small dict."""
+        return len(self._len) - 1
 
     def __contains__(self, doc: Hashable) -> bool:
         return doc in self._docs
@@ -61,64 +75,116 @@ class SuffixTrie:
         """Append `tokens` to document `doc` (created when new) and index every new substring."""
         text = self._docs.setdefault(doc, [])
         ends = self._ends.setdefault(doc, [])
-        limit = self.max_depth - 1
-        root = self.root
+        last = ends[-1] if ends else 0
         for token in tokens:
             token = int(token)
-            grown = []
-            for node in (root, *ends[:limit]):
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
-                    self.nodes += 1
-                child.count += 1
-                grown.append(child)
-            ends = grown
+            last = self._append(last, token)
+            ends.append(last)
             text.append(token)
-        self._ends[doc] = ends
+
+    def _append(self, last: int, c: int) -> int:
+        """Extend the prefix whose state is `last` by token `c`; the new prefix's state (its counts taken)."""
+        length, link, nxt, count = self._len, self._link, self._next, self._count
+        q = nxt[last].get(c)
+        if q is not None:  # the longer prefix already occurs (in another document): reuse or split its class
+            end = q if length[q] == length[last] + 1 else self._split(last, q, c)
+        else:
+            end = len(length)
+            length.append(length[last] + 1)
+            link.append(0)
+            nxt.append({})
+            count.append(0)
+            p = last
+            while p != -1 and c not in nxt[p]:
+                nxt[p][c] = end
+                p = link[p]
+            if p != -1:
+                q = nxt[p][c]
+                link[end] = q if length[p] + 1 == length[q] else self._split(p, q, c)
+        state = end
+        while state > 0:  # one more end position for every class on the new prefix's suffix-link path
+            count[state] += 1
+            state = link[state]
+        return end
+
+    def _split(self, p: int, q: int, c: int) -> int:
+        """Split state `q`: its substrings of at most len(p) + 1 tokens (reached from `p` by `c`) become a new
+        state, q's suffix link; the new state (same end positions as q so far)."""
+        length, link, nxt, count = self._len, self._link, self._next, self._count
+        clone = len(length)
+        length.append(length[p] + 1)
+        link.append(link[q])
+        nxt.append(dict(nxt[q]))
+        count.append(count[q])
+        while p != -1 and nxt[p].get(c) == q:
+            nxt[p][c] = clone
+            p = link[p]
+        link[q] = clone
+        return clone
 
     def remove(self, doc: Hashable) -> None:
-        """Forget document `doc`: every substring count it added is taken back, unused nodes freed."""
+        """Forget document `doc`: every count it added is taken back; rebuilt once removed text dominates."""
         text = self._docs.pop(doc)
-        self._ends.pop(doc, None)
-        depth = self.max_depth
-        for start in range(len(text)):
-            node = self.root
-            for token in text[start : start + depth]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:  # its whole subtree counted only this document's occurrences
-                    del node.children[token]
-                    self.nodes -= _size(child)
-                    break
-                node = child
+        link, count = self._link, self._count
+        for state in self._ends.pop(doc):
+            while state > 0:
+                count[state] -= 1
+                state = link[state]
+        self._dead += len(text)
+        if self._dead > max(self.rebuild_min, sum(map(len, self._docs.values()))):
+            self._rebuild()
 
-    def match(self, context: Sequence[int], max_match: int, min_match: int = 1) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (at most `max_match` tokens, at least `min_match`)
-        that the trie holds and that some token followed, and its length; (None, 0) when there is none."""
-        longest = min(max_match, len(context), self.max_depth - 1)
-        # Present suffixes are nested (a suffix of a present one is present): find the longest, then walk
-        # down to shorter ones until one has a continuation.
-        lo, hi = 0, longest
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._find(context[len(context) - mid :]) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        for length in range(lo, min_match - 1, -1):
-            node = self._find(context[len(context) - length :]) if length else self.root
-            if node is not None and node.children:
-                return node, length
-        return None, 0
+    def _rebuild(self) -> None:
+        docs = self._docs
+        self._docs = {}
+        self._reset()
+        for doc, text in docs.items():
+            self.extend(doc, text)
 
-    def _find(self, pattern: Sequence[int]) -> _Node | None:
-        node = self.root
+    def count(self, pattern: Sequence[int]) -> int:
+        """Occurrences of `pattern` (non-empty) in the documents kept."""
+        state = self._find(pattern)
+        return self._count[state] if state > 0 else 0
+
+    def _find(self, pattern: Sequence[int]) -> int:
+        """The state of `pattern` (0: empty; -1: absent from the documents kept)."""
+        state, nxt, count = 0, self._next, self._count
         for token in pattern:
-            node = node.children.get(int(token))
-            if node is None:
-                return None
-        return node
+            state = nxt[state].get(int(token), -1)
+            if state < 0 or count[state] == 0:
+                return -1
+        return state
+
+    def _live(self, state: int) -> bool:
+        """Whether something in the documents kept followed `state`'s substrings."""
+        count = self._count
+        return any(count[t] for t in self._next[state].values())
+
+    def match(self, context: Sequence[int], max_match: int, min_match: int = 1) -> tuple[int | None, int]:
+        """The state of the longest suffix of `context` (at most `max_match` tokens, at least `min_match`)
+        that occurs and that some token followed, and its length; (None, 0) when there is none."""
+        length, link, nxt, count = self._len, self._link, self._next, self._count
+        state, matched = 0, 0
+        for token in context[len(context) - min(max_match, len(context)) :]:
+            token = int(token)
+            while True:
+                t = nxt[state].get(token, -1)
+                if t >= 0 and count[t]:
+                    state, matched = t, matched + 1
+                    break
+                if state == 0:
+                    matched = 0
+                    break
+                state = link[state]
+                matched = length[state]
+        while matched >= min_match and not self._live(state):  # no continuation: a shorter suffix may have one
+            if state == 0:
+                break
+            state = link[state]
+            matched = length[state]
+        if matched < min_match or not self._live(state):
+            return None, 0
+        return state, matched
 
     def draft(
         self,
@@ -136,41 +202,30 @@ class SuffixTrie:
         (along its path) at least `min_prob`."""
         if budget < 1 or depth < 1:
             return [], [], 0
-        node, matched = self.match(context, max_match, min_match)
-        if node is None:
+        state, matched = self.match(context, max_match, min_match)
+        if state is None:
             return [], [], 0
-        depth = min(depth, self.max_depth - matched)
+        nxt, count = self._next, self._count
         tokens: list[int] = []
         parents: list[int] = []
-        heap: list[tuple[float, int, int, int, _Node]] = []  # (-prob, tie, parent index, level, node)
+        heap: list[tuple[float, int, int, int, int, int]] = []  # (-prob, tie, token, parent index, level, state)
         tie = 0
 
-        def push(parent_index: int, level: int, at: _Node, prob: float) -> None:
+        def push(parent_index: int, level: int, at: int, prob: float) -> None:
             nonlocal tie
-            total = sum(child.count for child in at.children.values())
-            for token, child in at.children.items():
-                p = prob * child.count / total
+            children = [(token, t, count[t]) for token, t in nxt[at].items() if count[t]]
+            total = sum(n for _, _, n in children)
+            for token, t, n in children:
+                p = prob * n / total
                 if p >= min_prob:
-                    heapq.heappush(heap, (-p, tie, parent_index, level, child))
-                    tokens_of[tie] = token
+                    heapq.heappush(heap, (-p, tie, token, parent_index, level, t))
                     tie += 1
 
-        tokens_of: dict[int, int] = {}
-        push(0, 1, node, 1.0)
+        push(0, 1, state, 1.0)
         while heap and len(tokens) < budget:
-            negative, key, parent_index, level, child = heapq.heappop(heap)
-            tokens.append(tokens_of.pop(key))
+            negative, _, token, parent_index, level, at = heapq.heappop(heap)
+            tokens.append(token)
             parents.append(parent_index)
-            if level < depth and child.children:
-                push(len(tokens), level + 1, child, -negative)
+            if level < depth:
+                push(len(tokens), level + 1, at, -negative)
         return tokens, parents, matched
-
-
-def _size(node: _Node) -> int:
-    """Nodes in the subtree rooted at `node`, itself included."""
-    count, stack = 0, [node]
-    while stack:
-        here = stack.pop()
-        count += 1
-        stack.extend(here.children.values())
-    return count
