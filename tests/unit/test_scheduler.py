@@ -153,3 +153,23 @@ def test_scheduler_imports_no_torch() -> None:
     code = "import sys, tlt_stream.rollout.scheduler; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+
+
+def test_drafts_fill_only_the_rows_below_draft_rows_and_ordinary_requests_overtake_them() -> None:
+    sched = Scheduler(max_batch=6, draft_rows=3)
+    tail = [seq(i) for i in range(2)]
+    drafts = [Sequence(f"d{i}", [1, 2], 8, ahead_limit=4) for i in range(4)]
+    for s in [*tail, *drafts]:
+        sched.add(s)
+    assert [s.request_id for s in sched.admit()] == [0, 1, "d0"], "drafts only while fewer than 3 rows run"
+    late = seq(9)
+    sched.add(late)
+    assert [s.request_id for s in sched.admit()] == [9], "an on-policy request is not held behind drafts"
+    assert [s.request_id for s in sched.waiting] == ["d1", "d2", "d3"], "held drafts keep their order"
+    for s in (tail[0], late):
+        finish(s)
+    sched.retire()
+    assert [s.request_id for s in sched.admit()] == ["d1"], "a freed row below draft_rows takes the next draft"
+    assert sched.num_running == 3
+    with pytest.raises(ValueError, match="draft_rows"):
+        Scheduler(4, draft_rows=0)

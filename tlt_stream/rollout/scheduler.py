@@ -148,15 +148,24 @@ class SlotMove:
 
 
 class Scheduler:
-    """FIFO admission into at most `max_batch` slots, kept contiguous as sequences finish."""
+    """FIFO admission into at most `max_batch` slots, kept contiguous as sequences finish.
 
-    def __init__(self, max_batch: int, max_prefill_tokens: int | None = None) -> None:
+    Drafts (requests with an `ahead_limit`) are admitted only while fewer than `draft_rows` rows run (None:
+    up to `max_batch`): they are meant to fill decode capacity the tail leaves idle, and past the batch where
+    a step's cost starts to grow they would slow the on-policy rows they share each forward with. A request
+    that is not a draft may overtake drafts held back in the queue. Which draft waits is decided by the
+    batch, never by what it would sample, so partial rollouts stay lossless."""
+
+    def __init__(self, max_batch: int, max_prefill_tokens: int | None = None, draft_rows: int | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if draft_rows is not None and draft_rows < 1:
+            raise ValueError(f"draft_rows must be >= 1 or None, got {draft_rows}")
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.draft_rows = draft_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         """Index == slot."""
@@ -195,9 +204,13 @@ class Scheduler:
         it; the first sequence is always admitted so a long prompt cannot starve.
         """
         admitted: list[Sequence] = []
+        held: list[Sequence] = []  # drafts kept waiting for want of free capacity, in order
         longest = 0
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            if seq.ahead_limit is not None and self.draft_rows is not None and len(self.running) >= self.draft_rows:
+                held.append(self.waiting.popleft())
+                continue
             longest_if = max(longest, seq.num_prefill_tokens)
             if admitted and not self._fits(len(admitted) + 1, longest_if):
                 break
@@ -207,6 +220,7 @@ class Scheduler:
             seq.slot = len(self.running)
             self.running.append(seq)
             admitted.append(seq)
+        self.waiting.extendleft(reversed(held))
         return admitted
 
     def _fits(self, rows: int, longest: int) -> bool:
