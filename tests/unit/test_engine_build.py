@@ -33,6 +33,20 @@ def test_without_a_drafter_the_engine_decodes_plainly(init_policy: Path) -> None
     assert (engine.scheduler.max_batch, engine.max_len) == (3, 48)
 
 
+def test_the_workers_ahead_rows_bounds_where_the_engine_starts_drafts(init_policy: Path) -> None:
+    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.roles.rollout_worker import RolloutSettings
+
+    for rows, expected in ((5, 5), (0, None)):
+        config = override(DEFAULTS, {"policy.partial_rollouts": True, "policy.ahead_rows": rows})
+        settings = RolloutSettings.from_config(config, device="cpu")
+        assert settings.ahead_rows == rows
+        engine, _ = build_engine(str(init_policy), spec(draft_rows=settings.ahead_rows or None))
+        assert engine.scheduler.draft_rows == expected, "0 means drafts may take any free slot"
+    with pytest.raises(ValueError, match="ahead_rows"):
+        RolloutSettings(ahead_rows=-1)
+
+
 def test_a_fixed_arm_is_the_engines_arm_and_an_ngram_source_gets_prompt_lookup(init_policy: Path) -> None:
     engine, adaptive = build_engine(str(init_policy), spec(drafter="ngram", arm=Arm.ngram(5)))
     assert adaptive is None and isinstance(engine.proposer, NgramProposer) and engine.arm == Arm.ngram(5)

@@ -190,6 +190,17 @@ class PolicyConfig(_Section, frozen=True):
             ge=1,
         ),
     ] = 64
+    ahead_rows: Annotated[
+        int,
+        _doc(
+            "With partial_rollouts: a worker starts drafts only while fewer rows than this run (0: up to "
+            "rollout.max_batch), and an on-policy request overtakes drafts held back. Drafts are meant to fill "
+            "capacity a decode step gets nearly free beside the tail: on 2 CPU cores a step's cost grows past "
+            "~16 rows (the SD crossover, bench/sd_speedup.py); on a GPU decode stays memory-bound to far larger "
+            "batches: set it to the knee of tokens/s against batch there.",
+            ge=0,
+        ),
+    ] = 16
     seed: Annotated[int, _doc("Seed of the prompt source (the prompts of step s depend on (seed, s) only).")] = 0
     start_step: Annotated[
         int,

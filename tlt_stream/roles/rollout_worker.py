@@ -100,6 +100,8 @@ class RolloutSettings:
     `rollout/reverify.py`) instead of draining before loading it."""
     ahead_tokens: int = DEFAULTS.policy.ahead_tokens
     """Tokens a draft row may generate before its version arrives."""
+    ahead_rows: int = DEFAULTS.policy.ahead_rows
+    """Drafts start only while fewer rows than this run (0: any free slot)."""
 
     def __post_init__(self) -> None:
         if self.drafter == "ngram" and self.sd_arm.kind == "drafter":  # prompt lookup drafts a chain
@@ -121,6 +123,8 @@ class RolloutSettings:
             )
         if self.ahead_tokens < 1:
             raise ValueError(f"ahead_tokens must be >= 1, got {self.ahead_tokens}")
+        if self.ahead_rows < 0:
+            raise ValueError(f"ahead_rows must be >= 0, got {self.ahead_rows}")
         if self.backend == "vllm" and self.adaptive is not None:
             raise ValueError(
                 "adaptive SD decides per decode step, which vLLM cannot (it fixes speculation when the engine is "
@@ -154,6 +158,7 @@ class RolloutSettings:
             backend=own.backend,
             partial_rollouts=config.policy.partial_rollouts,
             ahead_tokens=config.policy.ahead_tokens,
+            ahead_rows=config.policy.ahead_rows,
         )
 
     @property

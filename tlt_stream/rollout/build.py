@@ -38,6 +38,8 @@ class EngineSpec:
     backend: Literal["torch", "vllm"] = DEFAULTS.rollout.backend
     hidden: bool = False
     """vLLM only: recompute hidden states for drafter training (the torch engine always has them)."""
+    draft_rows: int | None = None
+    """Partial rollouts: drafts of the next policy start only while fewer rows than this run (None: any)."""
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.adaptive is None and (self.arm is None or self.arm.kind == "plain"):
@@ -88,7 +90,13 @@ def build_engine(
     if arm is not None and arm.kind not in arm_kinds(proposer):
         raise ValueError(f"arm {arm.label} drafts with a source this engine does not have ({type(proposer).__name__})")
     engine = GenerationEngine(
-        model, spec.max_batch, spec.max_len, proposer=proposer, arm=arm, max_draft_nodes=_max_nodes(spec)
+        model,
+        spec.max_batch,
+        spec.max_len,
+        proposer=proposer,
+        arm=arm,
+        max_draft_nodes=_max_nodes(spec),
+        draft_rows=spec.draft_rows,
     )
     controller = AdaptiveSd(engine, adaptive, drafter_version=drafter_version) if adaptive is not None else None
     return engine, controller

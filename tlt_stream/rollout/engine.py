@@ -65,15 +65,17 @@ class GenerationEngine:
         proposer: Proposer | None = None,
         arm: Arm | None = None,
         max_draft_nodes: int = 64,
+        draft_rows: int | None = None,
     ) -> None:
         """`cache_dtype` defaults to the weights' dtype; fp32 with bf16 weights speeds up CPU attention.
 
         With a `proposer`, steps are speculative whenever `arm` is set; caches get `max_draft_nodes + 1`
-        entries of headroom for the uncommitted drafts (arms may verify at most that many nodes).
+        entries of headroom for the uncommitted drafts (arms may verify at most that many nodes). Drafts of
+        the next policy (partial rollouts) start only while fewer than `draft_rows` rows run (`Scheduler`).
         """
         self.model = model
         self.max_len = max_len
-        self.scheduler = Scheduler(max_batch, max_prefill_tokens)
+        self.scheduler = Scheduler(max_batch, max_prefill_tokens, draft_rows)
         self.proposer = proposer
         self.max_draft_nodes = max_draft_nodes
         headroom = max_draft_nodes + 1 if proposer is not None else 0

@@ -166,6 +166,7 @@ class PolicyLoading:
             adaptive=self.settings.adaptive,
             backend=self.settings.backend,  # type: ignore[arg-type]
             hidden=self.settings.stream_hidden or self.idle_trainer is not None,
+            draft_rows=self.settings.ahead_rows or None,
         )
         self.engine, self.adaptive = build_engine(
             announced.location, spec, drafter_version=self.drafter_version, weights=weights
