@@ -4,7 +4,8 @@ For each model (the tiny world's policy architecture, random weights; a random ~
 same fixed groups are trained by `Trainer` on 1 process and on 2 ranks (each rank its own process, started
 as torchrun starts it, 1 torch thread each): a warm-up update, then timed updates (rank 0's wall time of
 `LearnerCore.step`), then one checkpoint (rank 0's wall time of `Trainer.save`: the gather, the consolidated
-policy, every rank's optimizer piece). Memory: rank 0's RSS after the updates (before the save), again after
+policy, RNG, ledger, meta and `LATEST`, and a CPU copy of the rank's optimizer piece; the pieces are written
+in the background behind it and waited for, untimed, when the trainer stops). Memory: rank 0's RSS after the updates (before the save), again after
 `malloc_trim` (what is live: glibc keeps freed activations otherwise), and per rank the peak RSS
 (`ru_maxrss`, the save's gather included) and the RSS at the end.
 
