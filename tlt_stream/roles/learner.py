@@ -21,7 +21,6 @@ resumes from the newest complete checkpoint, or makes checkpoint 0 from the init
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import sys
@@ -37,7 +36,6 @@ import torch
 from tlt_stream.aio import retry, sleep_or_stop
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer, trim_acked
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import DEFAULTS, Config
@@ -51,10 +49,11 @@ from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer
 from tlt_stream.rl.tracking import MissingTracker, Tracker, require_trackers, scalars, trackers_for
 from tlt_stream.rl.validate import sample_problem
+from tlt_stream.roles.learner_parts.lease import LeaseKeeping, RunTaken
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 from tlt_stream.store.locations import announced_location
 
-__all__ = ["LearnerRunSettings", "LearnerService", "serve_learner"]
+__all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "serve_learner"]
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +92,11 @@ class LearnerRunSettings:
         )
 
 
-class RunTaken(ValueError):
-    """Another learner, alive, already serves this run (there is exactly one learner per run)."""
-
-
 class UpdateFailed(Exception):
     """An update raised before it was applied (the weights, the ledger and the version are unchanged)."""
 
 
-class LearnerService:
+class LearnerService(LeaseKeeping):
     """One learner process (there is exactly one per run: it owns the policy version)."""
 
     def __init__(
@@ -125,6 +120,7 @@ class LearnerService:
         self.keys = Keys(config.run)
         self.reader = StreamReader(redis, self.keys, config.bus, "samples", consumer)
         self.producer = StreamProducer(redis, self.keys, config.bus)
+        self._init_lease()
         self.trainer = trainer or Trainer(settings.learner, settings.device)
         """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
         self.core: LearnerCore | None = None
@@ -147,10 +143,6 @@ class LearnerService:
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
         self.invalid = 0
         self.trimmed = 0
-        self.lease = DrafterLease(redis, self.keys, ttl_ms=int(config.bus.heartbeat_ttl_s * 1000), name="learner_lease")
-        self.grant: LeaseGrant | None = None
-        self._longest_update_s = 0.0
-        self._lease_lock = asyncio.Lock()
         self.trackers: list[Tracker] = []
         """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
         self._resume_note: dict[str, float] = {}
@@ -177,60 +169,6 @@ class LearnerService:
         message = await self._publish(self.checkpoint)
         self._idle_since = time.perf_counter()
         return message
-
-    async def _take_lease(self) -> None:
-        """One learner per run: a second one waits for the holder's lease to expire (a learner killed a
-        moment ago) and is refused when it is still being renewed (a live learner)."""
-        import os
-        import socket
-
-        me = f"learner@{socket.gethostname()}:{os.getpid()}"
-        deadline = time.monotonic() + 2 * self.lease.ttl_ms / 1000 + 1
-        announced = False
-        while (grant := await self.lease.acquire(me)) is None:
-            holder = await self.lease.holder()
-            if time.monotonic() > deadline:
-                who = holder.worker_id if holder is not None else "another learner"
-                raise RunTaken(
-                    f"run {self.config.run!r} already has a learner ({who}, lease renewed); stop it first or "
-                    "use another --run"
-                )
-            if not announced and holder is not None:
-                log.warning("%s holds the learner lease; waiting for it to expire", holder.worker_id)
-                announced = True
-            await asyncio.sleep(0.25)
-        self.grant = grant
-
-    async def _keep_lease(self, stop: asyncio.Event) -> None:
-        """Renew the learner lease; its ttl covers the longest update seen (updates block the loop). Losing it
-        (this process stalled past the ttl and another learner took over) stops the service."""
-        assert self.grant is not None
-        while not await sleep_or_stop(stop, self.lease.ttl_ms / 3000):
-            await self._renew_lease()
-            if self.grant is None:
-                log.error("lost the learner lease of run %r to another learner; stopping", self.config.run)
-                stop.set()
-                return
-
-    async def _renew_lease(self) -> None:
-        async with self._lease_lock:
-            await self._renew_lease_locked()
-
-    async def _renew_lease_locked(self) -> None:
-        if self.grant is None:
-            return
-        import dataclasses
-
-        ttl_ms = int(self.lease.ttl_ms + 2000 * self._longest_update_s)
-        try:
-            renewed = await self.lease.renew(dataclasses.replace(self.grant, ttl_ms=ttl_ms))
-            if renewed is None:  # expired during an update longer than any before: ours again unless taken
-                renewed = await self.lease.acquire(self.grant.worker_id)
-                if renewed is not None:
-                    log.warning("the learner lease expired during a long update; taken again")
-            self.grant = renewed
-        except aioredis.RedisError as exc:  # Redis away: the loop's own calls retry; try again next time
-            log.warning("renewing the learner lease failed (%s)", exc)
 
     def _load(self) -> None:
         """Resume from the newest checkpoint that verifies, falling back past damaged ones (set aside as
@@ -342,10 +280,7 @@ class LearnerService:
             await asyncio.to_thread(self.trainer.wait_for_writes)
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            if self.grant is not None:
-                with contextlib.suppress(aioredis.RedisError):
-                    await self.lease.release(self.grant)
-                self.grant = None
+            await self._release_lease()
 
     async def _ack_trained_leftovers(self) -> None:
         """Done: ack whatever is still pending for us and already in the ledger (duplicates, or entries whose
