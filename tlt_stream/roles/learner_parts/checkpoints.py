@@ -1,0 +1,175 @@
+"""The learner's policy on disk and on the bus: resumed from the newest checkpoint that verifies, saved after
+every update, published as the new `PolicyVersion`.
+
+On start the learner verifies the newest complete checkpoint against its recorded digests before anything
+reads it, and falls back past a damaged one (set aside as `corrupt-step-*`, and said so: its update's
+samples are still pending, so that update is trained again); with no checkpoint at all it makes version 0
+from the initial policy. A save goes through the `Trainer` (`rl/sharded.py`: one process, or rank 0 of a
+sharded learner) and returns once the weights, the RNG and the ledger are durable; the optimizer state
+follows in the background, and how that write went is reported in the next update's metrics. Workers are
+told of each version with its location in the store and the sha256 they check it against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.config import Config
+from tlt_stream.messages import PolicyVersion
+from tlt_stream.model.loader import CheckpointError
+from tlt_stream.rl.checkpoint import CheckpointInfo, complete_checkpoints, latest_checkpoint
+from tlt_stream.rl.groups import GroupAssembler
+from tlt_stream.rl.learner import LearnerCore
+from tlt_stream.rl.ranks import RanksOutOfStep
+from tlt_stream.rl.sharded import Trainer
+from tlt_stream.roles.learner_parts import log
+from tlt_stream.store.digest import ChecksumMismatch, verify_directory
+from tlt_stream.store.locations import announced_location
+
+if TYPE_CHECKING:
+    from tlt_stream.roles.learner import LearnerRunSettings
+
+__all__ = ["Checkpointing"]
+
+
+class Checkpointing:
+    """The learner's checkpoints: the resume, the policy built from one, each save and its announcement."""
+
+    config: Config
+    control: ControlPlane
+    run_dir: Path
+    init_policy: Path
+    settings: LearnerRunSettings
+    trainer: Trainer
+    core: LearnerCore | None
+    version: int
+    checkpoint: CheckpointInfo | None
+    assembler: GroupAssembler
+    _stop: asyncio.Event | None
+
+    def _init_checkpoints(self) -> None:
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        self.max_positions: int | None = None
+        self._resume_note: dict[str, float] = {}
+        """Set when a resume took older optimizer moments (-1: none); reported in the next update's metrics."""
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def _load(self) -> None:
+        """Resume from the newest checkpoint that verifies, falling back past damaged ones (set aside as
+        `corrupt-step-*`, and said so); with none at all, start version 0 from the initial policy."""
+        latest = latest_checkpoint(self.checkpoints, clean=True)
+        if latest is None:
+            self._build(self.init_policy)
+            self.version = 0
+            self.checkpoint = self._save({"initial_policy": str(self.init_policy)})
+            log.info("version 0 from %s", self.init_policy)
+            return
+        candidates = [latest, *(c for c in reversed(complete_checkpoints(self.checkpoints)) if c.step != latest.step)]
+        from safetensors import SafetensorError
+
+        for found in candidates:
+            try:  # verified before anything reads it; a checkpoint that fits no learner is the user's to fix
+                verify_directory(found.policy_dir, found.policy_sha256, scheme=found.digest)
+                if found.master_sha256 is not None:
+                    verify_directory(found.master_dir, found.master_sha256, scheme=found.digest)
+                self._build(found.master_dir, step=found.step)
+                ledger, meta = self.trainer.restore(found)
+            except (ChecksumMismatch, OSError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                aside = found.path.with_name(f"corrupt-{found.path.name}-{int(time.time())}")
+                found.path.rename(aside)
+                log.error(
+                    "checkpoint %s is damaged (%s: %s); set aside as %s, falling back to the previous one "
+                    "(its update's samples are still pending: that update is trained again)",
+                    found.path,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                    aside.name,
+                )
+                continue
+            self._recover_metrics_row(found, meta)
+            if meta.get("optimizer_step", found.step) != found.step:  # said in the next update's metrics too
+                self._resume_note = {"optimizer_resumed_from_step": float(meta["optimizer_step"])}
+            self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
+            self.version, self.checkpoint = found.step, found
+            self.core.updates = found.step  # the learning-rate schedule continues where it stopped
+            log.info("resumed from %s (version %d, %d samples in the ledger)", found.path, found.step, len(ledger))
+            return
+        raise CheckpointError(
+            f"{self.checkpoints}: no checkpoint verifies (each was set aside as corrupt-step-*); starting over from "
+            "the initial policy would train every sample again, so restore one or use a new --run-dir"
+        )
+
+    def _build(self, source: Path, *, step: int = -1) -> None:
+        """The policy (safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled), its
+        tokenizer when it has one, and the learner core around them; `step` is the checkpoint `source` is in."""
+        from transformers import AutoTokenizer
+
+        if not source.is_dir():
+            raise FileNotFoundError(f"{source}: initial policy directory does not exist")
+        try:
+            self.core = self.trainer.build(source, step=step)
+        except (OSError, ValueError, KeyError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{source}: cannot load the policy ({reason})") from exc
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError):  # a checkpoint without a tokenizer is fine; workers bring their own
+            self.tokenizer = None
+        model = self.core.model
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    def _save(self, extra: dict[str, Any]) -> CheckpointInfo:
+        return self.trainer.save(
+            self.checkpoints,
+            step=self.version,
+            ledger=self.assembler.ledger,
+            extra=extra,
+            tokenizer=self.tokenizer,
+            keep=self.settings.keep_checkpoints,
+            publish_dtype=self.settings.publish_dtype,
+        )
+
+    async def _save_or_stop(self, extra: dict[str, Any]) -> CheckpointInfo:
+        """`_save` off the loop; ranks out of step (a rank died mid-save) stop the service, since no retry can
+        bring the dead rank back: the update's samples stay pending and a restart trains them."""
+        try:
+            return await asyncio.to_thread(self._save, extra)
+        except RanksOutOfStep:
+            if self._stop is not None:
+                self._stop.set()
+            raise
+
+    async def _publish(self, info: CheckpointInfo) -> PolicyVersion:
+        bus = self.config.bus
+        location = announced_location(info.policy_dir, bus.store_root, relative=bus.relative_locations)
+        message = PolicyVersion(
+            version=info.step,
+            location=location,
+            sha256=info.policy_sha256,
+            step=info.step,
+            digest=info.digest,
+            published_at=time.time(),
+        )
+        await self.control.publish(message)
+        return message
+
+    def _optimizer_write_figures(self) -> dict[str, float]:
+        """The newest finished background optimizer write (its seconds, failures so far) and, once after a
+        resume that took older optimizer moments, the step they came from."""
+        writes = self.trainer.optimizer_writes
+        out = {"optimizer_write_failures": float(writes.failures)}
+        if writes.last is not None:
+            out["optimizer_write_seconds"] = writes.last.seconds
+        out.update(self._resume_note)
+        self._resume_note = {}
+        return out
