@@ -34,9 +34,9 @@ import redis.asyncio as aioredis
 import torch
 
 from tlt_stream.aio import retry, sleep_or_stop
-from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.bus.producer import StreamProducer, trim_acked
+from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
@@ -48,8 +48,8 @@ from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_h
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer
 from tlt_stream.rl.tracking import MissingTracker, Tracker, require_trackers, scalars, trackers_for
-from tlt_stream.rl.validate import sample_problem
 from tlt_stream.roles.learner_parts.checkpoints import Checkpointing
+from tlt_stream.roles.learner_parts.intake import SampleIntake
 from tlt_stream.roles.learner_parts.lease import LeaseKeeping, RunTaken
 
 __all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "serve_learner"]
@@ -95,7 +95,7 @@ class UpdateFailed(Exception):
     """An update raised before it was applied (the weights, the ledger and the version are unchanged)."""
 
 
-class LearnerService(LeaseKeeping, Checkpointing):
+class LearnerService(LeaseKeeping, Checkpointing, SampleIntake):
     """One learner process (there is exactly one per run: it owns the policy version)."""
 
     def __init__(
@@ -121,13 +121,11 @@ class LearnerService(LeaseKeeping, Checkpointing):
         self.producer = StreamProducer(redis, self.keys, config.bus)
         self._init_lease()
         self._init_checkpoints()
+        self._init_intake()
         self.trainer = trainer or Trainer(settings.learner, settings.device)
         """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
         self.core: LearnerCore | None = None
         self.assembler = GroupAssembler(settings.max_staleness)
-        self._dropped_tasks: set[str] = set()
-        self._dropped_lengths: list[int] = []
-        """Groups dropped as too stale since the last update, and their samples' response lengths."""
         self.version = -1
         self.checkpoint: CheckpointInfo | None = None
         self.ready: list[ReadyGroup] = []
@@ -138,8 +136,6 @@ class LearnerService(LeaseKeeping, Checkpointing):
         self.failed_updates = 0
         self.last_update_entries: list[str] = []
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
-        self.invalid = 0
-        self.trimmed = 0
         self.trackers: list[Tracker] = []
         """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
 
@@ -183,16 +179,6 @@ class LearnerService(LeaseKeeping, Checkpointing):
             await asyncio.gather(keeper, return_exceptions=True)
             await self._release_lease()
 
-    async def _ack_trained_leftovers(self) -> None:
-        """Done: ack whatever is still pending for us and already in the ledger (duplicates, or entries whose
-        ack a Redis restarted from a short append-only file lost and brought back). Entries whose samples are
-        not in the ledger stay pending for the next learner of the run."""
-        pending = await self.reader.own_pending()
-        to_ack = [entry_id for entry_id, sample in pending if sample.sample_id in self.assembler.ledger]
-        if to_ack:
-            log.info("acked %d leftover entries whose samples the ledger already holds", len(to_ack))
-            await self.reader.ack(to_ack)
-
     async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> bool:
         """Read, assemble and update until `stop` or `max_updates`; True when the updates asked for are done
         (a stop leaves the newest update's entries pending: a restart finds them in the ledger, or, past a
@@ -214,63 +200,6 @@ class LearnerService(LeaseKeeping, Checkpointing):
                 elif stop.is_set():
                     break
         return max_updates is not None and applied >= max_updates
-
-    def _entries_vanished(self) -> None:
-        """Held entries that are no longer ours in Redis (one learner per run: Redis lost them). The samples
-        they carried exist only in memory until a checkpoint covers them; the assembler makes the next copy
-        of each (a worker redoes the task whose ack Redis lost too) their entry, rather than a duplicate."""
-        gone = sorted(self.reader.lost)
-        self.reader.lost.clear()
-        unbacked = self.assembler.vanished(gone)
-        if unbacked:
-            log.warning(
-                "%d held samples lost their stream entries (Redis lost its newest writes); their next copies "
-                "take their place (e.g. %s)",
-                len(unbacked),
-                unbacked[0],
-            )
-
-    async def _take(self, delivery: Delivery[Sample]) -> list[str]:
-        """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
-        sample = delivery.message
-        # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
-        # the update whose version the workers already generate with.
-        newest = max(self.version, self.control.version("policy"))
-        problem = sample_problem(
-            sample, vocab_size=self.vocab_size, max_positions=self.max_positions, newest_version=newest
-        )
-        offer = None
-        if problem is None:
-            offer = self.assembler.offer(sample, delivery.entry_id, self.version)
-            if offer.status == "invalid":
-                problem = offer.reason
-        if problem is not None:  # poison: the same entry would fail the same way on every restart
-            self.invalid += 1
-            await self.reader.give_up(delivery, f"invalid sample: {problem}")
-            if offer is None:  # its group is trained without it (or, if it contradicted its siblings, ignores it)
-                offer = self.assembler.mark_dead(sample)
-                if offer.status == "ready":
-                    assert offer.group is not None
-                    log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
-                    self.ready.append(offer.group)
-            return []
-        assert offer is not None
-        if offer.status == "duplicate":
-            return [delivery.entry_id]
-        if offer.status == "stale":
-            assert offer.group is not None
-            if offer.group.task_id not in self._dropped_tasks:
-                log.warning("dropped stale group %s", offer.group.task_id)
-            await self._note_dropped([offer.group])
-            return offer.group.entry_ids
-        if offer.status == "ready":
-            assert offer.group is not None
-            self.ready.append(offer.group)
-        return []  # waiting or held: the entry stays pending until its update is checkpointed
-
-    async def _ack(self, entry_ids: list[str]) -> None:
-        await self.reader.ack(entry_ids)
-        self.assembler.release(entry_ids)
 
     async def _try_update(self, groups: list[ReadyGroup]) -> bool:
         """One update over `groups`; an update that raises is not applied: its groups go back to the front of
@@ -299,38 +228,6 @@ class LearnerService(LeaseKeeping, Checkpointing):
             if self._stop is not None:
                 await sleep_or_stop(self._stop, min(10.0, 0.5 * 2 ** (self.failed_updates - 1)))
             return False
-
-    async def _note_dropped(self, groups: list[ReadyGroup]) -> None:
-        """Groups dropped as too stale (a group goes at its first stale member, its late members after it, or
-        when an update leaves it behind), before their entries are acked. Recorded in Redis (`Keys.dropped`,
-        once per task) for the policy service to send each task again: nothing else would replace it, and a
-        streaming run would wait for ever for the groups its steps need. Their samples are remembered too:
-        whether streaming drops the long responses (a bias against them) shows in the step's metrics."""
-        if not groups:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for group in groups:
-                self._dropped_tasks.add(group.task_id)
-                self._dropped_lengths += [s.response_len for s in group.samples]
-                if group.samples:  # one whose members were all dead-lettered has nothing to send again
-                    pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)
-            await pipe.execute()
-
-    def _dropped_since_last(self) -> dict[str, float]:
-        """Groups dropped as too stale since the last update, and their responses' mean length (absent: none)."""
-        tasks, lengths = self._dropped_tasks, self._dropped_lengths
-        self._dropped_tasks, self._dropped_lengths = set(), []
-        out = {"stale_dropped_groups": float(len(tasks))}
-        if lengths:
-            out["stale_dropped_len_mean"] = sum(lengths) / len(lengths)
-        return out
-
-    async def _dead_group(self, group: ReadyGroup, reason: str) -> None:
-        """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised)."""
-        for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
-            await self.reader.give_up(Delivery(entry_id, sample, 0), reason)
-        self.assembler.drop(group)
-        self.assembler.release(group.entry_ids)
 
     async def _update(self, groups: list[ReadyGroup]) -> dict[str, float]:
         assert self.core is not None
@@ -446,14 +343,6 @@ class LearnerService(LeaseKeeping, Checkpointing):
         )
         self._idle_since = time.perf_counter()
         return metrics
-
-    async def _trim(self) -> None:
-        """Drop the `samples` entries every consumer group has acked: the checkpoint just written covers them
-        (a reader that needs them later, an audit say, keeps them by having its own group)."""
-        try:
-            self.trimmed += await trim_acked(self.redis, self.keys.stream("samples"))
-        except aioredis.RedisError as exc:  # only memory is at stake; the next update trims again
-            log.warning("could not trim the samples stream (%s); trying again after the next update", exc)
 
     def close_trackers(self) -> None:
         for tracker in self.trackers:

@@ -1,0 +1,155 @@
+"""What the learner takes from `samples`: each delivery checked and handed to the group assembler, poison
+dead-lettered, stale groups dropped visibly, entries acked once nothing can need them again.
+
+A sample that would fail the same way on every restart (a token outside the vocabulary, longer than the
+policy's context, a policy version newer than any published, or contradicting its group's siblings) goes to
+`dead` at once, and its group is trained without it. A group too stale for the window is dropped and
+recorded in Redis (`Keys.dropped`) for the policy service to send its task again, and its responses' lengths
+are remembered for the next update's metrics (whether streaming drops the long ones shows there). A sample
+whose group is incomplete or waits for an update keeps its entry pending until a checkpoint covers it
+(`update.py`): a crash before that loses nothing. Held entries that Redis lost are replaced by their next
+copies, and entries every consumer group has acked are trimmed.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.producer import trim_acked
+from tlt_stream.bus.streams import Keys
+from tlt_stream.messages import Sample
+from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
+from tlt_stream.rl.validate import sample_problem
+from tlt_stream.roles.learner_parts import log
+
+__all__ = ["SampleIntake"]
+
+
+class SampleIntake:
+    """Deliveries into complete groups (`ready`), and the acks, dead letters and drops on the way."""
+
+    redis: aioredis.Redis
+    keys: Keys
+    control: ControlPlane
+    reader: StreamReader[Sample]
+    assembler: GroupAssembler
+    ready: list[ReadyGroup]
+    version: int
+    vocab_size: int
+    max_positions: int | None
+
+    def _init_intake(self) -> None:
+        self._dropped_tasks: set[str] = set()
+        self._dropped_lengths: list[int] = []
+        """Groups dropped as too stale since the last update, and their samples' response lengths."""
+        self.invalid = 0
+        self.trimmed = 0
+
+    async def _take(self, delivery: Delivery[Sample]) -> list[str]:
+        """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
+        sample = delivery.message
+        # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
+        # the update whose version the workers already generate with.
+        newest = max(self.version, self.control.version("policy"))
+        problem = sample_problem(
+            sample, vocab_size=self.vocab_size, max_positions=self.max_positions, newest_version=newest
+        )
+        offer = None
+        if problem is None:
+            offer = self.assembler.offer(sample, delivery.entry_id, self.version)
+            if offer.status == "invalid":
+                problem = offer.reason
+        if problem is not None:  # poison: the same entry would fail the same way on every restart
+            self.invalid += 1
+            await self.reader.give_up(delivery, f"invalid sample: {problem}")
+            if offer is None:  # its group is trained without it (or, if it contradicted its siblings, ignores it)
+                offer = self.assembler.mark_dead(sample)
+                if offer.status == "ready":
+                    assert offer.group is not None
+                    log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
+                    self.ready.append(offer.group)
+            return []
+        assert offer is not None
+        if offer.status == "duplicate":
+            return [delivery.entry_id]
+        if offer.status == "stale":
+            assert offer.group is not None
+            if offer.group.task_id not in self._dropped_tasks:
+                log.warning("dropped stale group %s", offer.group.task_id)
+            await self._note_dropped([offer.group])
+            return offer.group.entry_ids
+        if offer.status == "ready":
+            assert offer.group is not None
+            self.ready.append(offer.group)
+        return []  # waiting or held: the entry stays pending until its update is checkpointed
+
+    async def _ack(self, entry_ids: list[str]) -> None:
+        await self.reader.ack(entry_ids)
+        self.assembler.release(entry_ids)
+
+    def _entries_vanished(self) -> None:
+        """Held entries that are no longer ours in Redis (one learner per run: Redis lost them). The samples
+        they carried exist only in memory until a checkpoint covers them; the assembler makes the next copy
+        of each (a worker redoes the task whose ack Redis lost too) their entry, rather than a duplicate."""
+        gone = sorted(self.reader.lost)
+        self.reader.lost.clear()
+        unbacked = self.assembler.vanished(gone)
+        if unbacked:
+            log.warning(
+                "%d held samples lost their stream entries (Redis lost its newest writes); their next copies "
+                "take their place (e.g. %s)",
+                len(unbacked),
+                unbacked[0],
+            )
+
+    async def _dead_group(self, group: ReadyGroup, reason: str) -> None:
+        """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised)."""
+        for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
+            await self.reader.give_up(Delivery(entry_id, sample, 0), reason)
+        self.assembler.drop(group)
+        self.assembler.release(group.entry_ids)
+
+    async def _note_dropped(self, groups: list[ReadyGroup]) -> None:
+        """Groups dropped as too stale (a group goes at its first stale member, its late members after it, or
+        when an update leaves it behind), before their entries are acked. Recorded in Redis (`Keys.dropped`,
+        once per task) for the policy service to send each task again: nothing else would replace it, and a
+        streaming run would wait for ever for the groups its steps need. Their samples are remembered too:
+        whether streaming drops the long responses (a bias against them) shows in the step's metrics."""
+        if not groups:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group in groups:
+                self._dropped_tasks.add(group.task_id)
+                self._dropped_lengths += [s.response_len for s in group.samples]
+                if group.samples:  # one whose members were all dead-lettered has nothing to send again
+                    pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)
+            await pipe.execute()
+
+    def _dropped_since_last(self) -> dict[str, float]:
+        """Groups dropped as too stale since the last update, and their responses' mean length (absent: none)."""
+        tasks, lengths = self._dropped_tasks, self._dropped_lengths
+        self._dropped_tasks, self._dropped_lengths = set(), []
+        out = {"stale_dropped_groups": float(len(tasks))}
+        if lengths:
+            out["stale_dropped_len_mean"] = sum(lengths) / len(lengths)
+        return out
+
+    async def _ack_trained_leftovers(self) -> None:
+        """Done: ack whatever is still pending for us and already in the ledger (duplicates, or entries whose
+        ack a Redis restarted from a short append-only file lost and brought back). Entries whose samples are
+        not in the ledger stay pending for the next learner of the run."""
+        pending = await self.reader.own_pending()
+        to_ack = [entry_id for entry_id, sample in pending if sample.sample_id in self.assembler.ledger]
+        if to_ack:
+            log.info("acked %d leftover entries whose samples the ledger already holds", len(to_ack))
+            await self.reader.ack(to_ack)
+
+    async def _trim(self) -> None:
+        """Drop the `samples` entries every consumer group has acked: the checkpoint just written covers them
+        (a reader that needs them later, an audit say, keeps them by having its own group)."""
+        try:
+            self.trimmed += await trim_acked(self.redis, self.keys.stream("samples"))
+        except aioredis.RedisError as exc:  # only memory is at stake; the next update trims again
+            log.warning("could not trim the samples stream (%s); trying again after the next update", exc)
