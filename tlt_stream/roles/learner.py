@@ -21,12 +21,10 @@ resumes from the newest complete checkpoint, or makes checkpoint 0 from the init
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import LearnerStats, PolicyVersion, Sample
+from tlt_stream.messages import PolicyVersion
 from tlt_stream.model.loader import resolve_dtype
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
@@ -47,10 +45,11 @@ from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer
-from tlt_stream.rl.tracking import MissingTracker, Tracker, require_trackers, scalars, trackers_for
+from tlt_stream.rl.tracking import MissingTracker, require_trackers
 from tlt_stream.roles.learner_parts.checkpoints import Checkpointing
 from tlt_stream.roles.learner_parts.intake import SampleIntake
 from tlt_stream.roles.learner_parts.lease import LeaseKeeping, RunTaken
+from tlt_stream.roles.learner_parts.records import UpdateRecords
 
 __all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "serve_learner"]
 
@@ -95,7 +94,7 @@ class UpdateFailed(Exception):
     """An update raised before it was applied (the weights, the ledger and the version are unchanged)."""
 
 
-class LearnerService(LeaseKeeping, Checkpointing, SampleIntake):
+class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, UpdateRecords):
     """One learner process (there is exactly one per run: it owns the policy version)."""
 
     def __init__(
@@ -122,6 +121,7 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake):
         self._init_lease()
         self._init_checkpoints()
         self._init_intake()
+        self._init_records()
         self.trainer = trainer or Trainer(settings.learner, settings.device)
         """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
         self.core: LearnerCore | None = None
@@ -136,8 +136,6 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake):
         self.failed_updates = 0
         self.last_update_entries: list[str] = []
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
-        self.trackers: list[Tracker] = []
-        """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
 
     async def start(self) -> PolicyVersion:
         """Take the run's learner lease, resume from the newest checkpoint (or create checkpoint 0) and publish
@@ -151,8 +149,7 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake):
             await self._renew_lease()
         await loading
         assert self.checkpoint is not None
-        if not self.trackers:
-            self.trackers = trackers_for(self.config, self.run_dir)
+        self._open_trackers()
         message = await self._publish(self.checkpoint)
         self._idle_since = time.perf_counter()
         return message
@@ -301,107 +298,9 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake):
         await self._ack([entry for g in expired for entry in g.entry_ids])
         metrics["update_seconds"] = time.perf_counter() - started
         self._longest_update_s = max(self._longest_update_s, metrics["update_seconds"])
-        await self.producer.send_one(
-            "stats",
-            LearnerStats(
-                step=self.version,
-                policy_version=self.version,
-                groups=len(groups),
-                samples=len(samples),
-                metrics=metrics,
-            ),
-        )
-        line = {
-            "version": self.version,
-            "time": time.time(),
-            **metrics,
-            "staleness_hist": histogram,
-            "response_lens": [s.response_len for s in samples],
-            "trained_groups": trained,
-        }
-        self._append_metrics(line)
-        rows = self._log_samples(samples)
-        for tracker in self.trackers:  # a tracker that fails costs its figures, never the update
-            try:
-                tracker.log(self.version, scalars(line))
-                tracker.log_samples(self.version, rows)
-            except Exception:
-                log.exception("experiment tracker %s failed at version %d", type(tracker).__name__, self.version)
-        log.info(
-            "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
-            "waited %.1fs; rollout-vs-learner logprob |delta| %.2g (max %.2g)",
-            self.version,
-            metrics["reward_mean"],
-            len(groups),
-            int(metrics["degenerate_groups"]),
-            metrics["rollout_seconds"],
-            metrics["tail_seconds"],
-            metrics["learn_seconds"],
-            wait,
-            metrics.get("logprob_mismatch_mean", 0.0),
-            metrics.get("logprob_mismatch_max", 0.0),
-        )
+        await self._record_update(groups, samples, metrics, histogram=histogram, wait=wait)
         self._idle_since = time.perf_counter()
         return metrics
-
-    def close_trackers(self) -> None:
-        for tracker in self.trackers:
-            try:
-                tracker.close()
-            except Exception:
-                log.exception("could not close experiment tracker %s", type(tracker).__name__)
-        self.trackers = []
-
-    def _log_samples(self, samples: list[Sample]) -> list[dict[str, Any]]:
-        """A few of the step's samples, readable: RUN_DIR/samples.jsonl and one log line each; the rows."""
-        count = self.settings.log_samples
-        if count <= 0 or self.tokenizer is None:
-            return []
-        rows = []
-        for sample in sorted(samples, key=lambda s: s.sample_id)[:count]:
-            row = {
-                "version": self.version,
-                "sample_id": sample.sample_id,
-                "prompt": self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
-                "response": self.tokenizer.decode(sample.token_ids.to_torch().tolist(), skip_special_tokens=True),
-                "reward": sample.reward,
-                "finish_reason": sample.finish_reason,
-            }
-            rows.append(row)
-            log.info("version %d sample %s (reward %.3g): %r", self.version, sample.sample_id, sample.reward,
-                     row["response"][:200])  # fmt: skip
-        with (self.run_dir / "samples.jsonl").open("a") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows)
-        return rows
-
-    def _append_metrics(self, line: dict[str, Any]) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        with path.open("a+b") as out:
-            out.seek(0, 2)
-            if out.tell() > 0:
-                out.seek(-1, 2)
-                torn = out.read(1) != b"\n"  # a line cut short by a crash: end it, so this one stays whole
-                out.seek(0, 2)
-                if torn:
-                    out.write(b"\n")
-            out.write(json.dumps(line).encode() + b"\n")
-
-    def _recover_metrics_row(self, found: CheckpointInfo, meta: dict[str, Any]) -> None:
-        """A learner killed after its checkpoint but before its `metrics.jsonl` line left an update that counts
-        (the weights have it) with no row: write the row from the checkpoint, which carries the same figures
-        and groups, so the run's record of what was trained stays complete."""
-        extra = meta.get("extra", {})
-        if "metrics" not in extra:
-            return
-        from tlt_stream.rl.records import load_metrics  # skips a line torn by the crash: the row is rewritten
-
-        rows = load_metrics(self.run_dir)
-        if found.step > (rows[-1]["version"] if rows else 0):
-            created = datetime.fromisoformat(meta["created"]).timestamp()
-            line = {"version": found.step, "time": created, **extra["metrics"]}
-            line["trained_groups"] = extra.get("trained_groups", [])
-            self._append_metrics({**line, "recovered": True})
-            log.warning("version %d had no metrics line (killed after its checkpoint): recovered it", found.step)
 
     def describe(self) -> dict[str, Any]:
         """What the service holds now (for logs, the dashboard and tests)."""

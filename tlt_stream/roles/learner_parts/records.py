@@ -1,0 +1,162 @@
+"""What each update leaves behind: a `LearnerStats` entry, a line of `metrics.jsonl`, a few samples to read,
+and the same figures in TensorBoard or W&B.
+
+`metrics.jsonl` (in the run directory) is the run's record of what was trained: every applied update has
+one line, with its figures, staleness histogram, response lengths and groups. A line a crash cut short is
+ended before the next is written, so each stays whole, and an update whose checkpoint exists but whose line
+does not (the learner was killed in between) gets its line back from the checkpoint on restart. A few of
+each update's samples, decoded, go to `samples.jsonl` and the log. An experiment tracker that fails costs
+its figures, never the update.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.config import Config
+from tlt_stream.messages import LearnerStats, Sample
+from tlt_stream.rl.checkpoint import CheckpointInfo
+from tlt_stream.rl.groups import ReadyGroup
+from tlt_stream.rl.tracking import Tracker, scalars, trackers_for
+from tlt_stream.roles.learner_parts import log
+
+if TYPE_CHECKING:
+    from tlt_stream.roles.learner import LearnerRunSettings
+
+__all__ = ["UpdateRecords"]
+
+
+class UpdateRecords:
+    """The learner's records of its updates: the stats stream, the run directory's files, the trackers."""
+
+    config: Config
+    run_dir: Path
+    settings: LearnerRunSettings
+    producer: StreamProducer
+    version: int
+    tokenizer: Any
+
+    def _init_records(self) -> None:
+        self.trackers: list[Tracker] = []
+        """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
+
+    def _open_trackers(self) -> None:
+        if not self.trackers:
+            self.trackers = trackers_for(self.config, self.run_dir)
+
+    async def _record_update(
+        self,
+        groups: list[ReadyGroup],
+        samples: list[Sample],
+        metrics: dict[str, float],
+        *,
+        histogram: dict[str, Any],
+        wait: float,
+    ) -> None:
+        """Version `self.version`, just made from `groups`, checkpointed and published: its figures to `stats`,
+        `metrics.jsonl` and the trackers, a few of its `samples` to read, and one log line."""
+        trained = [g.task_id for g in groups]
+        await self.producer.send_one(
+            "stats",
+            LearnerStats(
+                step=self.version,
+                policy_version=self.version,
+                groups=len(groups),
+                samples=len(samples),
+                metrics=metrics,
+            ),
+        )
+        line = {
+            "version": self.version,
+            "time": time.time(),
+            **metrics,
+            "staleness_hist": histogram,
+            "response_lens": [s.response_len for s in samples],
+            "trained_groups": trained,
+        }
+        self._append_metrics(line)
+        rows = self._log_samples(samples)
+        for tracker in self.trackers:  # a tracker that fails costs its figures, never the update
+            try:
+                tracker.log(self.version, scalars(line))
+                tracker.log_samples(self.version, rows)
+            except Exception:
+                log.exception("experiment tracker %s failed at version %d", type(tracker).__name__, self.version)
+        log.info(
+            "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
+            "waited %.1fs; rollout-vs-learner logprob |delta| %.2g (max %.2g)",
+            self.version,
+            metrics["reward_mean"],
+            len(groups),
+            int(metrics["degenerate_groups"]),
+            metrics["rollout_seconds"],
+            metrics["tail_seconds"],
+            metrics["learn_seconds"],
+            wait,
+            metrics.get("logprob_mismatch_mean", 0.0),
+            metrics.get("logprob_mismatch_max", 0.0),
+        )
+
+    def close_trackers(self) -> None:
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception:
+                log.exception("could not close experiment tracker %s", type(tracker).__name__)
+        self.trackers = []
+
+    def _log_samples(self, samples: list[Sample]) -> list[dict[str, Any]]:
+        """A few of the step's samples, readable: RUN_DIR/samples.jsonl and one log line each; the rows."""
+        count = self.settings.log_samples
+        if count <= 0 or self.tokenizer is None:
+            return []
+        rows = []
+        for sample in sorted(samples, key=lambda s: s.sample_id)[:count]:
+            row = {
+                "version": self.version,
+                "sample_id": sample.sample_id,
+                "prompt": self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
+                "response": self.tokenizer.decode(sample.token_ids.to_torch().tolist(), skip_special_tokens=True),
+                "reward": sample.reward,
+                "finish_reason": sample.finish_reason,
+            }
+            rows.append(row)
+            log.info("version %d sample %s (reward %.3g): %r", self.version, sample.sample_id, sample.reward,
+                     row["response"][:200])  # fmt: skip
+        with (self.run_dir / "samples.jsonl").open("a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+        return rows
+
+    def _append_metrics(self, line: dict[str, Any]) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        with path.open("a+b") as out:
+            out.seek(0, 2)
+            if out.tell() > 0:
+                out.seek(-1, 2)
+                torn = out.read(1) != b"\n"  # a line cut short by a crash: end it, so this one stays whole
+                out.seek(0, 2)
+                if torn:
+                    out.write(b"\n")
+            out.write(json.dumps(line).encode() + b"\n")
+
+    def _recover_metrics_row(self, found: CheckpointInfo, meta: dict[str, Any]) -> None:
+        """A learner killed after its checkpoint but before its `metrics.jsonl` line left an update that counts
+        (the weights have it) with no row: write the row from the checkpoint, which carries the same figures
+        and groups, so the run's record of what was trained stays complete."""
+        extra = meta.get("extra", {})
+        if "metrics" not in extra:
+            return
+        from tlt_stream.rl.records import load_metrics  # skips a line torn by the crash: the row is rewritten
+
+        rows = load_metrics(self.run_dir)
+        if found.step > (rows[-1]["version"] if rows else 0):
+            created = datetime.fromisoformat(meta["created"]).timestamp()
+            line = {"version": found.step, "time": created, **extra["metrics"]}
+            line["trained_groups"] = extra.get("trained_groups", [])
+            self._append_metrics({**line, "recovered": True})
+            log.warning("version %d had no metrics line (killed after its checkpoint): recovered it", found.step)
