@@ -1,27 +1,31 @@
 """The learner as a service: samples stream in, GRPO updates go out as checkpointed policy versions.
 
-The loop reads `samples` through the `learner` consumer group, assembles complete groups (`groups.py`),
-and every `groups_per_step` usable groups runs one update (`learner.py`, in a worker thread so the event
-loop keeps heartbeating), then, in this order:
+The loop reads `samples` through the `learner` consumer group, assembles complete groups (`rl/groups.py`),
+and every `groups_per_step` usable groups runs one update (`rl/learner.py`, on the loop's thread: torch's
+CPU pool is slower driven from another, and the lease is renewed first to cover the pause), then, in this
+order:
 
 1. saves a checkpoint (weights, RNG and the ledger of every sample id applied so far, durable; the optimizer
    state is written in the background while the next update runs, `rl/checkpoint.py`);
-2. acks the stream entries the update consumed;
+2. acks the stream entries the update before it consumed (this update's once the next checkpoint exists:
+   a newest checkpoint found damaged on restart is fallen back from, and its samples trained again);
 3. publishes the new `PolicyVersion` (retained MQTT + Redis mirror) with the checkpoint's sha256;
 4. writes `LearnerStats` to `stats` and one JSON line to `{run_dir}/metrics.jsonl`: reward and accuracy,
-   the response-length distribution, the step's rollout span, tail phase and tokens/s (`metrics.py`), the
+   the response-length distribution, the step's rollout span, tail phase and tokens/s (`rl/metrics.py`), the
    time spent learning, checkpointing and waiting for groups, and the staleness histogram.
 
 A crash before 1 loses nothing (the entries are still pending and come back); a crash between 1 and 2
 applies nothing twice (the restored ledger recognises the redelivered samples). On start the service
 resumes from the newest complete checkpoint, or makes checkpoint 0 from the initial policy, and
 (re)publishes the current version, so workers that start later find it retained.
+
+This file holds the learner's settings, its loop and its wiring; the loop's parts (the run's lease,
+checkpoints, sample intake, the update, its records) live in `roles/learner_parts/`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,7 +35,6 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
-from tlt_stream.aio import retry, sleep_or_stop
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
@@ -42,7 +45,6 @@ from tlt_stream.model.loader import resolve_dtype
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
-from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer
 from tlt_stream.rl.tracking import MissingTracker, require_trackers
@@ -50,10 +52,9 @@ from tlt_stream.roles.learner_parts.checkpoints import Checkpointing
 from tlt_stream.roles.learner_parts.intake import SampleIntake
 from tlt_stream.roles.learner_parts.lease import LeaseKeeping, RunTaken
 from tlt_stream.roles.learner_parts.records import UpdateRecords
+from tlt_stream.roles.learner_parts.update import UpdateFailed, Updating
 
-__all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "serve_learner"]
-
-log = logging.getLogger(__name__)
+__all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "UpdateFailed", "serve_learner"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,9 @@ class LearnerRunSettings:
     max_staleness: int = DEFAULTS.policy.max_staleness
     """A group is used only while learner version - its oldest sample's policy version <= this (0: on-policy)."""
     keep_checkpoints: int = DEFAULTS.learner.keep_checkpoints
+    """Complete checkpoints kept on disk (the newest ones)."""
     log_samples: int = DEFAULTS.learner.log_samples
     """Samples per step written to RUN_DIR/samples.jsonl and the log."""
-    """Complete checkpoints kept on disk (the newest ones)."""
     learner: LearnerSettings = field(default_factory=LearnerSettings)
     device: str = "cpu"
     """Where the policy trains: "cpu", "cuda" or "cuda:N" (resolved already); checkpoints are device-free."""
@@ -90,11 +91,7 @@ class LearnerRunSettings:
         )
 
 
-class UpdateFailed(Exception):
-    """An update raised before it was applied (the weights, the ledger and the version are unchanged)."""
-
-
-class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, UpdateRecords):
+class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, Updating, UpdateRecords):
     """One learner process (there is exactly one per run: it owns the policy version)."""
 
     def __init__(
@@ -118,24 +115,22 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, UpdateRecords):
         self.keys = Keys(config.run)
         self.reader = StreamReader(redis, self.keys, config.bus, "samples", consumer)
         self.producer = StreamProducer(redis, self.keys, config.bus)
-        self._init_lease()
-        self._init_checkpoints()
-        self._init_intake()
-        self._init_records()
         self.trainer = trainer or Trainer(settings.learner, settings.device)
         """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
         self.core: LearnerCore | None = None
-        self.assembler = GroupAssembler(settings.max_staleness)
+        """Built from the checkpoint resumed (`roles/learner_parts/checkpoints.py`)."""
         self.version = -1
         self.checkpoint: CheckpointInfo | None = None
+        """The newest checkpoint, the one `version` is published from."""
+        self.assembler = GroupAssembler(settings.max_staleness)
         self.ready: list[ReadyGroup] = []
-        self._idle_since = time.perf_counter()
+        """Complete groups within the window, in the order they completed, waiting for an update."""
         self._stop: asyncio.Event | None = None
-        self.failures: dict[str, int] = {}
-        """Failed update attempts per task id: a group whose updates keep failing is dead-lettered."""
-        self.failed_updates = 0
-        self.last_update_entries: list[str] = []
-        """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
+        self._init_lease()
+        self._init_checkpoints()
+        self._init_intake()
+        self._init_updates()
+        self._init_records()
 
     async def start(self) -> PolicyVersion:
         """Take the run's learner lease, resume from the newest checkpoint (or create checkpoint 0) and publish
@@ -197,110 +192,6 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, UpdateRecords):
                 elif stop.is_set():
                     break
         return max_updates is not None and applied >= max_updates
-
-    async def _try_update(self, groups: list[ReadyGroup]) -> bool:
-        """One update over `groups`; an update that raises is not applied: its groups go back to the front of
-        the queue and are tried again after a pause, and a group that failed `bus.max_deliveries` times is
-        dead-lettered (a group that keeps breaking the update must not stop the run)."""
-        try:
-            await self._update(groups)
-            for group in groups:
-                self.failures.pop(group.task_id, None)
-            return True
-        except UpdateFailed as failed:
-            exc = failed.__cause__ or failed
-            self.failed_updates += 1
-            log.exception("update to version %d failed; it was not applied", self.version + 1)
-            limit = self.config.bus.max_deliveries
-            keep = []
-            for group in groups:
-                tries = self.failures[group.task_id] = self.failures.get(group.task_id, 0) + 1
-                if tries < limit:
-                    keep.append(group)
-                    continue
-                self.failures.pop(group.task_id, None)
-                reason = f"the update failed {tries} times on this group: {type(exc).__name__}: {exc}"
-                await self._dead_group(group, reason)
-            self.ready[:0] = keep
-            if self._stop is not None:
-                await sleep_or_stop(self._stop, min(10.0, 0.5 * 2 ** (self.failed_updates - 1)))
-            return False
-
-    async def _update(self, groups: list[ReadyGroup]) -> dict[str, float]:
-        assert self.core is not None
-        started = time.perf_counter()
-        wait = started - self._idle_since  # since the last update (or start): waiting for complete groups
-        staleness = [g.staleness(self.version) for g in groups]
-        samples = [s for g in groups for s in g.samples]
-        await self._renew_lease()  # the update blocks the loop: the renewed ttl covers the longest one yet
-        # On the loop's thread, as the rollout worker's decode steps: torch's CPU thread pool is markedly
-        # slower driven from a secondary thread. Heartbeats and MQTT keepalives tolerate an update's pause.
-        try:
-            metrics = self.core.step(groups)
-        except RanksOutOfStep:  # a rank died or disagrees: no retry can help; a restart resumes
-            raise
-        except Exception as exc:  # nothing was applied: LearnerCore.step fails before its optimizer step
-            raise UpdateFailed(str(exc)) from exc
-        await asyncio.sleep(0)
-        for group in groups:
-            self.assembler.consume(group)
-        self.version += 1
-        histogram = staleness_histogram(staleness)
-        metrics.update(
-            **rollout_timing(samples),
-            wait_seconds=wait,
-            staleness_max=float(max(staleness)),
-            staleness_mean=sum(staleness) / len(staleness),
-            dropped_groups=float(self.assembler.dropped_groups),
-            **self._dropped_since_last(),
-            duplicates=float(self.assembler.duplicates),
-            **{f"staleness_{k}": float(v) for k, v in histogram.items()},
-            **{f"accept_length_drafter_{v}": a for v, a in accept_by_drafter(samples).items()},
-        )
-        if metrics["learn_seconds"] > 0:
-            metrics["learn_tokens_per_s"] = metrics["trained_tokens"] / metrics["learn_seconds"]
-        saving = time.perf_counter()
-        trained = [g.task_id for g in groups]
-        extra = {"metrics": metrics, "trained_groups": trained}
-        # A full disk or an unwritable directory must not cost the update or its samples: nothing is acked or
-        # published before the checkpoint exists, so retry (capped backoff, saying why) until it is written
-        # or the service is stopped, which then exits non-zero with the samples still pending for a restart.
-        # Any error: inside safetensors' writer an I/O failure surfaces as SafetensorError, not OSError.
-        self.checkpoint = await retry(
-            lambda: self._save_or_stop(extra),
-            retry_on=(Exception,),
-            what=f"checkpoint of version {self.version}",
-            max_attempts=None,
-            base=0.5,
-            cap=10.0,
-            stop=self._stop,
-        )
-        metrics["checkpoint_seconds"] = time.perf_counter() - saving  # the optimizer's write is not in it
-        metrics.update(self._optimizer_write_figures())
-        # The previous update's entries are acked now, this one's after the next checkpoint: a newest
-        # checkpoint found damaged on restart is fallen back from, and its update's samples are then still
-        # pending, so they are trained again instead of lost.
-        await self._ack(self.last_update_entries)
-        self.last_update_entries = [entry for g in groups for entry in g.entry_ids]
-        await self._trim()
-        await self._publish(self.checkpoint)
-        # Groups assembled under the old version that the new one has left behind: drop them visibly.
-        expired = self.assembler.evict_stale(self.version)
-        keep = []
-        for group in self.ready:
-            if group.staleness(self.version) > self.settings.max_staleness:
-                self.assembler.drop(group)
-                expired.append(group)
-            else:
-                keep.append(group)
-        self.ready = keep
-        await self._note_dropped(expired)
-        await self._ack([entry for g in expired for entry in g.entry_ids])
-        metrics["update_seconds"] = time.perf_counter() - started
-        self._longest_update_s = max(self._longest_update_s, metrics["update_seconds"])
-        await self._record_update(groups, samples, metrics, histogram=histogram, wait=wait)
-        self._idle_since = time.perf_counter()
-        return metrics
 
     def describe(self) -> dict[str, Any]:
         """What the service holds now (for logs, the dashboard and tests)."""
