@@ -26,6 +26,8 @@ checkpoints, sample intake, the update, its records) live in `roles/learner_part
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,7 +48,7 @@ from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 from tlt_stream.rl.ranks import RanksOutOfStep
-from tlt_stream.rl.sharded import Trainer
+from tlt_stream.rl.sharded import Trainer, follow
 from tlt_stream.rl.tracking import MissingTracker, require_trackers
 from tlt_stream.roles.learner_parts.checkpoints import Checkpointing
 from tlt_stream.roles.learner_parts.intake import SampleIntake
@@ -54,7 +56,9 @@ from tlt_stream.roles.learner_parts.lease import LeaseKeeping, RunTaken
 from tlt_stream.roles.learner_parts.records import UpdateRecords
 from tlt_stream.roles.learner_parts.update import UpdateFailed, Updating
 
-__all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "UpdateFailed", "serve_learner"]
+__all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "UpdateFailed", "follow_rank_0", "serve_learner"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -206,14 +210,37 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, Updating, Update
         }
 
 
+def follow_rank_0(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
+    """A sharded learner's rank other than 0: do what rank 0 says (`rl/sharded.py`, `follow`) until its STOP.
+
+    torchrun forwards SIGTERM and SIGINT to every rank. Rank 0's service stops after the update in hand, and
+    its `Trainer.stop` sends STOP once its own optimizer write is done; STOP ends this rank once its write
+    has landed too. Dying on the signal instead could cut this rank's piece of the newest checkpoint's
+    optimizer state short, leaving that step without a complete state (a resume then takes older moments).
+    So a follower ignores both signals and leaves when told; if rank 0 is gone (the link breaks, or the
+    collective timeout runs out), the write in flight still lands before the error ends the rank."""
+    ignored = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    try:
+        follow(trainer, root=root, init_policy=init_policy)
+    except Exception as exc:
+        rank = trainer.link.rank if trainer.link is not None else -1
+        log.error("rank %d stops following rank 0 (%s); its optimizer write in flight lands first", rank, exc)
+        raise
+    finally:
+        trainer.wait_for_writes()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve_learner(config: Config) -> int:
     """`tlt-stream learner` / `services/learner.py`: run the service until SIGTERM/SIGINT, learner.max_updates
     or the final policy version (learner.until_version, else policy.steps). Under torchrun (WORLD_SIZE > 1)
-    the policy is sharded over the ranks: rank 0 runs the service, the others follow it (`rl/sharded.py`)."""
+    the policy is sharded over the ranks: rank 0 runs the service, the others follow it (`follow_rank_0`: a
+    signal ends them through rank 0, which stops them after its update)."""
     import torch
 
     from tlt_stream.rl.ranks import join_ranks, leave_ranks
-    from tlt_stream.rl.sharded import follow
     from tlt_stream.roles.serve import device_or_refuse, refuse, serve
 
     own = config.learner
@@ -233,7 +260,7 @@ def serve_learner(config: Config) -> int:
     settings = LearnerRunSettings.from_config(config, device=device)
     trainer = Trainer(settings.learner, settings.device, link)
     if link is not None and not link.leader:
-        follow(trainer, root=Path(config.expand(own.run_dir)) / "checkpoints", init_policy=Path(own.policy))
+        follow_rank_0(trainer, root=Path(config.expand(own.run_dir)) / "checkpoints", init_policy=Path(own.policy))
         leave_ranks()
         return 0
 
