@@ -12,8 +12,9 @@ Same tiny task, model, seed, prompts per step, group size and number of steps, i
                      as drafts of policy s in the tail's free slots and is re-verified when s+1 arrives; every
                      trained sample is exactly on-policy (staleness 0)
     (h) stream_partial (c) with partial rollouts: rows in flight re-verified at every new version
-    (gany) gany_sync_partial (g) with drafts started in any free slot (`policy.ahead_rows` 0), as before the
-                     default of 16 (drafts start only while fewer than 16 rows run); both stop 64 tokens ahead
+    (g16) g16_sync_partial (g) with drafts started only while fewer than 16 rows run (`policy.ahead_rows`;
+                     default 0: any free slot); both stop 64 tokens ahead (`policy.ahead_tokens`)
+    (g512) g512_sync_partial (g16) with drafts that may run 512 tokens ahead (whole responses here)
 
 (a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults (`tlt_stream.launch.RunPlan`), every service
 a separate process, every sample through Redis. (d) runs in this process on the same cores
@@ -59,12 +60,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (g), (h): (b), (c) with lossless partial rollouts (issue 24)
     "g_sync_partial": {"launch.sd": "eagle", "policy.max_staleness": 0, "policy.partial_rollouts": True},
     "h_stream_partial": {"launch.sd": "eagle", "policy.max_staleness": 1, "policy.partial_rollouts": True},
-    # (g) with drafts started in any free slot, not only while fewer than `policy.ahead_rows` (16) rows run
-    "gany_sync_partial": {
+    # (g) with drafts started only while fewer than 16 rows run, and those drafts running 512 tokens ahead
+    "g16_sync_partial": {
         "launch.sd": "eagle",
         "policy.max_staleness": 0,
         "policy.partial_rollouts": True,
-        "policy.ahead_rows": 0,
+        "policy.ahead_rows": 16,
+    },
+    "g512_sync_partial": {
+        "launch.sd": "eagle",
+        "policy.max_staleness": 0,
+        "policy.partial_rollouts": True,
+        "policy.ahead_rows": 16,
+        "policy.ahead_tokens": 512,
     },
 }
 GOALS = {
@@ -370,7 +378,8 @@ def main() -> None:
         "g_over_b": speedup("b_sync_tlt", "g_sync_partial"),
         "g_over_c": speedup("c_stream_tlt", "g_sync_partial"),
         "h_over_a": speedup("a_sync_plain", "h_stream_partial"),
-        "gany_over_a": speedup("a_sync_plain", "gany_sync_partial"),
+        "g16_over_a": speedup("a_sync_plain", "g16_sync_partial"),
+        "g512_over_a": speedup("a_sync_plain", "g512_sync_partial"),
     }
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "e2e.png")

@@ -5,9 +5,9 @@ same fixed groups are trained by `Trainer` on 1 process and on 2 ranks (each ran
 as torchrun starts it, 1 torch thread each): a warm-up update, then timed updates (rank 0's wall time of
 `LearnerCore.step`), then one checkpoint (rank 0's wall time of `Trainer.save`: the gather, the consolidated
 policy, RNG, ledger, meta and `LATEST`, and a CPU copy of the rank's optimizer piece; the pieces are written
-in the background behind it and waited for, untimed, when the trainer stops). Memory: rank 0's RSS after the updates (before the save), again after
-`malloc_trim` (what is live: glibc keeps freed activations otherwise), and per rank the peak RSS
-(`ru_maxrss`, the save's gather included) and the RSS at the end.
+in the background behind it and waited for, untimed, when the trainer stops). Memory: rank 0's RSS after
+the updates (before the save), again after `malloc_trim` (what is live: glibc keeps freed activations
+otherwise), and per rank the peak RSS (`ru_maxrss`, the save's gather included) and the RSS at the end.
 
     python bench/sharded_learner.py [--models tiny,100m] [--steps N]
 

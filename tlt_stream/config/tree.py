@@ -193,14 +193,14 @@ class PolicyConfig(_Section, frozen=True):
     ahead_rows: Annotated[
         int,
         _doc(
-            "With partial_rollouts: a worker starts drafts only while fewer rows than this run (0: up to "
-            "rollout.max_batch), and an on-policy request overtakes drafts held back. Drafts are meant to fill "
-            "capacity a decode step gets nearly free beside the tail: on 2 CPU cores a step's cost grows past "
-            "~16 rows (the SD crossover, bench/sd_speedup.py); on a GPU decode stays memory-bound to far larger "
-            "batches: set it to the knee of tokens/s against batch there.",
+            "With partial_rollouts: a worker starts drafts only while fewer rows than this run (0: in any free "
+            "slot), and an on-policy request overtakes drafts held back. Set it to the batch past which a decode "
+            "step's cost grows about linearly (a GPU's compute-bound knee), so drafts use only capacity a step "
+            "gets nearly free. On 2 CPU cores the tiny policy's step at 64 rows costs 3.3x batch 1's (no knee "
+            "below the batch): bench/e2e.py measured 16 no better than 0 (0.98x vs 1.07x of synchronous RL).",
             ge=0,
         ),
-    ] = 16
+    ] = 0
     seed: Annotated[int, _doc("Seed of the prompt source (the prompts of step s depend on (seed, s) only).")] = 0
     start_step: Annotated[
         int,
