@@ -28,7 +28,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_sharded_learner import ROOT, SETTINGS, Ranks, groups_of, hold_writes, save, tiny_policy
+from tests.unit.test_sharded_learner import (
+    ROOT,
+    SETTINGS,
+    Ranks,
+    groups_of,
+    hold_writes,
+    release_and_kill,
+    save,
+    tiny_policy,
+    wait_for,
+)
 from tlt_stream.rl.checkpoint import has_optimizer_state
 from tlt_stream.rl.ranks import RankLink
 from tlt_stream.rl.sharded import Trainer
@@ -129,23 +139,7 @@ def two_ranks(tmp_path: Path, init: Path) -> Iterator[tuple[Ranks, Path, Path]]:
             ranks.append((subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=err), err))
         yield ranks, gate, root
     finally:
-        (gate / "release").touch()
-        for process, err in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            err.close()
-
-
-def wait_for(path: Path, ranks: Ranks) -> None:
-    deadline = time.monotonic() + 180
-    while not path.exists():
-        for process, err in ranks:
-            if process.poll() is not None:
-                err.seek(0)
-                raise AssertionError(f"a rank exited ({process.returncode}) first:\n{err.read().decode()[-3000:]}")
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+        release_and_kill(gate, ranks)
 
 
 def stderr_of(rank: tuple[subprocess.Popen, object]) -> str:

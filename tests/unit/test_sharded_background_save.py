@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,9 +27,11 @@ from tests.unit.test_sharded_learner import (
     drive,
     finish_ranks,
     optimizer,
+    release_and_kill,
     run_ranks,
     start_ranks,
     tiny_policy,
+    wait_for,
     weights,
 )
 from tlt_stream.rl.checkpoint import (
@@ -68,23 +69,7 @@ def held(gate: Path, **spec: object) -> Iterator[Ranks]:
     try:
         yield ranks
     finally:
-        (gate / "release").touch()
-        for process, err in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            err.close()
-
-
-def wait_for(path: Path, ranks: Ranks) -> None:
-    deadline = time.monotonic() + 180
-    while not path.exists():
-        for process, err in ranks:
-            if process.poll() is not None:
-                err.seek(0)
-                raise AssertionError(f"a rank exited ({process.returncode}) first:\n{err.read().decode()[-3000:]}")
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+        release_and_kill(gate, ranks)
 
 
 def pieces(step_dir: Path) -> list[str]:

@@ -206,6 +206,28 @@ def finish_ranks(ranks: Ranks) -> None:
         err.close()
 
 
+def release_and_kill(gate: Path, ranks: Ranks) -> None:
+    """Release every held write (`gate/release`) and kill the ranks a failed test left running."""
+    (gate / "release").touch()
+    for process, err in ranks:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        err.close()
+
+
+def wait_for(path: Path, ranks: Ranks) -> None:
+    """Block until `path` exists; a rank that exits first fails the test with its stderr."""
+    deadline = time.monotonic() + 180
+    while not path.exists():
+        for process, err in ranks:
+            if process.poll() is not None:
+                err.seek(0)
+                raise AssertionError(f"a rank exited ({process.returncode}) first:\n{err.read().decode()[-3000:]}")
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
 def weights(root: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(checkpoint_at(root, step).policy_dir / "model.safetensors")
 
