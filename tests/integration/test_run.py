@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,8 +51,9 @@ def env_for(config: Config) -> dict[str, str]:
     return {**os.environ, "TLT_REDIS_URL": config.bus.redis_url, "TLT_MQTT_URL": config.bus.mqtt_url}
 
 
-def service_pids(run: str) -> list[int]:
-    """PIDs of live processes started for run `run` (their command lines carry `--run RUN`)."""
+def service_pids(run: str, *, launcher: bool = False) -> list[int]:
+    """PIDs of live processes started for run `run` (their command lines carry `--run RUN`): its services,
+    and with `launcher` the `tlt-stream run` process too."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -58,14 +61,26 @@ def service_pids(run: str) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"services." in b" ".join(argv) and run.encode() in argv:
+            line = b" ".join(argv)
+            if (b"services." in line or (launcher and b"tlt_stream.cli" in line)) and run.encode() in argv:
                 found.append(int(entry.name))
     return found
 
 
+@pytest.fixture
+def reaped(bus_config: Config) -> Iterator[Config]:
+    """The run's processes are killed when the test ends, whatever happened: a test that failed or timed out
+    with `tlt-stream run` live left its launcher and services running for hours, loading every later test."""
+    yield bus_config
+    for pid in service_pids(bus_config.run, launcher=True):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
-    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
+    one_backend: str, reaped: Config, tmp_path: Path, init_policy: Path
 ) -> None:
+    bus_config = reaped
     world, out = world_from(init_policy, tmp_path), tmp_path / "run"
     process = await asyncio.create_subprocess_exec(
         *run_command(bus_config, world, out, "--steps", "2"), env=env_for(bus_config), stderr=asyncio.subprocess.PIPE
@@ -107,8 +122,9 @@ async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
 
 
 async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
-    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
+    one_backend: str, reaped: Config, tmp_path: Path, init_policy: Path
 ) -> None:
+    bus_config = reaped
     world, out = world_from(init_policy, tmp_path), tmp_path / "run"
     process = await asyncio.create_subprocess_exec(
         *run_command(bus_config, world, out, "--steps", "1000"), env=env_for(bus_config), stderr=asyncio.subprocess.PIPE
