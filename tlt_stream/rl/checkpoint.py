@@ -55,7 +55,7 @@ from tlt_stream.errors import CheckpointError
 from tlt_stream.failpoints import failpoint
 from tlt_stream.store.background import BackgroundWriter
 from tlt_stream.store.digest import DigestScheme, verify_directory
-from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, fsync_dir, remove_dir, write_json
+from tlt_stream.store.durable import TMP_PREFIX, atomic_directory, atomic_file, remove_dir, write_json
 from tlt_stream.store.shards import incomplete, read_shards, write_shard
 from tlt_stream.store.tensors import (
     load_tensors,
@@ -129,18 +129,8 @@ class CheckpointInfo:
 
 
 def _write_pointer(root: Path, name: str) -> None:
-    """Atomically point `root/LATEST` at `name`: temp file, fsync, `os.replace`, fsync `root`."""
-    tmp = root / f"{TMP_PREFIX}{LATEST}-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST)
-    except Exception:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(root)
+    """Atomically point `root/LATEST` at `name` (`atomic_file`)."""
+    atomic_file(root / LATEST, (name + "\n").encode())
 
 
 # --- reading ----------------------------------------------------------------------------------------------

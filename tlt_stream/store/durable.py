@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TMP_PREFIX", "atomic_directory", "fsync_dir", "fsync_tree", "remove_dir", "write_json"]
+__all__ = ["TMP_PREFIX", "atomic_directory", "atomic_file", "fsync_dir", "fsync_tree", "remove_dir", "write_json"]
 
 TMP_PREFIX = ".tmp-"
 """Names that readers skip: a directory being built, or being removed."""
@@ -46,18 +46,31 @@ def write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def atomic_file(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, durably, or is untouched: a `.tmp-` sibling, fsynced, renamed over it, the
+    directory fsynced."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 @contextlib.contextmanager
-def atomic_directory(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
+def atomic_directory(final: Path) -> Iterator[Path]:
     """Build a directory that appears whole or not at all.
 
     Yields a temporary sibling of `final` (named `.tmp-...`, which readers skip) to fill. On a clean exit
     every file and directory in it is fsynced, it is renamed to `final` and the parent is fsynced. On an
-    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind. `tmp_name`
-    names the sibling when other processes (a sharded learner's ranks) write into it too.
+    error it is removed; a process that dies meanwhile leaves only the `.tmp-` directory behind.
     """
-    if tmp_name is not None and not tmp_name.startswith(TMP_PREFIX):
-        raise ValueError(f"a temporary directory's name starts with {TMP_PREFIX!r}: {tmp_name!r}")
-    tmp = final.with_name(tmp_name or f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir()
     try:
         yield tmp

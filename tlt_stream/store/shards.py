@@ -20,8 +20,6 @@ made whole with their checkpoint directory; all their files present is all they 
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from tlt_stream.store.durable import TMP_PREFIX, fsync_dir
+from tlt_stream.store.durable import atomic_file, fsync_dir
 
 __all__ = ["INDEX", "incomplete", "piece", "rank_file", "read_shards", "write_shard"]
 
@@ -63,26 +61,10 @@ def write_shard(
     fsync_dir(directory.parent)
     stamp = {"rank": str(rank), "world": str(world), "save": save_id}
     data = save({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, metadata=stamp)
-    _land(rank_file(directory, rank), data)
+    atomic_file(rank_file(directory, rank), data)
     if rank == 0:
         index = {"format": FORMAT, "world": world, "save": save_id, "pieces": sorted(pieces), "meta": meta}
-        _land(directory / INDEX, json.dumps(index).encode())
-
-
-def _land(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole, durably, or is untouched: a `.tmp-` sibling, fsynced, renamed, the
-    directory fsynced."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except Exception:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+        atomic_file(directory / INDEX, json.dumps(index).encode())
 
 
 def incomplete(directory: Path) -> str | None:
