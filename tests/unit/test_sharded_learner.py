@@ -105,9 +105,9 @@ def drive(
     save_last: bool = True,
 ) -> None:
     """What the learner service does with its trainer: build (or resume), then update and checkpoint (the
-    last update too, unless not `save_last`); `metrics` gets the updates' figures once all are done (and,
-    after a resume, `metrics.resume.json` the step its optimizer moments came from), then the background
-    optimizer write is waited for."""
+    last update too, unless not `save_last`); `metrics` gets the updates' figures, with the background
+    optimizer writes' after each save, once all are done (and, after a resume, `metrics.resume.json` the step
+    its optimizer moments came from), then the background optimizer write is waited for."""
     if resume is None:
         trainer.build(init)
         save(trainer, root, 0, keep=keep)
@@ -123,6 +123,7 @@ def drive(
         rows.append(trainer.core.step(groups_of(update)))
         if save_last or update != updates[-1]:
             save(trainer, root, update, keep=keep)
+            rows[-1].update(trainer.write_figures())  # as the service adds them to the update's metrics
     metrics.write_text(json.dumps(rows))
     trainer.wait_for_writes()  # this process's optimizer state (or piece) is on disk for the test to read
 
@@ -151,6 +152,23 @@ def hold_writes(hold: dict, rank: int) -> None:
     sharded._write_piece = held
 
 
+def fail_writes(fail: dict, rank: int) -> None:
+    """This rank's background writes of the steps in `fail["steps"]` (if `rank` is in `fail["ranks"]`) fail
+    for real: a directory stands where the piece lands, so the write's own rename raises (IsADirectoryError)."""
+    from tlt_stream.rl import sharded
+    from tlt_stream.store.shards import rank_file
+
+    real = sharded._write_piece
+
+    def failing(directory: Path, **shard: object) -> None:
+        if rank in fail["ranks"] and directory.parent.name in {f"step-{s:08d}" for s in fail["steps"]}:
+            directory.mkdir(exist_ok=True)
+            rank_file(directory, rank).mkdir()
+        real(directory, **shard)
+
+    sharded._write_piece = failing
+
+
 def rank_main(spec: str) -> None:
     """One rank's process (`python -c`): torchrun's environment is set by the caller."""
     from tlt_stream.rl.ranks import join_ranks, leave_ranks
@@ -163,6 +181,8 @@ def rank_main(spec: str) -> None:
     assert link is not None
     if "hold" in args:
         hold_writes(args["hold"], link.rank)
+    if "fail" in args:
+        fail_writes(args["fail"], link.rank)
     trainer = Trainer(settings, "cpu", link)
     root, init = Path(args["root"]), Path(args["init"])
     if link.leader:
@@ -170,6 +190,7 @@ def rank_main(spec: str) -> None:
         options = {key: args[key] for key in ("keep", "save_last") if key in args}
         drive(trainer, root, init, resume=args["resume"], updates=updates, metrics=out, **options)
         trainer.stop()
+        out.with_suffix(".stopped.json").write_text(json.dumps(trainer.write_figures()))
     else:
         follow(trainer, root=root, init_policy=init)
     leave_ranks()
@@ -197,13 +218,17 @@ def run_ranks(world: int, **spec: object) -> None:
     finish_ranks(start_ranks(world, **spec))
 
 
-def finish_ranks(ranks: Ranks) -> None:
+def finish_ranks(ranks: Ranks) -> list[str]:
+    """Wait for the ranks, assert each exited 0, and return their stderr, by rank."""
     for process, _ in ranks:
         process.wait(timeout=240)
+    logs = []
     for process, err in ranks:
         err.seek(0)
-        assert process.returncode == 0, err.read().decode()[-3000:]
+        logs.append(err.read().decode(errors="replace"))
+        assert process.returncode == 0, logs[-1][-3000:]
         err.close()
+    return logs
 
 
 def release_and_kill(gate: Path, ranks: Ranks) -> None:

@@ -83,6 +83,7 @@ __all__ = [
     "optimizer_source",
     "restore_checkpoint",
     "save_checkpoint",
+    "step_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -136,14 +137,15 @@ def _write_pointer(root: Path, name: str) -> None:
 # --- reading ----------------------------------------------------------------------------------------------
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """The step a `step-XXXXXXXX` directory is named for (None for any other name)."""
     match = _STEP_DIR.fullmatch(path.name)
     return int(match.group(1)) if match else None
 
 
 def _read_info(path: Path) -> CheckpointInfo | None:
     """The checkpoint in `path`, or None when it is not a complete one (no or unreadable meta.json)."""
-    step = _step_of(path)
+    step = step_of(path)
     if step is None or path.is_symlink() or not path.is_dir():
         return None
     try:

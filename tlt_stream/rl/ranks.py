@@ -6,6 +6,10 @@ rank 0 tells them, in the order it tells them: a command is a fixed-size int64 h
 (`Command` and three integer arguments), an update's micro-batches go point to point as tensors behind a
 small shape header. Nothing crosses as a pickle (`broadcast_object_list` would unpickle whatever arrives).
 
+The ranks write their optimizer pieces in the background, where rank 0 cannot see them fail; each rank's
+failures so far (`WriteFailures`) ride on collectives the ranks make anyway (a save's first agreement, and
+the last one after STOP: `agree_reporting`), so rank 0 learns of them without a round trip of its own.
+
 With no `WORLD_SIZE` in the environment (or `WORLD_SIZE=1`) there is no process group and `join_ranks`
 returns None: the single-process learner is unchanged.
 """
@@ -20,7 +24,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-__all__ = ["Command", "RankLink", "RanksOutOfStep", "join_ranks", "leave_ranks"]
+__all__ = ["Command", "RankLink", "RanksOutOfStep", "WriteFailures", "join_ranks", "leave_ranks"]
 
 _ARGS = 3
 """Integer arguments of a command header."""
@@ -28,6 +32,10 @@ _MAX_DIMS = 4
 """Tensors handed out have at most this many dimensions (micro-batches are 1-D or 2-D)."""
 _DTYPES = [torch.int64, torch.float32, torch.float64, torch.bool, torch.bfloat16, torch.int32, torch.uint8]
 """Wire codes of the dtypes a tensor header may name (its index); bool crosses as uint8."""
+_MESSAGE_BYTES = 240
+"""A reported write failure's message is cut to this many UTF-8 bytes."""
+_REPORT = 4 + _MESSAGE_BYTES
+"""A rank's row in `agree_reporting`: (ok, failures, the newest failure's step, message length, message)."""
 
 
 class Command(IntEnum):
@@ -44,6 +52,17 @@ class Command(IntEnum):
     none, fresh moments)."""
     SAVE = 4
     """Write a checkpoint: (step, nonce naming the save, recorded in every rank's optimizer piece)."""
+
+
+@dataclass(frozen=True)
+class WriteFailures:
+    """A rank's failed background writes so far (since it started), as it reports them to rank 0."""
+
+    count: int = 0
+    step: int = -1
+    """The checkpoint step of the newest failed write (-1: none)."""
+    error: str = ""
+    """Its error, `ExceptionType: message` (no traceback), cut to `_MESSAGE_BYTES` bytes."""
 
 
 class RanksOutOfStep(RuntimeError):
@@ -145,6 +164,23 @@ class RankLink:
         t = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t)
+
+    def agree_reporting(self, ok: bool, failures: WriteFailures) -> tuple[bool, list[WriteFailures]]:
+        """`agree`, with every rank's write failures carried in the same collective (one all-gather of a
+        small row per rank): (whether every rank said True, each rank's `WriteFailures`, by rank)."""
+        message = failures.error.encode()[:_MESSAGE_BYTES]
+        row = torch.zeros(_REPORT, dtype=torch.int64)
+        row[:4] = torch.tensor([int(ok), failures.count, failures.step, len(message)])
+        row[4 : 4 + len(message)] = torch.tensor(list(message), dtype=torch.int64)
+        rows = [torch.zeros(_REPORT, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.all_gather(rows, row.to(self.device))
+        agreed, reports = True, []
+        for said in rows:
+            said_ok, count, step, length, *data = said.tolist()
+            agreed = agreed and bool(said_ok)
+            text = bytes(data[: max(0, min(length, _MESSAGE_BYTES))]).decode(errors="ignore")
+            reports.append(WriteFailures(count=count, step=step, error=text))
+        return agreed, reports
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

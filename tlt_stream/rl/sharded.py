@@ -28,6 +28,11 @@ newest complete one and says so. Each rank has at most one write in flight and s
 its previous one has ended, so while rank 0 saves a step, the ranks can be writing into that step or the
 one saved before it; pruning (rank 0) spares both (the earlier until its set is complete) and the newest
 complete state. A rank leaving waits for its write.
+
+A rank's write that fails is logged by that rank and leaves its step incomplete; rank 0 hears of it at the
+next collective the ranks make anyway: each rank's failures so far ride on a save's first agreement and on
+the last one, after STOP, once every rank's write has ended (`agree_reporting`). Rank 0 logs each new one
+(rank, step, error) and counts every rank's in the update's metrics (`write_figures`).
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ from tlt_stream.rl.checkpoint import (
     optimizer_source,
     restore_checkpoint,
     save_checkpoint,
+    step_of,
 )
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings, compute_dtype_on, load_for_training
-from tlt_stream.rl.ranks import Command, RankLink, RanksOutOfStep
+from tlt_stream.rl.ranks import Command, RankLink, RanksOutOfStep, WriteFailures
 from tlt_stream.store.background import BackgroundWriter
 from tlt_stream.store.shards import piece, rank_file, read_shards, write_shard
 from tlt_stream.store.tensors import load_tensors, optimizer_state, optimizer_tensors
@@ -107,6 +113,9 @@ class Trainer:
         """This process's optimizer state (or, sharded, its piece), written while the next update runs."""
         self._saved: Path | None = None
         """Rank 0: the step directory of the previous save, which another rank may still be writing into."""
+        self.rank_failures: dict[int, WriteFailures] = {}
+        """Rank 0: the other ranks' failed optimizer writes as each last reported them (a count only grows, so
+        the newest report replaces the one before: none is lost or counted twice)."""
 
     @property
     def _commands(self) -> bool:
@@ -218,18 +227,73 @@ class Trainer:
 
     def stop(self) -> None:
         """Leaving: the background optimizer write finishes first; rank 0 lets the other ranks leave too (each
-        waits for its own write: `follow`)."""
+        waits for its own write: `follow`) and hears how their last writes went (`leave`)."""
         self.wait_for_writes()
         if self._commands:
             assert self.link is not None
             self.link.command(Command.STOP)
+            try:  # a rank gone, or its write past the collective timeout, costs its last report, not the exit
+                self.leave()
+            except RuntimeError as exc:
+                log.warning("the other ranks' last optimizer write reports did not arrive (%s)", exc)
+
+    def leave(self) -> None:
+        """Every rank, after STOP: wait for this rank's write, then agree once more, each rank saying how its
+        writes went (rank 0 logs and counts the others' new failures)."""
+        assert self.link is not None
+        self.wait_for_writes()
+        _, reports = self.link.agree_reporting(True, self.own_failures())
+        self._note_failures(reports)
+
+    def own_failures(self) -> WriteFailures:
+        """This process's failed optimizer writes so far, and the newest one's step and error."""
+        writes = self.optimizer_writes
+        count, failed = writes.failures, writes.last_failure  # the count first: the report is at least as new
+        if failed is None:
+            return WriteFailures(count)
+        step = next((n for p in (failed.target, *failed.target.parents) if (n := step_of(p)) is not None), -1)
+        return WriteFailures(count, step, failed.error or "")
+
+    def write_figures(self) -> dict[str, float]:
+        """The background optimizer writes in an update's metrics: this process's newest finished write
+        (`optimizer_write_seconds`), the failures of every rank (`optimizer_write_failures`: this process's as
+        they happen, another rank's as it last reported them) and, once one has failed, the newest failure's
+        rank and step (`optimizer_write_failed_rank`, `optimizer_write_failed_step`)."""
+        writes = self.optimizer_writes
+        out = {} if writes.last is None else {"optimizer_write_seconds": writes.last.seconds}
+        every = {**self.rank_failures, self.link.rank if self.link is not None else 0: self.own_failures()}
+        out["optimizer_write_failures"] = float(sum(f.count for f in every.values()))
+        failed = [(f.step, rank) for rank, f in every.items() if f.count]
+        if failed:
+            step, rank = max(failed)
+            out.update(optimizer_write_failed_step=float(step), optimizer_write_failed_rank=float(rank))
+        return out
+
+    def _note_failures(self, reports: list[WriteFailures]) -> None:
+        """Rank 0: take the other ranks' reports, logging each rank's failures new since its previous one."""
+        assert self.link is not None
+        if not self.link.leader:
+            return
+        for rank, said in enumerate(reports[1:], start=1):
+            before = self.rank_failures.get(rank, WriteFailures())
+            if said.count <= before.count:
+                continue
+            self.rank_failures[rank] = said
+            log.error(
+                "rank %d: its background optimizer write of step %d failed (%s; %d failed on that rank so far): "
+                "that step has no complete optimizer state and a resume from it takes older moments",
+                rank, said.step, said.error, said.count,
+            )  # fmt: skip
 
     def _agree_step(self, step: int) -> bool:
+        """Every rank agrees that it is at `step`; the same collective carries each rank's write failures."""
         assert self.core is not None and self.link is not None
         mine = self.core.updates == step
         if not mine:
             log.error("rank %d is at update %d, asked to save step %d", self.link.rank, self.core.updates, step)
-        return self.link.agree(mine)
+        agreed, reports = self.link.agree_reporting(mine, self.own_failures())
+        self._note_failures(reports)
+        return agreed
 
     def _write_piece_behind(self, final: Path, snapshot: tuple[dict, dict[str, Any], set[str]], nonce: int) -> None:
         """Start writing this rank's optimizer piece into committed checkpoint `final` on the background
@@ -255,7 +319,7 @@ def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
         kind, (first, second, _) = link.next_command()
         match kind:
             case Command.STOP:
-                trainer.wait_for_writes()
+                trainer.leave()
                 return
             case Command.BUILD:
                 trainer.build(init_policy if first < 0 else checkpoint_at(root, first).master_dir, step=first)

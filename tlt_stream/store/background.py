@@ -47,6 +47,8 @@ class BackgroundWriter:
         self._target: Path | None = None
         self.last: WriteReport | None = None
         """The newest finished write."""
+        self.last_failure: WriteReport | None = None
+        """The newest failed write (kept when later writes succeed: a sharded learner reports it to rank 0)."""
         self.failures = 0
 
     @property
@@ -89,8 +91,9 @@ class BackgroundWriter:
             else:
                 write(target)
         except Exception as exc:  # a thread's exception would vanish: the checkpoint just lacks this state
-            self.failures += 1
-            self.last = WriteReport(target, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+            report = WriteReport(target, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+            self.last = self.last_failure = report
+            self.failures += 1  # after the report it counts: a reader that sees the count sees its report
             log.error("background write of %s failed (%s); a resume uses an older complete one", target, exc)
             return
         self.last = WriteReport(target, time.perf_counter() - started)

@@ -6,8 +6,9 @@ reads it, and falls back past a damaged one (set aside as `corrupt-step-*`, and 
 samples are still pending, so that update is trained again); with no checkpoint at all it makes version 0
 from the initial policy. A save goes through the `Trainer` (`rl/sharded.py`: one process, or rank 0 of a
 sharded learner) and returns once the weights, the RNG and the ledger are durable; the optimizer state
-follows in the background, and how that write went is reported in the next update's metrics. Workers are
-told of each version with its location in the store and the sha256 they check it against.
+follows in the background, and how that write went (every rank's, as rank 0 hears it) is reported in the
+next update's metrics. Workers are told of each version with its location in the store and the sha256 they
+check it against.
 """
 
 from __future__ import annotations
@@ -164,12 +165,10 @@ class Checkpointing:
         return message
 
     def _optimizer_write_figures(self) -> dict[str, float]:
-        """The newest finished background optimizer write (its seconds, failures so far) and, once after a
-        resume that took older optimizer moments, the step they came from."""
-        writes = self.trainer.optimizer_writes
-        out = {"optimizer_write_failures": float(writes.failures)}
-        if writes.last is not None:
-            out["optimizer_write_seconds"] = writes.last.seconds
+        """The background optimizer writes (`Trainer.write_figures`: the newest one's seconds, the failures of
+        every rank, the newest failure's rank and step) and, once after a resume that took older optimizer
+        moments, the step they came from."""
+        out = self.trainer.write_figures()
         out.update(self._resume_note)
         self._resume_note = {}
         return out
