@@ -69,3 +69,21 @@ def test_a_published_table_is_exploited_and_a_new_drafter_is_noted(init_policy: 
 def test_an_engine_without_a_proposer_is_refused(init_policy: Path) -> None:
     with pytest.raises(ValueError, match="proposer"):
         AdaptiveSd(GenerationEngine(load_model(init_policy), 2, 32))
+
+
+@pytest.mark.parametrize("above", ["measure", "plain"])
+def test_above_the_crossover_an_arm_measured_faster_than_plain_runs_unless_told_plain(
+    init_policy: Path, above: str
+) -> None:
+    model = load_model(init_policy)
+    engine = GenerationEngine(model, 4, 96, proposer=EagleProposer(Drafter(model.spec).bind(model)))
+    settings = AdaptiveSettings(crossover=2, margin=0, epsilon=0.0, above_crossover=above)  # on at batch 1 only
+    adaptive = AdaptiveSd(engine, settings)
+    faster = Arm.from_label("d2k1v2")
+    for batch in (2, 3, 4):  # measured where the switch is off: d2k1v2 beat plain there, often enough
+        adaptive.tuner.record(batch, Arm.plain(), 100, 1.0)
+        for _ in range(adaptive.tuner.confirm):
+            adaptive.tuner.record(batch, faster, 300, 1.0)
+    drain(adaptive, [[5, 9, 12]] * 4, [16, 16, 16, 16])
+    wide = {label for (bucket, label), steps in adaptive.log.chosen.items() if bucket >= 1 and steps}
+    assert wide == ({"d2k1v2"} if above == "measure" else {"plain"}), adaptive.log.chosen

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.stats import chi2_threshold, chi_square
 from tlt_stream.messages import SdArmReport
 from tlt_stream.rollout.tuner import (
     DEFAULT_ARMS,
@@ -287,6 +288,62 @@ def test_exploration_frequency_is_epsilon(seed: int, epsilon: float, n_arms: int
     assert abs(explored - epsilon * n) <= 4.5 * sigma + 1
     if epsilon > 0.2:
         assert set(picks) == set(arms)  # exploration reaches every arm
+
+
+def test_exploration_draws_arms_by_how_close_they_measured_to_the_best() -> None:
+    """The odds stated in SdTuner's docstring, computed here from the recorded rates, not by the tuner:
+    weight = max(floor, (rate / best) ** power), rate = max(median, latest). Chi-square at 1e-4."""
+    tuner = SdTuner(POOL, epsilon=1.0, window=5, drafter_version=0)  # explores on every step
+    measured = {PLAIN: [100.0] * 5, NGRAM: [90.0] * 5, D2: [70.0] * 5, D4: [50.0] * 5, TREE: [20.0] * 5}
+    measured[POOL[5]] = [20.0] * 4 + [95.0]  # improved: its latest measurement counts, not its median
+    for arm, rates in measured.items():
+        for rate in rates:
+            tuner.record(64, arm, int(rate * 10), 10.0)
+    assert tuner.greedy(64) == PLAIN
+    others = [arm for arm in POOL if arm != PLAIN]
+    weights = {arm: max(0.1, (max(sorted(r)[2], r[-1]) / 100.0) ** 4) for arm, r in measured.items() if arm != PLAIN}
+    total = sum(weights.values())
+    rng, n = random.Random(11), 6000
+    picks = Counter(tuner.choose(64, rng) for _ in range(n))
+    assert PLAIN not in picks
+    stat, df = chi_square(picks, {arm: weights[arm] / total for arm in others}, n)
+    assert stat < chi2_threshold(df), (stat, df, picks)
+    assert picks[TREE] < picks[D2] < picks[NGRAM], "an arm at a fifth of the best is drawn least"
+
+
+def test_where_sd_is_not_expected_plain_runs_until_an_explored_arm_is_confirmed_faster() -> None:
+    tuner = SdTuner([PLAIN, D2, D4, TREE], epsilon=0.0, window=8, confirm=3, drafter_version=0)
+    rng = random.Random(0)
+    assert [tuner.choose(64, rng, expect_sd=False) for _ in range(5)] == [PLAIN] * 5, "untried arms wait"
+    tuner.record(64, PLAIN, 100, 1.0)
+    tuner.record(64, D4, 300, 1.0)
+    tuner.record(64, D4, 300, 1.0)
+    assert tuner.greedy(64, expect_sd=False) == PLAIN, "two good measurements are not yet confirmed"
+    assert tuner.greedy(64) == D2, "where SD is expected, untried arms come first"
+    tuner.record(64, D4, 300, 1.0)
+    assert tuner.greedy(64, expect_sd=False) == D4
+    for _ in range(8):
+        tuner.record(64, D4, 50, 1.0)  # it got slower than plain
+    assert tuner.greedy(64, expect_sd=False) == PLAIN
+    assert tuner.greedy(1, expect_sd=False) == PLAIN, "another bucket: nothing measured, the baseline"
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), noise=st.floats(0.0, 0.1), ranking=ranked_arms())
+def test_where_sd_is_not_expected_exploring_finds_an_arm_that_beats_plain(
+    seed: int, noise: float, ranking: tuple[list[Arm], dict[Arm, float]]
+) -> None:
+    arms, rates = ranking
+    tuner = SdTuner(arms, epsilon=0.1, window=9, drafter_version=0)
+    rng, env = random.Random(seed), random.Random(seed + 1)
+    picks = []
+    for _ in range(1500):
+        arm = tuner.choose(64, rng, expect_sd=False)
+        tuner.record(64, arm, 64, 64 / (rates[arm] * math.exp(env.gauss(0.0, noise))))
+        picks.append(arm)
+    best = max(rates, key=rates.__getitem__)
+    assert tuner.greedy(64, expect_sd=False) == best
+    assert Counter(picks[-500:])[best] / 500 >= 1 - 0.1 - 0.08
 
 
 def test_choices_are_deterministic_given_the_seed() -> None:

@@ -413,6 +413,13 @@ class SdConfig(_Section, frozen=True):
     on_new_drafter: Annotated[
         Literal["reset", "decay"], _doc("What a new drafter does to drafter arms' measurements: forget or decay.")
     ] = "decay"
+    above_crossover: Annotated[
+        Literal["measure", "plain"],
+        _doc(
+            "Batches above the crossover: plain unless exploring measured an arm faster there (measure), or "
+            "plain only (plain: no SD step at all above it)."
+        ),
+    ] = "measure"
     seed: Annotated[int, _doc("Seed of the tuner's exploration.")] = 0
 
 

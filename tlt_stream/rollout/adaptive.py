@@ -2,10 +2,12 @@
 
 TLT's second half (DESIGN section 7). `AdaptiveSd.step()` replaces `engine.step()`:
 
-1. the running batch size of the coming step picks SD on or off through `SdSwitch` (hysteresis around the
-   measured crossover: SD pays at small batches, costs at large ones);
-2. when on, `SdTuner` picks an arm for the batch-size bucket (epsilon-greedy on the median tokens/s of
-   each arm's recent steps; a published table of best arms is exploited first);
+1. the running batch size of the coming step sets `SdSwitch` on or off (hysteresis around the measured
+   crossover: SD pays at small batches, costs at large ones);
+2. `SdTuner` picks an arm for the batch-size bucket (epsilon-greedy on the median tokens/s of each arm's
+   recent steps; a published table of best arms is exploited first). Where the switch is on it tries every
+   arm; where it is off it runs plain decoding unless exploring found an arm that beats plain there
+   (`above_crossover = "measure"`, the default) or, with `"plain"`, always plain;
 3. the engine runs the step with that arm (`engine.arm`, switchable between any two steps without
    disturbing in-flight rows: SD is lossless either way), and the step's emitted tokens over its wall
    time (draft + verify) are recorded for the arm, except for steps that also prefilled new requests,
@@ -51,6 +53,8 @@ class AdaptiveSettings:
     """Candidate arm labels; those of another proposer kind than the engine's are left out."""
     edges: tuple[int, ...] = DEFAULT_EDGES
     on_new_drafter: Literal["reset", "decay"] = DEFAULTS.sd.on_new_drafter
+    above_crossover: Literal["measure", "plain"] = DEFAULTS.sd.above_crossover
+    """Where the switch is off: plain unless an explored arm measured faster (`measure`), or plain only."""
     seed: int = DEFAULTS.sd.seed
 
     @classmethod
@@ -64,6 +68,7 @@ class AdaptiveSettings:
             arms=sd.arms,
             edges=sd.edges,
             on_new_drafter=sd.on_new_drafter,
+            above_crossover=sd.above_crossover,
             seed=sd.seed,
         )
 
@@ -119,7 +124,10 @@ class AdaptiveSd:
         on = self.switch.update(batch)
         if self.switch.changed:
             self.log.switches.append((time.time(), batch, on))
-        arm = self.tuner.choose(batch, self.rng) if on else Arm.plain()
+        if on or self.settings.above_crossover == "measure":
+            arm = self.tuner.choose(batch, self.rng, expect_sd=on)
+        else:
+            arm = Arm.plain()
         engine.arm = None if arm.kind == "plain" else arm
         self.arm = arm
         waiting, tokens = scheduler.num_waiting, engine.tokens_generated

@@ -8,7 +8,9 @@ it is large (docs/benchmarks.md: on this CPU it loses at every batch from 16 up)
 - `SdTuner` picks an `Arm` per batch-size bucket by epsilon-greedy on the median of a sliding window of
   reward = accepted tokens per second of wall time (draft + verify). Plain decoding and n-gram lookup are
   arms too, so the same measurements choose the fallback before a drafter exists or when its drafts stop
-  being accepted;
+  being accepted. The switch is its prior, not a wall: where it is off, plain decoding runs unless an arm
+  has been measured to beat it there (found by exploring), so a crossover measured on another workload or
+  an older engine costs exploration, not the speed-up; exploration favours arms measured near the best;
 - `aggregate_reports` merges several workers' measurements into the table the policy service publishes;
   workers exploit that table and keep exploring with probability epsilon.
 
@@ -215,6 +217,17 @@ class SdTuner:
     untried ones first, so non-greedy picks happen at rate epsilon. While a bucket without a table entry
     still has untried arms, it tries them in order without exploring.
 
+    Where SD is not expected to pay (`expect_sd=False`: the switch is off, the batch is wide), the exploit
+    arm is the baseline (plain, else the first non-drafter arm) unless another arm has at least `confirm`
+    measurements there and a higher median, and untried arms wait for exploration instead of being tried
+    first.
+
+    Exploration draws untried arms first, then each other arm with weight max(`explore_floor`,
+    (rate / best rate) ** `explore_power`), rate being the higher of its median and its latest measurement:
+    an arm measured at half the best is drawn ~16x less often than one near it (exploration costs less in
+    buckets where some arms lose badly), and one good measurement of an arm that improved raises its weight
+    at once, so its window refills quickly. Every arm keeps a weight of at least `explore_floor`.
+
     Drafter arms are eligible only once a drafter exists (`drafter_version >= 0`); at least one plain or
     n-gram arm is required, so there is always a choice. A new drafter (`on_new_drafter`) resets or
     decays the drafter arms' windows; plain and n-gram measurements stay.
@@ -229,6 +242,9 @@ class SdTuner:
         window: int = 16,
         drafter_version: int = -1,
         decay_keep: float = 0.25,
+        confirm: int = 3,
+        explore_power: float = 4.0,
+        explore_floor: float = 0.1,
     ) -> None:
         if len(set(arms)) != len(arms) or not arms:
             raise ValueError(f"arms must be non-empty and distinct, got {[a.label for a in arms]}")
@@ -240,11 +256,19 @@ class SdTuner:
             raise ValueError(f"window must be >= 1, got {window}")
         if not 0 < decay_keep <= 1:
             raise ValueError(f"decay_keep must be in (0, 1], got {decay_keep}")
+        if confirm < 1 or explore_power < 0 or not 0 < explore_floor <= 1:
+            raise ValueError(
+                f"need confirm >= 1, explore_power >= 0 and explore_floor in (0, 1], got {confirm}, "
+                f"{explore_power}, {explore_floor}"
+            )
         self.arms = tuple(arms)
         self.edges = _check_edges(edges)
         self.epsilon = epsilon
         self.window = window
         self.decay_keep = decay_keep
+        self.confirm = min(confirm, window)
+        self.explore_power = explore_power
+        self.explore_floor = explore_floor
         self._drafter_version = drafter_version
         self._trusted_drafter = -1  # tables measured before this drafter version are refused (after a reset)
         self._windows: dict[tuple[int, Arm], deque[float]] = {}
@@ -277,21 +301,32 @@ class SdTuner:
         bucket = self.bucket(batch_size)
         return {arm: statistics.median(w) for arm in self.arms if (w := self._windows.get((bucket, arm)))}
 
-    def greedy(self, batch_size: int) -> Arm:
+    def greedy(self, batch_size: int, *, expect_sd: bool = True) -> Arm:
         """What `choose` returns when it does not explore."""
-        return self._greedy(self.bucket(batch_size), self.eligible_arms())
+        return self._greedy(self.bucket(batch_size), self.eligible_arms(), expect_sd)
 
-    def choose(self, batch_size: int, rng: random.Random) -> Arm:
+    def choose(self, batch_size: int, rng: random.Random, *, expect_sd: bool = True) -> Arm:
+        """The arm for a step at this batch size; `expect_sd=False` where the switch says SD should not pay."""
         bucket = self.bucket(batch_size)
         arms = self.eligible_arms()
-        greedy = self._greedy(bucket, arms)
-        if self._table_arm(bucket, arms) is None and not self._tried(bucket, greedy):
+        greedy = self._greedy(bucket, arms, expect_sd)
+        if expect_sd and self._table_arm(bucket, arms) is None and not self._tried(bucket, greedy):
             return greedy
         others = [arm for arm in arms if arm != greedy]
         if others and rng.random() < self.epsilon:
-            untried = [arm for arm in others if not self._tried(bucket, arm)]
-            return rng.choice(untried or others)
+            return self._explore(bucket, others, rng)
         return greedy
+
+    def explore_weights(self, batch_size: int, arms: Sequence[Arm]) -> list[float]:
+        """Relative odds of each of `arms` when the tuner explores (untried arms are drawn before these)."""
+        return self._explore_weights(self.bucket(batch_size), arms)
+
+    def _explore_weights(self, bucket: int, arms: Sequence[Arm]) -> list[float]:
+        rates = {arm: self._rate(bucket, arm) for arm in self.arms if self._tried(bucket, arm)}
+        best = max(rates.values(), default=0.0)
+        if best <= 0:
+            return [1.0] * len(arms)
+        return [max(self.explore_floor, (rates.get(arm, best) / best) ** self.explore_power) for arm in arms]
 
     def record(self, batch_size: int, arm: Arm, tokens: int, seconds: float) -> None:
         """One measurement: `tokens` accepted (bonus tokens included) in `seconds` of draft + verify."""
@@ -345,15 +380,37 @@ class SdTuner:
     def _tried(self, bucket: int, arm: Arm) -> bool:
         return bool(self._windows.get((bucket, arm)))
 
+    def _rate(self, bucket: int, arm: Arm) -> float:
+        window = self._windows[bucket, arm]
+        return max(statistics.median(window), window[-1])
+
+    def _explore(self, bucket: int, others: list[Arm], rng: random.Random) -> Arm:
+        untried = [arm for arm in others if not self._tried(bucket, arm)]
+        if untried:
+            return rng.choice(untried)
+        return rng.choices(others, self._explore_weights(bucket, others))[0]
+
     def _table_arm(self, bucket: int, eligible: list[Arm]) -> Arm | None:
         if self._table is None:
             return None
         arm = self._table.best.get(bucket)
         return arm if arm in eligible else None
 
-    def _greedy(self, bucket: int, eligible: list[Arm]) -> Arm:
+    def _greedy(self, bucket: int, eligible: list[Arm], expect_sd: bool = True) -> Arm:
         if (arm := self._table_arm(bucket, eligible)) is not None:
             return arm
+        if not expect_sd:
+            base = next((arm for arm in eligible if arm.kind == "plain"), None) or next(
+                arm for arm in eligible if not arm.uses_drafter
+            )
+            if not self._tried(bucket, base):
+                return base
+            confirmed = [
+                (arm, statistics.median(w))
+                for arm in (base, *(a for a in eligible if a != base))
+                if (w := self._windows.get((bucket, arm))) and (arm == base or len(w) >= self.confirm)
+            ]
+            return max(confirmed, key=lambda pair: pair[1])[0]
         medians: list[tuple[Arm, float]] = []
         for arm in eligible:
             window = self._windows.get((bucket, arm))
