@@ -46,9 +46,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FIXED = ("d4k1v4", "d6k1v6", "group-d8v8", "group-d12v16", "d4k2v8+g8", "d6k2v6+g12")
-"""EAGLE chains, group-only trees, merged trees (all but the last are among the tuner's default arms; the
-last is `bench/sd_speedup.py`'s merged arm)."""
+FIXED = ("d4k1v4", "d6k1v6", "group-d8v8", "group-d12v16", "d4k2v8+g8", "d6k1v6|g12")
+"""EAGLE chains, group-only trees, a merged tree, and per row the group's or EAGLE's chain (all among the
+tuner's default arms). `d6k2v6+g12`, `bench/sd_speedup.py`'s merged arm, lost everywhere in the runs of
+2026-12-02 and 12-03 (docs/benchmarks.md) and made way for `d6k1v6|g12`."""
 FIXED_QUICK = ("d4k1v4", "group-d12v16", "d4k2v8+g8")
 UPKEEP = "plain+sources"
 """No SD on the SD strategies' engine: its draft sources observe every step and never draft (their upkeep,

@@ -208,6 +208,7 @@ def group_sources(torch, policy, drafter, prompts: list[list[int]], tokenizer, r
         "group": Arm.group_source(12, 12),
         "group_tree": Arm.group_source(8, 20),
         "mixed": Arm.mixed(e.depth, max(2, e.topk), max(e.verify, 4), 12),
+        "either": Arm.either(e.depth, 12),
     }
     out: dict[str, Any] = {}
     for workload, sibling_t in (("natural", 1.0), ("differ", 1.6)):
@@ -233,6 +234,7 @@ def group_sources(torch, policy, drafter, prompts: list[list[int]], tokenizer, r
                         "group": group,
                         "group_tree": group,
                         "mixed": MixedProposer(EagleProposer(drafter), group),
+                        "either": MixedProposer(EagleProposer(drafter), group),
                     }[name]
                     engine = GenerationEngine(policy, 1, max_len, proposer=proposer, arm=arm, max_draft_nodes=32)
                     wall, (result,) = timed(engine.generate, [prompt], n, args.temperature, seed=rep, eos_ids=eos)

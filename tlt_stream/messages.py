@@ -337,12 +337,12 @@ class SdArmReport(_Entry, tag="sd_arm"):
     verify: NonNegInt
     tokens: NonNegInt
     seconds: Annotated[float, Meta(ge=0)]
-    proposer: Literal["plain", "ngram", "drafter", "group", "mixed"] = "drafter"
-    """What drafted: no SD (depth 0), prompt lookup, the trained drafter, the group/history source, or the
-    drafter and the group source in one tree."""
+    proposer: Literal["plain", "ngram", "drafter", "group", "mixed", "either"] = "drafter"
+    """What drafted: no SD (depth 0), prompt lookup, the trained drafter, the group/history source, the
+    drafter and the group source in one tree, or either one's chain per row."""
     steps: NonNegInt = 0
     group: NonNegInt = 0
-    """Group-source nodes beside the drafter's (proposer mixed)."""
+    """Group-source nodes beside the drafter's (proposer mixed) or instead of them (either)."""
 
 
 class LearnerStats(_Entry, tag="learner"):
@@ -447,7 +447,7 @@ class SdArmChoice(Struct, frozen=True, forbid_unknown_fields=True):
     topk: NonNegInt
     verify: NonNegInt
     enabled: bool = True
-    proposer: Literal["plain", "ngram", "drafter", "group", "mixed"] = "drafter"
+    proposer: Literal["plain", "ngram", "drafter", "group", "mixed", "either"] = "drafter"
     group: NonNegInt = 0
 
 

@@ -39,7 +39,8 @@ def test_switching_sd_and_arms_mid_sequence_keeps_greedy_output_identical(init_p
         proposer = MixedProposer(eagle, GroupProposer()) if kind == "mixed" else eagle
     engine = GenerationEngine(model, 6, 96, proposer=proposer)
     # On at batch <= 3, off above 4: the drain crosses it; epsilon 0.5 makes arms change from step to step.
-    arms = ("plain", "d2k1v2", "group-d8v8", "d4k2v8+g8") if kind == "mixed" else AdaptiveSettings().arms
+    mixed_arms = ("plain", "d2k1v2", "group-d8v8", "d4k2v8+g8", "d2k1v2|g6")
+    arms = mixed_arms if kind == "mixed" else AdaptiveSettings().arms
     adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.5, seed=1, arms=arms))
     done = drain(adaptive, prompts, lengths)
     assert [done[i] for i in range(6)] == [r.token_ids[:n] for r, n in zip(plain, lengths, strict=True)]
@@ -49,6 +50,7 @@ def test_switching_sd_and_arms_mid_sequence_keeps_greedy_output_identical(init_p
     assert all(label == "plain" or label.startswith("ngram") == (kind == "ngram") for label in labels)
     if kind == "mixed":  # the drafter's, the group's and merged arms all ran, and switching between them
         assert any(label.startswith("group") for label in labels) and any("+g" in label for label in labels)
+        assert any("|g" in label for label in labels)
     reports = adaptive.drain_reports()
     assert reports and all(r.tokens > 0 and r.seconds > 0 for r in reports)
     assert adaptive.drain_reports() == [], "reports are handed out once"

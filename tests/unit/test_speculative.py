@@ -280,7 +280,18 @@ def exact_joint(hf, prompt: list[int], length: int, temperature: float) -> dict[
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode",
-    ["eagle-chain", "eagle-tree", "ngram", "self-chain", "self-tree", "group-good", "group-adversarial", "mixed"],
+    [
+        "eagle-chain",
+        "eagle-tree",
+        "ngram",
+        "self-chain",
+        "self-tree",
+        "group-good",
+        "group-adversarial",
+        "mixed",
+        "either",
+        "either-adversarial",
+    ],
 )
 def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: str) -> None:
     hf, model = tiny
@@ -298,6 +309,15 @@ def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: 
         torch.manual_seed(0)
         proposer = MixedProposer(EagleProposer(Drafter(model.spec).bind(model)), GroupProposer())
         arm = Arm.mixed(2, 2, 3, group_nodes=3)
+    elif mode.startswith("either"):  # EAGLE's sampled chains (with q) and group chains (point masses) in a batch
+        torch.manual_seed(0)
+        group = GroupProposer(strong_match=2)
+        if mode == "either-adversarial":
+            worst = min(expected, key=expected.__getitem__)
+            for _ in range(50):
+                group.remember(prompt, list(worst))
+        proposer = MixedProposer(EagleProposer(Drafter(model.spec).bind(model)), group)
+        arm = Arm.either(3, 3)
     elif mode.startswith("self"):
         proposer = SelfProposer(hf, prompt[0], temperature)
         arm = Arm.drafter(1, 1, 1) if mode == "self-chain" else Arm.drafter(2, 3, 6)
@@ -312,9 +332,11 @@ def test_sampled_speculative_output_follows_the_target_distribution(tiny, mode: 
     assert engine.rounds > 0 and any(len(r.accept_lengths) for r in results)
     if mode == "self-chain":  # q = p: the draft is always accepted and the bonus token follows
         assert all(r.accept_lengths == [2] for r in results)
-    if mode.startswith("group") or mode == "mixed":
+    if mode.startswith(("group", "mixed", "either")):
         assert engine.drafted_by["group"] > 0 and engine.accepted_by["group"] > 0, dict(engine.accepted_by)
-    if mode == "group-adversarial":
+    if mode.startswith("either"):
+        assert engine.drafted_by["eagle"] > 0, "rows took EAGLE's chain where the group's match was weak"
+    if mode.endswith("adversarial"):
         assert engine.accepted_by["group"] < 0.5 * engine.drafted_by["group"], "bad drafts are mostly refused"
     # Merge cells expected below 5 into one, then a chi-square test at a 1e-4 false-alarm rate.
     stat, df, rest_e, rest_o = 0.0, -1, 0.0, 0
@@ -382,7 +404,7 @@ def test_a_stop_string_ends_a_response_at_the_token_completing_it_with_and_witho
         assert len(result.logprobs) == len(tokens)
 
 
-@pytest.mark.parametrize("kind", ["group", "mixed"])
+@pytest.mark.parametrize("kind", ["group", "mixed", "either"])
 def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they_disagree(models, kind: str) -> None:
     """Siblings (each prompt three times, mixed lengths), history that agrees for a while and then diverges,
     history of noise, and early EOS: greedy output is transformers' token for token, logprobs the target's."""
@@ -390,7 +412,7 @@ def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they
     ps = prompts()
     reference = {tuple(p): hf_greedy(hf, p, 24) for p in ps}
     assert any(len(r) < 24 for r in reference.values()), "some rows stop early on EOS"
-    group = GroupProposer(max_match=6)
+    group = GroupProposer(max_match=6, strong_match=3)
     g = torch.Generator().manual_seed(5)
     for p, ref in reference.items():
         cut = len(ref) // 2
@@ -398,8 +420,10 @@ def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they
         group.remember(p, torch.randint(0, VOCAB, (20,), generator=g).tolist())  # noise
     if kind == "group":
         engine = GenerationEngine(model, 8, 64, proposer=group, arm=Arm.group_source(6, 8))
-    else:
+    elif kind == "mixed":
         engine = GenerationEngine(model, 8, 64, proposer=MixedProposer(eagle(model), group), arm=Arm.mixed(3, 2, 4, 6))
+    else:  # per row and round: the group's chain where the match is strong, else EAGLE's
+        engine = GenerationEngine(model, 8, 64, proposer=MixedProposer(eagle(model), group), arm=Arm.either(3, 6))
     siblings = [p for p in ps for _ in range(3)]
     results = engine.generate(siblings, 24, eos_ids=[EOS])
     plain = GenerationEngine(model, 8, 64).generate(siblings, 24, eos_ids=[EOS])
@@ -409,7 +433,7 @@ def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they
         assert max(abs(a - b) for a, b in zip(spec.logprobs, ref.logprobs, strict=True)) < 1e-4
     assert engine.accepted_by["group"] > 0, "history and siblings drafted accepted tokens"
     assert engine.drafted_by["group"] > engine.accepted_by["group"], "and some drafts were wrong"
-    if kind == "mixed":
+    if kind in ("mixed", "either"):
         assert engine.drafted_by["eagle"] > 0
 
 

@@ -1,4 +1,5 @@
-"""The suffix automaton against brute force on random documents (hypothesis): counts, memory, matches, drafts."""
+"""The suffix automaton against brute force on random documents (hypothesis): counts, memory, matches, drafts,
+chains."""
 
 from __future__ import annotations
 
@@ -65,10 +66,18 @@ def test_counts_memory_match_and_draft_agree_with_brute_force(ops, context, rebu
     assert length == (lengths[0] if lengths else 0), "the longest suffix that something followed"
     tokens, parents, matched = index.draft(context, depth=3, budget=5, max_match=4)
     assert matched == length
+    chain, chain_matched = index.chain(context, length=4, max_match=4)
+    assert chain_matched == length
     if not length:
-        assert tokens == [] and parents == []
+        assert tokens == [] and parents == [] and chain == []
         return
     suffix = tuple(context[-length:])
+    walked: tuple[int, ...] = ()
+    for token in chain:
+        seen = continuations(suffix + walked)
+        assert seen[token] == max(seen.values()), "a chain takes the most frequent continuation at each step"
+        walked += (token,)
+    assert len(chain) == 4 or not continuations(suffix + walked), "it stops at its length or where nothing followed"
     paths: dict[int, tuple[int, ...]] = {0: ()}
     for i, (token, parent) in enumerate(zip(tokens, parents, strict=True), start=1):
         assert 0 <= parent < i

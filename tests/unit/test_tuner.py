@@ -99,6 +99,9 @@ def test_arm_labels_round_trip(depth: int, topk: int, data: st.DataObject) -> No
     assert Arm.drafter(depth, topk, verify).label == f"d{depth}k{topk}v{verify}"
     assert Arm.mixed(depth, topk, verify, group).label == f"d{depth}k{topk}v{verify}+g{group}"
     assert Arm.mixed(depth, topk, verify, group).nodes == verify + group
+    either = Arm.either(depth, group)
+    assert Arm.from_label(either.label) == either and either.label == f"d{depth}k1v{depth}|g{group}"
+    assert either.nodes == max(depth, group) and either.uses_drafter
 
 
 def test_arms_reject_impossible_configurations() -> None:

@@ -46,7 +46,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 MQTT_SCHEMES = ("mqtt", "mqtts")
 ARM_LABEL = (
     r"^(plain|ngram-d[1-9][0-9]*|group-d[1-9][0-9]*v[1-9][0-9]*"
-    r"|d[1-9][0-9]*k[1-9][0-9]*v[1-9][0-9]*(\+g[1-9][0-9]*)?)$"
+    r"|d[1-9][0-9]*k[1-9][0-9]*v[1-9][0-9]*(\+g[1-9][0-9]*)?|d[1-9][0-9]*k1v[1-9][0-9]*\|g[1-9][0-9]*)$"
 )
 
 
@@ -372,8 +372,9 @@ class SdConfig(_Section, frozen=True):
         _doc(
             "Draft also from the prompt's own responses: the group's running and finished siblings, earlier "
             "steps' responses to it and the row's own context (a suffix automaton per prompt, no model). With a "
-            "drafter: group arms (group-d<depth>v<nodes>) and EAGLE + group merged in one tree (d4k2v8+g8) "
-            "beside the drafter's; with ngram, group arms replace prompt lookup (they include it)."
+            "drafter: group arms (group-d<depth>v<nodes>), EAGLE + group merged in one tree (d4k2v8+g8) and "
+            "per row the group's chain where it matches >= 4 tokens, else EAGLE's (d6k1v6|g12), beside the "
+            "drafter's; with ngram, group arms replace prompt lookup (they include it)."
         ),
     ] = False
     collapse_min_drafted: Annotated[
@@ -406,6 +407,7 @@ class SdConfig(_Section, frozen=True):
         "group-d8v8",
         "group-d12v16",
         "d4k2v8+g8",
+        "d6k1v6|g12",
     )
     edges: Annotated[
         tuple[int, ...], _doc("Upper edges of the tuner's batch-size buckets (one arm is chosen per bucket).")

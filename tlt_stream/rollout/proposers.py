@@ -395,10 +395,15 @@ class GroupProposer:
         min_prob: float = 0.0,
         max_nodes: int = 500_000,
         max_docs: int = 64,
+        strong_match: int = 4,
     ) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        if strong_match < 1:
+            raise ValueError(f"strong_match must be >= 1, got {strong_match}")
         self.max_match, self.min_match, self.min_prob = max_match, min_match, min_prob
+        self.strong_match = strong_match
+        """Match length (tokens) from which an `either` arm takes the group's chain instead of the drafter's."""
         self.max_nodes, self.max_docs = max_nodes, max_docs
         self.indexes: OrderedDict[tuple[int, ...], SuffixAutomaton] = OrderedDict()
         self.kinds = frozenset({"group"})
@@ -487,6 +492,15 @@ class GroupProposer:
             out.append((tokens, parents))
         return out
 
+    def chains(self, batch: int, length: int) -> list[tuple[list[int], int]]:
+        """(most frequent continuation of at most `length` tokens, match length) per running row."""
+        return [
+            self._rows[slot].index.chain(
+                self._rows[slot].history, length=length, max_match=self.max_match, min_match=self.min_match
+            )
+            for slot in range(batch)
+        ]
+
     def propose(
         self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal:
@@ -497,11 +511,12 @@ class GroupProposer:
 class MixedProposer:
     """EAGLE and the group source side by side: `drafter` arms draft with EAGLE, `group` arms with the group
     source, `mixed` arms merge EAGLE's top-k tree (point masses: its sampled chain's q is given up) and the
-    group's tree into one, a token proposed by both under one node kept once, verified in one forward."""
+    group's tree into one, a token proposed by both under one node kept once, verified in one forward;
+    `either` arms give each row one source's chain (`_either`)."""
 
     def __init__(self, eagle: EagleProposer, group: GroupProposer) -> None:
         self.eagle, self.group = eagle, group
-        self.kinds = frozenset({"drafter", "group", "mixed"})
+        self.kinds = frozenset({"drafter", "group", "mixed", "either"})
 
     @property
     def drafter(self) -> Drafter:
@@ -534,8 +549,10 @@ class MixedProposer:
             return self.group.propose(batch, arm, temperatures, generators)
         if arm.kind == "drafter":
             return self.eagle.propose(batch, arm, temperatures, generators)
+        if arm.kind == "either":
+            return self._either(batch, arm, temperatures, generators)
         if arm.kind != "mixed":
-            raise ValueError(f"MixedProposer drafts drafter, group and mixed arms, not {arm.label}")
+            raise ValueError(f"MixedProposer drafts drafter, group, mixed and either arms, not {arm.label}")
         eagle = self.eagle.propose_tree(batch, Arm.drafter(arm.depth, arm.topk, arm.verify), temperatures)
         groups = self.group.drafts(batch, arm.group_nodes, arm.group_nodes)
         e_tokens, e_parents = eagle.tokens.tolist(), eagle.parents.tolist()
@@ -551,6 +568,45 @@ class MixedProposer:
             sources.append(bits)
         return pad_trees(rows, sources)
 
+
+    def _either(
+        self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> Proposal:
+        """Per row, the group's chain where its match is strong, else EAGLE's chain. Where every row takes the
+        group's, EAGLE does not draft (its pending pairs wait for its next round). A group row among EAGLE's
+        sampled chains carries q one-hot at its tokens (a point mass: accepted with probability p(x), residual
+        p without x), so one chain rule verifies both; which source a row takes depends on its committed
+        tokens only, never on what the target will sample, so the round stays lossless."""
+        chains = self.group.chains(batch, arm.group_nodes)
+        strong = [bool(tokens) and matched >= self.group.strong_match for tokens, matched in chains]
+        if all(strong):
+            rows = [tokens for tokens, _ in chains]
+            width = max(len(t) for t in rows)
+            tokens = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
+            lengths = torch.tensor([len(t) for t in rows])
+            return Proposal(DraftTree.chain(tokens, lengths), sources=_chain_sources(lengths, width, SOURCE_GROUP))
+        eagle = self.eagle.propose(batch, Arm.drafter(arm.depth, 1, arm.depth), temperatures, generators)
+        e_tokens = eagle.tree.tokens.cpu()  # [B, d]: EAGLE's top-1 drafts are a chain, level by level
+        d = e_tokens.shape[1]
+        rows = [chains[b][0] if strong[b] else e_tokens[b].tolist() for b in range(batch)]
+        width = max(len(t) for t in rows)
+        tokens = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in rows])
+        bits = torch.tensor([SOURCE_GROUP if s else SOURCE_EAGLE for s in strong], dtype=torch.uint8)
+        sources = _chain_sources(lengths, width, 1) * bits[:, None]
+        q = None
+        if eagle.q is not None:  # EAGLE sampled its chains: the others' q are point masses at their tokens
+            q = torch.nn.functional.one_hot(tokens, eagle.q.shape[-1]).to(eagle.q)
+            q = q.to(eagle.q.device)
+            for b in range(batch):
+                if not strong[b]:
+                    q[b, :d] = eagle.q[b]
+        return Proposal(DraftTree.chain(tokens, lengths), q, sources)
+
+
+def _chain_sources(lengths: torch.Tensor, width: int, bit: int) -> torch.Tensor:
+    """`[B, width]` source bits of chains `lengths` long: `bit` on real nodes, 0 on padding."""
+    return ((torch.arange(width)[None, :] < lengths[:, None]) * bit).to(torch.uint8)
 
 def merge_trees(parts: list[tuple[list[int], list[int], int]]) -> tuple[list[int], list[int], list[int]]:
     """Trees of one row from several sources, (tokens, parents, source bit) each, as one tree: (tokens,

@@ -186,6 +186,27 @@ class SuffixAutomaton:
             return None, 0
         return state, matched
 
+    def chain(
+        self, context: Sequence[int], *, length: int, max_match: int = 12, min_match: int = 1
+    ) -> tuple[list[int], int]:
+        """The most frequent continuation after `context`, token by token, at most `length` tokens (ties: the
+        continuation seen first); (tokens, match length). Empty when nothing matches."""
+        state, matched = self.match(context, max_match, min_match)
+        tokens: list[int] = []
+        if state is None:
+            return tokens, 0
+        nxt, count = self._next, self._count
+        while len(tokens) < length:
+            best, best_state, best_count = -1, -1, 0
+            for token, t in nxt[state].items():
+                if count[t] > best_count:
+                    best, best_state, best_count = token, t, count[t]
+            if best_state < 0:
+                break
+            tokens.append(best)
+            state = best_state
+        return tokens, matched
+
     def draft(
         self,
         context: Sequence[int],
