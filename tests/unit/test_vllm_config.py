@@ -122,7 +122,14 @@ def test_plain_is_no_speculation_and_ngram_maps_to_prompt_lookup() -> None:
 
 @pytest.mark.parametrize(
     ("arm", "needle"),
-    [("d4k2v8", "no EAGLE tree drafting"), ("d6k4v16", "use a chain such as d6k1v6"), ("d4k1v2", "use d2k1v2")],
+    [
+        ("d4k2v8", "no EAGLE tree drafting"),
+        ("d6k4v16", "use a chain such as d6k1v6"),
+        ("d4k1v2", "use d2k1v2"),
+        ("group-d8v8", "no group/history draft source"),
+        ("d4k2v8+g8", "no group/history draft source"),
+        ("d6k1v6|g12", "no group/history draft source"),
+    ],
 )
 def test_arms_vllm_cannot_run_are_refused_with_what_to_use(arm: str, needle: str) -> None:
     assert needle in (expressible(arm) or "")

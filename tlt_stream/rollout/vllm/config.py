@@ -88,6 +88,8 @@ def as_arm(arm: Arm | str) -> Arm:
 def expressible(arm: Arm | str) -> str | None:
     """None when vLLM can run `arm`, else the reason it cannot (one line)."""
     a = as_arm(arm)
+    if a.kind in ("group", "mixed", "either"):
+        return f"arm {a.label}: vLLM has no group/history draft source (the torch engine's); use an EAGLE chain"
     if a.kind == "drafter" and a.topk > 1:
         return f"arm {a.label}: vLLM has no EAGLE tree drafting (top-k > 1); use a chain such as d{a.depth}k1v{a.depth}"
     if a.kind == "drafter" and a.verify != a.depth:
