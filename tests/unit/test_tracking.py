@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,38 @@ def test_the_learner_gives_wandb_its_configuration_without_secrets(tmp_path: Pat
     assert recorded["learner"]["lr"] == 3e-6, "the configuration is recorded with the run"
     assert recorded["bus"]["redis_url"] == "redis://:***@127.0.0.1:6379/0"
     assert b"hunter2" not in run_file.read_bytes(), "the password is not, anywhere"
+
+
+def test_closing_a_wandb_run_waits_until_its_file_holds_everything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`run.finish()` returns once W&B's service has answered the exit record, then tells it, unanswered, to
+    close the run's stream; the file's last block reaches the disk only then. Under load the service got to
+    that after the tests had read the file (missing steps, a missing configuration)."""
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    inform_finish = ServiceConnection.inform_finish
+
+    def starved(self: ServiceConnection, run_id: str) -> None:  # the service gets to it a second later
+        threading.Timer(1.0, inform_finish, (self, run_id)).start()
+
+    monkeypatch.setattr(ServiceConnection, "inform_finish", starved)
+    (tracker,) = open_trackers(["wandb"], tmp_path, run="late", config={"learner": {"lr": 1e-6}})
+    tracker.log(1, {"loss": -1.0})
+    tracker.close()
+    assert {s: h["loss"] for s, h in wandb_history(tmp_path).items()} == {1: -1.0}
+    assert wandb_config(tmp_path)["learner"] == {"lr": 1e-6}
+
+
+def test_a_wandb_file_that_never_gets_its_exit_record_is_a_clear_error(tmp_path: Path) -> None:
+    from tlt_stream.rl.tracking import _wait_for_exit_record, wandb_records
+
+    (tracker,) = open_trackers(["wandb"], tmp_path, run="whole", config={})
+    tracker.log(1, {"loss": -1.0})
+    tracker.close()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    torn = tmp_path / "torn.wandb"
+    torn.write_bytes(run_file.read_bytes()[:-3])  # the exit record's last bytes not written (yet)
+    assert wandb_records(torn) == wandb_records(run_file)[:-1], "a torn record is not read"
+    with pytest.raises(TimeoutError, match=r"torn\.wandb within 0\.2s .*no exit record"):
+        _wait_for_exit_record(torn, 0.2)

@@ -14,16 +14,29 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+import struct
+import time
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["TRACKERS", "MissingTracker", "Tracker", "open_trackers", "require_trackers", "scalars", "trackers_for"]
+__all__ = [
+    "TRACKERS",
+    "MissingTracker",
+    "Tracker",
+    "open_trackers",
+    "require_trackers",
+    "scalars",
+    "trackers_for",
+    "wandb_records",
+]
 
 log = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "wandb")
 INSTALL = "pip install 'tlt-stream[tracking]'"
+WANDB_FINISH_TIMEOUT = 60.0  # seconds for W&B's service to write a finished run's file (see WandbTracker.close)
 
 
 class MissingTracker(ValueError):
@@ -111,6 +124,7 @@ class WandbTracker:
             config=dict(config),
             settings=wandb.Settings(console="off", save_code=False, silent=True),
         )
+        self.run_file = Path(self.run.settings.sync_file)
 
     def log(self, version: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=version)
@@ -123,7 +137,80 @@ class WandbTracker:
         self.run.log({"samples": table}, step=version)
 
     def close(self) -> None:
+        """Finish the run and return once its `run-*.wandb` file holds everything logged.
+
+        `run.finish()` alone does not promise that: it waits for the service (wandb-core) to answer the exit
+        record, then only publishes "finish" for the stream, unanswered. The service keeps the log's current
+        32 KiB block in memory (offline, nothing else makes it flush) and writes it when it closes that
+        stream, later. The exit record is the last one the run writes, after the handler has flushed the
+        last step's history, so the file is whole once it holds the exit record."""
         self.run.finish()
+        if self.run_file.exists():  # none when W&B is disabled or could not open it (then wandb said why)
+            _wait_for_exit_record(self.run_file, WANDB_FINISH_TIMEOUT)
+
+
+# A run's `.wandb` file is a LevelDB-style log: a 7-byte header (":W&B", 2 magic bytes, a version), then 32 KiB
+# blocks of chunks, each crc32 (IEEE, of the type byte and the data) + length + type, a record split
+# FIRST/MIDDLE/LAST across blocks; a block's tail too short for a chunk header is zeros.
+_HEADER, _BLOCK, _CHUNK = 7, 32768, 7
+_FULL, _LAST = 1, 4
+
+
+def _records(data: bytes, base: int, pos: int) -> Iterator[tuple[bytes, int]]:
+    """(record, offset just past it) for each whole record of `data`, the file's bytes from offset `base`, from
+    offset `pos` (a record boundary at or after `base`), stopping at the first chunk that is not all there
+    yet or fails its crc (the writer's last block still in flight)."""
+    pending = b""
+    while True:
+        left = _BLOCK - pos % _BLOCK
+        if left < _CHUNK:
+            pos += left
+            continue
+        at = pos - base
+        if at + _CHUNK > len(data):
+            return
+        crc, length, kind = struct.unpack_from("<IHB", data, at)
+        end = at + _CHUNK + length
+        if end > len(data) or zlib.crc32(data[at + 6 : end]) != crc:
+            return
+        pending += data[at + _CHUNK : end]
+        pos = base + end
+        if kind in (_FULL, _LAST):
+            yield pending, pos
+            pending = b""
+
+
+def wandb_records(run_file: Path) -> list[Any]:
+    """The whole protobuf records (`wandb_internal_pb2.Record`) of a W&B `run-*.wandb` file, as it stands."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_file} is not a W&B run file")
+    return [pb.Record.FromString(record) for record, _ in _records(data, 0, _HEADER)]
+
+
+def _wait_for_exit_record(run_file: Path, timeout: float) -> None:
+    """Until `run_file` holds its exit record, reading on from the last whole record; TimeoutError after
+    `timeout` seconds. The service gives no acknowledgement to wait on instead (see `WandbTracker.close`)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    pos, pause = _HEADER, 0.005
+    with run_file.open("rb") as file:
+        while True:
+            file.seek(pos)
+            for record, end in _records(file.read(), pos, pos):
+                if pb.Record.FromString(record).WhichOneof("record_type") == "exit":
+                    return
+                pos = end
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"W&B's service did not finish writing {run_file} within {timeout:g}s of run.finish() "
+                    f"(no exit record after byte {pos}): wandb-core is stuck or gone, the run's last records are lost"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
 
 
 def _cell(value: object) -> str:
