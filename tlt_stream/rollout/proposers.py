@@ -568,7 +568,6 @@ class MixedProposer:
             sources.append(bits)
         return pad_trees(rows, sources)
 
-
     def _either(
         self, batch: int, arm: Arm, temperatures: torch.Tensor, generators: list[torch.Generator | None]
     ) -> Proposal:
@@ -607,6 +606,7 @@ class MixedProposer:
 def _chain_sources(lengths: torch.Tensor, width: int, bit: int) -> torch.Tensor:
     """`[B, width]` source bits of chains `lengths` long: `bit` on real nodes, 0 on padding."""
     return ((torch.arange(width)[None, :] < lengths[:, None]) * bit).to(torch.uint8)
+
 
 def merge_trees(parts: list[tuple[list[int], list[int], int]]) -> tuple[list[int], list[int], list[int]]:
     """Trees of one row from several sources, (tokens, parents, source bit) each, as one tree: (tokens,
