@@ -1,4 +1,4 @@
-"""The SD tuner: on/off hysteresis, buckets, epsilon-greedy on windowed medians, tables, drafter changes."""
+"""The SD tuner: on/off hysteresis, buckets, epsilon-greedy on windowed throughput, tables, drafter changes."""
 
 from __future__ import annotations
 
@@ -237,12 +237,12 @@ def test_converges_to_the_best_arm_and_again_after_a_shift(
     assert tuner.greedy(1) == worst
 
 
-def test_the_median_ignores_rare_spikes_a_mean_would_follow() -> None:
+def test_the_estimate_ignores_rare_fast_spikes_a_mean_of_rates_would_follow() -> None:
     env = random.Random(3)
 
     def rate(arm: Arm) -> float:
         if arm == D4:
-            return 1000.0 if env.random() < 0.2 else 50.0  # mean 240, median 50
+            return 1000.0 if env.random() < 0.2 else 50.0  # mean of rates 240, throughput ~61
         return 100.0
 
     tuner = SdTuner([PLAIN, D4], epsilon=0.2, window=15, drafter_version=0)
@@ -255,10 +255,41 @@ def test_the_window_forgets_old_measurements() -> None:
     tuner = SdTuner([PLAIN, D4], window=4, drafter_version=0)
     for seconds in (1.0, 1.0, 1.0, 1.0, 4.0, 4.0):
         tuner.record(1, D4, 400, seconds)
-    assert tuner.median(1, D4) == 250.0  # [400, 400, 100, 100]
+    assert tuner.rate(1, D4) == 160.0  # 1,600 tokens in 1 + 1 + 4 + 4 seconds
     tuner.record(1, D4, 400, 4.0)
     tuner.record(1, D4, 400, 4.0)
-    assert tuner.median(1, D4) == 100.0 and tuner.samples(1, D4) == 4  # the four 400s are gone
+    assert tuner.rate(1, D4) == 100.0 and tuner.samples(1, D4) == 4  # the four fast steps are gone
+
+
+def test_a_skewed_sd_arm_is_judged_by_its_throughput_not_its_typical_step() -> None:
+    """An SD step emits 1 token or a whole accepted chain in about the same time: per-step rates are skewed
+    (their median is the 1-token step's) while plain's are not. The arm with more tokens per second wins."""
+    env = random.Random(4)
+
+    def step(arm: Arm) -> tuple[int, float]:
+        if arm == D4:  # 1 token (60%) or 7 (40%) per 1.0 s: 3.4 tokens/s, median per-step rate 1
+            return (1 if env.random() < 0.6 else 7), 1.0 * math.exp(env.gauss(0.0, 0.05))
+        return 2, 1.0 * math.exp(env.gauss(0.0, 0.05))  # plain: 2 tokens/s, steady
+
+    tuner = SdTuner([PLAIN, D4], epsilon=0.1, drafter_version=0)
+    rng, picks = random.Random(2), []
+    for _ in range(600):
+        arm = tuner.choose(1, rng)
+        tokens, seconds = step(arm)
+        tuner.record(1, arm, tokens, seconds)
+        picks.append(arm)
+    # A window of 16 such steps estimates 3.4 +- 0.7 tokens/s, so plain leads now and then; mostly D4 runs
+    # (with the median of per-step rates it would run only when explored, ~5% of steps).
+    assert Counter(picks[-300:])[D4] >= 210
+
+
+def test_one_stalled_step_does_not_flip_the_choice() -> None:
+    tuner = SdTuner([PLAIN, D4], epsilon=0.0, drafter_version=0)
+    for _ in range(16):
+        tuner.record(1, PLAIN, 100, 1.0)
+        tuner.record(1, D4, 150, 1.0)
+    tuner.record(1, D4, 150, 60.0)  # a pause of a minute inside one step
+    assert tuner.greedy(1) == D4 and tuner.rate(1, D4) == 150.0
 
 
 def test_buckets_are_independent() -> None:
@@ -267,12 +298,12 @@ def test_buckets_are_independent() -> None:
     rng = random.Random(7)
     simulate(tuner, rng, 300, rates[1].__getitem__, batch=1)
     assert tuner.greedy(1) == D4
-    assert tuner.medians(32) == {} and tuner.greedy(32) == PLAIN  # untouched: first untried
+    assert tuner.rates(32) == {} and tuner.greedy(32) == PLAIN  # untouched: first untried
     assert [tuner.choose(20, rng) for _ in range(5)] == [PLAIN] * 5  # bucket of 17..32, untried
     simulate(tuner, rng, 300, rates[32].__getitem__, batch=32)
     assert tuner.greedy(32) == tuner.greedy(17) == PLAIN
-    assert tuner.greedy(1) == D4 and tuner.medians(1)[D4] == pytest.approx(300.0)
-    assert tuner.medians(2) == {}
+    assert tuner.greedy(1) == D4 and tuner.rates(1)[D4] == pytest.approx(300.0)
+    assert tuner.rates(2) == {}
 
 
 @settings(max_examples=30, deadline=None)
@@ -295,16 +326,18 @@ def test_exploration_frequency_is_epsilon(seed: int, epsilon: float, n_arms: int
 
 def test_exploration_draws_arms_by_how_close_they_measured_to_the_best() -> None:
     """The odds stated in SdTuner's docstring, computed here from the recorded rates, not by the tuner:
-    weight = max(floor, (rate / best) ** power), rate = max(median, latest). Chi-square at 1e-4."""
+    weight = max(floor, (rate / best) ** power), rate = max(pooled over the window, pooled over the latest 4
+    steps) (5 equal-time steps: one run). Chi-square at 1e-4."""
     tuner = SdTuner(POOL, epsilon=1.0, window=5, drafter_version=0)  # explores on every step
     measured = {PLAIN: [100.0] * 5, NGRAM: [90.0] * 5, D2: [70.0] * 5, D4: [50.0] * 5, TREE: [20.0] * 5}
-    measured[POOL[5]] = [20.0] * 4 + [95.0]  # improved: its latest measurement counts, not its median
+    measured[POOL[5]] = [20.0] * 4 + [95.0]  # improved: its latest steps count, not only the window
     for arm, rates in measured.items():
         for rate in rates:
             tuner.record(64, arm, int(rate * 10), 10.0)
     assert tuner.greedy(64) == PLAIN
     others = [arm for arm in POOL if arm != PLAIN]
-    weights = {arm: max(0.1, (max(sorted(r)[2], r[-1]) / 100.0) ** 4) for arm, r in measured.items() if arm != PLAIN}
+    pooled = {arm: max(sum(r) / len(r), sum(r[-4:]) / 4) for arm, r in measured.items()}  # equal seconds
+    weights = {arm: max(0.1, (pooled[arm] / 100.0) ** 4) for arm in measured if arm != PLAIN}
     total = sum(weights.values())
     rng, n = random.Random(11), 6000
     picks = Counter(tuner.choose(64, rng) for _ in range(n))
@@ -540,7 +573,7 @@ def test_a_new_drafter_resets_only_drafter_arm_statistics() -> None:
     tuner.adopt_table(SdTable(best={0: D4}, drafter_version=0))
     assert tuner.on_new_drafter(1, "reset")
     for batch in (1, 32):
-        assert tuner.medians(batch) == {PLAIN: 100.0, NGRAM: 150.0}
+        assert tuner.rates(batch) == {PLAIN: 100.0, NGRAM: 150.0}
         assert tuner.samples(batch, D4) == tuner.samples(batch, TREE) == 0
     assert tuner.table is None  # measured with the old drafter
     assert tuner.greedy(1) == D4  # tried again first
@@ -556,12 +589,12 @@ def test_a_new_drafter_decays_drafter_arm_statistics_to_a_prior() -> None:
     tuner.adopt_table(table)
     assert tuner.on_new_drafter(1, "decay")
     assert tuner.table is table
-    assert tuner.samples(1, D4) == 4 and tuner.median(1, D4) == 300.0  # 16 samples now weigh 4
-    assert tuner.medians(1)[PLAIN] == 100.0 and tuner.samples(1, PLAIN) == 16
-    for _ in range(5):
+    assert tuner.samples(1, D4) == 4 and tuner.rate(1, D4) == 300.0  # 16 samples now weigh 4
+    assert tuner.rates(1)[PLAIN] == 100.0 and tuner.samples(1, PLAIN) == 16
+    for _ in range(8):
         tuner.record(1, D4, 50, 1.0)
-    assert tuner.median(1, D4) == 50.0  # without the decay 16 old samples would still hold it at 300
-    assert tuner.median(32, D4) == 300.0
+    assert tuner.rate(1, D4) == 50.0  # without the decay, 8 of the 16 old steps would hold it at 175
+    assert tuner.rate(32, D4) == 300.0
 
 
 # ---------------------------------------------------------------------------------------------------- fallback

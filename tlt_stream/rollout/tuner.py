@@ -5,8 +5,9 @@ it is large (docs/benchmarks.md: on this CPU it loses at every batch from 16 up)
 
 - `SdSwitch` turns SD on and off by running batch size, with a hysteresis band so that a batch hovering
   around the threshold does not flap;
-- `SdTuner` picks an `Arm` per batch-size bucket by epsilon-greedy on the median of a sliding window of
-  reward = accepted tokens per second of wall time (draft + verify). Plain decoding and n-gram lookup are
+- `SdTuner` picks an `Arm` per batch-size bucket by epsilon-greedy on a robust throughput estimate over a
+  sliding window of steps (accepted tokens and wall seconds of draft + verify): the median of the pooled
+  rates (tokens / seconds) of consecutive runs of `chunk` steps. Plain decoding and n-gram lookup are
   arms too, so the same measurements choose the fallback before a drafter exists or when its drafts stop
   being accepted. The switch is its prior, not a wall: where it is off, plain decoding runs unless an arm
   has been measured to beat it there (found by exploring), so a crossover measured on another workload or
@@ -209,21 +210,21 @@ def aggregate_reports(reports: Iterable[ArmReport]) -> SdTable:
 
 
 class SdTuner:
-    """Per-bucket epsilon-greedy over `arms` on the median of the last `window` rewards (tokens/s).
+    """Per-bucket epsilon-greedy over `arms` on the throughput of each arm's last `window` steps (`estimate`).
 
     The exploit arm of a bucket (`greedy`) is, in order: the adopted table's arm for the bucket; else the
-    first arm (in `arms` order) not yet measured there; else the arm with the highest median (ties: the
+    first arm (in `arms` order) not yet measured there; else the arm with the highest estimate (ties: the
     earlier in `arms`). `choose` returns it, except with probability `epsilon` another eligible arm,
     untried ones first, so non-greedy picks happen at rate epsilon. While a bucket without a table entry
     still has untried arms, it tries them in order without exploring.
 
     Where SD is not expected to pay (`expect_sd=False`: the switch is off, the batch is wide), the exploit
     arm is the baseline (plain, else the first non-drafter arm) unless another arm has at least `confirm`
-    measurements there and a higher median, and untried arms wait for exploration instead of being tried
+    measurements there and a higher estimate, and untried arms wait for exploration instead of being tried
     first.
 
     Exploration draws untried arms first, then each other arm with weight max(`explore_floor`,
-    (rate / best rate) ** `explore_power`), rate being the higher of its median and its latest measurement:
+    (rate / best rate) ** `explore_power`), rate being the higher of its estimate and its latest run's:
     an arm measured at half the best is drawn ~16x less often than one near it (exploration costs less in
     buckets where some arms lose badly), and one good measurement of an arm that improved raises its weight
     at once, so its window refills quickly. Every arm keeps a weight of at least `explore_floor`.
@@ -240,6 +241,7 @@ class SdTuner:
         edges: Sequence[int] = DEFAULT_EDGES,
         epsilon: float = 0.1,
         window: int = 16,
+        chunk: int = 4,
         drafter_version: int = -1,
         decay_keep: float = 0.25,
         confirm: int = 3,
@@ -252,8 +254,8 @@ class SdTuner:
             raise ValueError("include a plain or n-gram arm: it is the choice before a drafter exists")
         if not 0 <= epsilon <= 1:
             raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        if window < 1 or chunk < 1:
+            raise ValueError(f"window and chunk must be >= 1, got {window}, {chunk}")
         if not 0 < decay_keep <= 1:
             raise ValueError(f"decay_keep must be in (0, 1], got {decay_keep}")
         if confirm < 1 or explore_power < 0 or not 0 < explore_floor <= 1:
@@ -265,13 +267,14 @@ class SdTuner:
         self.edges = _check_edges(edges)
         self.epsilon = epsilon
         self.window = window
+        self.chunk = chunk
         self.decay_keep = decay_keep
         self.confirm = min(confirm, window)
         self.explore_power = explore_power
         self.explore_floor = explore_floor
         self._drafter_version = drafter_version
         self._trusted_drafter = -1  # tables measured before this drafter version are refused (after a reset)
-        self._windows: dict[tuple[int, Arm], deque[float]] = {}
+        self._windows: dict[tuple[int, Arm], deque[tuple[float, float]]] = {}  # (tokens, seconds) per step
         self._table: SdTable | None = None
 
     @property
@@ -288,18 +291,35 @@ class SdTuner:
     def eligible_arms(self) -> list[Arm]:
         return [arm for arm in self.arms if not arm.uses_drafter or self._drafter_version >= 0]
 
-    def median(self, batch_size: int, arm: Arm) -> float | None:
-        """The arm's median reward in the batch size's bucket, or None when untried."""
+    def rate(self, batch_size: int, arm: Arm) -> float | None:
+        """The arm's estimated tokens/s in the batch size's bucket (`estimate`), or None when untried."""
         window = self._windows.get((self.bucket(batch_size), arm))
-        return statistics.median(window) if window else None
+        return self.estimate(window) if window else None
+
+    def estimate(self, steps: Sequence[tuple[float, float]]) -> float:
+        """Throughput of (tokens, seconds) steps, robust to rare stalls: split into runs of about `chunk`
+        consecutive steps (all of them in one when fewer than two runs' worth), pool each run's tokens over
+        its seconds, take the median. Not the median of per-step rates: an SD step emits 1 to depth + 1
+        tokens in about the same time, so its per-step rates are skewed and their median sits well below
+        the arm's throughput, while plain decoding's (always one token) do not; that biased the choice
+        towards plain. One stalled step (a GC pause, a neighbour's burst) moves one run, not the median."""
+        steps = list(steps)
+        runs = max(1, len(steps) // self.chunk)
+        bounds = [round(i * len(steps) / runs) for i in range(runs + 1)]
+        rates = []
+        for lo, hi in itertools.pairwise(bounds):
+            tokens = sum(t for t, _ in steps[lo:hi])
+            seconds = sum(s for _, s in steps[lo:hi])
+            rates.append(tokens / seconds)
+        return statistics.median(rates)
 
     def samples(self, batch_size: int, arm: Arm) -> int:
         return len(self._windows.get((self.bucket(batch_size), arm), ()))
 
-    def medians(self, batch_size: int) -> dict[Arm, float]:
-        """Median reward of every arm tried in the batch size's bucket."""
+    def rates(self, batch_size: int) -> dict[Arm, float]:
+        """Estimated tokens/s of every arm tried in the batch size's bucket."""
         bucket = self.bucket(batch_size)
-        return {arm: statistics.median(w) for arm in self.arms if (w := self._windows.get((bucket, arm)))}
+        return {arm: self.estimate(w) for arm in self.arms if (w := self._windows.get((bucket, arm)))}
 
     def greedy(self, batch_size: int, *, expect_sd: bool = True) -> Arm:
         """What `choose` returns when it does not explore."""
@@ -338,7 +358,7 @@ class SdTuner:
         window = self._windows.get(key)
         if window is None:
             window = self._windows[key] = deque(maxlen=self.window)
-        window.append(tokens / seconds)
+        window.append((float(tokens), float(seconds)))
 
     def adopt_table(self, table: SdTable) -> bool:
         """Exploit `table` from now on (replacing any earlier one). Refused, returning False, when it was
@@ -354,7 +374,7 @@ class SdTuner:
         - `reset`: drafter arms' windows are emptied (so they are tried again first) and a table measured
           with an older drafter is dropped: its comparisons involved the old drafter.
         - `decay`: each drafter arm's window shrinks to `decay_keep` of its length (at least 1) filled with
-          its median: the estimate stays as a prior that fresh measurements outvote quickly; the table stays.
+          steps at its estimate: it stays as a prior that fresh measurements outvote quickly; the table stays.
         """
         if mode not in ("reset", "decay"):
             raise ValueError(f"mode must be 'reset' or 'decay', got {mode!r}")
@@ -367,10 +387,10 @@ class SdTuner:
             if mode == "reset":
                 window.clear()
             else:
-                prior = statistics.median(window)
+                prior = self.estimate(window)
                 keep = max(1, int(len(window) * self.decay_keep))
                 window.clear()
-                window.extend([prior] * keep)
+                window.extend([(prior, 1.0)] * keep)
         if mode == "reset":
             self._trusted_drafter = version
             if self._table is not None and self._table.drafter_version < version:
@@ -381,8 +401,10 @@ class SdTuner:
         return bool(self._windows.get((bucket, arm)))
 
     def _rate(self, bucket: int, arm: Arm) -> float:
+        """For exploration odds: the higher of the arm's estimate and its latest run's pooled rate."""
         window = self._windows[bucket, arm]
-        return max(statistics.median(window), window[-1])
+        latest = list(window)[-self.chunk :]
+        return max(self.estimate(window), sum(t for t, _ in latest) / sum(s for _, s in latest))
 
     def _explore(self, bucket: int, others: list[Arm], rng: random.Random) -> Arm:
         untried = [arm for arm in others if not self._tried(bucket, arm)]
@@ -406,15 +428,15 @@ class SdTuner:
             if not self._tried(bucket, base):
                 return base
             confirmed = [
-                (arm, statistics.median(w))
+                (arm, self.estimate(w))
                 for arm in (base, *(a for a in eligible if a != base))
                 if (w := self._windows.get((bucket, arm))) and (arm == base or len(w) >= self.confirm)
             ]
             return max(confirmed, key=lambda pair: pair[1])[0]
-        medians: list[tuple[Arm, float]] = []
+        estimates: list[tuple[Arm, float]] = []
         for arm in eligible:
             window = self._windows.get((bucket, arm))
             if not window:
                 return arm
-            medians.append((arm, statistics.median(window)))
-        return max(medians, key=lambda pair: pair[1])[0]
+            estimates.append((arm, self.estimate(window)))
+        return max(estimates, key=lambda pair: pair[1])[0]
