@@ -47,6 +47,21 @@ def test_the_workers_ahead_rows_bounds_where_the_engine_starts_drafts(init_polic
         RolloutSettings(ahead_rows=-1)
 
 
+def test_the_workers_group_strong_match_reaches_the_group_source(init_policy: Path, drafter: Path) -> None:
+    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.roles.rollout_worker import RolloutSettings
+
+    config = override(DEFAULTS, {"sd.drafter": str(drafter), "sd.group": True, "sd.group_strong_match": 7})
+    settings = RolloutSettings.from_config(config, device="cpu")
+    assert settings.group_strong_match == 7
+    built = spec(drafter=str(drafter), group=True, group_strong_match=7, adaptive=settings.adaptive)
+    engine, adaptive = build_engine(str(init_policy), built)
+    assert engine.proposer.group.strong_match == 7
+    assert adaptive is not None and Arm.from_label("d6k1v6|g12") in adaptive.tuner.arms, "either arms by default"
+    with pytest.raises(ValueError, match="group_strong_match"):
+        RolloutSettings(group_strong_match=0)
+
+
 def test_a_fixed_arm_is_the_engines_arm_and_an_ngram_source_gets_prompt_lookup(init_policy: Path) -> None:
     engine, adaptive = build_engine(str(init_policy), spec(drafter="ngram", arm=Arm.ngram(5)))
     assert adaptive is None and isinstance(engine.proposer, NgramProposer) and engine.arm == Arm.ngram(5)

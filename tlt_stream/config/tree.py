@@ -377,6 +377,14 @@ class SdConfig(_Section, frozen=True):
             "drafter's; with ngram, group arms replace prompt lookup (they include it)."
         ),
     ] = False
+    group_strong_match: Annotated[
+        int,
+        _doc(
+            "Either arms (d6k1v6|g12) take the group's chain for a row whose last tokens match the group's "
+            "responses by at least this many tokens, else EAGLE's chain.",
+            ge=1,
+        ),
+    ] = 4
     collapse_min_drafted: Annotated[
         int,
         _doc(

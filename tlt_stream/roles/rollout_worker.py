@@ -86,6 +86,8 @@ class RolloutSettings:
     """Decide SD per step (on/off by running batch, arm by bucket) instead of the fixed `sd_arm`."""
     group: bool = DEFAULTS.sd.group
     """Draft also from the prompt's own responses and history (`rollout.proposers.GroupProposer`)."""
+    group_strong_match: int = DEFAULTS.sd.group_strong_match
+    """Match length from which an either arm takes the group's chain instead of EAGLE's."""
     collapse_min_drafted: int = DEFAULTS.sd.collapse_min_drafted
     """Draft nodes after a swap before its acceptance is judged against the previous version's."""
     device: str = "cpu"
@@ -125,6 +127,8 @@ class RolloutSettings:
             raise ValueError(f"ahead_tokens must be >= 1, got {self.ahead_tokens}")
         if self.ahead_rows < 0:
             raise ValueError(f"ahead_rows must be >= 0, got {self.ahead_rows}")
+        if self.group_strong_match < 1:
+            raise ValueError(f"group_strong_match must be >= 1, got {self.group_strong_match}")
         if self.backend == "vllm" and self.adaptive is not None:
             raise ValueError(
                 "adaptive SD decides per decode step, which vLLM cannot (it fixes speculation when the engine is "
@@ -152,6 +156,7 @@ class RolloutSettings:
             drafter_training=DrafterTrainingSettings.from_config(config),
             adaptive=AdaptiveSettings.from_config(config) if sd.adaptive and sd.drafter is not None else None,
             group=sd.group,
+            group_strong_match=sd.group_strong_match,
             collapse_min_drafted=sd.collapse_min_drafted,
             device=device,
             dtype=own.dtype,

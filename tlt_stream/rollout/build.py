@@ -31,6 +31,8 @@ class EngineSpec:
     """The draft source: an EAGLE drafter directory, "ngram" (prompt lookup), or None (no speculation)."""
     group: bool = DEFAULTS.sd.group
     """Draft also from the prompt's own responses (`GroupProposer`; with "ngram" it replaces prompt lookup)."""
+    group_strong_match: int = DEFAULTS.sd.group_strong_match
+    """Match length from which an either arm takes the group's chain (`GroupProposer.strong_match`)."""
     arm: Arm | None = None
     """The fixed arm (with a drafter and no `adaptive`)."""
     adaptive: AdaptiveSettings | None = None
@@ -81,10 +83,11 @@ def build_engine(
     model = load_model(policy, device=spec.device, dtype=resolve_dtype(spec.dtype, spec.device), weights=weights)
     proposer: Any = None
     if spec.drafter == "ngram" and spec.group:
-        proposer = GroupProposer()
+        proposer = GroupProposer(strong_match=spec.group_strong_match)
     elif spec.drafter is not None:
         proposer = build_proposer(spec.drafter, model)
-        proposer = MixedProposer(proposer, GroupProposer()) if spec.group else proposer
+        group = GroupProposer(strong_match=spec.group_strong_match)
+        proposer = MixedProposer(proposer, group) if spec.group else proposer
     adaptive = spec.adaptive if proposer is not None else None
     arm = spec.arm if proposer is not None and adaptive is None else None  # adaptive SD sets it step by step
     if arm is not None and arm.kind not in arm_kinds(proposer):

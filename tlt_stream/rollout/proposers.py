@@ -596,7 +596,6 @@ class MixedProposer:
         q = None
         if eagle.q is not None:  # EAGLE sampled its chains: the others' q are point masses at their tokens
             q = torch.nn.functional.one_hot(tokens, eagle.q.shape[-1]).to(eagle.q)
-            q = q.to(eagle.q.device)
             for b in range(batch):
                 if not strong[b]:
                     q[b, :d] = eagle.q[b]

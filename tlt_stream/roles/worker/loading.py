@@ -162,6 +162,7 @@ class PolicyLoading:
             dtype=self.settings.dtype,
             drafter=drafter,
             group=self.settings.group and drafter is not None and self.settings.backend == "torch",
+            group_strong_match=self.settings.group_strong_match,
             arm=self.settings.sd_arm,
             adaptive=self.settings.adaptive,
             backend=self.settings.backend,  # type: ignore[arg-type]
