@@ -4,10 +4,10 @@ TLT's second half (DESIGN section 7). `AdaptiveSd.step()` replaces `engine.step(
 
 1. the running batch size of the coming step sets `SdSwitch` on or off (hysteresis around the measured
    crossover: SD pays at small batches, costs at large ones);
-2. `SdTuner` picks an arm for the batch-size bucket (epsilon-greedy on the median tokens/s of each arm's
-   recent steps; a published table of best arms is exploited first). Where the switch is on it tries every
-   arm; where it is off it runs plain decoding unless exploring found an arm that beats plain there
-   (`above_crossover = "measure"`, the default) or, with `"plain"`, always plain;
+2. `SdTuner` picks an arm for the batch-size bucket (epsilon-greedy on each arm's throughput over its
+   recent steps, `SdTuner.estimate`; a published table of best arms is exploited first). Where the switch
+   is on it tries every arm; where it is off it runs plain decoding unless exploring found an arm that
+   beats plain there (`above_crossover = "measure"`, the default) or, with `"plain"`, always plain;
 3. the engine runs the step with that arm (`engine.arm`, switchable between any two steps without
    disturbing in-flight rows: SD is lossless either way), and the step's emitted tokens over its wall
    time (draft + verify) are recorded for the arm, except for steps that also prefilled new requests,

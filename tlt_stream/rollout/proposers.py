@@ -579,20 +579,14 @@ class MixedProposer:
         chains = self.group.chains(batch, arm.group_nodes)
         strong = [bool(tokens) and matched >= self.group.strong_match for tokens, matched in chains]
         if all(strong):
-            rows = [tokens for tokens, _ in chains]
-            width = max(len(t) for t in rows)
-            tokens = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
-            lengths = torch.tensor([len(t) for t in rows])
-            return Proposal(DraftTree.chain(tokens, lengths), sources=_chain_sources(lengths, width, SOURCE_GROUP))
+            tokens, lengths = _pad_chains([tokens for tokens, _ in chains])
+            return Proposal(DraftTree.chain(tokens, lengths), sources=_chain_sources(tokens, lengths, SOURCE_GROUP))
         eagle = self.eagle.propose(batch, Arm.drafter(arm.depth, 1, arm.depth), temperatures, generators)
         e_tokens = eagle.tree.tokens.cpu()  # [B, d]: EAGLE's top-1 drafts are a chain, level by level
         d = e_tokens.shape[1]
-        rows = [chains[b][0] if strong[b] else e_tokens[b].tolist() for b in range(batch)]
-        width = max(len(t) for t in rows)
-        tokens = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
-        lengths = torch.tensor([len(t) for t in rows])
+        tokens, lengths = _pad_chains([chains[b][0] if strong[b] else e_tokens[b].tolist() for b in range(batch)])
         bits = torch.tensor([SOURCE_GROUP if s else SOURCE_EAGLE for s in strong], dtype=torch.uint8)
-        sources = _chain_sources(lengths, width, 1) * bits[:, None]
+        sources = _chain_sources(tokens, lengths, 1) * bits[:, None]
         q = None
         if eagle.q is not None:  # EAGLE sampled its chains: the others' q are point masses at their tokens
             q = torch.nn.functional.one_hot(tokens, eagle.q.shape[-1]).to(eagle.q)
@@ -602,9 +596,16 @@ class MixedProposer:
         return Proposal(DraftTree.chain(tokens, lengths), q, sources)
 
 
-def _chain_sources(lengths: torch.Tensor, width: int, bit: int) -> torch.Tensor:
-    """`[B, width]` source bits of chains `lengths` long: `bit` on real nodes, 0 on padding."""
-    return ((torch.arange(width)[None, :] < lengths[:, None]) * bit).to(torch.uint8)
+def _pad_chains(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chains of several lengths as `[B, width]` tokens (padded with 0) and their `[B]` lengths."""
+    width = max(len(t) for t in rows)
+    tokens = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
+    return tokens, torch.tensor([len(t) for t in rows])
+
+
+def _chain_sources(tokens: torch.Tensor, lengths: torch.Tensor, bit: int) -> torch.Tensor:
+    """`[B, width]` source bits of the chains `tokens` (`lengths` long): `bit` on real nodes, 0 on padding."""
+    return ((torch.arange(tokens.shape[1])[None, :] < lengths[:, None]) * bit).to(torch.uint8)
 
 
 def merge_trees(parts: list[tuple[list[int], list[int], int]]) -> tuple[list[int], list[int], list[int]]:

@@ -337,11 +337,8 @@ class SdTuner:
             return self._explore(bucket, others, rng)
         return greedy
 
-    def explore_weights(self, batch_size: int, arms: Sequence[Arm]) -> list[float]:
-        """Relative odds of each of `arms` when the tuner explores (untried arms are drawn before these)."""
-        return self._explore_weights(self.bucket(batch_size), arms)
-
     def _explore_weights(self, bucket: int, arms: Sequence[Arm]) -> list[float]:
+        """Relative odds of each of `arms` when the tuner explores (untried arms are drawn before these)."""
         rates = {arm: self._rate(bucket, arm) for arm in self.arms if self._tried(bucket, arm)}
         best = max(rates.values(), default=0.0)
         if best <= 0:
@@ -403,8 +400,7 @@ class SdTuner:
     def _rate(self, bucket: int, arm: Arm) -> float:
         """For exploration odds: the higher of the arm's estimate and its latest run's pooled rate."""
         window = self._windows[bucket, arm]
-        latest = list(window)[-self.chunk :]
-        return max(self.estimate(window), sum(t for t, _ in latest) / sum(s for _, s in latest))
+        return max(self.estimate(window), self.estimate(list(window)[-self.chunk :]))  # the latest run: pooled
 
     def _explore(self, bucket: int, others: list[Arm], rng: random.Random) -> Arm:
         untried = [arm for arm in others if not self._tried(bucket, arm)]
