@@ -141,7 +141,7 @@ def rank_worker(spec: dict) -> None:
     figures["rss_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures["rss_end_mb"] = psutil.Process().memory_info().rss / 2**20
     Path(spec["out"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(figures))
-    leave_ranks()
+    leave_ranks(link)
 
 
 def run(model: str, world: int, policy: Path, tmp: Path, steps: int) -> dict:

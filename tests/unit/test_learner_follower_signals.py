@@ -104,7 +104,7 @@ def rank_main(spec: str) -> None:
     trainer = Trainer(SETTINGS, "cpu", link)
     if not link.leader:
         follow_rank_0(trainer, root=root, init_policy=init)
-        leave_ranks()
+        leave_ranks(link)
         return
     trainer.build(init)
     save(trainer, root, 0)
@@ -116,7 +116,7 @@ def rank_main(spec: str) -> None:
     while not (gate / "stop").exists():
         time.sleep(0.02)
     trainer.stop()
-    leave_ranks()
+    leave_ranks(link)
 
 
 @contextlib.contextmanager

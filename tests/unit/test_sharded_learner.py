@@ -193,7 +193,7 @@ def rank_main(spec: str) -> None:
         out.with_suffix(".stopped.json").write_text(json.dumps(trainer.write_figures()))
     else:
         follow(trainer, root=root, init_policy=init)
-    leave_ranks()
+    leave_ranks(link)
 
 
 Ranks = list[tuple[subprocess.Popen, IO[bytes]]]

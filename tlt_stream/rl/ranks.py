@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
@@ -70,7 +70,7 @@ class RanksOutOfStep(RuntimeError):
     be trusted to be in step, so the learner exits and a restart resumes from the last checkpoint."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class RankLink:
     """This process's place in the learner's process group and the messages between rank 0 and the rest."""
 
@@ -78,6 +78,9 @@ class RankLink:
     world: int
     device: torch.device
     """Where the exchanged tensors live: CPU under gloo, this rank's GPU under NCCL."""
+    group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    """The link's own process group (every rank), which only these messages use, so that `leave_ranks` can
+    end it for certain; None: the default group (a link made by hand, one process)."""
 
     @property
     def leader(self) -> bool:
@@ -90,12 +93,12 @@ class RankLink:
         if not self.leader or len(args) > _ARGS:
             raise ValueError("only rank 0 commands, with at most three arguments")
         header = torch.tensor([int(kind), *args, *[0] * (_ARGS - len(args))], dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=self.group)
 
     def next_command(self) -> tuple[Command, list[int]]:
         """Another rank: wait for rank 0's next command."""
         header = torch.zeros(1 + _ARGS, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=self.group)
         kind, *args = header.tolist()
         return Command(kind), args
 
@@ -110,7 +113,8 @@ class RankLink:
         rounds = max(len(share) for share in shares)
         self.command(Command.STEP, total, rounds)
         for rank in range(1, self.world):
-            dist.send(torch.tensor([len(shares[rank])], dtype=torch.int64, device=self.device), dst=rank)
+            count = torch.tensor([len(shares[rank])], dtype=torch.int64, device=self.device)
+            dist.send(count, dst=rank, group=self.group)
             for batch in shares[rank]:
                 self._send(batch, rank)
         return shares[0], rounds
@@ -118,7 +122,7 @@ class RankLink:
     def receive_share(self) -> list[list[torch.Tensor]]:
         """Another rank, after a STEP command: its micro-batches."""
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.recv(count, src=0)
+        dist.recv(count, src=0, group=self.group)
         return [self._receive(0) for _ in range(int(count))]
 
     def _send(self, tensors: list[torch.Tensor], dst: int) -> None:
@@ -128,21 +132,21 @@ class RankLink:
                 raise ValueError(f"cannot hand out a {t.dtype} tensor of shape {tuple(t.shape)}")
             header[i, 0], header[i, 1] = _DTYPES.index(t.dtype), t.dim()
             header[i, 2 : 2 + t.dim()] = torch.tensor(t.shape)
-        dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=self.device), dst=dst)
-        dist.send(header.to(self.device), dst=dst)
+        dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=self.device), dst=dst, group=self.group)
+        dist.send(header.to(self.device), dst=dst, group=self.group)
         for t in tensors:
-            dist.send(_wire(t).contiguous().to(self.device), dst=dst)
+            dist.send(_wire(t).contiguous().to(self.device), dst=dst, group=self.group)
 
     def _receive(self, src: int) -> list[torch.Tensor]:
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.recv(count, src=src)
+        dist.recv(count, src=src, group=self.group)
         header = torch.zeros(int(count), 2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=src)
+        dist.recv(header, src=src, group=self.group)
         out = []
         for code, ndim, *dims in header.tolist():
             dtype = _DTYPES[code]
             t = torch.empty(dims[:ndim], dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
-            dist.recv(t, src=src)
+            dist.recv(t, src=src, group=self.group)
             out.append(t.bool() if dtype == torch.bool else t)
         return out
 
@@ -151,18 +155,18 @@ class RankLink:
     def sum(self, values: list[float]) -> list[float]:
         """Every rank's `values` summed elementwise (float64), on every rank."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t.tolist()
 
     def max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t)
 
     def agree(self, ok: bool) -> bool:
         """True on every rank when every rank says True (a barrier that also carries success)."""
         t = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t)
 
     def agree_reporting(self, ok: bool, failures: WriteFailures) -> tuple[bool, list[WriteFailures]]:
@@ -173,7 +177,7 @@ class RankLink:
         row[:4] = torch.tensor([int(ok), failures.count, failures.step, len(message)])
         row[4 : 4 + len(message)] = torch.tensor(list(message), dtype=torch.int64)
         rows = [torch.zeros(_REPORT, dtype=torch.int64, device=self.device) for _ in range(self.world)]
-        dist.all_gather(rows, row.to(self.device))
+        dist.all_gather(rows, row.to(self.device), group=self.group)
         agreed, reports = True, []
         for said in rows:
             said_ok, count, step, length, *data = said.tolist()
@@ -207,9 +211,22 @@ def join_ranks(device: str, *, timeout_s: float) -> RankLink | None:
         raise RuntimeError(
             f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, env says {rank}/{world}"
         )
-    return RankLink(rank=rank, world=world, device=link_device)
+    return RankLink(rank=rank, world=world, device=link_device, group=dist.new_group())
 
 
-def leave_ranks() -> None:
+def leave_ranks(link: RankLink | None) -> None:
+    """End the link's process group, then the default one. Ending the link's for certain is what lets the
+    process exit cleanly: a gloo worker thread lets go of a finished collective's tensors a moment after the
+    caller has its result, and letting go of a tensor Python also holds takes the GIL; if the interpreter is
+    already shutting down then, that thread is stopped mid-destructor and the process aborts ("terminate
+    called without an active exception"). The last collectives before an exit are the link's (STOP and the
+    reports after it), and the link's group has no other owner: once it is destroyed and dropped here, its
+    worker threads are joined (torch joins them without holding the GIL), so nothing of it outlives the
+    interpreter. The default group cannot be ended so surely (FSDP and `torch.distributed.nn` keep
+    references to it), but its last collectives finished well before."""
+    if link is not None and link.group is not None:
+        group, link.group = link.group, None
+        dist.destroy_process_group(group)
+        del group  # the last reference: its threads are joined here
     if dist.is_initialized():
         dist.destroy_process_group()

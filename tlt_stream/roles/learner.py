@@ -261,7 +261,7 @@ def serve_learner(config: Config) -> int:
     trainer = Trainer(settings.learner, settings.device, link)
     if link is not None and not link.leader:
         follow_rank_0(trainer, root=Path(config.expand(own.run_dir)) / "checkpoints", init_policy=Path(own.policy))
-        leave_ranks()
+        leave_ranks(link)
         return 0
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
@@ -288,5 +288,5 @@ def serve_learner(config: Config) -> int:
         trainer.stop()  # the other ranks, if any, leave too
         raise
     trainer.stop()
-    leave_ranks()
+    leave_ranks(link)
     return code
