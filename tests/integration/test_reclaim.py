@@ -134,3 +134,29 @@ async def test_an_entry_pending_for_us_that_we_do_not_hold_is_read_again_at_once
     assert reader.resynced == 1 and reader.reclaimed == 0
     assert await pel(redis, keys.stream("prompts")) == {held: ("w-resync", 1), lost: ("w-resync", 2)}
     await redis.aclose()
+
+
+async def test_a_lost_ack_is_left_to_the_resync_even_once_it_is_idle_past_the_reclaim_time(bus_config: Config) -> None:
+    """A stray entry of our own (its ack lost) that has been idle past the reclaim time when the reclaim
+    timer comes due first: the reclaim leaves it (it takes only entries of the gone and the ones we
+    abandoned), and the resync, due a quarter reclaim time later at most, hands it out again and says why.
+    (A fault run once saw it taken by the reclaim instead, which recovered it too but said nothing of a
+    lost ack.) The evidence is the PEL's delivery counts."""
+    config = short_reclaim(bus_config)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    producer = StreamProducer(redis, keys, config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w-stray")
+    await reader.ensure_group()
+    assert await reader.read(block_ms=50) == []  # past its start (where it reads its own pending history)
+    (lost,) = await producer.send("prompts", [prompt(0)])
+    await redis.xreadgroup("rollout", "w-stray", {keys.stream("prompts"): ">"}, count=1)  # behind its back
+    await asyncio.sleep(2 * IDLE_MS / 1000)  # idle past the reclaim time
+    reader._next_resync = float("inf")  # the resync not yet due; the reclaim is (it starts due)
+    assert await reader.read(block_ms=50) == [], "the reclaim does not take a lost ack"
+    assert reader.reclaimed == 0 and await pel(redis, keys.stream("prompts")) == {lost: ("w-stray", 1)}
+    reader._next_resync = 0.0
+    assert [d.entry_id for d in await reader.read(block_ms=50)] == [lost]
+    assert reader.resynced == 1 and reader.reclaimed == 0
+    assert await pel(redis, keys.stream("prompts")) == {lost: ("w-stray", 2)}
+    await redis.aclose()

@@ -282,9 +282,13 @@ class StreamReader(Generic[T]):
         owners = {as_text(row["consumer"]) for row in page}
         gone = {owner for owner in owners if not await self._alive(owner)}
         candidates = [
-            as_text(row["message_id"])
+            entry_id
             for row in page
-            if as_text(row["consumer"]) in gone and as_text(row["message_id"]) not in self.held
+            if (owner := as_text(row["consumer"])) in gone
+            and (entry_id := as_text(row["message_id"])) not in self.held
+            # Of our own entries only those we abandoned: one we neither hold nor abandoned is an ack Redis
+            # lost, which `_maybe_resync` hands out again within a quarter reclaim time and reports as such.
+            and (owner != self.consumer or entry_id in self.abandoned)
         ][:count]
         if not candidates:
             return []
