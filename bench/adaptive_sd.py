@@ -25,7 +25,10 @@ response (each strategy samples its own responses, and a drained rollout lasts a
 one), the tail-phase speedup over plain as the median of per-rep ratios of its time, of its tokens/s, and
 of its time per token of the row that ends it (the tail's critical path, the least sensitive to which tail
 each strategy drew), acceptance (accepted / drafted nodes) per source over the rollout and in the tail,
-and for adaptive the arms chosen per batch bucket. Prints progress to stderr and one JSON object to stdout.
+and for adaptive the arms chosen per batch bucket. Where the time goes (`by_bucket`): per strategy and tuner
+bucket of the running batch, seconds per rep and ms per token pooled over reps; and for adaptive
+(`adaptive_greedy`) per bucket how often its exploit arm changed (`flips`), how often it explored, and its
+estimates at the end. Prints progress to stderr and one JSON object to stdout.
 
     python bench/adaptive_sd.py [--quick] [--threads 1] [--group 8] [--reps 5]
     # --quick: 16 rows (2 x 8), 6 strategies, 1 rep (under a minute)
@@ -86,6 +89,64 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def bucket_label(running: int) -> str:
+    """The SD tuner's bucket of a running batch, as "lo-hi" rows."""
+    from tlt_stream.rollout.tuner import DEFAULT_EDGES, bucket_of  # after main() set the thread counts
+
+    i = bucket_of(running, DEFAULT_EDGES)
+    lo = 1 if i == 0 else DEFAULT_EDGES[i - 1] + 1
+    return f"{lo}-{DEFAULT_EDGES[i]}" if i < len(DEFAULT_EDGES) else f"{lo}-"
+
+
+class GreedyWatch:
+    """Per bucket, over the measured reps: the tuner's steps, how often its exploit arm changed from one step
+    of the bucket to the next (`flips`: it follows its estimates, so a flip is a new best estimate), the steps
+    it explored, and each arm's estimate (tokens/s) at the end."""
+
+    def __init__(self, tuner: Any) -> None:
+        self.tuner = tuner
+        self.steps: Counter = Counter()
+        self.flips: Counter = Counter()
+        self.explored: Counter = Counter()
+        self.last: dict[int, str] = {}
+
+    def note(self, batch: int, greedy: Any, chosen: Any) -> None:
+        bucket = self.tuner.bucket(batch)
+        self.steps[bucket] += 1
+        self.flips[bucket] += int(bucket in self.last and self.last[bucket] != greedy.label)
+        self.explored[bucket] += int(chosen != greedy)
+        self.last[bucket] = greedy.label
+
+    def summary(self) -> dict[str, Any]:
+        from tlt_stream.rollout.tuner import DEFAULT_EDGES
+
+        out = {}
+        for bucket in sorted(self.steps):
+            batch = DEFAULT_EDGES[min(bucket, len(DEFAULT_EDGES) - 1)]
+            rates = self.tuner.rates(batch)
+            out[bucket_label(batch)] = {
+                "steps": self.steps[bucket],
+                "flips": self.flips[bucket],
+                "explored": self.explored[bucket],
+                "estimates": {a.label: round(r) for a, r in sorted(rates.items(), key=lambda kv: -kv[1])},
+            }
+        return out
+
+
+def watch_greedy(tuner: Any) -> GreedyWatch:
+    """Wrap `tuner.choose` to count, per bucket, its exploit arm's changes and its explorations."""
+    watch, choose = GreedyWatch(tuner), tuner.choose
+
+    def watched(batch: int, rng: Any, *, expect_sd: bool = True) -> Any:
+        greedy = tuner.greedy(batch, expect_sd=expect_sd)
+        chosen = choose(batch, rng, expect_sd=expect_sd)
+        watch.note(batch, greedy, chosen)
+        return chosen
+
+    tuner.choose = watched
+    return watch
+
+
 def run_once(engine: Any, adaptive: Any, groups: list[list[int]], group_size: int, **request: Any) -> dict:
     """One drained rollout of `group_size` rows per prompt (`request`: budget, temperature, eos, seed);
     per-step running requests, seconds, tokens and per-source draft counts folded into phase totals."""
@@ -98,6 +159,7 @@ def run_once(engine: Any, adaptive: Any, groups: list[list[int]], group_size: in
             )  # fmt: skip
             rows += 1
     phases = {name: {"s": 0.0, "tokens": 0, "drafted": Counter(), "accepted": Counter()} for name in PHASES}
+    by_bucket: dict[str, list[float]] = {}  # running-batch bucket -> [seconds, tokens], pooled over reps later
     finished = 0
     lengths: list[int] = []
     tail_start: dict[Any, int] = {}  # tokens each row had when at most 8 were left
@@ -111,6 +173,8 @@ def run_once(engine: Any, adaptive: Any, groups: list[list[int]], group_size: in
         results = adaptive.step() if adaptive is not None else engine.step()
         seconds, emitted = time.perf_counter() - started, engine.tokens_generated - tokens
         finished += len(results)
+        cell = by_bucket.setdefault(bucket_label(left), [0.0, 0])
+        cell[0], cell[1] = cell[0] + seconds, cell[1] + emitted
         lengths += [len(r.token_ids) for r in results]
         last = results or last
         for name, inside in PHASES.items():
@@ -128,6 +192,7 @@ def run_once(engine: Any, adaptive: Any, groups: list[list[int]], group_size: in
             out[f"{name}_drafted_{source}"] = phase["drafted"][source]
             out[f"{name}_accepted_{source}"] = phase["accepted"][source]
     out["tokens"] = phases["total"]["tokens"]
+    out["by_bucket"] = by_bucket
     out["max_over_median_length"] = max(lengths) / max(1.0, statistics.median(lengths))
     # A drained rollout lasts as long as its longest response, and each strategy samples its own responses
     # (SD arms consume random numbers differently): time per token of the longest one compares strategies
@@ -148,7 +213,18 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
         row: dict[str, Any] = {
             k: round(statistics.median(r[k] for r in reps), 3)
             for k in reps[0]
-            if "_drafted_" not in k and "_accepted_" not in k
+            if "_drafted_" not in k and "_accepted_" not in k and k != "by_bucket"
+        }
+        # Where the time goes: per running-batch bucket, seconds and ms per token pooled over reps (each
+        # strategy samples its own responses, so compare ms per token, not seconds).
+        pooled: dict[str, list[float]] = {}
+        for r in reps:
+            for label, (seconds, tokens) in r["by_bucket"].items():
+                cell = pooled.setdefault(label, [0.0, 0])
+                cell[0], cell[1] = cell[0] + seconds, cell[1] + tokens
+        row["by_bucket"] = {
+            label: {"s_per_rep": round(s / len(reps), 3), "ms_per_token": round(1000 * s / max(1, t), 3)}
+            for label, (s, t) in sorted(pooled.items(), key=lambda kv: int(kv[0].split("-")[0]))
         }
         pairs = list(zip(plain, reps, strict=True))
         for name in ("total", "tail_le8"):
@@ -242,6 +318,7 @@ def main() -> None:
         # rollout's engine, and so its group index, is new: the step's own siblings only, no history.
         engine, tuner = engine_for("adaptive", temperature)
         cold = run_once(engine, tuner, groups, args.group, **request, seed=999_999)
+        greedy = watch_greedy(tuner.tuner)  # from the measured reps on
         log(f"{name} warm-up: adaptive (cold) {cold['total_s']:.2f}s")
         for rep in range(args.reps):
             for strategy in strategies:
@@ -273,8 +350,9 @@ def main() -> None:
                 metric: max((s for s in strategies if s != "plain"), key=lambda s: summary[s][metric])
                 for metric in ("tail_le8_speedup_vs_plain", "tail_le8_speedup_per_last_row_token")
             },
-            "adaptive_cold": {k: round(v, 3) for k, v in cold.items()},
+            "adaptive_cold": {k: round(v, 3) for k, v in cold.items() if k != "by_bucket"},
             "adaptive_arms_chosen": tuner.summary(),
+            "adaptive_greedy": greedy.summary(),
         }
     result["goals"] = {"adaptive_over_best_fixed_max": 1.05, "tail_le8_speedup_vs_plain_min": 2.5}
     print(json.dumps(result, indent=2))
