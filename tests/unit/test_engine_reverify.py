@@ -382,3 +382,54 @@ def test_the_vllm_backend_refuses_partial_rollouts_in_one_line() -> None:
         VllmEngine.load_policy(object(), "v1", reverify=True)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedSetting, match="no partial rollouts"):
         VllmEngine.add_request(object(), [1, 2], 4, ahead_limit=2)  # type: ignore[arg-type]
+
+
+def count_forwards(model: torch.nn.Module, counter: Counter) -> None:
+    """Count `model`'s forward passes in `counter["forwards"]` (once per model object)."""
+    if getattr(model, "_counted", False):
+        return
+    real = model.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        counter["forwards"] += 1
+        return real(*args, **kwargs)
+
+    model.forward, model._counted = counted, True
+
+
+def test_a_sample_counts_the_forwards_of_discarded_tokens_too(tiny) -> None:
+    """Drafts that ran ahead under q with SD accepting whole rounds (an oracle of q's greedy response), then
+    lost most of their tokens to p's re-verification, some ending soon after on EOS: the SD rounds that
+    emitted the discarded tokens stay in `accept_lengths`, so a tokens-per-forward figure over the kept
+    tokens alone had a count of forwards at or below zero (a worker once streamed such a sample; the
+    learner could not decode it, and the on-policy step waited for it). The sample's `accept_length` is the
+    tokens emitted over the target forwards that emitted them: it survives the wire, lies between 1 and a
+    round's most (depth + 1), and is at least the emitted tokens over every target forward the engine ran
+    for the request (counted here by wrapping the policy's forward)."""
+    from tlt_stream.messages import PromptGroup, codec_for
+    from tlt_stream.rl.samples import make_sample
+    from tlt_stream.rollout.proposers import OracleProposer
+
+    (hf_q, q_path), (_, p_path), _ = tiny
+    codec, arm, max_new = codec_for("samples"), Arm.drafter(3, 1, 3), 14
+    kept_too_few = 0
+    for prompt in ([a, b] for a in range(1, 5) for b in range(5)):
+        model, counter = load_model(q_path), Counter()
+        oracle = OracleProposer({tuple(prompt[1:]): hf_greedy(hf_q, prompt, max_new)}, TINY["vocab_size"])
+        engine = GenerationEngine(model, 1, 64, proposer=oracle, arm=arm)
+        count_forwards(engine.model, counter)
+        engine.add_request(prompt, max_new, 0.0, eos_ids=[EOS], request_id=0, ahead_limit=13)
+        park_all(engine)
+        engine.load_policy(p_path, reverify=True)
+        count_forwards(engine.model, counter)  # the same object, or a new one: its forwards count too
+        (result,) = drive(engine, {})[0].values()
+        accepts, emitted = result.accept_lengths, len(result.token_ids) + result.tokens_discarded
+        kept_too_few += sum(accepts) >= len(accepts) + len(result.token_ids)
+        group = PromptGroup(task_id="s000001-0001", prompt_id="p", prompt_ids=prompt, answer="1", group_size=1)
+        sample = make_sample(
+            result, group, 0, reward=0.0, policy_version=1, drafter_version=0, worker_id="w", gen_seconds=0.1
+        )
+        assert codec.decode(codec.encode(sample)).accept_length == sample.accept_length
+        assert 1.0 <= sample.accept_length <= arm.depth + 1, (prompt, sample.accept_length)
+        assert sample.accept_length >= emitted / counter["forwards"] - 1e-9, (prompt, emitted, counter)
+    assert kept_too_few, "some draft's rounds emitted more tokens than its rounds and kept tokens (the case)"

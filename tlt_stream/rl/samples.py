@@ -32,8 +32,13 @@ def make_sample(
 ) -> Sample:
     """The `Sample` for response `index` of `group`, from a `GenerationResult`."""
     accepts = result.accept_lengths
-    # Tokens per target forward: SD rounds emit `accepts[i]` each; every other token took one forward.
-    forwards = len(accepts) + (len(result.token_ids) - sum(accepts))
+    # Tokens per target forward over every token the request emitted, also those a re-verification under a
+    # newer policy discarded afterwards (partial rollouts): `accepts` keeps the SD rounds that emitted them,
+    # so counting only the tokens kept could give fewer tokens than its rounds emitted (a negative count of
+    # forwards, a sample the learner could not decode). SD rounds emit `accepts[i]` each; every other token
+    # took one forward (a plain step, the prefill's first token, a re-verification's resampled token).
+    emitted = len(result.token_ids) + result.tokens_discarded
+    forwards = len(accepts) + max(0, emitted - sum(accepts))
     return Sample(
         sample_id=f"{group.task_id}/{index}",
         task_id=group.task_id,
@@ -50,7 +55,7 @@ def make_sample(
         worker_id=worker_id,
         step=group.step,
         gen_seconds=gen_seconds,
-        accept_length=len(result.token_ids) / forwards if forwards else 1.0,
+        accept_length=emitted / forwards if forwards else 1.0,
     )
 
 
