@@ -472,6 +472,39 @@ async def test_a_group_with_a_poison_member_is_trained_without_it(
     await redis.aclose()
 
 
+async def test_a_group_with_a_member_that_fails_to_decode_is_trained_without_it(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A member the reader itself dead-letters, because a field is out of its range (a worker once streamed
+    a negative `accept_length`) or because the entry is not msgpack at all: the first still names its group
+    and place, so the group is trained without it and the on-policy step does not wait for it forever; the
+    second names nothing, and its group waits (read back from the checkpoint, `dead` and the PEL)."""
+    import msgspec
+
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    keys = Keys(bus_config.run)
+    run_dir = tmp_path / "run"
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    negative = msgspec.structs.replace(sample("c", 1, 0.0), accept_length=-2.5)  # encoding does not validate
+    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), negative, sample("a", 1, 0.0)])
+    await redis.xadd(keys.stream("samples"), {b"m": b"\xc1 not msgpack"})  # names no member: nothing to do
+    async with service(bus_config, run_dir, init_policy) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0"}
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+    assert len(dead) == 2 and all("undecodable samples entry" in d.reason for d in dead)
+    assert dead[0].payload == codec_for("samples").encode(negative), "the entry as it came, in `dead`"
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    await redis.aclose()
+
+
 async def test_a_group_an_update_leaves_behind_is_recorded_for_the_policy_service_to_send_again(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -148,6 +149,10 @@ class StreamReader(Generic[T]):
         self.refreshed = 0
         self.lost: set[str] = set()
         """Held entries another consumer took over (this one was presumed dead): their ack is still safe."""
+        self.on_refused: Callable[[bytes], None] | None = None
+        """Called with the payload of each entry this reader dead-letters itself (undecodable, too large,
+        delivered too often) once it is in `dead`: the caller may still learn what it was (the learner
+        completes the group the entry belonged to without it)."""
 
     @property
     def origin(self) -> str:
@@ -421,6 +426,8 @@ class StreamReader(Generic[T]):
             deliveries=deliveries,
         )
         self.dead += 1
+        if self.on_refused is not None and payload:
+            self.on_refused(payload)
         await self.ack([entry_id])
 
     async def give_up(self, delivery: Delivery[T], reason: str) -> None:

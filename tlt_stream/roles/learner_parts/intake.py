@@ -3,7 +3,9 @@ dead-lettered, stale groups dropped visibly, entries acked once nothing can need
 
 A sample that would fail the same way on every restart (a token outside the vocabulary, longer than the
 policy's context, a policy version newer than any published, or contradicting its group's siblings) goes to
-`dead` at once, and its group is trained without it. A group too stale for the window is dropped and
+`dead` at once, and its group is trained without it. So does an entry the reader dead-letters before any
+sample comes out of it (undecodable: a field out of its range; too large; delivered too often), when its
+payload still names its group and place in it (`_refused`). A group too stale for the window is dropped and
 recorded in Redis (`Keys.dropped`) for the policy service to send its task again, and its responses' lengths
 are remembered for the next update's metrics (whether streaming drops the long ones shows there). A sample
 whose group is incomplete or waits for an update keeps its entry pending until a checkpoint covers it
@@ -13,6 +15,9 @@ copies, and entries every consumer group has acked are trimmed.
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.consumer import Delivery, StreamReader
@@ -25,6 +30,20 @@ from tlt_stream.rl.validate import sample_problem
 from tlt_stream.roles.learner_parts import log
 
 __all__ = ["SampleIntake"]
+
+
+class _Member(msgspec.Struct):
+    """What a samples entry that failed to decode may still say: which group member it was (every other
+    field ignored, so a field out of its range elsewhere does not hide it)."""
+
+    sample_id: str
+    task_id: str
+    index: Annotated[int, msgspec.Meta(ge=0)]
+    group_size: Annotated[int, msgspec.Meta(ge=1)]
+    policy_version: int = 0
+
+
+_MEMBER = msgspec.msgpack.Decoder(_Member)
 
 
 class SampleIntake:
@@ -46,6 +65,7 @@ class SampleIntake:
         """Groups dropped as too stale since the last update, and their samples' response lengths."""
         self.invalid = 0
         self.trimmed = 0
+        self.reader.on_refused = self._refused
 
     async def _take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
@@ -84,6 +104,24 @@ class SampleIntake:
             assert offer.group is not None
             self.ready.append(offer.group)
         return []  # waiting or held: the entry stays pending until its update is checkpointed
+
+    def _refused(self, payload: bytes) -> None:
+        """An entry the reader dead-lettered before any sample came out of it: if its payload still names a
+        group member, the group completes without it, as with poison (an on-policy step would otherwise wait
+        for it forever)."""
+        try:
+            member = _MEMBER.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("a dead-lettered samples entry names no group member: its group waits for another copy")
+            return
+        if member.index >= member.group_size:
+            return
+        self.invalid += 1
+        offer = self.assembler.mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
+        if offer.status == "ready":
+            assert offer.group is not None
+            log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
+            self.ready.append(offer.group)
 
     async def _ack(self, entry_ids: list[str]) -> None:
         await self.reader.ack(entry_ids)
