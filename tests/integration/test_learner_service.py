@@ -441,11 +441,15 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     await redis.aclose()
 
 
-async def test_a_group_with_a_poison_member_is_trained_without_it(
-    bus_config: Config, tmp_path: Path, init_policy: Path
+@pytest.mark.parametrize("bad", ["poison", "undecodable"])
+async def test_a_group_with_a_bad_member_is_trained_without_it(
+    bad: str, bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
-    """On-policy, a group that never completes stalls the run: the poison member is dead-lettered and the group
-    is trained on its other members (read back from the checkpoint and `dead`)."""
+    """On-policy, a group that never completes stalls the run. Its member c/1 is bad: poison (a NaN reward,
+    valid on the wire), or undecodable (a field out of its range: a worker once streamed a negative
+    `accept_length`), which the reader itself dead-letters. Either way it is dead-lettered, its group is
+    trained on its other member, and nothing stays pending (read back from the checkpoint, `dead` and the
+    PEL). An entry that is not msgpack at all names no member: it goes to `dead` and changes nothing."""
     import math
 
     import msgspec
@@ -456,8 +460,11 @@ async def test_a_group_with_a_poison_member_is_trained_without_it(
     run_dir = tmp_path / "run"
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
-    nan = msgspec.structs.replace(sample("c", 1, 0.0), reward=math.nan)
-    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), nan, sample("a", 1, 0.0)])
+    field = {"reward": math.nan} if bad == "poison" else {"accept_length": -2.5}  # encoding does not validate
+    member = msgspec.structs.replace(sample("c", 1, 0.0), **field)
+    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), member, sample("a", 1, 0.0)])
+    if bad == "undecodable":
+        await redis.xadd(keys.stream("samples"), {b"m": b"\xc1 not msgpack"})
     async with service(bus_config, run_dir, init_policy) as learner:
         await learner.start()
         async with asyncio.timeout(60):
@@ -467,40 +474,9 @@ async def test_a_group_with_a_poison_member_is_trained_without_it(
     ledger, meta = restore_checkpoint(found, restore_rng=False)
     assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0"}
     dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
-    assert [codec_for("samples").decode(d.payload).sample_id for d in dead] == ["c/1"]
-    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
-    await redis.aclose()
-
-
-async def test_a_group_with_a_member_that_fails_to_decode_is_trained_without_it(
-    bus_config: Config, tmp_path: Path, init_policy: Path
-) -> None:
-    """A member the reader itself dead-letters, because a field is out of its range (a worker once streamed
-    a negative `accept_length`) or because the entry is not msgpack at all: the first still names its group
-    and place, so the group is trained without it and the on-policy step does not wait for it forever; the
-    second names nothing, and its group waits (read back from the checkpoint, `dead` and the PEL)."""
-    import msgspec
-
-    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
-
-    keys = Keys(bus_config.run)
-    run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    producer = StreamProducer(redis, keys, bus_config.bus)
-    negative = msgspec.structs.replace(sample("c", 1, 0.0), accept_length=-2.5)  # encoding does not validate
-    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), negative, sample("a", 1, 0.0)])
-    await redis.xadd(keys.stream("samples"), {b"m": b"\xc1 not msgpack"})  # names no member: nothing to do
-    async with service(bus_config, run_dir, init_policy) as learner:
-        await learner.start()
-        async with asyncio.timeout(60):
-            await learner.run(asyncio.Event(), max_updates=1)
-    found = latest_checkpoint(run_dir / "checkpoints")
-    assert found is not None and found.step == 1
-    ledger, meta = restore_checkpoint(found, restore_rng=False)
-    assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0"}
-    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
-    assert len(dead) == 2 and all("undecodable samples entry" in d.reason for d in dead)
-    assert dead[0].payload == codec_for("samples").encode(negative), "the entry as it came, in `dead`"
+    assert dead[0].payload == codec_for("samples").encode(member), "the entry as it came, in `dead`"
+    reason = "invalid sample" if bad == "poison" else "undecodable samples entry"
+    assert len(dead) == (1 if bad == "poison" else 2) and all(reason in d.reason for d in dead)
     assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
     await redis.aclose()
 
