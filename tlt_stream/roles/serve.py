@@ -4,11 +4,18 @@
 connects Redis, runs the control plane as a task, installs SIGTERM/SIGINT handlers that set the stop event,
 and awaits `body(config, redis, control, stop)` on uvloop. Errors a user can fix (a missing checkpoint
 directory, a bad argument) print one line and exit 2.
+
+Once the body has returned, the teardown (the control plane's MQTT disconnect, closing Redis) is bounded
+(`TEARDOWN_S` each): a close that never completes (a TLS peer that never answers the closing handshake) is
+left behind with every pending task's stack in the log, so a stopped service always exits, within the
+grace a supervisor gives it (compose: 10 s), and the log says what hung.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -18,9 +25,38 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.config import Config, redact_text, redact_url
 from tlt_stream.errors import CheckpointError
 
-__all__ = ["Body", "device_or_refuse", "refuse", "serve"]
+__all__ = ["TEARDOWN_S", "Body", "device_or_refuse", "refuse", "serve"]
 
 Body = Callable[[Config, aioredis.Redis, ControlPlane, asyncio.Event], Awaitable[None]]
+
+TEARDOWN_S = 4.0
+"""Seconds each teardown step (the control plane's end, closing Redis) may take after the body returned."""
+
+log = logging.getLogger(__name__)
+
+
+async def bounded(step: Awaitable[None], what: str, seconds: float = TEARDOWN_S) -> bool:
+    """Await a teardown step for at most `seconds`; its error, if any, is raised. Past that, log an error
+    with the stack of every pending task (what hung, for whoever reads the log), cancel it and go on:
+    False."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if done:
+        task.result()
+        return True
+    log.error("%s did not finish within %.0f s of the stop; left behind. Pending tasks:\n%s", what, seconds,
+              pending_stacks())  # fmt: skip
+    task.cancel()
+    return False
+
+
+def pending_stacks() -> str:
+    """Every pending task of the running loop with its stack (the awaits it is suspended in)."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            task.print_stack(file=out)
+    return out.getvalue()
 
 
 def refuse(command: str, why: str) -> int:
@@ -59,8 +95,8 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
             await body(config, redis, control, stop)
         finally:
             stop.set()
-            await plane
-            await redis.aclose()
+            await bounded(plane, "the control plane (MQTT)")
+            await bounded(redis.aclose(), "closing Redis")
 
     try:
         with endpoints(config) as resolved:
