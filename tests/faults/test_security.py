@@ -30,6 +30,8 @@ async def test_a_run_trains_over_tls_with_acl_and_broker_passwords_and_logs_no_s
         await run.start_all()
         try:
             await run.wait_version(2, 180)
+            await run.wait_published(2, 60)
+            await run.settle()  # the last update's acks trail its version by a moment, as in every scenario
             result = await run.audit()
         finally:
             codes = await run.stop_all()
