@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.test_sharded_learner import finish_ranks, start_ranks
 
 
 def threads() -> set[int]:
@@ -31,10 +27,10 @@ def threads() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def rank_main(out: str) -> None:
+def rank_main(spec: str) -> None:
     """One rank (`python -c`): the default group and a collective on it (its threads), then the link (its
     group's threads) and its messages as a learner's last ones run (STOP, the reports after it), then
-    `leave_ranks`; the thread sets at each point go to `out`."""
+    `leave_ranks`; the thread sets at each point go to `rank-{rank}.json` in `spec["out"]`."""
     import datetime
 
     import torch
@@ -59,29 +55,14 @@ def rank_main(out: str) -> None:
     during = threads()
     leave_ranks(link)
     after = threads()
-    Path(out).write_text(json.dumps({"before": sorted(before), "during": sorted(during), "after": sorted(after)}))
+    seen = {"before": sorted(before), "during": sorted(during), "after": sorted(after)}
+    (Path(json.loads(spec)["out"]) / f"rank-{link.rank}.json").write_text(json.dumps(seen))
 
 
 def test_leave_ranks_joins_every_thread_the_links_collectives_started(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = []
+    finish_ranks(start_ranks(2, entry="tests.unit.test_rank_exit:rank_main", out=str(tmp_path)))  # each exits 0
     for rank in range(2):
-        out = tmp_path / f"rank-{rank}.json"
-        code = f"from tests.unit.test_rank_exit import rank_main; rank_main({str(out)!r})"
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
-        ranks.append((subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=err), err, out))
-    for process, _, _ in ranks:
-        process.wait(timeout=120)
-    for process, err, out in ranks:
-        err.seek(0)
-        log = err.read().decode(errors="replace")
-        err.close()
-        assert process.returncode == 0, log[-3000:]
-        seen = {key: set(ids) for key, ids in json.loads(out.read_text()).items()}
+        seen = {key: set(ids) for key, ids in json.loads((tmp_path / f"rank-{rank}.json").read_text()).items()}
         started = seen["during"] - seen["before"]
         assert started, "the link's group has threads of its own"
         assert not started & seen["after"], "leave_ranks joined every one of them"

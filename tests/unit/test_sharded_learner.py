@@ -200,11 +200,14 @@ Ranks = list[tuple[subprocess.Popen, IO[bytes]]]
 """Rank processes and their stderr (a file: nobody drains a pipe while a test waits on the ranks)."""
 
 
-def start_ranks(world: int, **spec: object) -> Ranks:
+def start_ranks(world: int, *, entry: str = "tests.unit.test_sharded_learner:rank_main", **spec: object) -> Ranks:
+    """`world` rank processes under torchrun's environment, each running `entry` ("module:function") with
+    `spec` as its one argument (a JSON string)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = f"from tests.unit.test_sharded_learner import rank_main; rank_main({json.dumps(json.dumps(spec))})"
+    module, function = entry.split(":")
+    code = f"from {module} import {function}; {function}({json.dumps(json.dumps(spec))})"
     processes = []
     for rank in range(world):
         env = {**os.environ, "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
