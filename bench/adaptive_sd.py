@@ -98,6 +98,12 @@ def bucket_label(running: int) -> str:
     return f"{lo}-{DEFAULT_EDGES[i]}" if i < len(DEFAULT_EDGES) else f"{lo}-"
 
 
+def add_to(cells: dict[str, list[float]], label: str, seconds: float, tokens: int) -> None:
+    """Add a step's (or a rep's) seconds and tokens to `cells[label]`."""
+    cell = cells.setdefault(label, [0.0, 0])
+    cell[0], cell[1] = cell[0] + seconds, cell[1] + tokens
+
+
 class GreedyWatch:
     """Per bucket, over the measured reps: the tuner's steps, how often its exploit arm changed from one step
     of the bucket to the next (`flips`: it follows its estimates, so a flip is a new best estimate), the steps
@@ -173,8 +179,7 @@ def run_once(engine: Any, adaptive: Any, groups: list[list[int]], group_size: in
         results = adaptive.step() if adaptive is not None else engine.step()
         seconds, emitted = time.perf_counter() - started, engine.tokens_generated - tokens
         finished += len(results)
-        cell = by_bucket.setdefault(bucket_label(left), [0.0, 0])
-        cell[0], cell[1] = cell[0] + seconds, cell[1] + emitted
+        add_to(by_bucket, bucket_label(left), seconds, emitted)
         lengths += [len(r.token_ids) for r in results]
         last = results or last
         for name, inside in PHASES.items():
@@ -220,8 +225,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
         pooled: dict[str, list[float]] = {}
         for r in reps:
             for label, (seconds, tokens) in r["by_bucket"].items():
-                cell = pooled.setdefault(label, [0.0, 0])
-                cell[0], cell[1] = cell[0] + seconds, cell[1] + tokens
+                add_to(pooled, label, seconds, tokens)
         row["by_bucket"] = {
             label: {"s_per_rep": round(s / len(reps), 3), "ms_per_token": round(1000 * s / max(1, t), 3)}
             for label, (s, t) in sorted(pooled.items(), key=lambda kv: int(kv[0].split("-")[0]))

@@ -35,19 +35,17 @@ TEARDOWN_S = 4.0
 log = logging.getLogger(__name__)
 
 
-async def bounded(step: Awaitable[None], what: str, seconds: float = TEARDOWN_S) -> bool:
+async def bounded(step: Awaitable[None], what: str, seconds: float = TEARDOWN_S) -> None:
     """Await a teardown step for at most `seconds`; its error, if any, is raised. Past that, log an error
-    with the stack of every pending task (what hung, for whoever reads the log), cancel it and go on:
-    False."""
+    with the stack of every pending task (what hung, for whoever reads the log), cancel it and go on."""
     task = asyncio.ensure_future(step)
     done, _ = await asyncio.wait({task}, timeout=seconds)
     if done:
         task.result()
-        return True
+        return
     log.error("%s did not finish within %.0f s of the stop; left behind. Pending tasks:\n%s", what, seconds,
               pending_stacks())  # fmt: skip
     task.cancel()
-    return False
 
 
 def pending_stacks() -> str:

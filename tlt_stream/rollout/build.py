@@ -86,8 +86,8 @@ def build_engine(
         proposer = GroupProposer(strong_match=spec.group_strong_match)
     elif spec.drafter is not None:
         proposer = build_proposer(spec.drafter, model)
-        group = GroupProposer(strong_match=spec.group_strong_match)
-        proposer = MixedProposer(proposer, group) if spec.group else proposer
+        if spec.group:
+            proposer = MixedProposer(proposer, GroupProposer(strong_match=spec.group_strong_match))
     adaptive = spec.adaptive if proposer is not None else None
     arm = spec.arm if proposer is not None and adaptive is None else None  # adaptive SD sets it step by step
     if arm is not None and arm.kind not in arm_kinds(proposer):

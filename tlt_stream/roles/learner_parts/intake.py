@@ -85,11 +85,7 @@ class SampleIntake:
             self.invalid += 1
             await self.reader.give_up(delivery, f"invalid sample: {problem}")
             if offer is None:  # its group is trained without it (or, if it contradicted its siblings, ignores it)
-                offer = self.assembler.mark_dead(sample)
-                if offer.status == "ready":
-                    assert offer.group is not None
-                    log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
-                    self.ready.append(offer.group)
+                self._mark_dead(sample)
             return []
         assert offer is not None
         if offer.status == "duplicate":
@@ -117,7 +113,11 @@ class SampleIntake:
         if member.index >= member.group_size:
             return
         self.invalid += 1
-        offer = self.assembler.mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
+        self._mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
+
+    def _mark_dead(self, sample: Sample) -> None:
+        """A dead-lettered member: its group completes without it (and is ready if members are left)."""
+        offer = self.assembler.mark_dead(sample)
         if offer.status == "ready":
             assert offer.group is not None
             log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
