@@ -37,6 +37,7 @@ estimates at the end. Prints progress to stderr and one JSON object to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -78,6 +79,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workloads", default="tail_heavy,tail_light,differ")
     p.add_argument("--crossover", type=int, default=16, help="measured SD crossover batch (bench/sd_speedup.py)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--context-rows",
+        type=int,
+        default=None,
+        help="also run adaptive with the tuner's group-match context up to this many rows (sd.context_rows), "
+        "as a strategy of its own beside the default settings' adaptive",
+    )
     args = p.parse_args()
     if args.quick:
         args.reps, args.batch = 1, 16
@@ -143,9 +151,9 @@ def watch_greedy(tuner: Any) -> GreedyWatch:
     """Wrap `tuner.choose` to count, per bucket, its exploit arm's changes and its explorations."""
     watch, choose = GreedyWatch(tuner), tuner.choose
 
-    def watched(batch: int, rng: Any, *, expect_sd: bool = True) -> Any:
-        greedy = tuner.greedy(batch, expect_sd=expect_sd)
-        chosen = choose(batch, rng, expect_sd=expect_sd)
+    def watched(batch: int, rng: Any, *, expect_sd: bool = True, context: int = 0) -> Any:
+        greedy = tuner.greedy(batch, expect_sd=expect_sd, context=context)
+        chosen = choose(batch, rng, expect_sd=expect_sd, context=context)
         watch.note(batch, greedy, chosen)
         return chosen
 
@@ -275,8 +283,11 @@ def main() -> None:
         "differ": (heavy, args.differ_temperature),
     }
     fixed = FIXED_QUICK if args.quick else FIXED
-    strategies = ["plain", UPKEEP, *fixed, "adaptive"]
     settings = AdaptiveSettings(crossover=args.crossover, seed=args.seed)
+    variants = {"adaptive": settings}  # adaptive strategy -> its settings
+    if args.context_rows is not None and args.context_rows != settings.context_rows:
+        variants[f"adaptive+ctx{args.context_rows}"] = dataclasses.replace(settings, context_rows=args.context_rows)
+    strategies = ["plain", UPKEEP, *fixed, *variants]
     result: dict[str, Any] = {
         "benchmark": "adaptive_sd",
         "quick": args.quick,
@@ -286,6 +297,7 @@ def main() -> None:
         "reps": args.reps,
         "crossover": args.crossover,
         "adaptive_arms": [label for label in settings.arms if not label.startswith("ngram")],
+        "adaptive_context_rows": {name: v.context_rows for name, v in variants.items()},
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
         "workloads": {},
     }
@@ -294,7 +306,9 @@ def main() -> None:
         """The worker's engine (`build_engine`): plain, a fixed arm, or adaptive (with its controller)."""
         sd = strategy != "plain"
         arm = (
-            None if strategy in ("plain", "adaptive") else Arm.from_label(fixed[0] if strategy == UPKEEP else strategy)
+            None
+            if strategy == "plain" or strategy in variants
+            else Arm.from_label(fixed[0] if strategy == UPKEEP else strategy)
         )
         spec = EngineSpec(
             max_batch=args.batch,
@@ -304,7 +318,7 @@ def main() -> None:
             drafter=str(world / "drafter") if sd else None,
             group=sd,
             arm=arm,
-            adaptive=settings if strategy == "adaptive" else None,
+            adaptive=variants.get(strategy),
         )
         engine, controller = build_engine(str(world / "policy"), spec, drafter_version=0)  # -1: no EAGLE arms
         if strategy == UPKEEP:
@@ -320,21 +334,23 @@ def main() -> None:
         # The tuner lives as long as the worker (across RL steps): warm it up on one rollout of the workload
         # (reported as adaptive_cold), then measure it warm, carrying its statistics from rep to rep. Each
         # rollout's engine, and so its group index, is new: the step's own siblings only, no history.
-        engine, tuner = engine_for("adaptive", temperature)
-        cold = run_once(engine, tuner, groups, args.group, **request, seed=999_999)
-        greedy = watch_greedy(tuner.tuner)  # from the measured reps on
-        log(f"{name} warm-up: adaptive (cold) {cold['total_s']:.2f}s")
+        tuners, colds, greedies = {}, {}, {}
+        for variant in variants:
+            engine, tuners[variant] = engine_for(variant, temperature)
+            colds[variant] = run_once(engine, tuners[variant], groups, args.group, **request, seed=999_999)
+            greedies[variant] = watch_greedy(tuners[variant].tuner)  # from the measured reps on
+            log(f"{name} warm-up: {variant} (cold) {colds[variant]['total_s']:.2f}s")
         for rep in range(args.reps):
             for strategy in strategies:
                 engine, adaptive = engine_for(strategy, temperature)
                 if adaptive is not None:  # the warm tuner, driving this rep's engine
-                    adaptive = tuner
+                    adaptive = tuners[strategy]
                     adaptive.engine = engine
                 run = run_once(engine, adaptive, groups, args.group, **request, seed=1000 * rep)
                 runs[strategy].append(run)
                 log(f"{name} rep {rep}: {strategy} {run['total_s']:.2f}s, tail<=8 {run['tail_le8_s']:.2f}s")
         summary = summarize(runs)
-        fixed_names = [s for s in strategies if s != "adaptive"]
+        fixed_names = [s for s in strategies if s not in variants]
         best = min(fixed_names, key=lambda s: summary[s]["total_s"])
         best_per_token = min(fixed_names, key=lambda s: summary[s]["ms_per_longest_token"])
         adaptive_total = summary["adaptive"]["total_s"]
@@ -354,9 +370,22 @@ def main() -> None:
                 metric: max((s for s in strategies if s != "plain"), key=lambda s: summary[s][metric])
                 for metric in ("tail_le8_speedup_vs_plain", "tail_le8_speedup_per_last_row_token")
             },
-            "adaptive_cold": {k: round(v, 3) for k, v in cold.items() if k != "by_bucket"},
-            "adaptive_arms_chosen": tuner.summary(),
-            "adaptive_greedy": greedy.summary(),
+            "adaptive_cold": {k: round(v, 3) for k, v in colds["adaptive"].items() if k != "by_bucket"},
+            "adaptive_arms_chosen": tuners["adaptive"].summary(),
+            "adaptive_greedy": greedies["adaptive"].summary(),
+            "variants": {
+                variant: {
+                    "over_best_fixed": round(summary[variant]["total_s"] / summary[best]["total_s"], 3),
+                    "over_best_fixed_per_longest_token": round(
+                        summary[variant]["ms_per_longest_token"] / summary[best_per_token]["ms_per_longest_token"],
+                        3,
+                    ),
+                    "cold": {k: round(v, 3) for k, v in colds[variant].items() if k != "by_bucket"},
+                    "arms_chosen": tuners[variant].summary(),
+                    "greedy": greedies[variant].summary(),
+                }
+                for variant in variants
+            },
         }
     result["goals"] = {"adaptive_over_best_fixed_max": 1.05, "tail_le8_speedup_vs_plain_min": 2.5}
     print(json.dumps(result, indent=2))

@@ -89,3 +89,55 @@ def test_above_the_crossover_an_arm_measured_faster_than_plain_runs_unless_told_
     drain(adaptive, [[5, 9, 12]] * 4, [16, 16, 16, 16])
     wide = {label for (bucket, label), steps in adaptive.log.chosen.items() if bucket >= 1 and steps}
     assert wide == ({"d2k1v2"} if above == "measure" else {"plain"}), adaptive.log.chosen
+
+
+def test_the_group_context_grades_how_far_each_row_follows_what_the_prompts_responses_wrote() -> None:
+    group = GroupProposer(max_match=8, strong_match=4)
+    prompt = [1, 2, 3]
+    group.remember(prompt, [10, 11, 12, 13, 14, 15])  # a sibling that finished
+    for slot in (0, 1, 2):
+        group.reset_slot(slot, prompt)
+        group.observe(slot, prompt[1:])  # the engine observes prompt[1:], then the response
+    assert group.context(3) == 1, "the prompt's 3 tokens match, and the sibling went on after them"
+    group.observe(0, [10, 11, 12])  # follows the sibling: '1 2 3 10 11 12' matches 6 tokens
+    group.observe(1, [40, 41, 42])  # wrote what nothing wrote before: no match with a continuation
+    group.observe(2, [7, 12, 13])  # '12 13' matches 2 tokens (13 was followed by 14): half of strong
+    assert [group.context(1)] == [2]
+    group.move_slot(1, 0)  # the rows the engine runs are 0..B-1: context reads them in slot order
+    group.move_slot(2, 1)
+    assert group.context(1) == 0 and group.context(2) == 1  # (0 + 1) / 2, halves rounded up
+
+
+@pytest.mark.parametrize("context_rows", [0, 6])
+def test_each_step_is_chosen_and_recorded_in_the_group_context_read_before_it(
+    init_policy: Path, context_rows: int
+) -> None:
+    model = load_model(init_policy)
+    torch.manual_seed(0)
+    group = GroupProposer(strong_match=2)
+    prompts = [[5, 9, 12, 7, 5, 9]] * 4
+    group.remember(prompts[0], GenerationEngine(model, 1, 96).generate(prompts[:1], 30, temperature=0.0)[0].token_ids)
+    engine = GenerationEngine(
+        model, 4, 96, proposer=MixedProposer(EagleProposer(Drafter(model.spec).bind(model)), group)
+    )
+    arms = ("plain", "d2k1v2", "group-d8v8", "d2k1v2|g6")
+    adaptive = AdaptiveSd(
+        engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.3, arms=arms, context_rows=context_rows)
+    )
+    read, chosen, recorded = [], [], []
+    context, choose, record = group.context, adaptive.tuner.choose, adaptive.tuner.record
+    group.context = lambda batch: read.append(context(batch)) or read[-1]  # type: ignore[method-assign]
+    adaptive.tuner.choose = lambda *a, **k: chosen.append(k["context"]) or choose(*a, **k)  # type: ignore[method-assign]
+    adaptive.tuner.record = lambda *a, **k: recorded.append(k["context"]) or record(*a, **k)  # type: ignore[method-assign]
+    plain = GenerationEngine(model, 4, 96).generate(prompts, 30, temperature=0.0)
+    done = drain(adaptive, prompts, [30, 24, 18, 12])
+    assert [done[i] for i in range(4)] == [r.token_ids[:n] for r, n in zip(plain, [30, 24, 18, 12], strict=True)]
+    if context_rows == 0:
+        assert adaptive.tuner.contexts == 1 and read == [] and set(chosen) == {0}
+        return
+    assert adaptive.tuner.contexts == 3
+    assert chosen == [0, *read], (
+        "the first step only prefills (no row to read), then every choice is made in the context read before it"
+    )
+    assert set(recorded) <= set(read) and len(recorded) > 0
+    assert 2 in read, "rows following the remembered response read as following strongly"

@@ -597,6 +597,111 @@ def test_a_new_drafter_decays_drafter_arm_statistics_to_a_prior() -> None:
     assert tuner.rate(32, D4) == 300.0
 
 
+# ---------------------------------------------------------------------------------------------------- contexts
+
+GROUP = Arm.group_source(8, 8)
+FOLLOWING = {(PLAIN, 0): 100.0, (D4, 0): 150.0, (GROUP, 0): 50.0, (PLAIN, 2): 100.0, (D4, 2): 150.0, (GROUP, 2): 400.0}
+"""Rates by (arm, context): the group arm is fast while the row follows a sibling (context 2), slow after."""
+
+
+def stretches(tuner: SdTuner, steps: int, *, contexts: bool) -> tuple[Counter, float]:
+    """A row that follows a sibling for 40 steps, then leaves it for 40, and so on: the tuner chooses with the
+    context (or without), each step is recorded with its context; (picks of the second half by (context,
+    arm), simulated seconds per token of the second half)."""
+    rng, env = random.Random(1), random.Random(2)
+    picks: Counter = Counter()
+    tokens = seconds = 0.0
+    for step in range(steps):
+        context = 2 if (step // 40) % 2 else 0
+        told = context if contexts else 0
+        arm = tuner.choose(1, rng, context=told)
+        rate = FOLLOWING[arm, context] * math.exp(env.gauss(0.0, 0.05))
+        tuner.record(1, arm, 64, 64 / rate, context=told)
+        if step >= steps // 2:
+            picks[context, arm] += 1
+            tokens, seconds = tokens + 64, seconds + 64 / rate
+    return picks, seconds / tokens
+
+
+def test_with_contexts_an_arm_is_judged_in_the_state_the_step_runs_in() -> None:
+    arms = (PLAIN, D4, GROUP)
+    aware = SdTuner(arms, epsilon=0.1, contexts=3, drafter_version=0)
+    picks, per_token = stretches(aware, 2000, contexts=True)
+    assert aware.greedy(1, context=0) == D4 and aware.greedy(1, context=2) == GROUP
+    for context, best in ((0, D4), (2, GROUP)):
+        ran = {arm: n for (c, arm), n in picks.items() if c == context}
+        assert max(ran, key=ran.__getitem__) == best, (context, ran)
+    assert aware.rate(1, GROUP, context=2) == pytest.approx(400.0, rel=0.1)
+    assert aware.rate(1, GROUP, context=0) == pytest.approx(50.0, rel=0.1)
+    # The premise: judged per bucket only, the group arm's window fills while it wins and carries it on into the
+    # stretches where it loses (and back), so the same rows cost more per token.
+    blind = SdTuner(arms, epsilon=0.1, drafter_version=0)
+    blind_picks, blind_per_token = stretches(blind, 2000, contexts=False)
+    assert blind_picks[0, GROUP] > picks[0, GROUP]
+    assert per_token < blind_per_token
+
+
+def test_a_new_context_starts_from_the_buckets_estimates_instead_of_trying_every_arm_again() -> None:
+    tuner = SdTuner((PLAIN, D4, GROUP), epsilon=0.0, contexts=3, drafter_version=0)
+    for arm, rate in ((PLAIN, 100.0), (D4, 300.0), (GROUP, 200.0)):
+        for _ in range(8):
+            tuner.record(1, arm, int(rate), 1.0, context=0)
+    rng = random.Random(0)
+    assert {tuner.choose(1, rng, context=1) for _ in range(20)} == {D4}  # nothing was measured in context 1
+    assert tuner.rate(1, GROUP, context=1) == tuner.rate(1, GROUP) == 200.0
+    for _ in range(tuner.confirm - 1):  # below `confirm` steps the context's own window is not trusted yet
+        tuner.record(1, D4, 50, 1.0, context=1)
+    assert tuner.greedy(1, context=1) == D4
+    tuner.record(1, D4, 50, 1.0, context=1)
+    assert tuner.greedy(1, context=1) == GROUP and tuner.greedy(1, context=0) == D4
+
+
+def test_a_tables_arm_gives_way_only_to_an_arm_confirmed_faster_in_the_steps_context() -> None:
+    tuner = SdTuner((PLAIN, D4, GROUP), epsilon=0.0, contexts=3, drafter_version=0)
+    assert tuner.adopt_table(SdTable(best={0: D4}, drafter_version=0))
+    for _ in range(tuner.confirm):
+        tuner.record(1, GROUP, 400, 1.0, context=2)
+    assert tuner.greedy(1, context=2) == D4, "the table's arm is not measured in context 2: the table holds"
+    for _ in range(tuner.confirm):
+        tuner.record(1, D4, 150, 1.0, context=2)
+        tuner.record(1, D4, 300, 1.0, context=0)
+        tuner.record(1, GROUP, 50, 1.0, context=0)
+    assert tuner.greedy(1, context=2) == GROUP and tuner.greedy(1, context=0) == D4
+    single = SdTuner((PLAIN, D4, GROUP), epsilon=0.0, drafter_version=0)  # one context: the table always holds
+    single.adopt_table(SdTable(best={0: D4}, drafter_version=0))
+    for _ in range(8):
+        single.record(1, GROUP, 400, 1.0)
+        single.record(1, D4, 150, 1.0)
+    assert single.greedy(1) == D4
+
+
+def test_a_new_drafter_resets_its_arms_windows_in_every_context() -> None:
+    tuner = SdTuner((PLAIN, D4, GROUP), epsilon=0.0, contexts=3, drafter_version=0)
+    for _ in range(8):
+        tuner.record(1, D4, 900, 1.0, context=2)
+        tuner.record(1, GROUP, 400, 1.0, context=2)
+        tuner.record(1, PLAIN, 100, 1.0, context=2)
+    assert tuner.greedy(1, context=2) == D4
+    assert tuner.on_new_drafter(1, "reset")
+    for _ in range(tuner.confirm - 1):  # the new drafter, measured too briefly in context 2 to be judged there
+        tuner.record(1, D4, 80, 1.0, context=2)
+    assert tuner.rate(1, D4, context=2) == 80.0, "judged by its bucket's window, not the old drafter's 900"
+    assert tuner.greedy(1, context=2) == GROUP
+
+
+def test_contexts_are_checked() -> None:
+    with pytest.raises(ValueError, match="contexts"):
+        SdTuner((PLAIN, D4), contexts=0)
+    tuner = SdTuner((PLAIN, D4), contexts=3)
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match="context"):
+            tuner.choose(1, random.Random(0), context=bad)
+        with pytest.raises(ValueError, match="context"):
+            tuner.record(1, PLAIN, 1, 1.0, context=bad)
+    with pytest.raises(ValueError, match="context"):
+        SdTuner((PLAIN, D4)).choose(1, random.Random(0), context=1)
+
+
 # ---------------------------------------------------------------------------------------------------- fallback
 
 

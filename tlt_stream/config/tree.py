@@ -430,6 +430,15 @@ class SdConfig(_Section, frozen=True):
             "plain only (plain: no SD step at all above it)."
         ),
     ] = "measure"
+    context_rows: Annotated[
+        int,
+        _doc(
+            "With the group source, up to this many running rows the tuner judges each arm separately by how "
+            "well the rows' last tokens follow the group's responses (none, some, strongly): a group arm is "
+            "fast while a row follows a sibling and slow once it leaves it. 0: per batch bucket only.",
+            ge=0,
+        ),
+    ] = 0
     seed: Annotated[int, _doc("Seed of the tuner's exploration.")] = 0
 
 

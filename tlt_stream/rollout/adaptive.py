@@ -55,6 +55,9 @@ class AdaptiveSettings:
     on_new_drafter: Literal["reset", "decay"] = DEFAULTS.sd.on_new_drafter
     above_crossover: Literal["measure", "plain"] = DEFAULTS.sd.above_crossover
     """Where the switch is off: plain unless an explored arm measured faster (`measure`), or plain only."""
+    context_rows: int = DEFAULTS.sd.context_rows
+    """Up to this many running rows the tuner judges arms per context, the proposer's `context` (how well the
+    rows follow the group's responses); 0, or a proposer without one: per bucket only."""
     seed: int = DEFAULTS.sd.seed
 
     @classmethod
@@ -69,6 +72,7 @@ class AdaptiveSettings:
             edges=sd.edges,
             on_new_drafter=sd.on_new_drafter,
             above_crossover=sd.above_crossover,
+            context_rows=sd.context_rows,
             seed=sd.seed,
         )
 
@@ -110,6 +114,7 @@ class AdaptiveSd:
             epsilon=settings.epsilon,
             window=settings.window,
             drafter_version=drafter_version if "drafter" in kinds else -1,
+            contexts=getattr(proposer, "contexts", 1) if settings.context_rows > 0 else 1,
         )
         self.switch = SdSwitch.from_crossover(settings.crossover, settings.margin)
         self.rng = random.Random(settings.seed)
@@ -124,8 +129,12 @@ class AdaptiveSd:
         on = self.switch.update(batch)
         if self.switch.changed:
             self.log.switches.append((time.time(), batch, on))
+        running = scheduler.num_running
+        context = 0
+        if self.tuner.contexts > 1 and running > 0 and batch <= self.settings.context_rows:
+            context = engine.proposer.context(running)
         if on or self.settings.above_crossover == "measure":
-            arm = self.tuner.choose(batch, self.rng, expect_sd=on)
+            arm = self.tuner.choose(batch, self.rng, expect_sd=on, context=context)
         else:
             arm = Arm.plain()
         engine.arm = None if arm.kind == "plain" else arm
@@ -138,7 +147,7 @@ class AdaptiveSd:
         bucket = self.tuner.bucket(batch)
         self.log.chosen[(bucket, arm.label)] += 1
         if scheduler.num_waiting == waiting and seconds > 0 and emitted > 0:  # no prefill in this step
-            self.tuner.record(batch, arm, emitted, seconds)
+            self.tuner.record(batch, arm, emitted, seconds, context=context)
             pending = self._pending.setdefault((bucket, arm), ArmMeasurement(bucket, arm))
             pending.tokens += emitted
             pending.seconds += seconds

@@ -492,6 +492,23 @@ class GroupProposer:
             out.append((tokens, parents))
         return out
 
+    contexts = 3
+    """Levels of `context`."""
+
+    def context(self, batch: int) -> int:
+        """How well running rows 0..batch-1 follow what the prompt's responses wrote, before a step: per row 0
+        (its last tokens match less than half `strong_match` tokens of something that was continued), 1 (less
+        than `strong_match`) or 2, the rows' mean rounded. The adaptive tuner judges arms per level: a group
+        arm's speed depends on it for as long as a row follows a sibling. It reads committed tokens only, so
+        an arm chosen by it keeps decoding lossless."""
+        half = max(1, self.strong_match // 2)
+        total = 0
+        for slot in range(batch):
+            row = self._rows[slot]
+            _, matched = row.index.match(row.history, self.max_match, self.min_match)
+            total += 2 if matched >= self.strong_match else 1 if matched >= half else 0
+        return (2 * total + batch) // (2 * batch)  # the mean, halves rounded up
+
     def chains(self, batch: int, length: int) -> list[tuple[list[int], int]]:
         """(most frequent continuation of at most `length` tokens, match length) per running row."""
         return [
@@ -518,9 +535,15 @@ class MixedProposer:
         self.eagle, self.group = eagle, group
         self.kinds = frozenset({"drafter", "group", "mixed", "either"})
 
+    contexts = GroupProposer.contexts
+
     @property
     def drafter(self) -> Drafter:
         return self.eagle.drafter
+
+    def context(self, batch: int) -> int:
+        """The group source's `context`: EAGLE's speed does not depend on the group, the other arms' does."""
+        return self.group.context(batch)
 
     def allocate(self, max_batch: int, max_len: int) -> None:
         self.eagle.allocate(max_batch, max_len)

@@ -7,11 +7,14 @@ it is large (docs/benchmarks.md: on this CPU it loses at every batch from 16 up)
   around the threshold does not flap;
 - `SdTuner` picks an `Arm` per batch-size bucket by epsilon-greedy on a robust throughput estimate over a
   sliding window of steps (accepted tokens and wall seconds of draft + verify): the median of the pooled
-  rates (tokens / seconds) of consecutive runs of `chunk` steps. Plain decoding and n-gram lookup are
-  arms too, so the same measurements choose the fallback before a drafter exists or when its drafts stop
-  being accepted. The switch is its prior, not a wall: where it is off, plain decoding runs unless an arm
-  has been measured to beat it there (found by exploring), so a crossover measured on another workload or
-  an older engine costs exploration, not the speed-up; exploration favours arms measured near the best;
+  rates (tokens / seconds) of consecutive runs of `chunk` steps. Optionally per context too: a small
+  state of the running rows the engine reads before the step (how well the group's responses match them),
+  so an arm whose speed depends on that state is judged in the state it will run in. Plain decoding and
+  n-gram lookup are arms too, so the same measurements choose the fallback before a drafter exists or when
+  its drafts stop being accepted. The switch is its prior, not a wall: where it is off, plain decoding runs
+  unless an arm has been measured to beat it there (found by exploring), so a crossover measured on another
+  workload or an older engine costs exploration, not the speed-up; exploration favours arms measured near
+  the best;
 - `aggregate_reports` merges several workers' measurements into the table the policy service publishes;
   workers exploit that table and keep exploring with probability epsilon.
 
@@ -229,6 +232,16 @@ class SdTuner:
     buckets where some arms lose badly), and one good measurement of an arm that improved raises its weight
     at once, so its window refills quickly. Every arm keeps a weight of at least `explore_floor`.
 
+    With `contexts` > 1 each step also names a context (0 .. contexts - 1: a state of the running rows known
+    before the step, such as how well the group's responses match them; `AdaptiveSd` reads it from the
+    proposer). An arm's speed can depend on that state for many steps in a row (a row that follows a
+    sibling's response drafts well from the group for as long as it follows it), and a window filled in the
+    stretches where an arm was chosen then overrates it everywhere else. So every step is also kept in a
+    window per (bucket, context, arm), and an arm with at least `confirm` steps in the step's context is
+    judged by that window; below that, by its bucket's window over every context (a new context inherits the
+    bucket's estimates instead of trying every arm again). Likewise an adopted table's arm gives way to an
+    arm confirmed faster in the step's context than the table's arm, itself confirmed there.
+
     Drafter arms are eligible only once a drafter exists (`drafter_version >= 0`); at least one plain or
     n-gram arm is required, so there is always a choice. A new drafter (`on_new_drafter`) resets or
     decays the drafter arms' windows; plain and n-gram measurements stay.
@@ -247,6 +260,7 @@ class SdTuner:
         confirm: int = 3,
         explore_power: float = 4.0,
         explore_floor: float = 0.1,
+        contexts: int = 1,
     ) -> None:
         if len(set(arms)) != len(arms) or not arms:
             raise ValueError(f"arms must be non-empty and distinct, got {[a.label for a in arms]}")
@@ -258,6 +272,8 @@ class SdTuner:
             raise ValueError(f"window and chunk must be >= 1, got {window}, {chunk}")
         if not 0 < decay_keep <= 1:
             raise ValueError(f"decay_keep must be in (0, 1], got {decay_keep}")
+        if contexts < 1:
+            raise ValueError(f"contexts must be >= 1, got {contexts}")
         if confirm < 1 or explore_power < 0 or not 0 < explore_floor <= 1:
             raise ValueError(
                 f"need confirm >= 1, explore_power >= 0 and explore_floor in (0, 1], got {confirm}, "
@@ -272,9 +288,11 @@ class SdTuner:
         self.confirm = min(confirm, window)
         self.explore_power = explore_power
         self.explore_floor = explore_floor
+        self.contexts = contexts
         self._drafter_version = drafter_version
         self._trusted_drafter = -1  # tables measured before this drafter version are refused (after a reset)
         self._windows: dict[tuple[int, Arm], deque[tuple[float, float]]] = {}  # (tokens, seconds) per step
+        self._context_windows: dict[tuple[int, int, Arm], deque[tuple[float, float]]] = {}  # with contexts > 1
         self._table: SdTable | None = None
 
     @property
@@ -291,9 +309,13 @@ class SdTuner:
     def eligible_arms(self) -> list[Arm]:
         return [arm for arm in self.arms if not arm.uses_drafter or self._drafter_version >= 0]
 
-    def rate(self, batch_size: int, arm: Arm) -> float | None:
-        """The arm's estimated tokens/s in the batch size's bucket (`estimate`), or None when untried."""
-        window = self._windows.get((self.bucket(batch_size), arm))
+    def rate(self, batch_size: int, arm: Arm, *, context: int | None = None) -> float | None:
+        """The arm's estimated tokens/s in the batch size's bucket (`estimate`), or None when untried; with a
+        `context`, what a decision in that context goes by (the context's window once confirmed)."""
+        bucket = self.bucket(batch_size)
+        if context is not None:
+            return self._judged(bucket, self._check_context(context), arm)
+        window = self._windows.get((bucket, arm))
         return self.estimate(window) if window else None
 
     def estimate(self, steps: Sequence[tuple[float, float]]) -> float:
@@ -321,32 +343,52 @@ class SdTuner:
         bucket = self.bucket(batch_size)
         return {arm: self.estimate(w) for arm in self.arms if (w := self._windows.get((bucket, arm)))}
 
-    def greedy(self, batch_size: int, *, expect_sd: bool = True) -> Arm:
+    def greedy(self, batch_size: int, *, expect_sd: bool = True, context: int = 0) -> Arm:
         """What `choose` returns when it does not explore."""
-        return self._greedy(self.bucket(batch_size), self.eligible_arms(), expect_sd)
+        return self._greedy(self.bucket(batch_size), self.eligible_arms(), expect_sd, self._check_context(context))
 
-    def choose(self, batch_size: int, rng: random.Random, *, expect_sd: bool = True) -> Arm:
-        """The arm for a step at this batch size; `expect_sd=False` where the switch says SD should not pay."""
+    def choose(self, batch_size: int, rng: random.Random, *, expect_sd: bool = True, context: int = 0) -> Arm:
+        """The arm for a step at this batch size; `expect_sd=False` where the switch says SD should not pay;
+        `context`: the running rows' state before the step (0 .. contexts - 1)."""
         bucket = self.bucket(batch_size)
+        context = self._check_context(context)
         arms = self.eligible_arms()
-        greedy = self._greedy(bucket, arms, expect_sd)
+        greedy = self._greedy(bucket, arms, expect_sd, context)
         if expect_sd and self._table_arm(bucket, arms) is None and not self._tried(bucket, greedy):
             return greedy
         others = [arm for arm in arms if arm != greedy]
         if others and rng.random() < self.epsilon:
-            return self._explore(bucket, others, rng)
+            return self._explore(bucket, others, rng, context)
         return greedy
 
-    def _explore_weights(self, bucket: int, arms: Sequence[Arm]) -> list[float]:
+    def _check_context(self, context: int) -> int:
+        if not 0 <= context < self.contexts:
+            raise ValueError(f"context must be in [0, {self.contexts}), got {context}")
+        return context
+
+    def _in_context(self, bucket: int, context: int, arm: Arm) -> deque[tuple[float, float]] | None:
+        """The arm's window in the context, when it holds at least `confirm` steps (else the bucket's rules)."""
+        if self.contexts == 1:
+            return None
+        window = self._context_windows.get((bucket, context, arm))
+        return window if window is not None and len(window) >= self.confirm else None
+
+    def _judged(self, bucket: int, context: int, arm: Arm) -> float | None:
+        """What a decision in `context` goes by: the context's window once confirmed, else the bucket's."""
+        window = self._in_context(bucket, context, arm) or self._windows.get((bucket, arm))
+        return self.estimate(window) if window else None
+
+    def _explore_weights(self, bucket: int, arms: Sequence[Arm], context: int = 0) -> list[float]:
         """Relative odds of each of `arms` when the tuner explores (untried arms are drawn before these)."""
-        rates = {arm: self._rate(bucket, arm) for arm in self.arms if self._tried(bucket, arm)}
+        rates = {arm: self._rate(bucket, arm, context) for arm in self.arms if self._tried(bucket, arm)}
         best = max(rates.values(), default=0.0)
         if best <= 0:
             return [1.0] * len(arms)
         return [max(self.explore_floor, (rates.get(arm, best) / best) ** self.explore_power) for arm in arms]
 
-    def record(self, batch_size: int, arm: Arm, tokens: int, seconds: float) -> None:
-        """One measurement: `tokens` accepted (bonus tokens included) in `seconds` of draft + verify."""
+    def record(self, batch_size: int, arm: Arm, tokens: int, seconds: float, *, context: int = 0) -> None:
+        """One measurement: `tokens` accepted (bonus tokens included) in `seconds` of draft + verify, in a step
+        whose rows were in `context`."""
         if arm not in self.arms:
             raise ValueError(f"arm {arm.label} is not one of this tuner's arms")
         if tokens < 0 or not seconds > 0:
@@ -356,6 +398,12 @@ class SdTuner:
         if window is None:
             window = self._windows[key] = deque(maxlen=self.window)
         window.append((float(tokens), float(seconds)))
+        if self.contexts > 1:
+            key3 = (key[0], self._check_context(context), arm)
+            window = self._context_windows.get(key3)
+            if window is None:
+                window = self._context_windows[key3] = deque(maxlen=self.window)
+            window.append((float(tokens), float(seconds)))
 
     def adopt_table(self, table: SdTable) -> bool:
         """Exploit `table` from now on (replacing any earlier one). Refused, returning False, when it was
@@ -378,7 +426,8 @@ class SdTuner:
         if version <= self._drafter_version:
             return False
         self._drafter_version = version
-        for (_, arm), window in self._windows.items():
+        for key, window in itertools.chain(self._windows.items(), self._context_windows.items()):
+            arm = key[-1]
             if not arm.uses_drafter or not window:
                 continue
             if mode == "reset":
@@ -397,16 +446,17 @@ class SdTuner:
     def _tried(self, bucket: int, arm: Arm) -> bool:
         return bool(self._windows.get((bucket, arm)))
 
-    def _rate(self, bucket: int, arm: Arm) -> float:
-        """For exploration odds: the higher of the arm's estimate and its latest run's pooled rate."""
-        window = self._windows[bucket, arm]
+    def _rate(self, bucket: int, arm: Arm, context: int = 0) -> float:
+        """For exploration odds: the higher of the arm's estimate and its latest run's pooled rate (in the
+        context once confirmed there)."""
+        window = self._in_context(bucket, context, arm) or self._windows[bucket, arm]
         return max(self.estimate(window), self.estimate(list(window)[-self.chunk :]))  # the latest run: pooled
 
-    def _explore(self, bucket: int, others: list[Arm], rng: random.Random) -> Arm:
+    def _explore(self, bucket: int, others: list[Arm], rng: random.Random, context: int = 0) -> Arm:
         untried = [arm for arm in others if not self._tried(bucket, arm)]
         if untried:
             return rng.choice(untried)
-        return rng.choices(others, self._explore_weights(bucket, others))[0]
+        return rng.choices(others, self._explore_weights(bucket, others, context))[0]
 
     def _table_arm(self, bucket: int, eligible: list[Arm]) -> Arm | None:
         if self._table is None:
@@ -414,9 +464,9 @@ class SdTuner:
         arm = self._table.best.get(bucket)
         return arm if arm in eligible else None
 
-    def _greedy(self, bucket: int, eligible: list[Arm], expect_sd: bool = True) -> Arm:
+    def _greedy(self, bucket: int, eligible: list[Arm], expect_sd: bool = True, context: int = 0) -> Arm:
         if (arm := self._table_arm(bucket, eligible)) is not None:
-            return arm
+            return self._beats_table(bucket, context, arm, eligible)
         if not expect_sd:
             base = next((arm for arm in eligible if arm.kind == "plain"), None) or next(
                 arm for arm in eligible if not arm.uses_drafter
@@ -424,15 +474,27 @@ class SdTuner:
             if not self._tried(bucket, base):
                 return base
             confirmed = [
-                (arm, self.estimate(w))
+                (arm, self._judged(bucket, context, arm))
                 for arm in (base, *(a for a in eligible if a != base))
                 if (w := self._windows.get((bucket, arm))) and (arm == base or len(w) >= self.confirm)
             ]
             return max(confirmed, key=lambda pair: pair[1])[0]
         estimates: list[tuple[Arm, float]] = []
         for arm in eligible:
-            window = self._windows.get((bucket, arm))
-            if not window:
+            estimate = self._judged(bucket, context, arm)
+            if estimate is None:
                 return arm
-            estimates.append((arm, self.estimate(window)))
+            estimates.append((arm, estimate))
         return max(estimates, key=lambda pair: pair[1])[0]
+
+    def _beats_table(self, bucket: int, context: int, table_arm: Arm, eligible: list[Arm]) -> Arm:
+        """The table's arm, unless both it and another arm are confirmed in `context` and the other is faster."""
+        own = self._in_context(bucket, context, table_arm)
+        if own is None:
+            return table_arm
+        best, best_rate = table_arm, self.estimate(own)
+        for arm in eligible:
+            window = self._in_context(bucket, context, arm) if arm != table_arm else None
+            if window is not None and (rate := self.estimate(window)) > best_rate:
+                best, best_rate = arm, rate
+        return best
