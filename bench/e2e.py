@@ -184,12 +184,12 @@ def run_tlt(
             "trained_response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in rows), 1),
         }
     if partial := partial_rollouts(read_jsonl(run_dir / "timeline.jsonl")):
-        kept = sum(r["kept"] for r in partial.values())
-        verified = kept + sum(r["discarded"] for r in partial.values())
+        kept = sum(r["kept_tokens"] for r in partial.values())
+        verified = kept + sum(r["discarded_tokens"] for r in partial.values())
         figures["partial"] = {
             "reverified_tokens": verified,
             "kept_share": round(kept / verified, 3) if verified else None,
-            "ahead_worker_s": round(sum(r["ahead_s"] for r in partial.values()), 1),
+            "ahead_worker_s": round(sum(r["ahead_seconds"] for r in partial.values()), 1),
         }
     write_report(run_dir)
     return figures

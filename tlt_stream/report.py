@@ -1,6 +1,7 @@
 """Plots of a run directory: what the learner wrote to `metrics.jsonl` (and `eval.jsonl` when a held-out
-evaluation ran), as PNGs plus one HTML page that shows them. `tlt-stream report RUN_DIR` and the end of
-`tlt-stream run` both call `write_report`.
+evaluation ran), as PNGs plus one HTML page that shows them, with per-step tables of partial rollouts (from
+the rollout reports in `timeline.jsonl`) and of groups dropped as too stale. `tlt-stream report RUN_DIR` and
+the end of `tlt-stream run` both call `write_report`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from tlt_stream.rl.records import load_metrics, read_jsonl
 
-__all__ = ["state_intervals", "write_report"]
+__all__ = ["draft_sources", "partial_rollouts", "stale_drops", "state_intervals", "write_report"]
 
 log = logging.getLogger(__name__)
 
@@ -208,20 +209,77 @@ def draft_sources(timeline: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return {name: s for name, s in draft_source_totals(reports).items() if s["drafted"]}
 
 
-def partial_rollouts(timeline: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per policy version, from the rollout reports: tokens re-verified, kept and discarded, and the seconds a
-    draft group was in flight (the tail filled with the next step's work); versions with none left out."""
-    out: dict[int, dict[str, float]] = {}
-    for e in timeline:
-        if e.get("kind") != "rollout":
-            continue
-        kept, discarded, ahead = e.get("kept_tokens") or 0, e.get("discarded_tokens") or 0, e.get("ahead_seconds") or 0
-        if kept or discarded or ahead:
-            row = out.setdefault(int(e.get("policy_version") or 0), {"kept": 0, "discarded": 0, "ahead_s": 0.0})
-            row["kept"] += kept
-            row["discarded"] += discarded
-            row["ahead_s"] += ahead
-    return dict(sorted(out.items()))
+def partial_rollouts(timeline: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Partial rollouts per step from the run's rollout reports (`timeline.jsonl`), step s being the policy
+    version the drafts were verified into: tokens generated ahead (`ahead_tokens`, those re-verification
+    judged), kept, discarded, the kept share, and the worker-seconds with a draft in flight (the tail of
+    step s - 1 filled with step s's work); steps with none left out (`summaries.partial_by_step`)."""
+    from tlt_stream.monitor.summaries import partial_by_step
+
+    return partial_by_step(
+        (
+            int(e.get("policy_version") or 0),
+            e.get("kept_tokens") or 0,
+            e.get("discarded_tokens") or 0,
+            e.get("ahead_seconds") or 0.0,
+        )
+        for e in timeline
+        if e.get("kind") == "rollout"
+    )
+
+
+def stale_drops(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Groups the learner dropped as too stale per update (`metrics.jsonl`, by the version the update made)
+    and their responses' mean length against the trained ones' (`summaries.stale_drops`)."""
+    from tlt_stream.monitor.summaries import stale_drops as summarise
+
+    return summarise((r["version"], len(r.get("response_lens") or ()) or 1, r) for r in rows)
+
+
+def _number(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def _table(title: str, note: str, head: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    heads = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    return f"<h2>{html.escape(title)}</h2><p>{html.escape(note)}</p><table><tr>{heads}</tr>{cells}</table>"
+
+
+def _partial_table(partial: dict[int, dict[str, Any]]) -> str:
+    rows = [
+        (
+            f"v{v}",
+            p["ahead_tokens"],
+            p["kept_tokens"],
+            p["discarded_tokens"],
+            _number(p["kept_share"], ".0%"),
+            f"{p['ahead_seconds']:.1f}",
+        )
+        for v, p in partial.items()
+    ]
+    note = (
+        "Per step: the policy version the drafts were verified into (the version their samples carry). Tokens "
+        "generated ahead under the previous version and judged when this one loaded, how many re-verification "
+        "kept and discarded, and the worker-seconds drafts of this step ran while the previous step's tail did."
+    )
+    head = ("step", "tokens generated ahead", "kept", "discarded", "kept share", "tail filled (worker-s)")
+    return _table("Partial rollouts per step", note, head, rows)
+
+
+def _stale_table(drops: dict[str, Any]) -> str:
+    rows = [
+        (f"v{v}", u["groups"], _number(u["dropped_len_mean"]), _number(u["trained_len_mean"]))
+        for v, u in drops["per_update"].items()
+        if u["groups"]
+    ]
+    note = (
+        "Per learner update (the version it made): groups dropped as too stale while it was assembled, and the "
+        "mean response length of the dropped and of the trained samples (longer dropped ones: a bias against "
+        "long responses)."
+    )
+    head = ("update", "groups dropped", "dropped response length", "trained response length")
+    return _table("Groups dropped as too stale", note, head, rows)
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -257,14 +315,26 @@ def write_report(run_dir: str | Path) -> Path:
             f"{name} {s['accepted'] / s['drafted']:.2f} ({s['accepted']} of {s['drafted']} drafted)"
             for name, s in sources.items()
         )
+    tables = ""
     if partial := partial_rollouts(timeline):
-        kept = sum(r["kept"] for r in partial.values())
-        verified = kept + sum(r["discarded"] for r in partial.values())
+        ahead = sum(p["ahead_tokens"] for p in partial.values())
+        kept = sum(p["kept_tokens"] for p in partial.values())
         summary["partial rollouts"] = (
-            f"{kept} of {verified} re-verified tokens kept ({kept / max(verified, 1):.0%}); drafts filled the tail "
-            f"for {sum(r['ahead_s'] for r in partial.values()):.1f} worker-seconds; per version: "
-            + ", ".join(f"v{v} {r['kept']}/{r['kept'] + r['discarded']}" for v, r in partial.items())
+            f"{ahead} tokens generated ahead, {kept} kept ({kept / max(ahead, 1):.0%}) and {ahead - kept} "
+            f"discarded; drafts filled the tail for {sum(p['ahead_seconds'] for p in partial.values()):.1f} "
+            "worker-seconds (per step below)"
         )
+        tables += _partial_table(partial)
+    drops = stale_drops(rows)
+    if drops["groups"]:
+        summary["groups dropped as too stale"] = (
+            f"{drops['groups']} over {sum(1 for u in drops['per_update'].values() if u['groups'])} updates; mean "
+            f"response length {_number(drops['dropped_len_mean'])} dropped vs {_number(drops['trained_len_mean'])} "
+            "trained in the same updates (per update below)"
+        )
+        tables += _stale_table(drops)
+    elif drops["per_update"]:
+        summary["groups dropped as too stale"] = "none"
     items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in summary.items())
     figures = "".join(
         f'<figure><img src="{name}" alt="{html.escape(title)}"><figcaption>{html.escape(title)}</figcaption></figure>'
@@ -275,6 +345,6 @@ def write_report(run_dir: str | Path) -> Path:
         "<!doctype html><meta charset='utf-8'><title>tlt-stream run report</title>"
         "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto}img{max-width:100%}"
         "td{vertical-align:top;padding:2px 6px}pre{white-space:pre-wrap;margin:0}</style>"
-        f"<h1>Run {html.escape(run_dir.name)}</h1><ul>{items}</ul>{figures}{_samples_table(run_dir)}"
+        f"<h1>Run {html.escape(run_dir.name)}</h1><ul>{items}</ul>{figures}{tables}{_samples_table(run_dir)}"
     )
     return page

@@ -56,6 +56,15 @@ LEARNER_METRICS = {
     "rollout_tokens_per_s": 123.5,
     "accept_length_mean": 2.5,
     "loss": 0.125,
+    "stale_dropped_groups": 1.0,
+    "stale_dropped_len_mean": 70.0,
+    "response_len_mean": 30.0,
+}
+OLDER_UPDATE = {
+    "reward_mean": 0.1,
+    "stale_dropped_groups": 2.0,
+    "stale_dropped_len_mean": 40.0,
+    "response_len_mean": 20.0,
 }
 ROW_FORWARD_TOKENS = 600 / (100 * 8 + 200 * 4 + 60 * 2)
 """Tokens per row per target forward of the three rollout reports below: forwards times each one's batch."""
@@ -94,7 +103,9 @@ def hidden(i: int) -> HiddenWindow:
     )
 
 
-def rollout(worker: str, tokens: int, seconds: float, forwards: int, sd_on: bool, batch: int) -> RolloutStats:
+def rollout(
+    worker: str, tokens: int, seconds: float, forwards: int, sd_on: bool, batch: int, **partial: float
+) -> RolloutStats:
     return RolloutStats(
         worker_id=worker,
         policy_version=3,
@@ -104,6 +115,7 @@ def rollout(worker: str, tokens: int, seconds: float, forwards: int, sd_on: bool
         seconds=seconds,
         target_forwards=forwards,
         sd_on=sd_on,
+        **partial,
     )
 
 
@@ -152,14 +164,17 @@ async def live_run(config: Config) -> AsyncIterator[float]:
     stop.set()
     await task
 
+    await redis.hset(keys.dropped, mapping={"t7": 1, "t8": 1, "t9": 2})  # the run's groups dropped as too stale
     began = time.time()
-    await producer.send("stats", [rollout("w1", 100, 1.0, 100, sd_on=False, batch=8)])
-    await producer.send("stats", [rollout("w2", 200, 2.0, 200, sd_on=False, batch=4)])
+    await producer.send("stats", [rollout("w1", 100, 1.0, 100, sd_on=False, batch=8, ahead_seconds=0.75)])
+    await producer.send(
+        "stats", [rollout("w2", 200, 2.0, 200, sd_on=False, batch=4, kept_tokens=30, discarded_tokens=10)]
+    )
     await producer.send(
         "stats",
         [
             SdArmReport(worker_id="w1", drafter_version=2, bucket=4, depth=4, topk=1, verify=4, tokens=50, seconds=0.2),
-            LearnerStats(step=1, policy_version=1, groups=8, samples=64, metrics={"reward_mean": 0.1}),
+            LearnerStats(step=1, policy_version=1, groups=4, samples=32, metrics=OLDER_UPDATE),
             LearnerStats(step=2, policy_version=2, groups=8, samples=64, metrics=LEARNER_METRICS),
             DrafterStats(
                 worker_id="w2", fence=3, policy_version=3, step=40, steps=10, seconds=2.0, loss=0.75,
@@ -169,7 +184,7 @@ async def live_run(config: Config) -> AsyncIterator[float]:
             DrafterStats(  # a newer slice, too few steps after the judgement to be judged itself
                 worker_id="w2", fence=3, policy_version=3, step=43, steps=3, seconds=0.5, loss=0.5, end="preempted",
             ),
-            rollout("w1", 300, 1.5, 60, sd_on=True, batch=2),
+            rollout("w1", 300, 1.5, 60, sd_on=True, batch=2, kept_tokens=6, discarded_tokens=2, ahead_seconds=0.5),
         ],
     )  # fmt: skip
     await redis.xadd(keys.stream("stats"), {PAYLOAD_FIELD: b"\xc1"})
@@ -262,6 +277,21 @@ async def check_once(bus_config: Config, began: float) -> None:
     assert rollout_["workers"]["w1"]["tokens_per_s"] == pytest.approx(200.0)
     assert rollout_["workers"]["w1"]["tokens_per_forward"] == pytest.approx(300 / (60 * 2))
 
+    # Partial rollouts per step verified into: the three reports are stamped v3, so their re-verified tokens
+    # count for step 3 and their seconds with drafts in flight for step 4.
+    assert rollout_["partial"] == {
+        "4": {"ahead_tokens": 0, "kept_tokens": 0, "discarded_tokens": 0, "kept_share": None, "ahead_seconds": 1.25},
+        "3": {"ahead_tokens": 48, "kept_tokens": 36, "discarded_tokens": 12, "kept_share": 0.75, "ahead_seconds": 0.0},
+    }
+    drops = snap["stale_drops"]
+    assert (drops["run_groups"], drops["groups"], drops["updates_read"]) == (3, 3, 2)
+    assert drops["dropped_len_mean"] == pytest.approx((2 * 40 + 1 * 70) / 3)
+    assert drops["trained_len_mean"] == pytest.approx((32 * 20 + 64 * 30) / 96)
+    assert drops["per_update"] == {
+        "2": {"groups": 1, "dropped_len_mean": 70.0, "trained_len_mean": 30.0},
+        "1": {"groups": 2, "dropped_len_mean": 40.0, "trained_len_mean": 20.0},
+    }
+
     learner = snap["learner"]
     assert (learner["step"], learner["policy_version"], learner["groups"], learner["samples"]) == (2, 2, 8, 64)
     assert (learner["reward_mean"], learner["accuracy"]) == (0.5, 0.375)
@@ -286,6 +316,9 @@ async def check_once(bus_config: Config, began: float) -> None:
         assert text in human.stdout, (text, human.stdout)
     assert "judged at step 40: held-out acceptance 2.00 -> 2.25, adopted as v2" in human.stdout, human.stdout
     assert "undecodable prompts entry" in human.stdout and "SD on in 1/2 workers" in human.stdout
+    shown = " ".join(human.stdout.split())  # the terminal wraps long lines
+    assert "v3 48 ahead, kept 36 (75%), discarded 12, tail filled 0.0 worker-s" in shown, shown
+    assert "groups dropped as too stale: 3 in the run, 3 in the 2 updates read" in shown, shown
 
     # Bounded reading of `stats`: a cut read says so and measures throughput only over what it saw.
     cut = await snapshot(bus_config, stats_limit=3)  # the garbage, w1's SD report and the newest drafter slice
@@ -293,6 +326,8 @@ async def check_once(bus_config: Config, began: float) -> None:
     assert (cut["rollout"]["reports"], cut["rollout"]["tokens"], list(cut["rollout"]["workers"])) == (1, 300, ["w1"])
     assert cut["rollout"]["span_s"] == pytest.approx(cut["stats_read"]["covers_s"])
     assert cut["learner"] is None and cut["drafter"]["step"] == 43 and cut["drafter"]["judged_step"] is None
+    assert cut["stale_drops"]["groups"] == 0 and cut["stale_drops"]["run_groups"] == 3, "the hash covers the run"
+    assert list(cut["rollout"]["partial"]) == ["4", "3"]
     line = summary_line(await snapshot(bus_config))
     for text in ("step 2 reward 0.5", "SD on in 1", "GENERATING 1 TRAINING_DRAFTER 1", "prompts 2 pending 3 lag"):
         assert text in line, (text, line)

@@ -19,9 +19,12 @@ from tlt_stream.monitor import (
     group_lag,
     learner_summary,
     next_entry_id,
+    partial_by_step,
     pending_age,
     prometheus_text,
     rollout_summary,
+    stale_drops,
+    stats_summary,
     worker_summary,
 )
 
@@ -128,6 +131,83 @@ def test_each_draft_sources_acceptance_is_summed_over_the_window() -> None:
     from tlt_stream.monitor.dashboard import _sources
 
     assert _sources(summary["draft_sources"]) == "; drafts accepted: eagle 0.00 (0/40), group 0.40 (40/100)"
+
+
+def reverified(worker: str, version: int, kept: int, discarded: int, ahead_s: float) -> RolloutStats:
+    return RolloutStats(
+        worker_id=worker, policy_version=version, drafter_version=1, batch_size=4, tokens=10, seconds=1.0,
+        kept_tokens=kept, discarded_tokens=discarded, ahead_seconds=ahead_s,
+    )  # fmt: skip
+
+
+def test_partial_rollouts_count_per_step_the_drafts_were_verified_into() -> None:
+    """Two workers across a version change: while at v3 they run drafts of step 4 (ahead seconds, reported
+    stamped v3); loading v4 re-verifies them (kept and discarded, reported stamped v4). Step 4 gets both."""
+    now = 1000.0
+    reports = [  # newest first
+        (999.0, reverified("w1", 5, kept=5, discarded=15, ahead_s=0.0)),
+        (998.0, reverified("w2", 4, kept=12, discarded=0, ahead_s=0.0)),
+        (997.0, reverified("w1", 4, kept=30, discarded=10, ahead_s=0.5)),  # drafts of step 5 already
+        (996.0, reverified("w2", 3, kept=0, discarded=0, ahead_s=2.0)),
+        (995.0, reverified("w1", 3, kept=0, discarded=0, ahead_s=1.5)),
+        (994.0, reverified("w1", 3, kept=0, discarded=0, ahead_s=0.0)),  # no partial rollouts: no step
+    ]
+    step4 = {"ahead_tokens": 52, "kept_tokens": 42, "discarded_tokens": 10, "kept_share": 42 / 52, "ahead_seconds": 3.5}
+    step5 = {"ahead_tokens": 20, "kept_tokens": 5, "discarded_tokens": 15, "kept_share": 0.25, "ahead_seconds": 0.5}
+    by_step = partial_by_step(
+        (r.policy_version, r.kept_tokens, r.discarded_tokens, r.ahead_seconds) for _, r in reports
+    )
+    assert by_step == {4: step4, 5: step5}
+    summary = rollout_summary(reports, now, window_s=3.5)  # per step over every report read, not the window
+    assert summary["partial"] == {"5": step5, "4": step4} and list(summary["partial"]) == ["5", "4"]
+
+    # Ahead seconds alone (drafts in flight, none verified yet): a step with no share; only the newest steps.
+    many = [(900.0 + v, reverified("w1", v, kept=v, discarded=0, ahead_s=0.0)) for v in range(1, 9)]
+    summary = rollout_summary([(999.0, reverified("w1", 8, 0, 0, ahead_s=0.25)), *many[::-1]], now, window_s=60.0)
+    assert list(summary["partial"]) == ["9", "8", "7", "6", "5"]
+    assert summary["partial"]["9"] == {
+        "ahead_tokens": 0, "kept_tokens": 0, "discarded_tokens": 0, "kept_share": None, "ahead_seconds": 0.25,
+    }  # fmt: skip
+    from tlt_stream.monitor.dashboard import _partial
+
+    line = _partial({"partial": {"5": step5, "4": step4}})
+    assert line is not None and line.plain == (
+        "partial rollouts per step (version verified into): v5 20 ahead, kept 5 (25%), discarded 15, tail filled "
+        "0.5 worker-s; v4 52 ahead, kept 42 (81%), discarded 10, tail filled 3.5 worker-s"
+    )
+    assert _partial({"partial": {}}) is None
+
+
+def learner(version: int, samples: int, **metrics: float) -> LearnerStats:
+    return LearnerStats(step=version, policy_version=version, groups=4, samples=samples, metrics=metrics)
+
+
+def test_stale_drops_compare_dropped_and_trained_lengths_in_the_same_updates() -> None:
+    stats = [  # newest first
+        (99.0, learner(4, 8, stale_dropped_groups=1.0, stale_dropped_len_mean=70.0, response_len_mean=31.0)),
+        (98.0, learner(3, 16, stale_dropped_groups=2.0, stale_dropped_len_mean=40.0, response_len_mean=25.0)),
+        (97.0, learner(2, 16, stale_dropped_groups=0.0, response_len_mean=20.0)),  # dropped none: not compared
+        (96.0, learner(1, 16, response_len_mean=99.0)),  # from before these figures: left out
+    ]
+    summary = stats_summary(stats, 0, 96.0, False, 100.0, 60.0, dropped_total=5)["stale_drops"]
+    assert summary["groups"] == 3 and summary["run_groups"] == 5 and summary["updates_read"] == 3
+    assert summary["dropped_len_mean"] == pytest.approx((2 * 40 + 1 * 70) / 3)  # per group dropped: 50
+    assert summary["trained_len_mean"] == pytest.approx((16 * 25 + 8 * 31) / 24)  # per sample trained: 27
+    assert summary["per_update"] == {
+        "4": {"groups": 1, "dropped_len_mean": 70.0, "trained_len_mean": 31.0},
+        "3": {"groups": 2, "dropped_len_mean": 40.0, "trained_len_mean": 25.0},
+        "2": {"groups": 0, "dropped_len_mean": None, "trained_len_mean": 20.0},
+    }
+    none = stale_drops([(1, 16, {"stale_dropped_groups": 0.0, "response_len_mean": 20.0})])
+    assert (none["groups"], none["dropped_len_mean"], none["trained_len_mean"]) == (0, None, None)
+    from tlt_stream.monitor.dashboard import _stale_drops
+
+    line = _stale_drops(summary)
+    assert line is not None and line.plain == (
+        "groups dropped as too stale: 5 in the run, 3 in the 3 updates read; mean response length 50.0 dropped "
+        "vs 27.0 trained in the same updates; per update: v4 1 (len 70.0 vs 31.0), v3 2 (len 40.0 vs 25.0)"
+    )
+    assert _stale_drops({**none, "run_groups": 0}) is None
 
 
 def test_rollout_throughput_of_a_young_or_truncated_read_covers_only_what_was_seen() -> None:

@@ -78,7 +78,6 @@ def _rollout(rollout: Mapping[str, Any]) -> Text:
         f"{_fmt(rollout['tokens_per_forward'], '.2f')} tokens per row per target forward; "
         f"SD on in {rollout['sd_on_workers']}/{len(rollout['workers'])} workers"
         + _sources(rollout.get("draft_sources") or {})
-        + _partial(rollout.get("partial") or {})
         + (f"; ACCEPTANCE COLLAPSED after {n} swap(s)" if (n := rollout.get("acceptance_collapses")) else "")
     )
 
@@ -105,13 +104,36 @@ def _sources(sources: Mapping[str, Any]) -> str:
     return f"; drafts accepted: {shown}"
 
 
-def _partial(partial: Mapping[str, Any]) -> str:
-    """Partial rollouts in the window: re-verified tokens kept, and time the tail was filled with drafts."""
-    if not partial.get("verified_tokens") and not partial.get("ahead_seconds"):
-        return ""
-    return (
-        f"; partial rollouts: kept {partial['kept_tokens']}/{partial['verified_tokens']} re-verified tokens "
-        f"({_fmt(partial['kept_share'], '.0%')}), drafts ran {partial['ahead_seconds']:.1f} s ahead"
+def _partial(rollout: Mapping[str, Any]) -> Text | None:
+    """Partial rollouts of the newest steps read: per policy version the drafts were verified into, tokens
+    generated ahead, kept and discarded, and worker-seconds the previous step's tail was filled with them."""
+    steps = rollout.get("partial") or {}
+    if not steps:
+        return None
+    shown = "; ".join(
+        f"v{v} {s['ahead_tokens']} ahead, kept {s['kept_tokens']} ({_fmt(s['kept_share'], '.0%')}), discarded "
+        f"{s['discarded_tokens']}, tail filled {s['ahead_seconds']:.1f} worker-s"
+        for v, s in steps.items()
+    )
+    return Text(f"partial rollouts per step (version verified into): {shown}")
+
+
+def _stale_drops(drops: Mapping[str, Any] | None) -> Text | None:
+    """Groups dropped as too stale: in the whole run, and in the learner updates read with their responses'
+    mean length against the trained ones' (streaming's bias against long responses)."""
+    if not drops or not (drops["groups"] or drops["run_groups"]):
+        return None
+    per = ", ".join(
+        f"v{v} {u['groups']} (len {_fmt(u['dropped_len_mean'], '.1f')} vs {_fmt(u['trained_len_mean'], '.1f')})"
+        for v, u in drops["per_update"].items()
+        if u["groups"]
+    )
+    return Text(
+        f"groups dropped as too stale: {_fmt(drops['run_groups'], 'd')} in the run, {drops['groups']} in the "
+        f"{drops['updates_read']} updates read; mean response length {_fmt(drops['dropped_len_mean'], '.1f')} "
+        f"dropped vs {_fmt(drops['trained_len_mean'], '.1f')} trained in the same updates"
+        + (f"; per update: {per}" if per else ""),
+        style="yellow",
     )
 
 
@@ -159,6 +181,7 @@ def render(snap: Mapping[str, Any]) -> Group:
     if not (any(message for message in versions.values()) or any(e["length"] for e in snap["streams"].values())):
         rows.append(Text(f"nothing in Redis for run {snap['run']!r} yet (check --run / TLT_RUN)", style="yellow"))
     rows += [_streams(snap), _workers(snap), _rollout(snap["rollout"]), _load_latency(snap["rollout"])]
+    rows += [line for line in (_partial(snap["rollout"]), _stale_drops(snap.get("stale_drops"))) if line]
     rows += [_learner(snap["learner"]), _drafter(snap["drafter"])]
     dead = snap["dead"]
     counts = ", ".join(f"{k} {v}" for k, v in sorted(dead["counts"].items())) or "none"

@@ -2,8 +2,9 @@
 dashboard, `--json` and the Prometheus metrics show, and whose first part (`inspect_redis`) `doctor` prints.
 
 A snapshot reads the run's keys and nothing else (no broker, no files): stream lengths and consumer groups
-with their lag and oldest pending entry, dead letters, the worker registry, the version mirror, and the
-newest entries of `stats`, read newest first in bounded pages so a snapshot costs the same on a long run.
+with their lag and oldest pending entry, dead letters, the worker registry, the version mirror, the groups
+dropped as too stale (the `dropped` hash's size), and the newest entries of `stats`, read newest first in
+bounded pages so a snapshot costs the same on a long run.
 Ages use the Redis server's clock (`TIME` and stream entry ids), never another host's. The figures are
 computed by `summaries` from what was read.
 """
@@ -201,6 +202,7 @@ async def _details(
         }
         streams[name] = {"length": entry["length"], "groups": groups}
     stats, undecodable, oldest, truncated = await read_stats(redis, keys.stream("stats"), now, window_s, limit)
+    dropped_total = int(await redis.hlen(keys.dropped))
     workers = [worker_summary(w, now) for w in base["workers"]]
     states: dict[str, int] = {}
     for worker in workers:
@@ -216,7 +218,7 @@ async def _details(
         "workers": workers,
         "worker_states": states,
         "versions": {kind: base["versions"].get(kind) for kind in CONTROL_KINDS},
-        **stats_summary(stats, undecodable, oldest, truncated, now, window_s),
+        **stats_summary(stats, undecodable, oldest, truncated, now, window_s, dropped_total),
     }
 
 

@@ -1,5 +1,6 @@
 """The monitor's figures as pure functions of what a snapshot read: lag, pending age, rollout throughput and
-acceptance, the latest learner and drafter-training reports, the workers.
+acceptance, partial rollouts per step, groups dropped as too stale, the latest learner and drafter-training
+reports, the workers. `tlt-stream report` reuses the per-step ones on the run directory's files.
 
 Nothing here touches Redis or a clock: times come in as arguments (the Redis server's, from `TIME` and
 stream entry ids), so every figure is tested as a plain function and a replayed reading gives the same
@@ -21,8 +22,10 @@ __all__ = [
     "learner_summary",
     "load_latency_summary",
     "next_entry_id",
+    "partial_by_step",
     "pending_age",
     "rollout_summary",
+    "stale_drops",
     "stats_summary",
     "worker_summary",
 ]
@@ -38,6 +41,8 @@ LEARNER_HEADLINES = (
 """The learner figures shown on their own; the rest stay under `metrics`."""
 LOAD_LATENCY_VERSIONS = 5
 """Policy versions whose publish-to-loaded latency a snapshot shows (the newest ones read)."""
+RECENT_STEPS = 5
+"""Steps whose partial-rollout figures and learner updates whose stale drops a snapshot shows (the newest read)."""
 
 
 def entry_seconds(entry_id: bytes | str) -> float:
@@ -105,7 +110,9 @@ def draft_source_totals(reports: Iterable[tuple[Mapping[str, int], Mapping[str, 
 def rollout_summary(
     reports: Iterable[tuple[float, RolloutStats]], now: float, window_s: float, horizon: float | None = None
 ) -> dict[str, Any]:
-    """Rollout throughput over the last `window_s` seconds and each worker's latest report.
+    """Rollout throughput over the last `window_s` seconds, each worker's latest report, and partial rollouts
+    per step over every report read (`partial`: the newest `RECENT_STEPS` steps, newest first, keyed by the
+    version as a string; see `partial_by_step`).
 
     `reports` are (time added, entry), newest first. Throughput is the tokens reported in the window over the
     span they cover: the window, or less when the run is younger (from the start of its first report) or
@@ -141,18 +148,14 @@ def rollout_summary(
     sources: dict[str, dict[str, Any]] = dict(draft_source_totals((r.drafted, r.accepted) for _, r in recent))
     for counts in sources.values():
         counts["rate"] = counts["accepted"] / counts["drafted"] if counts["drafted"] else None
-    kept = sum(r.kept_tokens for _, r in recent)
-    verified = kept + sum(r.discarded_tokens for _, r in recent)
+    partial = partial_by_step(
+        (r.policy_version, r.kept_tokens, r.discarded_tokens, r.ahead_seconds) for _, r in reports
+    )
     return {
         "window_s": window_s,
         "span_s": span if recent else 0.0,
         "draft_sources": dict(sorted(sources.items())),
-        "partial": {
-            "verified_tokens": verified,
-            "kept_tokens": kept,
-            "kept_share": kept / verified if verified else None,
-            "ahead_seconds": sum(r.ahead_seconds for _, r in recent),
-        },
+        "partial": {str(s): partial[s] for s in sorted(partial, reverse=True)[:RECENT_STEPS]},
         "reports": len(recent),
         "tokens": tokens,
         "tokens_per_s": tokens / span if recent else 0.0,
@@ -162,6 +165,76 @@ def rollout_summary(
         "sd_on_workers": sum(w["sd_on"] for w in workers.values()),
         "acceptance_collapses": sum(w["collapses"] for w in workers.values()),
         "workers": workers,
+    }
+
+
+def partial_by_step(reports: Iterable[tuple[int, int, int, float]]) -> dict[int, dict[str, Any]]:
+    """Partial rollouts per step from rollout reports' (`policy_version`, `kept_tokens`, `discarded_tokens`,
+    `ahead_seconds`), steps with none left out, in version order.
+
+    Step s is the policy version the drafts were verified into (the version their samples carry). A worker
+    re-verifies its rows in flight when it loads a version and stamps its reports with the version it holds,
+    so a report's kept and discarded tokens count for its own version; its ahead seconds were spent with
+    drafts of the next version in flight, so they count for that one (a report whose interval spans a load
+    files the seconds before the load one step late: the worker sums them per interval). Per step:
+    `ahead_tokens`, the tokens generated ahead that re-verification judged (kept + discarded), `kept_tokens`,
+    `discarded_tokens`, `kept_share` (None with none judged) and `ahead_seconds`, the worker-seconds with a
+    draft in flight (the previous step's tail filled with this one's work).
+    """
+    out: dict[int, dict[str, Any]] = {}
+
+    def row(step: int) -> dict[str, Any]:
+        return out.setdefault(step, {"ahead_tokens": 0, "kept_tokens": 0, "discarded_tokens": 0, "ahead_seconds": 0.0})
+
+    for version, kept, discarded, seconds in reports:
+        if kept or discarded:
+            judged = row(version)
+            judged["kept_tokens"] += kept
+            judged["discarded_tokens"] += discarded
+            judged["ahead_tokens"] += kept + discarded
+        if seconds:
+            row(version + 1)["ahead_seconds"] += seconds
+    for figures in out.values():
+        figures["kept_share"] = figures["kept_tokens"] / figures["ahead_tokens"] if figures["ahead_tokens"] else None
+    return dict(sorted(out.items()))
+
+
+def stale_drops(updates: Iterable[tuple[int, int, Mapping[str, float]]]) -> dict[str, Any]:
+    """Groups the learner dropped as too stale, and whether they are the long ones, from its updates'
+    (version made, samples trained, metrics); updates from before these figures (no `stale_dropped_groups`)
+    left out.
+
+    `per_update` maps each version (in order) to the groups dropped while its update was assembled
+    (`groups`), their responses' mean length (`dropped_len_mean`, None with none dropped) and the trained
+    responses' (`trained_len_mean`). Over the updates that dropped any: `groups`, `dropped_len_mean` weighted
+    by groups dropped (the learner keeps one mean per update) and `trained_len_mean` weighted by samples
+    trained, so both lengths come from the same stretch of training (lengths drift as the policy learns).
+    """
+    per: dict[int, dict[str, Any]] = {}
+    weights: dict[int, int] = {}
+    for version, samples, metrics in updates:
+        if "stale_dropped_groups" not in metrics:
+            continue
+        per[version] = {
+            "groups": int(metrics["stale_dropped_groups"]),
+            "dropped_len_mean": metrics.get("stale_dropped_len_mean"),
+            "trained_len_mean": metrics.get("response_len_mean"),
+        }
+        weights[version] = samples
+    dropping = [v for v, u in per.items() if u["groups"]]
+    lengths = [v for v in dropping if per[v]["dropped_len_mean"] is not None]
+    trained = [v for v in dropping if per[v]["trained_len_mean"] is not None and weights[v]]
+    dropped_groups = sum(per[v]["groups"] for v in lengths)
+    trained_samples = sum(weights[v] for v in trained)
+    return {
+        "per_update": dict(sorted(per.items())),
+        "groups": sum(per[v]["groups"] for v in dropping),
+        "dropped_len_mean": (
+            sum(per[v]["groups"] * per[v]["dropped_len_mean"] for v in lengths) / dropped_groups if lengths else None
+        ),
+        "trained_len_mean": (
+            sum(weights[v] * per[v]["trained_len_mean"] for v in trained) / trained_samples if trained else None
+        ),
     }
 
 
@@ -239,15 +312,26 @@ def stats_summary(
     truncated: bool,
     now: float,
     window_s: float,
+    dropped_total: int | None = None,
 ) -> dict[str, Any]:
-    """The `rollout`, `learner`, `drafter` and `stats_read` parts of a snapshot from the `stats` entries read
-    (newest first), how many were undecodable, when the oldest read was added and whether the read was cut
-    short (then throughput covers only what was read)."""
+    """The `rollout`, `learner`, `stale_drops`, `drafter` and `stats_read` parts of a snapshot from the
+    `stats` entries read (newest first), how many were undecodable, when the oldest read was added and whether
+    the read was cut short (then throughput covers only what was read). `dropped_total`: the groups dropped as
+    too stale in the whole run (the `dropped` hash's size), beside the figures of the learner updates read."""
     rollouts = [(t, e) for t, e in stats if isinstance(e, RolloutStats)]
+    updates = [e for _, e in stats if isinstance(e, LearnerStats)]
     learner = next(((t, e) for t, e in stats if isinstance(e, LearnerStats)), None)
+    drops = stale_drops((u.policy_version, u.samples, u.metrics) for u in reversed(updates))
+    recent = sorted(drops["per_update"], reverse=True)[:RECENT_STEPS]
     return {
         "rollout": rollout_summary(rollouts, now, window_s, oldest if truncated else None),
         "learner": learner_summary(learner, now),
+        "stale_drops": {
+            **drops,
+            "per_update": {str(v): drops["per_update"][v] for v in recent},
+            "updates_read": len(drops["per_update"]),
+            "run_groups": dropped_total,
+        },
         "drafter": drafter_summary([(t, e) for t, e in stats if isinstance(e, DrafterStats)], now),
         "stats_read": {
             "entries": len(stats) + undecodable,
