@@ -18,7 +18,7 @@ version b + g. Per gap, medians over the base versions:
   is spent in the previous step's tail, on slots that were idle). Counted in decode work, not in seconds to
   the longest row: continued and fresh rows sample different continuations, whose lengths differ by chance.
 
-    python bench/partial_rollouts.py [--world artifacts/world] [--updates 4] [--quick]
+    python bench/partial_rollouts.py [--world artifacts/world] [--updates 4] [--quick] [--past-warmup]
 
 Prints one JSON object.
 """
@@ -26,6 +26,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -71,6 +72,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats per measurement")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="2 updates, small batches")
+    p.add_argument(
+        "--past-warmup",
+        action="store_true",
+        help="updates at the preset's full lr from the first (as later in a run), not the warm-up ramp's first",
+    )
+    p.add_argument("--lr", type=float, default=None, help="learning rate instead of the preset's (a faster policy)")
     args = p.parse_args()
     if args.quick:
         args.updates, args.prompts, args.eval_prompts, args.repeats = 2, 8, 4, 1
@@ -100,7 +107,12 @@ def main() -> None:
     versions = [world / "policy"]
     hf = AutoModelForCausalLM.from_pretrained(world / "policy")
     tiny = override(Config(), {"preset": "tiny-world"})  # the tiny world's learner: lr, warm-up, final norm
-    core = LearnerCore(hf, LearnerSettings.from_config(tiny))
+    learner = LearnerSettings.from_config(tiny)
+    if args.past_warmup:
+        learner = dataclasses.replace(learner, warmup_steps=0)
+    if args.lr is not None:
+        learner = dataclasses.replace(learner, lr=args.lr)
+    core = LearnerCore(hf, learner)
     policy = load_model(world / "policy")
     rewards = []
     started = time.perf_counter()
@@ -159,6 +171,7 @@ def main() -> None:
     result = {
         "benchmark": "partial_rollouts",
         "updates": args.updates,
+        "learner": {"lr": learner.lr, "warmup_steps": learner.warmup_steps},
         "update_rewards": rewards,
         "rows": rows,
         "ahead_limit": args.ahead,
