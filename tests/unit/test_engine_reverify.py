@@ -217,6 +217,74 @@ def test_version_changes_mid_generation_with_sd_and_parked_rows_leave_the_last_p
     assert stat < chi2_threshold(df), (versions, stat, chi2_threshold(df))
 
 
+@pytest.fixture(scope="module")
+def tiny_update(tiny, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[torch.nn.Module, Path]]:
+    """q (the first tiny version) and p, q moved by a small update: about half the old tokens are kept, so
+    how each one is accepted matters."""
+    return [tiny[0], next_version(tiny[0][0], tmp_path_factory.mktemp("tiny_update") / "v1", 21, 0.05)]
+
+
+@torch.no_grad()
+def chain(hf, prompt: list[int], length: int, pick) -> list[int]:
+    """`length` tokens after `prompt`, each `pick` (argmax or argmin) of `hf`'s next-token logits."""
+    tokens: list[int] = []
+    for _ in range(length):
+        tokens.append(int(pick(hf(torch.tensor([prompt + tokens])).logits[0, -1])))
+    return tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("history", ["good", "adversarial"])
+def test_group_drafts_around_a_reverification_leave_the_new_policys_distribution(tiny_update, history) -> None:
+    """Groups of 8 sibling rows of one prompt draft for each other with the group source (`GroupProposer`)
+    and from a remembered history: 12 copies each of q's and p's most likely responses (good), or of their
+    least likely ones (adversarial: fewer drafted tokens accepted). Two speculative steps under q (drafts
+    parked after 2, 4 or 6 tokens, or running), then p is loaded with re-verification and the rows finish
+    under p, with group drafts again; then q comes back for the next group. Over 300 groups, the first three
+    tokens follow p's exact joint distribution (chi-square, false-alarm rate 1e-4) and every logprob is p's.
+    T = 1.5 flattens the tiny model so that the ratio p/q of a drafted token matters: taking a group-drafted
+    token's q as its draft's point mass (1) instead of the target's probability fails here, as do keeping
+    every old token and resampling a rejection from p instead of the residual."""
+    (hf_q, q_path), (hf_p, p_path) = tiny_update
+    prompt, temperature, max_new, size, groups = [3, 1, 4, 1], 1.5, 10, 8, 300
+    pick = torch.argmax if history == "good" else torch.argmin
+    remembered = [chain(hf, prompt, max_new, pick) for hf in (hf_q, hf_p)]
+    proposer = GroupProposer(max_match=4, max_docs=24)
+    engine = GenerationEngine(
+        load_model(q_path), size, len(prompt) + max_new, proposer=proposer, arm=Arm.group_source(3, 4)
+    )
+    done: dict = {}
+    accepted = Counter()
+    for g in range(groups):
+        for response in remembered * 12:  # the newest history: the 24 finished responses the index keeps
+            proposer.remember(prompt, response)
+        for i in range(size):
+            engine.add_request(
+                prompt, max_new, temperature, seed=g * size + i, request_id=(g, i), ahead_limit=[None, 2, 4, 6][i % 4]
+            )
+        accepted["q"] -= engine.accepted_by["group"]
+        assert engine.step() == [] and engine.step() == [], "nothing finishes under q: 1 + 2 x 4 < 10 tokens"
+        accepted["q"] += engine.accepted_by["group"]
+        accepted["p"] -= engine.accepted_by["group"]
+        engine.load_policy(p_path, reverify=True)
+        while engine.has_unfinished:
+            done.update((r.request_id, r) for r in engine.step())
+        accepted["p"] += engine.accepted_by["group"]
+        engine.load_policy(q_path)
+    assert accepted["q"] > 0 and accepted["p"] > 0, "group drafts were accepted under both versions"
+    results = list(done.values())
+    assert len(results) == size * groups and all(r.reverifications == 1 for r in results)
+    expected = exact_joint(hf_p, prompt, 3, temperature, None)
+    stat, df = chi_square(Counter(tuple(r.token_ids[:3]) for r in results), expected, len(results))
+    assert stat < chi2_threshold(df), (history, stat, chi2_threshold(df))
+    assert sum(r.tokens_kept for r in results) > 0 and sum(r.tokens_discarded for r in results) > 0
+    ids = torch.tensor([prompt + r.token_ids for r in results])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_p(ids).logits[:, len(prompt) - 1 : -1] / temperature, dim=-1)
+    scored = logp.gather(2, ids[:, len(prompt) :, None]).squeeze(2)
+    assert torch.allclose(torch.tensor([r.logprobs for r in results]), scored, atol=1e-4), "p's logprobs"
+
+
 # ----------------------------------------------------------------------------------------------- greedy
 
 PROMPTS = [[5, 9, 12, 7], [8, 3, 3], [30, 31, 32, 33, 34, 35, 36], [2], [17, 4, 4, 4, 17, 4], [9, 9]]
@@ -277,6 +345,44 @@ def test_greedy_rows_through_two_version_changes_are_the_last_policys(wide) -> N
     assert max(r.reverifications for r in done.values()) == 2
 
 
+@pytest.mark.parametrize("kind", ["plain", "eagle-tree", "mixed"])
+def test_logprobs_after_two_version_changes_while_rows_run_are_the_newest_policys(wide, kind: str) -> None:
+    """Rows at T = 0.9 and T = 0 (8 slots for 12 requests, some of them drafts parked ahead) run through two
+    version changes: every response's logprobs, over the tokens kept through both re-verifications and the
+    ones generated after, are the last version's (transformers), and tokens were both kept and generated
+    after the second change. (A row finished between the changes carries the version it finished under.)
+    Leaving the first version's logprobs on the tokens the second change kept fails here."""
+    paths = [path for _, path in wide]
+    engine = sd_engine(load_model(paths[0]), kind, 8)
+    requests = {}
+    for i, (prompt, limit) in enumerate(itertools.product(PROMPTS, [None, 4])):
+        temperature = 0.9 if i % 3 else 0.0
+        requests[i] = (prompt, temperature)
+        engine.add_request(prompt, 24, temperature, seed=90 + i, eos_ids=[EOS], request_id=i, ahead_limit=limit)
+    done: dict = {}
+    version: dict = {}
+    counts = []
+    loads = {3: paths[1], 6: paths[2]}
+    for step in itertools.count():
+        if step in loads:
+            counts.append((engine.tokens_kept, engine.tokens_generated))
+            engine.load_policy(loads[step], reverify=True)
+            counts.append((engine.tokens_kept, engine.tokens_generated))
+        if not engine.has_unfinished:
+            break
+        for r in engine.step():
+            done[r.request_id], version[r.request_id] = r, sum(at <= step for at in loads)
+    assert len(done) == len(requests)
+    assert counts[3][0] > counts[2][0], "the second change kept tokens"
+    assert engine.tokens_generated > counts[3][1], "tokens were generated after it"
+    assert sum(r.reverifications == 2 for r in done.values()) >= 6
+    for i, r in done.items():
+        prompt, temperature = requests[i]
+        assert r.reverifications <= version[i]
+        scored = hf_scores(wide[version[i]][0], prompt, r.token_ids, temperature)[0]
+        assert torch.allclose(torch.tensor(r.logprobs), scored, atol=1e-4), (kind, i, version[i])
+
+
 # ---------------------------------------------------------------------------------------- batch and rows
 
 
@@ -310,6 +416,48 @@ def test_a_batched_reverification_gives_the_rows_of_one_by_one(wide, temperature
             a.prompt_hidden, b.prompt_hidden, atol=1e-4
         )
     assert sum(r.tokens_discarded for r in batched.values()) > 0
+
+
+def test_each_old_response_is_re_verified_as_its_own_rows_draft_only(wide) -> None:
+    """Sixteen rows of one prompt at T = 1 (their responses differ) drafting for each other (EAGLE and the
+    group source) in 6 slots: running, parked (2 or 5 tokens ahead) and not yet started at the version
+    change. Per request id: the tokens kept are a prefix of that row's own tokens before the change, kept +
+    discarded is its own length, a rejected token is one the new policy gives less probability than the old
+    one did (else it is always kept) and is not the token that follows, and the logprobs are the new
+    policy's of the row's own response. Handing a sibling's old response to a row, or verifying a row's
+    tokens with a sibling's as the draft, fails here."""
+    (_, q_path), (hf_p, p_path), _ = wide
+    prompt, temperature, rows = PROMPTS[0], 1.0, 16
+    engine = sd_engine(load_model(q_path), "mixed", 6)
+    for i in range(rows):
+        engine.add_request(
+            prompt, 20, temperature, seed=70 + i, eos_ids=[EOS], request_id=i, ahead_limit=[None, 2, 5, None][i % 4]
+        )
+    done: dict = {}
+    for _ in range(4):
+        done.update((r.request_id, r) for r in engine.step())
+    sched = engine.scheduler
+    held = [*sched.running, *sched.parked, *(s for s in sched.waiting if s.token_ids)]
+    before = {s.request_id: (list(s.token_ids), list(s.logprobs)) for s in held}
+    assert len(before) >= 8 and sched.num_parked >= 2 and sched.num_running >= 4
+    assert len({tuple(tokens) for tokens, _ in before.values()}) == len(before), "the rows' drafts differ"
+    engine.load_policy(p_path, reverify=True)
+    done.update(drive(engine, {})[0])
+    assert len(done) == rows
+    rejected = 0
+    for rid, (old, old_logp) in before.items():
+        r = done[rid]
+        kept = r.tokens_kept
+        assert r.token_ids[:kept] == old[:kept], (rid, "kept a prefix of another row's tokens")
+        assert r.reverifications == 1 and kept + r.tokens_discarded == len(old), rid
+        scored = hf_scores(hf_p, prompt, r.token_ids, temperature)[0]
+        assert torch.allclose(torch.tensor(r.logprobs), scored, atol=1e-4), rid
+        if kept < len(old):
+            rejected += 1
+            assert r.token_ids[kept] != old[kept], (rid, "a rejected token never comes back")
+            p_old = hf_scores(hf_p, prompt, old[: kept + 1], temperature)[0][kept]
+            assert float(p_old) < old_logp[kept], (rid, "rejected a token the new policy gives more probability")
+    assert rejected >= 2 and sum(done[rid].tokens_kept for rid in before) > 0
 
 
 def test_the_rows_random_stream_goes_on_through_a_reverification(tiny) -> None:
