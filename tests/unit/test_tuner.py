@@ -649,7 +649,7 @@ def test_a_new_context_starts_from_the_buckets_estimates_instead_of_trying_every
     rng = random.Random(0)
     assert {tuner.choose(1, rng, context=1) for _ in range(20)} == {D4}  # nothing was measured in context 1
     assert tuner.rate(1, GROUP, context=1) == tuner.rate(1, GROUP) == 200.0
-    for _ in range(tuner.confirm - 1):  # below `confirm` steps the context's own window is not trusted yet
+    for _ in range(tuner.context_confirm - 1):  # below `confirm` steps the context's own window is not trusted yet
         tuner.record(1, D4, 50, 1.0, context=1)
     assert tuner.greedy(1, context=1) == D4
     tuner.record(1, D4, 50, 1.0, context=1)
@@ -659,10 +659,10 @@ def test_a_new_context_starts_from_the_buckets_estimates_instead_of_trying_every
 def test_a_tables_arm_gives_way_only_to_an_arm_confirmed_faster_in_the_steps_context() -> None:
     tuner = SdTuner((PLAIN, D4, GROUP), epsilon=0.0, contexts=3, drafter_version=0)
     assert tuner.adopt_table(SdTable(best={0: D4}, drafter_version=0))
-    for _ in range(tuner.confirm):
+    for _ in range(tuner.context_confirm):
         tuner.record(1, GROUP, 400, 1.0, context=2)
     assert tuner.greedy(1, context=2) == D4, "the table's arm is not measured in context 2: the table holds"
-    for _ in range(tuner.confirm):
+    for _ in range(tuner.context_confirm):
         tuner.record(1, D4, 150, 1.0, context=2)
         tuner.record(1, D4, 300, 1.0, context=0)
         tuner.record(1, GROUP, 50, 1.0, context=0)
@@ -683,7 +683,7 @@ def test_a_new_drafter_resets_its_arms_windows_in_every_context() -> None:
         tuner.record(1, PLAIN, 100, 1.0, context=2)
     assert tuner.greedy(1, context=2) == D4
     assert tuner.on_new_drafter(1, "reset")
-    for _ in range(tuner.confirm - 1):  # the new drafter, measured too briefly in context 2 to be judged there
+    for _ in range(tuner.context_confirm - 1):  # the new drafter, measured too briefly in context 2 to be judged there
         tuner.record(1, D4, 80, 1.0, context=2)
     assert tuner.rate(1, D4, context=2) == 80.0, "judged by its bucket's window, not the old drafter's 900"
     assert tuner.greedy(1, context=2) == GROUP

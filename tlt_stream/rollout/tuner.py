@@ -237,10 +237,11 @@ class SdTuner:
     proposer). An arm's speed can depend on that state for many steps in a row (a row that follows a
     sibling's response drafts well from the group for as long as it follows it), and a window filled in the
     stretches where an arm was chosen then overrates it everywhere else. So every step is also kept in a
-    window per (bucket, context, arm), and an arm with at least `confirm` steps in the step's context is
-    judged by that window; below that, by its bucket's window over every context (a new context inherits the
-    bucket's estimates instead of trying every arm again). Likewise an adopted table's arm gives way to an
-    arm confirmed faster in the step's context than the table's arm, itself confirmed there.
+    window per (bucket, context, arm), and an arm with at least `context_confirm` steps in the step's context
+    (two runs of `chunk` by default: fewer give an SD arm's skewed steps too much say) is judged by that
+    window; below that, by its bucket's window over every context (a new context inherits the bucket's
+    estimates instead of trying every arm again). Likewise an adopted table's arm gives way to an arm
+    confirmed faster in the step's context than the table's arm, itself confirmed there.
 
     Drafter arms are eligible only once a drafter exists (`drafter_version >= 0`); at least one plain or
     n-gram arm is required, so there is always a choice. A new drafter (`on_new_drafter`) resets or
@@ -261,6 +262,7 @@ class SdTuner:
         explore_power: float = 4.0,
         explore_floor: float = 0.1,
         contexts: int = 1,
+        context_confirm: int | None = None,
     ) -> None:
         if len(set(arms)) != len(arms) or not arms:
             raise ValueError(f"arms must be non-empty and distinct, got {[a.label for a in arms]}")
@@ -289,6 +291,9 @@ class SdTuner:
         self.explore_power = explore_power
         self.explore_floor = explore_floor
         self.contexts = contexts
+        self.context_confirm = min(window, 2 * chunk if context_confirm is None else context_confirm)
+        if self.context_confirm < 1:
+            raise ValueError(f"context_confirm must be >= 1, got {context_confirm}")
         self._drafter_version = drafter_version
         self._trusted_drafter = -1  # tables measured before this drafter version are refused (after a reset)
         self._windows: dict[tuple[int, Arm], deque[tuple[float, float]]] = {}  # (tokens, seconds) per step
@@ -367,11 +372,11 @@ class SdTuner:
         return context
 
     def _in_context(self, bucket: int, context: int, arm: Arm) -> deque[tuple[float, float]] | None:
-        """The arm's window in the context, when it holds at least `confirm` steps (else the bucket's rules)."""
+        """The arm's window in the context, when it holds at least `context_confirm` steps (else the bucket's)."""
         if self.contexts == 1:
             return None
         window = self._context_windows.get((bucket, context, arm))
-        return window if window is not None and len(window) >= self.confirm else None
+        return window if window is not None and len(window) >= self.context_confirm else None
 
     def _judged(self, bucket: int, context: int, arm: Arm) -> float | None:
         """What a decision in `context` goes by: the context's window once confirmed, else the bucket's."""
