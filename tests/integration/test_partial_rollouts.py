@@ -1,28 +1,40 @@
 """Lossless partial rollouts in the pipeline (issue 24): an on-policy run whose next step starts early, as
-drafts of the version before, and is re-verified when its version arrives.
+drafts of the version before, and is re-verified when its version arrives; and a streaming run whose rows
+in flight are re-verified at every new version.
 
-Evidence the code under test did not write: the sample ids in Redis and in the learner's ledger, every
-sample's behaviour logprobs recomputed with Hugging Face transformers from the checkpoint of the version it
-is stamped with (a draft that skipped re-verification would carry the older policy's logprobs), the tasks
-in `prompts` (later steps went out as drafts), and the engine's own `load_policy` calls as the test saw
-them (re-verifying loads with rows in flight: the path really ran).
+Evidence the code under test did not write: the sample ids in Redis and in the learner's ledger, the groups
+each update trained as the test saw the calls, every sample's behaviour logprobs recomputed with Hugging Face
+transformers from the checkpoint of the version it is stamped with (a draft that skipped re-verification
+would carry the older policy's logprobs), the exact first-token distribution of each version at the run's
+prompts from transformers' logits (a draft re-verified by any rule but the lossless one follows another
+distribution there, whatever logprobs it carries), the tasks in `prompts` (later steps went out as drafts),
+and the engine's own `load_policy` calls as the test saw them (re-verifying loads with rows in flight: the
+path really ran).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 import torch
 
-from tests.integration.loop import keep_for_audit
+import tlt_stream.roles.worker.generation as worker_generation
+from tests.integration.loop import keep_for_audit, until_first_done
+from tests.integration.partial_oracle import first_token_distributions, hf_logprobs, noncentrality, power
+from tests.stats import chi2_threshold, chi_square
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
-from tlt_stream.messages import codec_for
+from tlt_stream.messages import PromptGroup, Sample, codec_for
 from tlt_stream.rl.checkpoint import complete_checkpoints
+from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerSettings
 from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
@@ -32,8 +44,6 @@ from tlt_stream.tasks.tokenizer import build_tokenizer
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
-STEPS, PROMPTS, GROUP, AHEAD = 3, 2, 2, 6
-
 
 def varied_reward(response: str, answer: str) -> float:
     """A reward that differs within a group (the test policy never solves the task: with the task's reward
@@ -41,33 +51,72 @@ def varied_reward(response: str, answer: str) -> float:
     return float(len(response) % 2)
 
 
-def hf_logprobs(location: Path, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) of the response tokens under the checkpoint at `location` (transformers)."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class PipelineRun:
+    """What a run left, as the test saw it."""
 
-    model = AutoModelForCausalLM.from_pretrained(location, torch_dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature  # [n, V]
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+    learner: LearnerService
+    worker: RolloutWorker
+    prompts: list[PromptGroup]
+    samples: list[Sample]
+    """Every entry of `samples`, in stream order."""
+    locations: dict[int, Path]
+    """Policy version -> its checkpoint's policy directory."""
+    loads: list[tuple[bool, int]]
+    """(reverify, rows holding tokens) per `load_policy` call."""
+    trained: list[tuple[int, list[Sample]]]
+    """(learner version before the update, its samples) per update applied."""
+    reverified: dict[str, int]
+    """Sample id -> times a newly loaded policy re-verified its response."""
+    dropped: set[str]
+    """Task ids the learner dropped as too stale (`Keys.dropped`)."""
 
 
-async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_policy_samples(
-    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
-) -> None:
-    loads: list[tuple[bool, int]] = []  # (reverify, rows holding tokens) per load, as the test saw the calls
-    original = GenerationEngine.load_policy
+async def run_pipeline(
+    config: Config,
+    run_dir: Path,
+    init_policy: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    steps: int,
+    prompts: int,
+    group: int,
+    max_staleness: int,
+    lr: float,
+    rollout: RolloutSettings,
+    reward: Callable[[str, str], float] = varied_reward,
+    seconds: float = 180,
+) -> PipelineRun:
+    """A learner, a policy service and one worker, with partial rollouts, until `steps` updates are done."""
+    loads: list[tuple[bool, int]] = []
+    trained: list[tuple[int, list[Sample]]] = []
+    reverified: dict[str, int] = {}
+    original_load, original_update = GenerationEngine.load_policy, LearnerService._update
+    original_sample = worker_generation.make_sample
 
-    def spy(engine: GenerationEngine, path: object, *, reverify: bool = False, **verified: object) -> None:
+    def load_spy(engine: GenerationEngine, path: object, *, reverify: bool = False, **verified: object) -> None:
         loads.append((reverify, engine.num_parked + engine.num_running))
-        original(engine, path, reverify=reverify, **verified)
+        original_load(engine, path, reverify=reverify, **verified)
 
-    monkeypatch.setattr(GenerationEngine, "load_policy", spy)
-    keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    async def update_spy(learner: LearnerService, groups: list[ReadyGroup]) -> dict[str, float]:
+        version = learner.version
+        metrics = await original_update(learner, groups)
+        trained.append((version, [s for g in groups for s in g.samples]))
+        return metrics
+
+    def sample_spy(result: Any, group: PromptGroup, index: int, **fields: Any) -> Sample:
+        sample = original_sample(result, group, index, **fields)
+        reverified[sample.sample_id] = result.reverifications
+        return sample
+
+    monkeypatch.setattr(GenerationEngine, "load_policy", load_spy)
+    monkeypatch.setattr(LearnerService, "_update", update_spy)
+    monkeypatch.setattr(worker_generation, "make_sample", sample_spy)
+    keys = Keys(config.run)
+    redis = aioredis.Redis.from_url(config.bus.redis_url)
     await keep_for_audit(redis, keys)
     planes = {
-        role: ControlPlane(bus_config, redis, role=role, owns=["policy"] if role == "learner" else [])
+        role: ControlPlane(config, redis, role=role, owns=["policy"] if role == "learner" else [])
         for role in ("learner", "policy", "rollout")
     }
     stop = asyncio.Event()
@@ -77,81 +126,233 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
         async with asyncio.timeout(20):
             await asyncio.gather(*(plane.connected.wait() for plane in planes.values()))
         learner = LearnerService(
-            bus_config,
+            config,
             redis,
             planes["learner"],
-            run_dir=tmp_path / "run",
+            run_dir=run_dir,
             init_policy=init_policy,
-            # Updates large enough that consecutive versions' logprobs differ far beyond the tolerance below (the
-            # defaults barely move the test policy: a draft kept with its old logprobs would pass unnoticed).
             settings=LearnerRunSettings(
-                groups_per_step=PROMPTS,
-                max_staleness=0,
-                keep_checkpoints=STEPS + 2,
-                learner=LearnerSettings(lr=1e-2, warmup_steps=0),
+                groups_per_step=prompts,
+                max_staleness=max_staleness,
+                keep_checkpoints=steps + 2,
+                learner=LearnerSettings(lr=lr, warmup_steps=0),
             ),
         )
         dispatcher = PolicyService(
-            bus_config,
+            config,
             redis,
             planes["policy"],
             RepeatedAddSource(build_tokenizer(), seed=3),
-            prompts_per_step=PROMPTS,
-            group_size=GROUP,
-            total_steps=STEPS,
+            prompts_per_step=prompts,
+            group_size=group,
+            max_staleness=max_staleness,
+            total_steps=steps,
             partial_rollouts=True,
         )
-        settings = RolloutSettings(
-            max_batch=8, max_len=96, max_response_len=24, partial_rollouts=True, ahead_tokens=AHEAD
-        )
-        worker = RolloutWorker(
-            bus_config, redis, planes["rollout"], worker_id="w0", reward=varied_reward, settings=settings
-        )
+        worker = RolloutWorker(config, redis, planes["rollout"], worker_id="w0", reward=reward, settings=rollout)
         await learner.start()
-
         services = [
-            asyncio.create_task(learner.run(stop, max_updates=STEPS)),
+            asyncio.create_task(learner.run(stop, max_updates=steps)),
             asyncio.create_task(dispatcher.run(stop)),
             asyncio.create_task(worker.run(stop)),
         ]
-        async with asyncio.timeout(180):
-            while not services[0].done():
-                running = [task for task in services if not task.done()]
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
-        assert learner.version == STEPS
-        expected = {f"s{s:06d}-{i:04d}/{g}" for s in range(STEPS) for i in range(PROMPTS) for g in range(GROUP)}
-        assert learner.assembler.ledger == expected, "every dispatched sample trained exactly once"
-        assert learner.assembler.dropped_groups == 0, "nothing was too stale: the run stayed on-policy"
-
-        prompts = [codec_for("prompts").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("prompts"))]
-        drafts = {t.task_id: t for t in prompts if t.draft_version is not None}
-        assert {t.step for t in drafts.values()} >= {1, 2}, "steps 1.. went out as drafts of the version before"
-        assert all(t.draft_version == t.min_policy_version - 1 for t in drafts.values())
-
-        samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
-        assert {s.sample_id for s in samples} == expected and len(samples) == len(expected)
-        assert all(s.policy_version == s.step for s in samples), "each sample stamped with its step's version"
-        # The stamp is true: every response's logprobs are its stamped version's, recomputed by transformers.
-        locations = {info.step: info.policy_dir for info in complete_checkpoints(learner.checkpoints)}
-        moved: list[float] = []
-        for s in samples:
-            response = s.token_ids.to_torch().tolist()
-            if not response:
-                continue
-            expected_lp = hf_logprobs(locations[s.policy_version], s.prompt_ids, response, settings.temperature)
-            torch.testing.assert_close(s.logprobs.to_torch(), expected_lp, atol=2e-4, rtol=1e-4)
-            if s.policy_version > 0:  # the check has power: the version before would have given other logprobs
-                older = hf_logprobs(locations[s.policy_version - 1], s.prompt_ids, response, settings.temperature)
-                moved.append(float((older - expected_lp).abs().max()))
-        assert moved and min(moved) > 1e-2, f"versions too alike for the check to see a stale draft: {moved}"
-        # Drafts really ran ahead: versions 1.. were loaded re-verifying rows already holding tokens.
-        assert any(reverify and rows > 0 for reverify, rows in loads), loads
-        assert worker.engine.tokens_kept + worker.engine.tokens_discarded >= AHEAD
+        await until_first_done(services, seconds)
+        return PipelineRun(
+            learner=learner,
+            worker=worker,
+            prompts=[codec_for("prompts").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("prompts"))],
+            samples=[codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))],
+            locations={info.step: info.policy_dir for info in complete_checkpoints(learner.checkpoints)},
+            loads=loads,
+            trained=trained,
+            reverified=reverified,
+            dropped={k.decode() for k in await redis.hkeys(keys.dropped)},
+        )
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         for service in services:
             await asyncio.gather(service, return_exceptions=True)
         await redis.aclose()
+
+
+def assert_stamps_are_true(run: PipelineRun, temperature: float) -> None:
+    """Every response's logprobs are its stamped version's, recomputed by transformers; and the check has
+    power: the version before would have given other logprobs."""
+    moved: list[float] = []
+    for s in run.samples:
+        response = s.token_ids.to_torch().tolist()
+        if not response:
+            continue
+        expected = hf_logprobs(run.locations[s.policy_version], s.prompt_ids, response, temperature)
+        torch.testing.assert_close(s.logprobs.to_torch(), expected, atol=2e-4, rtol=1e-4)
+        if s.policy_version > 0:
+            older = hf_logprobs(run.locations[s.policy_version - 1], s.prompt_ids, response, temperature)
+            moved.append(float((older - expected).abs().max()))
+    assert moved and min(moved) > 1e-2, f"versions too alike for the check to see a stale draft: {moved}"
+
+
+STEPS, PROMPTS, GROUP, AHEAD = 3, 2, 2, 6
+
+
+async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_policy_samples(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
+) -> None:
+    settings = RolloutSettings(max_batch=8, max_len=96, max_response_len=24, partial_rollouts=True, ahead_tokens=AHEAD)
+    # Updates large enough that consecutive versions' logprobs differ far beyond the tolerance of the stamp
+    # check (the defaults barely move the test policy: a draft kept with its old logprobs would pass unnoticed).
+    run = await run_pipeline(
+        bus_config,
+        tmp_path / "run",
+        init_policy,
+        monkeypatch,
+        steps=STEPS,
+        prompts=PROMPTS,
+        group=GROUP,
+        max_staleness=0,
+        lr=1e-2,
+        rollout=settings,
+    )
+    assert run.learner.version == STEPS
+    expected = {f"s{s:06d}-{i:04d}/{g}" for s in range(STEPS) for i in range(PROMPTS) for g in range(GROUP)}
+    assert run.learner.assembler.ledger == expected, "every dispatched sample trained exactly once"
+    assert run.learner.assembler.dropped_groups == 0, "nothing was too stale: the run stayed on-policy"
+    assert all(v == s.policy_version for v, samples in run.trained for s in samples), "staleness 0 throughout"
+
+    drafts = {t.task_id: t for t in run.prompts if t.draft_version is not None}
+    assert {t.step for t in drafts.values()} >= {1, 2}, "steps 1.. went out as drafts of the version before"
+    assert all(t.draft_version == t.min_policy_version - 1 for t in drafts.values())
+
+    assert {s.sample_id for s in run.samples} == expected and len(run.samples) == len(expected)
+    assert all(s.policy_version == s.step for s in run.samples), "each sample stamped with its step's version"
+    assert_stamps_are_true(run, settings.temperature)
+    # Drafts really ran ahead: versions 1.. were loaded re-verifying rows already holding tokens.
+    assert any(reverify and rows > 0 for reverify, rows in run.loads), run.loads
+    assert run.worker.engine.tokens_kept + run.worker.engine.tokens_discarded >= AHEAD
+
+
+def first_token_reward(response: str, answer: str) -> float:
+    """1 when the response starts with a digit: a reward on the first token, so each update moves that
+    token's distribution (at the distribution test's learning rate, far: all that test needs)."""
+    return float(response[:1].isdigit())
+
+
+async def test_drafts_reverified_in_an_on_policy_run_follow_their_stamped_versions_first_token_distribution(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
+) -> None:
+    """Lossless: a sample stamped with version v is distributed as a fresh sample of checkpoint v. Its first
+    token given the prompt follows softmax(logits / T) of that checkpoint exactly (transformers). A drafted
+    response's first token was sampled under v - 1, so a re-verification that keeps old tokens it should
+    reject leaves it (partly) at v - 1's distribution, while its logprobs may still be v's, which the stamp
+    check cannot see. Per version v >= 1: Pearson's chi-square of the first
+    tokens against v's exact distribution pooled over the run's prompts (`partial_oracle`), false-alarm rate
+    1e-4 (2e-4 over both versions, Bonferroni). The test has power: had every drafted response kept its first
+    token from v - 1, the same statistic would pass the threshold with probability >= 0.999 (non-centrality
+    of that alternative on the run's own prompts and drafted rows)."""
+    steps, prompts, group = 3, 32, 16
+    settings = RolloutSettings(
+        max_batch=2 * prompts * group, max_len=96, max_response_len=2, partial_rollouts=True, ahead_tokens=1
+    )
+    run = await run_pipeline(
+        bus_config,
+        tmp_path / "run",
+        init_policy,
+        monkeypatch,
+        steps=steps,
+        prompts=prompts,
+        group=group,
+        max_staleness=0,
+        lr=0.3,
+        rollout=settings,
+        reward=first_token_reward,
+    )
+    assert run.learner.version == steps and run.learner.assembler.dropped_groups == 0
+    assert all(v == s.policy_version for v, samples in run.trained for s in samples), "staleness 0 throughout"
+    trained = [s for _, samples in run.trained for s in samples]
+    assert sorted(s.sample_id for s in trained) == sorted(s.sample_id for s in run.samples)
+    for version in range(1, steps):
+        mine = [s for s in trained if s.policy_version == version]
+        drafted = [run.reverified[s.sample_id] > 0 for s in mine]
+        assert len(mine) == prompts * group and sum(drafted) >= len(mine) // 2, (version, sum(drafted))
+        at = [s.prompt_ids for s in mine]
+        p = first_token_distributions(run.locations[version], at, settings.temperature)  # [N, V]
+        q = first_token_distributions(run.locations[version - 1], at, settings.temperature)
+        stale = torch.where(torch.tensor(drafted)[:, None], q, p)  # drafts that kept their first token from q
+        n = len(mine)
+        expected, alternative = dict(enumerate(p.mean(dim=0).tolist())), dict(enumerate(stale.mean(dim=0).tolist()))
+        observed = Counter(int(s.token_ids.to_torch()[0]) for s in mine)  # an EOS is a token of the response
+        stat, df = chi_square(observed, expected, n)
+        assert stat < chi2_threshold(df), (version, stat, df, chi2_threshold(df), observed.most_common(8))
+        lam, _ = noncentrality(alternative, expected, n)
+        assert power(lam, df, chi2_threshold(df)) >= 0.999, f"version {version} too like {version - 1}: {lam=}"
+
+
+async def test_a_streaming_run_with_partial_rollouts_reverifies_rows_in_flight_and_trains_each_sample_once(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
+) -> None:
+    """Streaming (`max_staleness 1`): nothing is dispatched early; a worker re-verifies the rows in flight at
+    every new version instead of draining, and stamps each sample with the version it was last verified
+    under. Every dispatched task is trained once, whole, or dropped as too stale and sent again (its copy is
+    then trained, or dropped and sent again in turn); no trained sample is more than one version stale; and
+    every sample carries the logprobs of the version it is stamped with."""
+    steps, prompts, group = 4, 2, 4
+    settings = RolloutSettings(max_batch=group, max_len=96, max_response_len=48, partial_rollouts=True)
+    # Rows must be in flight when a version arrives, whatever the machine's speed: once the worker decodes
+    # only step 1's rows (started under version 0), hold its decoding after their second hop until version 1
+    # is announced to it; its loop then loads version 1 over those rows before decoding them further.
+    original_generate = RolloutWorker._generate
+    hops: Counter[str] = Counter()
+
+    async def gated_generate(worker: RolloutWorker) -> None:
+        step_1_only = worker.tasks and all(not task_id.startswith("s000000") for task_id in worker.tasks)
+        if "held" not in hops and worker.version == 0 and step_1_only:
+            hops["step 1"] += 1
+            if hops["step 1"] > 2 and worker.engine.num_running:
+                async with asyncio.timeout(60):
+                    while worker._loadable_policy() is None:  # noqa: ASYNC110 (an MQTT delivery: no event to await)
+                        await asyncio.sleep(0.01)
+                hops["held"] += 1
+                return  # the loop loads version 1 next, over the rows in flight
+        await original_generate(worker)
+
+    monkeypatch.setattr(RolloutWorker, "_generate", gated_generate)
+    run = await run_pipeline(
+        bus_config,
+        tmp_path / "run",
+        init_policy,
+        monkeypatch,
+        steps=steps,
+        prompts=prompts,
+        group=group,
+        max_staleness=1,
+        lr=1e-2,
+        rollout=settings,
+    )
+    assert run.learner.version == steps
+    assert all(t.draft_version is None for t in run.prompts), "streaming dispatches nothing as a draft"
+    trained = [s for _, samples in run.trained for s in samples]
+    trained_ids = [s.sample_id for s in trained]
+    assert len(trained_ids) == len(set(trained_ids)) == steps * prompts * group, "each trained once"
+    assert all(0 <= v - s.policy_version <= 1 for v, samples in run.trained for s in samples), "staleness <= 1"
+
+    dispatched = {t.task_id for t in run.prompts}
+    assert {f"{task}.r" for task in run.dropped} <= dispatched, "every dropped group was sent again"
+    ends = set()
+    for task in (f"s{s:06d}-{i:04d}" for s in range(steps) for i in range(prompts)):
+        while task in run.dropped:
+            task += ".r"
+        ends.add(task)
+    assert set(trained_ids) == {f"{task}/{g}" for task in ends for g in range(group)}, "whole groups, none lost"
+    in_redis = [s.sample_id for s in run.samples]
+    assert len(in_redis) == len(set(in_redis)) and set(trained_ids) <= set(in_redis)
+    assert {s.task_id for s in run.samples} <= ends | run.dropped, "nothing else was generated"
+    assert {i.rsplit("/", 1)[0] for i in run.learner.assembler.ledger - set(trained_ids)} <= run.dropped
+
+    assert_stamps_are_true(run, settings.temperature)
+    # Re-verification really ran: versions 1.. were loaded over rows holding tokens, and trained samples of a
+    # newer version than they started under carry what it kept.
+    assert hops["held"] == 1, hops
+    assert hops["held"] == 1, hops
+    assert any(reverify and rows > 0 for reverify, rows in run.loads), run.loads
+    assert any(run.reverified[i] > 0 for i in trained_ids), run.reverified
+    assert run.worker.engine.tokens_kept + run.worker.engine.tokens_discarded > 0
