@@ -80,11 +80,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--crossover", type=int, default=16, help="measured SD crossover batch (bench/sd_speedup.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--context-rows",
-        type=int,
-        default=None,
-        help="also run adaptive with the tuner's group-match context up to this many rows (sd.context_rows), "
-        "as a strategy of its own beside the default settings' adaptive",
+        "--variant",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE[;FIELD=VALUE]",
+        help="also run adaptive with these AdaptiveSettings fields changed, as a strategy of its own beside the "
+        "default settings' adaptive (repeatable; e.g. 'context_rows=8', 'window=48', 'arms=plain/d6k1v6/group-d8v8': "
+        "arm labels are separated by '/', since an either arm's label holds '|')",
     )
     args = p.parse_args()
     if args.quick:
@@ -95,6 +97,22 @@ def parse_args() -> argparse.Namespace:
     if unknown := set(args.workloads) - {"tail_heavy", "tail_light", "differ"}:
         p.error(f"unknown workloads {sorted(unknown)} (tail_heavy, tail_light, differ)")
     return args
+
+
+def variant_settings(settings: Any, spec: str) -> Any:
+    """`settings` with the fields of `spec` ("field=value;field=value") changed; `arms` takes labels
+    separated by "/" (an either arm's label holds "|")."""
+    changes: dict[str, Any] = {}
+    for item in spec.split(";"):
+        field, _, value = item.partition("=")
+        current = getattr(settings, field.strip())  # AttributeError names an unknown field
+        if field.strip() == "arms":
+            changes["arms"] = tuple(value.split("/"))
+        elif isinstance(current, tuple):
+            changes[field.strip()] = tuple(type(current[0])(v) for v in value.split("/"))
+        else:
+            changes[field.strip()] = type(current)(value)
+    return dataclasses.replace(settings, **changes)
 
 
 def bucket_label(running: int) -> str:
@@ -285,8 +303,8 @@ def main() -> None:
     fixed = FIXED_QUICK if args.quick else FIXED
     settings = AdaptiveSettings(crossover=args.crossover, seed=args.seed)
     variants = {"adaptive": settings}  # adaptive strategy -> its settings
-    if args.context_rows is not None and args.context_rows != settings.context_rows:
-        variants[f"adaptive+ctx{args.context_rows}"] = dataclasses.replace(settings, context_rows=args.context_rows)
+    for spec in args.variant:
+        variants[f"adaptive[{spec}]"] = variant_settings(settings, spec)
     strategies = ["plain", UPKEEP, *fixed, *variants]
     result: dict[str, Any] = {
         "benchmark": "adaptive_sd",
@@ -297,7 +315,7 @@ def main() -> None:
         "reps": args.reps,
         "crossover": args.crossover,
         "adaptive_arms": [label for label in settings.arms if not label.startswith("ngram")],
-        "adaptive_context_rows": {name: v.context_rows for name, v in variants.items()},
+        "adaptive_variants": {name: dataclasses.asdict(v) for name, v in variants.items()},
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
         "workloads": {},
     }
