@@ -400,7 +400,14 @@ class SdConfig(_Section, frozen=True):
         int, _doc("Hysteresis band: on at batch <= crossover - 1 - margin, off above crossover - 1.", ge=0)
     ] = 2
     epsilon: Annotated[float, _doc("Share of steps the tuner explores an arm other than its best.", ge=0, le=1)] = 0.1
-    window: Annotated[int, _doc("Recent measurements per (bucket, arm) the tuner averages.", ge=1)] = 16
+    window: Annotated[
+        int,
+        _doc(
+            "Recent steps per (bucket, arm) the tuner's estimate covers (48 measured better than 16 per bucket in "
+            "22 of 28 bucket-workload cells, docs/benchmarks.md).",
+            ge=1,
+        ),
+    ] = 48
     arms: Annotated[
         tuple[Annotated[str, Meta(pattern=ARM_LABEL)], ...],
         _doc("Candidate arms of the tuner; those of another proposer than the worker's are left out."),
