@@ -100,18 +100,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def variant_settings(settings: Any, spec: str) -> Any:
-    """`settings` with the fields of `spec` ("field=value;field=value") changed; `arms` takes labels
-    separated by "/" (an either arm's label holds "|")."""
+    """`settings` with the fields of `spec` ("field=value;field=value") changed; a tuple field (`arms`,
+    `edges`) takes its items separated by "/" (an either arm's label holds "|")."""
     changes: dict[str, Any] = {}
     for item in spec.split(";"):
-        field, _, value = item.partition("=")
-        current = getattr(settings, field.strip())  # AttributeError names an unknown field
-        if field.strip() == "arms":
-            changes["arms"] = tuple(value.split("/"))
-        elif isinstance(current, tuple):
-            changes[field.strip()] = tuple(type(current[0])(v) for v in value.split("/"))
+        field, _, value = (part.strip() for part in item.partition("="))
+        current = getattr(settings, field)  # AttributeError names an unknown field
+        if isinstance(current, tuple):
+            changes[field] = tuple(type(current[0])(v) for v in value.split("/"))
         else:
-            changes[field.strip()] = type(current)(value)
+            changes[field] = type(current)(value)
     return dataclasses.replace(settings, **changes)
 
 

@@ -700,6 +700,8 @@ def test_contexts_are_checked() -> None:
             tuner.record(1, PLAIN, 1, 1.0, context=bad)
     with pytest.raises(ValueError, match="context"):
         SdTuner((PLAIN, D4)).choose(1, random.Random(0), context=1)
+    with pytest.raises(ValueError, match="context"):
+        SdTuner((PLAIN, D4)).record(1, PLAIN, 1, 1.0, context=1)
 
 
 # ---------------------------------------------------------------------------------------------------- fallback

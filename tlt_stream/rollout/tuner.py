@@ -398,17 +398,16 @@ class SdTuner:
             raise ValueError(f"arm {arm.label} is not one of this tuner's arms")
         if tokens < 0 or not seconds > 0:
             raise ValueError(f"need tokens >= 0 and seconds > 0, got {tokens}, {seconds}")
-        key = (self.bucket(batch_size), arm)
-        window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = deque(maxlen=self.window)
-        window.append((float(tokens), float(seconds)))
+        context = self._check_context(context)
+        bucket, step = self.bucket(batch_size), (float(tokens), float(seconds))
+        windows: list[tuple[dict, tuple]] = [(self._windows, (bucket, arm))]
         if self.contexts > 1:
-            key3 = (key[0], self._check_context(context), arm)
-            window = self._context_windows.get(key3)
+            windows.append((self._context_windows, (bucket, context, arm)))
+        for by_key, key in windows:
+            window = by_key.get(key)
             if window is None:
-                window = self._context_windows[key3] = deque(maxlen=self.window)
-            window.append((float(tokens), float(seconds)))
+                window = by_key[key] = deque(maxlen=self.window)
+            window.append(step)
 
     def adopt_table(self, table: SdTable) -> bool:
         """Exploit `table` from now on (replacing any earlier one). Refused, returning False, when it was
