@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.loop import stats_of
 from tests.integration.test_rl_loop import learner_and_worker_planes
 from tests.unit.test_weight_sync import versions
+from tlt_stream.bus.streams import Keys
 from tlt_stream.config import Config
+from tlt_stream.messages import RolloutStats
 from tlt_stream.monitor import snapshot
 from tlt_stream.monitor.dashboard import render
 from tlt_stream.monitor.prometheus import prometheus_text
@@ -68,3 +71,45 @@ async def test_each_versions_publish_to_loaded_latency_reaches_the_monitor(
     assert f'tlt_policy_load_latency_seconds{{run="{bus_config.run}"}} {latency["1"]["max_s"]}' in (
         prometheus_text(snap)
     )
+
+
+async def test_hops_before_a_load_are_reported_under_the_version_they_ran_with(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seconds spent with a draft of version 1 in flight while the worker holds version 0 belong to step 1
+    (the tail of step 0 filled with step 1's work), even when no report is sent before version 1 loads: the
+    worker reports its hops under the version it holds before loading the next. Read back from the `stats`
+    stream by the real monitor."""
+    import asyncio
+    from types import SimpleNamespace
+
+    announced = versions(tmp_path, init_policy, monkeypatch)[:2]
+    async with learner_and_worker_planes(bus_config) as planes:
+        worker = RolloutWorker(
+            bus_config, planes.redis, planes.worker, worker_id="w0", reward=lambda text, answer: 0.0,
+            settings=RolloutSettings(max_batch=2, max_len=64),
+        )  # fmt: skip
+        await planes.learner.publish(announced[0])
+        async with asyncio.timeout(20):
+            await planes.worker.wait_for("policy", 0)
+        await worker._maybe_load()
+        assert worker.version == 0
+        # A group of step 1 dispatched ahead (it needs version 1) is in flight: its hops run ahead.
+        draft = SimpleNamespace(delivery=SimpleNamespace(message=SimpleNamespace(min_policy_version=1)))
+        worker.tasks["s000001-0000"] = draft  # type: ignore[assignment]
+        worker._count_hop(tokens=12, forwards=3, seconds=0.75)
+        worker._count_hop(tokens=8, forwards=2, seconds=0.5)
+        await planes.learner.publish(announced[1])
+        async with asyncio.timeout(20):
+            await planes.worker.wait_for("policy", 1)
+        await worker._maybe_load()  # no report was sent since the hops
+        assert worker.version == 1
+        worker._count_hop(tokens=4, forwards=1, seconds=0.25)  # under version 1, nothing ahead of it
+        del worker.tasks["s000001-0000"]
+        await worker._send_reports()
+
+        reports = await stats_of(planes.redis, Keys(bus_config.run), RolloutStats)
+        snap = await snapshot(bus_config)
+    assert [(r.policy_version, r.tokens, r.ahead_seconds) for r in reports] == [(0, 20, 1.25), (1, 4, 0.0)]
+    partial = snap["rollout"]["partial"]
+    assert list(partial) == ["1"] and partial["1"]["ahead_seconds"] == pytest.approx(1.25), partial

@@ -175,8 +175,8 @@ def partial_by_step(reports: Iterable[tuple[int, int, int, float]]) -> dict[int,
     Step s is the policy version the drafts were verified into (the version their samples carry). A worker
     re-verifies its rows in flight when it loads a version and stamps its reports with the version it holds,
     so a report's kept and discarded tokens count for its own version; its ahead seconds were spent with
-    drafts of the next version in flight, so they count for that one (a report whose interval spans a load
-    files the seconds before the load one step late: the worker sums them per interval). Per step:
+    drafts of the next version in flight, so they count for that one (a worker reports its hops before it
+    loads a version, so no report spans a load). Per step:
     `ahead_tokens`, the tokens generated ahead that re-verification judged (kept + discarded), `kept_tokens`,
     `discarded_tokens`, `kept_share` (None with none judged) and `ahead_seconds`, the worker-seconds with a
     draft in flight (the previous step's tail filled with this one's work).

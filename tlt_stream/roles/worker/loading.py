@@ -33,6 +33,8 @@ from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 from tlt_stream.store.locations import local_location, unresolvable
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from tlt_stream.roles.drafter_trainer import IdleDrafterTrainer
     from tlt_stream.roles.rollout_worker import RolloutSettings
     from tlt_stream.rollout.adaptive import AdaptiveSd
@@ -55,6 +57,8 @@ class PolicyLoading:
     drafter: DrafterVersion | None
     idle_trainer: IdleDrafterTrainer | None
     _load_latencies: dict[str, float]
+    _seconds: float
+    _send_reports: Callable[[], Awaitable[None]]
 
     def _init_loading(self) -> None:
         self.policy: PolicyVersion | None = None
@@ -85,6 +89,10 @@ class PolicyLoading:
             log.error("refused policy version %d: %s", announced.version, problem)
             self.registry.update_info(refused_policy=f"{announced.version}: {problem}")
             return
+        if self.engine is not None and self._seconds > 0:
+            # The hops so far ran under the version we hold: report them under it before it changes (a report
+            # spanning the load would file the seconds drafts ran ahead under the new version, one step late).
+            await self._send_reports()
         try:
             await asyncio.to_thread(self._load, announced)
         except (ChecksumMismatch, CheckpointError, OSError) as exc:
