@@ -5,7 +5,9 @@ x 8 by default), every row seeded apart. It starts full and drains to 1 as respo
 is the one a rollout worker with `sd.group` builds (`rollout.build.build_engine`: EAGLE beside the
 group/history source, `MixedProposer`), so a row drafts from its group's running and finished siblings (the
 rows of the same prompt) as it does in a worker. Each rollout starts with an empty index: no history from
-earlier steps, only the step's own siblings. Strategies: no SD; no SD on that engine (`plain+sources`: the
+earlier steps, only the step's own siblings; with `--history K`, with K responses per prompt from an earlier
+epoch (sampled once per workload by the same policy with other seeds), as a worker's history cache holds them
+when RL revisits a prompt. Strategies: no SD; no SD on that engine (`plain+sources`: the
 sources observe every step, never draft, so their upkeep shows); SD always on with each fixed arm (EAGLE
 chains, group-only trees, EAGLE + group merged); and adaptive SD (`rollout/adaptive.py`, the default
 candidate arms, which hold all three source mixes per batch bucket; its tuner is warmed up on one rollout
@@ -30,7 +32,7 @@ bucket of the running batch, seconds per rep and ms per token pooled over reps; 
 (`adaptive_greedy`) per bucket how often its exploit arm changed (`flips`), how often it explored, and its
 estimates at the end. Prints progress to stderr and one JSON object to stdout.
 
-    python bench/adaptive_sd.py [--quick] [--threads 1] [--group 8] [--reps 5]
+    python bench/adaptive_sd.py [--quick] [--threads 1] [--group 8] [--reps 5] [--history 8]
     # --quick: 16 rows (2 x 8), 6 strategies, 1 rep (under a minute)
 """
 
@@ -80,6 +82,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--crossover", type=int, default=16, help="measured SD crossover batch (bench/sd_speedup.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K responses per prompt from an earlier epoch (sampled beforehand by the same policy, other seeds) "
+        "in every SD engine's group index before each rollout, as a worker holds them when RL revisits a "
+        "prompt; 0: the step's own siblings only",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -91,6 +102,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.quick:
         args.reps, args.batch = 1, 16
+    if args.history < 0:
+        p.error(f"--history must be >= 0, got {args.history}")
     if args.group < 1 or args.batch % args.group:
         p.error(f"--batch ({args.batch}) must be a positive multiple of --group ({args.group})")
     args.workloads = args.workloads.split(",")
@@ -312,6 +325,7 @@ def main() -> None:
         "prompts": prompts_per_step,
         "reps": args.reps,
         "crossover": args.crossover,
+        "history_per_prompt": args.history,
         "adaptive_arms": [label for label in settings.arms if not label.startswith("ngram")],
         "adaptive_variants": {name: dataclasses.asdict(v) for name, v in variants.items()},
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
@@ -339,17 +353,33 @@ def main() -> None:
         engine, controller = build_engine(str(world / "policy"), spec, drafter_version=0)  # -1: no EAGLE arms
         if strategy == UPKEEP:
             engine.arm = None
+        if sd:  # an earlier epoch's responses to these prompts, as a worker's history cache holds them
+            group = getattr(engine.proposer, "group", engine.proposer)
+            for prompt, responses in history.items():
+                for response in responses:
+                    group.remember(prompt, response)
         return engine, controller
 
+    history: dict[tuple[int, ...], list[list[int]]] = {}  # prompt -> an earlier epoch's responses
     for name in args.workloads:
         problems, temperature = workloads[name]
         groups = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
         request = {"budget": max_len - max(len(p) for p in groups), "temperature": temperature}
         request["eos"] = tokenizer.eos_token_id
+        history = {}
+        if args.history:  # the previous epoch of these prompts: the same policy and temperature, other seeds
+            epoch, _ = engine_for("plain", temperature)
+            for g, prompt in enumerate(groups):
+                done = epoch.generate(
+                    [prompt] * args.history, request["budget"], temperature, seed=7_000_000 + 1000 * g,
+                    eos_ids=[request["eos"]],
+                )  # fmt: skip
+                history[tuple(prompt)] = [list(r.token_ids) for r in done]
+            log(f"{name}: {args.history} responses per prompt from an earlier epoch in every SD engine's index")
         runs: dict[str, list[dict]] = {s: [] for s in strategies}
         # The tuner lives as long as the worker (across RL steps): warm it up on one rollout of the workload
         # (reported as adaptive_cold), then measure it warm, carrying its statistics from rep to rep. Each
-        # rollout's engine, and so its group index, is new: the step's own siblings only, no history.
+        # rollout's engine, and so its group index, is new: the step's own siblings, and `history` if any.
         tuners, colds, greedies = {}, {}, {}
         for variant in variants:
             engine, tuners[variant] = engine_for(variant, temperature)
