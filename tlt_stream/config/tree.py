@@ -437,6 +437,15 @@ class SdConfig(_Section, frozen=True):
             "plain only (plain: no SD step at all above it)."
         ),
     ] = "measure"
+    challenge: Annotated[
+        float,
+        _doc(
+            "Batches above the crossover: the share of steps an arm measured faster than plain there but not yet "
+            "confirmed runs until it is confirmed or falls behind (0: only the epsilon exploration measures it).",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.5
     context_rows: Annotated[
         int,
         _doc(

@@ -55,6 +55,9 @@ class AdaptiveSettings:
     on_new_drafter: Literal["reset", "decay"] = DEFAULTS.sd.on_new_drafter
     above_crossover: Literal["measure", "plain"] = DEFAULTS.sd.above_crossover
     """Where the switch is off: plain unless an explored arm measured faster (`measure`), or plain only."""
+    challenge: float = DEFAULTS.sd.challenge
+    """Where the switch is off: the share of steps an arm measured faster than plain but not yet confirmed
+    runs, until it is confirmed or falls behind (0: only epsilon's exploration measures it)."""
     context_rows: int = DEFAULTS.sd.context_rows
     """Up to this many running rows the tuner judges arms per context, the proposer's `context` (how well the
     rows follow the group's responses); 0, or a proposer without one: per bucket only."""
@@ -72,6 +75,7 @@ class AdaptiveSettings:
             edges=sd.edges,
             on_new_drafter=sd.on_new_drafter,
             above_crossover=sd.above_crossover,
+            challenge=sd.challenge,
             context_rows=sd.context_rows,
             seed=sd.seed,
         )
@@ -115,6 +119,7 @@ class AdaptiveSd:
             window=settings.window,
             drafter_version=drafter_version if "drafter" in kinds else -1,
             contexts=getattr(proposer, "contexts", 1) if settings.context_rows > 0 else 1,
+            challenge=settings.challenge,
         )
         self.switch = SdSwitch.from_crossover(settings.crossover, settings.margin)
         self.rng = random.Random(settings.seed)

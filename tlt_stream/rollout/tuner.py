@@ -224,7 +224,10 @@ class SdTuner:
     Where SD is not expected to pay (`expect_sd=False`: the switch is off, the batch is wide), the exploit
     arm is the baseline (plain, else the first non-drafter arm) unless another arm has at least `confirm`
     measurements there and a higher estimate, and untried arms wait for exploration instead of being tried
-    first.
+    first. An arm measured there faster than the exploit arm but not yet confirmed (a challenger) is run
+    with probability `challenge` per step until it is confirmed faster or falls behind: exploration alone,
+    at epsilon shared by every other arm, would take several rollouts to confirm it (~7 in `bench/
+    adaptive_sd.py`'s widest bucket), and a challenger costs at most `confirm` - 1 steps to settle.
 
     Exploration draws untried arms first, then each other arm with weight max(`explore_floor`,
     (rate / best rate) ** `explore_power`), rate being the higher of its estimate and its latest run's:
@@ -263,13 +266,14 @@ class SdTuner:
         explore_floor: float = 0.1,
         contexts: int = 1,
         context_confirm: int | None = None,
+        challenge: float = 0.5,
     ) -> None:
         if len(set(arms)) != len(arms) or not arms:
             raise ValueError(f"arms must be non-empty and distinct, got {[a.label for a in arms]}")
         if all(arm.uses_drafter for arm in arms):
             raise ValueError("include a plain or n-gram arm: it is the choice before a drafter exists")
-        if not 0 <= epsilon <= 1:
-            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        if not 0 <= epsilon <= 1 or not 0 <= challenge <= 1:
+            raise ValueError(f"epsilon and challenge must be in [0, 1], got {epsilon}, {challenge}")
         if window < 1 or chunk < 1:
             raise ValueError(f"window and chunk must be >= 1, got {window}, {chunk}")
         if not 0 < decay_keep <= 1:
@@ -284,6 +288,7 @@ class SdTuner:
         self.arms = tuple(arms)
         self.edges = _check_edges(edges)
         self.epsilon = epsilon
+        self.challenge = challenge
         self.window = window
         self.chunk = chunk
         self.decay_keep = decay_keep
@@ -361,10 +366,30 @@ class SdTuner:
         greedy = self._greedy(bucket, arms, expect_sd, context)
         if expect_sd and self._table_arm(bucket, arms) is None and not self._tried(bucket, greedy):
             return greedy
+        challenger = None if expect_sd else self._challenger(bucket, arms, greedy, context)
+        if challenger is not None and rng.random() < self.challenge:
+            return challenger
         others = [arm for arm in arms if arm != greedy]
         if others and rng.random() < self.epsilon:
             return self._explore(bucket, others, rng, context)
         return greedy
+
+    def _challenger(self, bucket: int, arms: list[Arm], greedy: Arm, context: int) -> Arm | None:
+        """Where SD is not expected and no table rules: the fastest arm measured faster than `greedy` in the
+        bucket that is not yet confirmed there (fewer than `confirm` steps), if any."""
+        if self.challenge <= 0 or self._table_arm(bucket, arms) is not None:
+            return None
+        to_beat = self._judged(bucket, context, greedy)
+        if to_beat is None:
+            return None
+        best, best_rate = None, to_beat
+        for arm in arms:
+            window = self._windows.get((bucket, arm))
+            if arm == greedy or not window or len(window) >= self.confirm:
+                continue
+            if (rate := self.estimate(window)) > best_rate:
+                best, best_rate = arm, rate
+        return best
 
     def _check_context(self, context: int) -> int:
         if not 0 <= context < self.contexts:
