@@ -8,7 +8,11 @@ UNVERIFIED until a GPU runs it: written and run end to end on the CPU (`--device
 - `world`: the tiny world built in code on the CPU (the bootstrap recipe at a check size; no download);
 - `greedy`: the torch rollout engine on the device, plain and with the EAGLE drafter (a chain and a tree arm),
   in float32 and bfloat16: greedy outputs compared token for token at batch 32 and batch 1;
-- `tokens_per_s`: plain and SD at batch 1 and 32 in the rollouts' dtype on CUDA (bfloat16);
+- `tokens_per_s`: plain and SD at batch 1 and 32 in the rollouts' dtype on CUDA (bfloat16); SD with EAGLE
+  (a chain and a tree), with the group/history source alone (`group`: `group-d12v12`) and with both
+  (`either`: `d6k1v6|g12`, per row the group's chain where the row follows it, else EAGLE's), the group
+  source holding `HISTORY` responses per prompt sampled beforehand at T = 1 (an earlier epoch) and a fresh
+  index per timed run (issue 23's CUDA figure);
 - `rl`: `--steps` RL steps in this process: G = 8 samples of 4 prompts at T = 1 with SD, one GRPO update by
   the sharded learner (`rl/sharded.py`: FSDP2 over a one-rank process group, NCCL; fp32 masters, bf16
   compute), its checkpoint written and loaded into the engine in place, the engine's log-probs checked
@@ -37,6 +41,10 @@ BATCH = 32
 SINGLE = 8
 """Requests timed one at a time for batch 1."""
 ARMS = {"chain": (4, 1, 4), "tree": (4, 2, 8)}
+GROUP_ARMS = {"group": "group-d12v12", "either": "d6k1v6|g12"}
+"""Arms that draft from the group/history source (issue 23), by name in the figures."""
+HISTORY = 4
+"""Responses per prompt the group source holds before a timed run: an earlier epoch's, sampled at T = 1."""
 CARRIED = ("msgspec", "redis", "hiredis", "aiomqtt", "paho-mqtt", "fakeredis", "lupa", "amqtt", "math-verify")
 
 
@@ -161,6 +169,21 @@ def engines(policy: Any, drafter: Any, max_len: int, batch: int) -> dict[str, An
     return built
 
 
+def group_engine(policy: Any, drafter: Any, max_len: int, batch: int, label: str, history: dict) -> Any:
+    """An engine drafting with `label` from a new group index that holds `history` (prompt -> responses)."""
+    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer
+
+    group = GroupProposer()
+    for prompt, responses in history.items():
+        for response in responses:
+            group.remember(prompt, response)
+    arm = Arm.from_label(label)
+    proposer = group if arm.kind == "group" else MixedProposer(EagleProposer(drafter), group)
+    return GenerationEngine(policy, batch, max_len, proposer=proposer, arm=arm, max_draft_nodes=32)
+
+
 def timed(engine: Any, prompts: list[list[int]], n: int, eos: int, device: str) -> tuple[float, list[Any]]:
     synchronize(device)
     start = time.perf_counter()
@@ -183,16 +206,41 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
     drafter = load_drafter(world / "drafter", policy)
     max_len = max(len(p) for p in prompts) + args.new_tokens
     built = engines(policy, drafter, max_len, BATCH)
-    out: dict[str, Any] = {"tokens_per_s": {}, "mean_accept_length": {}}
+    # An earlier epoch's responses to the same prompts, for the group/history source (sampled, not greedy: the
+    # greedy output itself would be a perfect draft).
+    sampled = built["plain"].generate([p for p in prompts for _ in range(HISTORY)], args.new_tokens, 1.0, seed=11,
+                                      eos_ids=[eos])  # fmt: skip
+    history: dict[tuple[int, ...], list[list[int]]] = {}
+    for prompt, result in zip([p for p in prompts for _ in range(HISTORY)], sampled, strict=True):
+        history.setdefault(tuple(prompt), []).append(result.token_ids)
+    out: dict[str, Any] = {"tokens_per_s": {}, "mean_accept_length": {}, "acceptance_by_source": {}}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
-    for name, engine in built.items():
+    for name in [*built, *GROUP_ARMS]:
+        # Group arms: a new index (the history only) for each timed run, so no run drafts from an earlier
+        # run's output of the same prompt.
+        def fresh(batch: int, name: str = name) -> Any:
+            if name in built:
+                return built[name]
+            return group_engine(policy, drafter, max_len, batch, GROUP_ARMS[name], history)
+
+        engine = fresh(BATCH)
         engine.generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
+        engine = fresh(BATCH)
         wall32, batched = timed(engine, prompts, args.new_tokens, eos, args.device)
+        counted = [engine]
         wall1, single, tokens1 = 0.0, [], 0
+        engine = fresh(1) if name in GROUP_ARMS else engine
+        counted.append(engine)
         for prompt in prompts[:SINGLE]:
             wall, (result,) = timed(engine, [prompt], args.new_tokens, eos, args.device)
             wall1, tokens1 = wall1 + wall, tokens1 + len(result.token_ids)
             single.append(result)
+        if name in GROUP_ARMS:
+            out["acceptance_by_source"][name] = {
+                source: round(sum(e.accepted_by[source] for e in counted) / drafted, 3)
+                for source in ("eagle", "group")
+                if (drafted := sum(e.drafted_by[source] for e in counted))
+            }
         out["tokens_per_s"][name] = {
             "batch_1": round(tokens1 / wall1, 1),
             "batch_32": round(sum(len(r.token_ids) for r in batched) / wall32, 1),
