@@ -458,6 +458,8 @@ def test_invalid_input_is_refused() -> None:
         SdTuner([PLAIN, PLAIN])
     with pytest.raises(ValueError):
         SdTuner([PLAIN], epsilon=1.5)
+    with pytest.raises(ValueError, match="challenge"):
+        SdTuner([PLAIN], challenge=-0.1)
     with pytest.raises(ValueError):
         SdTuner([PLAIN], window=0)
     tuner = SdTuner([PLAIN, D4])

@@ -226,8 +226,9 @@ class SdTuner:
     measurements there and a higher estimate, and untried arms wait for exploration instead of being tried
     first. An arm measured there faster than the exploit arm but not yet confirmed (a challenger) is run
     with probability `challenge` per step until it is confirmed faster or falls behind: exploration alone,
-    at epsilon shared by every other arm, would take several rollouts to confirm it (~7 in `bench/
-    adaptive_sd.py`'s widest bucket), and a challenger costs at most `confirm` - 1 steps to settle.
+    at epsilon shared by every other arm, took several rollouts to confirm one in `bench/adaptive_sd.py`'s
+    wide buckets, while a challenger settles in a few steps (one lucky step of a slow arm costs about
+    `confirm` - 1 more).
 
     Exploration draws untried arms first, then each other arm with weight max(`explore_floor`,
     (rate / best rate) ** `explore_power`), rate being the higher of its estimate and its latest run's:
