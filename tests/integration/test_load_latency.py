@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,30 +27,40 @@ LATE_S = 30.0
 """Version 1 is announced as published this long ago: its latency is at least that, whatever the machine."""
 
 
+def new_worker(bus_config: Config, planes: Any) -> RolloutWorker:
+    return RolloutWorker(
+        bus_config, planes.redis, planes.worker, worker_id="w0", reward=lambda text, answer: 0.0,
+        settings=RolloutSettings(max_batch=2, max_len=64),
+    )  # fmt: skip
+
+
+async def announce_and_load(worker: RolloutWorker, planes: Any, message: Any) -> None:
+    """Publish `message` as the learner does, wait until the worker's plane has it, and load it."""
+    import asyncio
+
+    await planes.learner.publish(message)
+    async with asyncio.timeout(20):
+        await planes.worker.wait_for("policy", message.version)
+    await worker._maybe_load()
+    assert worker.version == message.version
+
+
 async def test_each_versions_publish_to_loaded_latency_reaches_the_monitor(
     bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asyncio
 
     import msgspec
     from rich.console import Console
 
     announced = versions(tmp_path, init_policy, monkeypatch)[:2]
     async with learner_and_worker_planes(bus_config) as planes:
-        worker = RolloutWorker(
-            bus_config, planes.redis, planes.worker, worker_id="w0", reward=lambda text, answer: 0.0,
-            settings=RolloutSettings(max_batch=2, max_len=64),
-        )  # fmt: skip
+        worker = new_worker(bus_config, planes)
         loaded: dict[int, tuple[float, float]] = {}
         for message in announced:
             published_at = time.time() - (LATE_S if message.version == 1 else 0.0)
-            await planes.learner.publish(msgspec.structs.replace(message, published_at=published_at))
-            async with asyncio.timeout(20):
-                await planes.worker.wait_for("policy", message.version)
             before = time.time()
-            await worker._maybe_load()
+            await announce_and_load(worker, planes, msgspec.structs.replace(message, published_at=published_at))
             loaded[message.version] = (before - published_at, time.time() - published_at)
-            assert worker.version == message.version
             await worker.registry.beat()
             await worker.producer.send_one("stats", worker._rollout_stats())  # as after a step's tasks
 
@@ -80,30 +91,18 @@ async def test_hops_before_a_load_are_reported_under_the_version_they_ran_with(
     (the tail of step 0 filled with step 1's work), even when no report is sent before version 1 loads: the
     worker reports its hops under the version it holds before loading the next. Read back from the `stats`
     stream by the real monitor."""
-    import asyncio
     from types import SimpleNamespace
 
     announced = versions(tmp_path, init_policy, monkeypatch)[:2]
     async with learner_and_worker_planes(bus_config) as planes:
-        worker = RolloutWorker(
-            bus_config, planes.redis, planes.worker, worker_id="w0", reward=lambda text, answer: 0.0,
-            settings=RolloutSettings(max_batch=2, max_len=64),
-        )  # fmt: skip
-        await planes.learner.publish(announced[0])
-        async with asyncio.timeout(20):
-            await planes.worker.wait_for("policy", 0)
-        await worker._maybe_load()
-        assert worker.version == 0
+        worker = new_worker(bus_config, planes)
+        await announce_and_load(worker, planes, announced[0])
         # A group of step 1 dispatched ahead (it needs version 1) is in flight: its hops run ahead.
         draft = SimpleNamespace(delivery=SimpleNamespace(message=SimpleNamespace(min_policy_version=1)))
         worker.tasks["s000001-0000"] = draft  # type: ignore[assignment]
         worker._count_hop(tokens=12, forwards=3, seconds=0.75)
         worker._count_hop(tokens=8, forwards=2, seconds=0.5)
-        await planes.learner.publish(announced[1])
-        async with asyncio.timeout(20):
-            await planes.worker.wait_for("policy", 1)
-        await worker._maybe_load()  # no report was sent since the hops
-        assert worker.version == 1
+        await announce_and_load(worker, planes, announced[1])  # no report was sent since the hops
         worker._count_hop(tokens=4, forwards=1, seconds=0.25)  # under version 1, nothing ahead of it
         del worker.tasks["s000001-0000"]
         await worker._send_reports()
