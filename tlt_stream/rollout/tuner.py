@@ -212,6 +212,27 @@ def aggregate_reports(reports: Iterable[ArmReport]) -> SdTable:
 # ---------------------------------------------------------------------------------------------------- tuner
 
 
+class _Window(deque):
+    """A (bucket[, context], arm)'s recent (tokens, seconds) steps, and its estimate (`SdTuner.estimate`) kept
+    until the steps change: a step's choice reads the estimates of many windows that have not changed."""
+
+    def __init__(self, maxlen: int) -> None:
+        super().__init__(maxlen=maxlen)
+        self.cached: float | None = None
+
+    def append(self, step: tuple[float, float]) -> None:
+        super().append(step)
+        self.cached = None
+
+    def extend(self, steps: Iterable[tuple[float, float]]) -> None:
+        super().extend(steps)
+        self.cached = None
+
+    def clear(self) -> None:
+        super().clear()
+        self.cached = None
+
+
 class SdTuner:
     """Per-bucket epsilon-greedy over `arms` on the throughput of each arm's last `window` steps (`estimate`).
 
@@ -302,8 +323,8 @@ class SdTuner:
             raise ValueError(f"context_confirm must be >= 1, got {context_confirm}")
         self._drafter_version = drafter_version
         self._trusted_drafter = -1  # tables measured before this drafter version are refused (after a reset)
-        self._windows: dict[tuple[int, Arm], deque[tuple[float, float]]] = {}  # (tokens, seconds) per step
-        self._context_windows: dict[tuple[int, int, Arm], deque[tuple[float, float]]] = {}  # with contexts > 1
+        self._windows: dict[tuple[int, Arm], _Window] = {}  # (tokens, seconds) per step
+        self._context_windows: dict[tuple[int, int, Arm], _Window] = {}  # with contexts > 1
         self._table: SdTable | None = None
 
     @property
@@ -336,6 +357,13 @@ class SdTuner:
         tokens in about the same time, so its per-step rates are skewed and their median sits well below
         the arm's throughput, while plain decoding's (always one token) do not; that biased the choice
         towards plain. One stalled step (a GC pause, a neighbour's burst) moves one run, not the median."""
+        if isinstance(steps, _Window):
+            if steps.cached is None:
+                steps.cached = self._pooled_median(steps)
+            return steps.cached
+        return self._pooled_median(steps)
+
+    def _pooled_median(self, steps: Sequence[tuple[float, float]]) -> float:
         steps = list(steps)
         runs = max(1, len(steps) // self.chunk)
         bounds = [round(i * len(steps) / runs) for i in range(runs + 1)]
@@ -432,7 +460,7 @@ class SdTuner:
         for by_key, key in windows:
             window = by_key.get(key)
             if window is None:
-                window = by_key[key] = deque(maxlen=self.window)
+                window = by_key[key] = _Window(self.window)
             window.append(step)
 
     def adopt_table(self, table: SdTable) -> bool:
