@@ -360,13 +360,12 @@ def main() -> None:
                     group.remember(prompt, response)
         return engine, controller
 
-    history: dict[tuple[int, ...], list[list[int]]] = {}  # prompt -> an earlier epoch's responses
     for name in args.workloads:
         problems, temperature = workloads[name]
         groups = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
         request = {"budget": max_len - max(len(p) for p in groups), "temperature": temperature}
         request["eos"] = tokenizer.eos_token_id
-        history = {}
+        history: dict[tuple[int, ...], list[list[int]]] = {}  # prompt -> an earlier epoch's responses
         if args.history:  # the previous epoch of these prompts: the same policy and temperature, other seeds
             epoch, _ = engine_for("plain", temperature)
             for g, prompt in enumerate(groups):

@@ -208,10 +208,10 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
     built = engines(policy, drafter, max_len, BATCH)
     # An earlier epoch's responses to the same prompts, for the group/history source (sampled, not greedy: the
     # greedy output itself would be a perfect draft).
-    sampled = built["plain"].generate([p for p in prompts for _ in range(HISTORY)], args.new_tokens, 1.0, seed=11,
-                                      eos_ids=[eos])  # fmt: skip
+    repeated = [p for p in prompts for _ in range(HISTORY)]
+    sampled = built["plain"].generate(repeated, args.new_tokens, 1.0, seed=11, eos_ids=[eos])
     history: dict[tuple[int, ...], list[list[int]]] = {}
-    for prompt, result in zip([p for p in prompts for _ in range(HISTORY)], sampled, strict=True):
+    for prompt, result in zip(repeated, sampled, strict=True):
         history.setdefault(tuple(prompt), []).append(result.token_ids)
     out: dict[str, Any] = {"tokens_per_s": {}, "mean_accept_length": {}, "acceptance_by_source": {}}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
@@ -223,16 +223,12 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
                 return built[name]
             return group_engine(policy, drafter, max_len, batch, GROUP_ARMS[name], history)
 
-        engine = fresh(BATCH)
-        engine.generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
-        engine = fresh(BATCH)
-        wall32, batched = timed(engine, prompts, args.new_tokens, eos, args.device)
-        counted = [engine]
+        fresh(BATCH).generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
+        counted = (fresh(BATCH), fresh(1))  # the batch-32 run's engine and the batch-1 runs'
+        wall32, batched = timed(counted[0], prompts, args.new_tokens, eos, args.device)
         wall1, single, tokens1 = 0.0, [], 0
-        engine = fresh(1) if name in GROUP_ARMS else engine
-        counted.append(engine)
         for prompt in prompts[:SINGLE]:
-            wall, (result,) = timed(engine, [prompt], args.new_tokens, eos, args.device)
+            wall, (result,) = timed(counted[1], [prompt], args.new_tokens, eos, args.device)
             wall1, tokens1 = wall1 + wall, tokens1 + len(result.token_ids)
             single.append(result)
         if name in GROUP_ARMS:
