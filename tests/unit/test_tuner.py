@@ -252,6 +252,31 @@ def test_the_estimate_ignores_rare_fast_spikes_a_mean_of_rates_would_follow() ->
     assert Counter(picks[-300:])[PLAIN] >= 200
 
 
+def test_kept_estimates_follow_every_change_of_their_window() -> None:
+    """A window keeps its estimate between changes; after records, a decay and a reset, every rate the tuner
+    reports equals the estimate computed afresh from the window's steps."""
+    tuner = SdTuner([PLAIN, D2, D4, TREE], window=6, drafter_version=0, contexts=2)
+    env = random.Random(3)
+
+    def check() -> None:
+        for (bucket, arm), window in tuner._windows.items():
+            assert tuner.rate(DEFAULT_EDGES[bucket], arm) == (tuner.estimate(list(window)) if window else None)
+        for window in tuner._context_windows.values():  # what a decision in a context goes by
+            assert not window or tuner.estimate(window) == tuner.estimate(list(window))
+
+    for step in range(200):
+        arm = env.choice([PLAIN, D2, D4, TREE])
+        tuner.record(env.choice([1, 2, 64]), arm, env.randint(1, 9), env.uniform(0.5, 2.0), context=step % 2)
+        tuner.rate(1, arm)  # reads (and keeps) estimates between changes
+        tuner.rate(1, arm, context=step % 2)
+        if step % 17 == 0:
+            check()
+    tuner.on_new_drafter(1, "decay")
+    check()
+    tuner.on_new_drafter(2, "reset")
+    check()
+
+
 def test_the_window_forgets_old_measurements() -> None:
     tuner = SdTuner([PLAIN, D4], window=4, drafter_version=0)
     for seconds in (1.0, 1.0, 1.0, 1.0, 4.0, 4.0):
