@@ -8,7 +8,9 @@ UNVERIFIED until a GPU runs it: written and run end to end on the CPU (`--device
 - `world`: the tiny world built in code on the CPU (the bootstrap recipe at a check size; no download);
 - `greedy`: the torch rollout engine on the device, plain and with the EAGLE drafter (a chain and a tree arm),
   in float32 and bfloat16: greedy outputs compared token for token at batch 32 and batch 1;
-- `tokens_per_s`: plain and SD at batch 1 and 32 in the rollouts' dtype on CUDA (bfloat16); SD with EAGLE
+- `tokens_per_s`: plain and SD at batch 1 and 32 in the rollouts' dtype on CUDA (bfloat16), each also with
+  its decode and verify forwards replayed from CUDA graphs (`NAME+graphs`, `model.graphs`; greedy identity
+  checked against eager plain too; `graphs`: captures, replays and seconds spent capturing); SD with EAGLE
   (a chain and a tree), with the group/history source alone (`group`: `group-d12v12`) and with both
   (`either`: `d6k1v6|g12`, per row the group's chain where the row follows it, else EAGLE's), the group
   source holding `HISTORY` responses per prompt sampled beforehand at T = 1 (an earlier epoch) and a fresh
@@ -156,20 +158,28 @@ def logprob_error(policy: Path, results: list[Any], device: str) -> float:
 # ------------------------------------------------------------------------------------------------- phases
 
 
-def engines(policy: Any, drafter: Any, max_len: int, batch: int) -> dict[str, Any]:
+def engines(policy: Any, drafter: Any, max_len: int, batch: int, graphs: str | None = None) -> dict[str, Any]:
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import EagleProposer
 
-    built = {"plain": GenerationEngine(policy, batch, max_len)}
+    built = {"plain": GenerationEngine(policy, batch, max_len, graphs=graphs)}
     for name, arm in ARMS.items():
         built[name] = GenerationEngine(
-            policy, batch, max_len, proposer=EagleProposer(drafter), arm=Arm.drafter(*arm), max_draft_nodes=32
+            policy,
+            batch,
+            max_len,
+            proposer=EagleProposer(drafter),
+            arm=Arm.drafter(*arm),
+            max_draft_nodes=32,
+            graphs=graphs,
         )
     return built
 
 
-def group_engine(policy: Any, drafter: Any, max_len: int, batch: int, label: str, history: dict) -> Any:
+def group_engine(
+    policy: Any, drafter: Any, max_len: int, batch: int, label: str, history: dict, graphs: str | None = None
+) -> Any:
     """An engine drafting with `label` from a new group index that holds `history` (prompt -> responses)."""
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
@@ -181,7 +191,7 @@ def group_engine(policy: Any, drafter: Any, max_len: int, batch: int, label: str
             group.remember(prompt, response)
     arm = Arm.from_label(label)
     proposer = group if arm.kind == "group" else MixedProposer(EagleProposer(drafter), group)
-    return GenerationEngine(policy, batch, max_len, proposer=proposer, arm=arm, max_draft_nodes=32)
+    return GenerationEngine(policy, batch, max_len, proposer=proposer, arm=arm, max_draft_nodes=32, graphs=graphs)
 
 
 def timed(engine: Any, prompts: list[list[int]], n: int, eos: int, device: str) -> tuple[float, list[Any]]:
@@ -205,7 +215,9 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
     policy = load_model(world / "policy", dtype=dtype, device=args.device)
     drafter = load_drafter(world / "drafter", policy)
     max_len = max(len(p) for p in prompts) + args.new_tokens
+    backend = "cuda" if args.device.startswith("cuda") else "trace"  # trace: the CPU rehearsal's stand-in
     built = engines(policy, drafter, max_len, BATCH)
+    built |= {f"{name}+graphs": engine for name, engine in engines(policy, drafter, max_len, BATCH, backend).items()}
     # An earlier epoch's responses to the same prompts, for the group/history source (sampled, not greedy: the
     # greedy output itself would be a perfect draft).
     repeated = [p for p in prompts for _ in range(HISTORY)]
@@ -213,34 +225,49 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
     history: dict[tuple[int, ...], list[list[int]]] = {}
     for prompt, result in zip(repeated, sampled, strict=True):
         history.setdefault(tuple(prompt), []).append(result.token_ids)
-    out: dict[str, Any] = {"tokens_per_s": {}, "mean_accept_length": {}, "acceptance_by_source": {}}
+    out: dict[str, Any] = {"tokens_per_s": {}, "mean_accept_length": {}, "acceptance_by_source": {}, "graphs": {}}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
-    for name in [*built, *GROUP_ARMS]:
+    group_names = [*GROUP_ARMS, *(f"{name}+graphs" for name in GROUP_ARMS)]
+    for name in [*built, *group_names]:
         # Group arms: a new index (the history only) for each timed run, so no run drafts from an earlier
-        # run's output of the same prompt.
+        # run's output of the same prompt. "+graphs": the same engine replaying captured forwards
+        # (`model.graphs`; CUDA graphs on CUDA); tokens/s "steady" leaves out the seconds spent capturing.
         def fresh(batch: int, name: str = name) -> Any:
             if name in built:
                 return built[name]
-            return group_engine(policy, drafter, max_len, batch, GROUP_ARMS[name], history)
+            arm = GROUP_ARMS[name.removesuffix("+graphs")]
+            graphs = backend if name.endswith("+graphs") else None
+            return group_engine(policy, drafter, max_len, batch, arm, history, graphs)
 
         fresh(BATCH).generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
         counted = (fresh(BATCH), fresh(1))  # the batch-32 run's engine and the batch-1 runs'
+        captured = [e.graphs.capture_seconds if e.graphs is not None else 0.0 for e in counted]
         wall32, batched = timed(counted[0], prompts, args.new_tokens, eos, args.device)
         wall1, single, tokens1 = 0.0, [], 0
         for prompt in prompts[:SINGLE]:
             wall, (result,) = timed(counted[1], [prompt], args.new_tokens, eos, args.device)
             wall1, tokens1 = wall1 + wall, tokens1 + len(result.token_ids)
             single.append(result)
-        if name in GROUP_ARMS:
+        if name.removesuffix("+graphs") in GROUP_ARMS:
             out["acceptance_by_source"][name] = {
                 source: round(sum(e.accepted_by[source] for e in counted) / drafted, 3)
                 for source in ("eagle", "group")
                 if (drafted := sum(e.drafted_by[source] for e in counted))
             }
-        out["tokens_per_s"][name] = {
-            "batch_1": round(tokens1 / wall1, 1),
-            "batch_32": round(sum(len(r.token_ids) for r in batched) / wall32, 1),
-        }
+        tokens32 = sum(len(r.token_ids) for r in batched)
+        out["tokens_per_s"][name] = {"batch_1": round(tokens1 / wall1, 1), "batch_32": round(tokens32 / wall32, 1)}
+        if counted[0].graphs is not None:
+            spent = [e.graphs.capture_seconds - before for e, before in zip(counted, captured, strict=True)]
+            out["tokens_per_s"][name] |= {
+                "batch_1_steady": round(tokens1 / max(wall1 - spent[1], 1e-9), 1),
+                "batch_32_steady": round(tokens32 / max(wall32 - spent[0], 1e-9), 1),
+            }
+            out["graphs"][name] = {
+                "capture_s": [round(x, 3) for x in spent],
+                "captures": [e.graphs.captures for e in counted],
+                "replays": [e.graphs.replays for e in counted],
+                "eager_calls": [e.graphs.eager for e in counted],
+            }
         rounds = [a for r in [*batched, *single] for a in r.accept_lengths]
         out["mean_accept_length"][name] = round(sum(rounds) / len(rounds), 3) if rounds else None
         outputs[name] = {"batch_32": [r.token_ids for r in batched], "batch_1": [r.token_ids for r in single]}

@@ -11,6 +11,10 @@ T = 1, EOS stops, 4 long held-out prompts per arm. Times are the measuring threa
 (`--clock cpu`: on a shared machine wall time mostly measures the neighbours; run it with `--threads 1`, so
 every op runs on that thread), or wall time (`--clock wall`), tokens/s included.
 
+With `--graphs trace` the target's decode and verify forwards replay traces (`model/graphs.py`, the CPU
+stand-in for CUDA graphs; captures count as forward time), and `--compare-graphs` alternates eager and traced
+in fresh processes as `--baseline` does.
+
 With `--baseline DIR` (another checkout, e.g. `git worktree add /tmp/rc-before HEAD~3`), the same timers run
 on both trees in fresh processes, alternated `--repeats` times, and the medians of each phase are printed
 side by side, with the median of the per-alternation ratios (current / baseline) of every phase: a
@@ -18,6 +22,7 @@ before/after measured in one run.
 
     python bench/round_costs.py [--world artifacts/world] [--prompts 4]
     python bench/round_costs.py --threads 1 --baseline /tmp/rc-before --repeats 5
+    python bench/round_costs.py --threads 1 --compare-graphs --repeats 5
 
 Prints one JSON object.
 """
@@ -53,6 +58,7 @@ def measure(args: argparse.Namespace) -> dict:
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
     torch.set_num_threads(args.threads)
+    graphs = None if args.graphs == "off" else args.graphs
     world = Path(args.world)
     policy = load_model(world / "policy")
     drafter = load_drafter(world / "drafter", policy)
@@ -63,13 +69,19 @@ def measure(args: argparse.Namespace) -> dict:
     spent: dict[str, float] = defaultdict(float)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
+    inside: set[str] = set()
+
     def timed(name: str, fn):
         def wrapper(*a, **k):
+            if name in inside:  # a timer of this phase already runs (a capture calls the model's forward)
+                return fn(*a, **k)
+            inside.add(name)
             started = clock()
             try:
                 return fn(*a, **k)
             finally:
                 spent[name] += clock() - started
+                inside.discard(name)
 
         return wrapper
 
@@ -90,7 +102,11 @@ def measure(args: argparse.Namespace) -> dict:
                 siblings = GenerationEngine(policy, 7, len(prompt) + 300)
                 for r in siblings.generate([prompt] * 7, 256, 1.0, seed=100 + i, eos_ids=eos):
                     proposer.remember(prompt, r.token_ids)
-            engine = GenerationEngine(policy, 1, len(prompt) + 300, proposer=proposer, arm=arm, max_draft_nodes=32)
+            engine = GenerationEngine(
+                policy, 1, len(prompt) + 300, proposer=proposer, arm=arm, max_draft_nodes=32, graphs=graphs
+            )
+            if engine.graphs is not None:  # the replayed forward is the target's forward (captures included)
+                engine.graphs = timed("target_forward", engine.graphs)
             if proposer is not None:
                 proposer.propose = timed("drafting", proposer.propose)
             policy.forward = timed("target_forward", forward)  # instance attribute: this model only
@@ -159,14 +175,22 @@ def stubbed_verify(policy, torch) -> dict[str, float]:
 
 
 def compare(args: argparse.Namespace) -> dict:
-    """Both trees in fresh processes, alternated; medians of every figure per tree."""
+    """Both sides in fresh processes, alternated; medians of every figure per side. The sides: the baseline
+    checkout and this one (`--baseline`), or this one eager and replaying traced forwards (`--compare-graphs`)."""
     runs: dict[str, list[dict]] = {"baseline": [], "current": []}
     stubbed: dict[str, list[dict]] = {"baseline": [], "current": []}
     command = [sys.executable, str(Path(__file__).resolve()), "--world", args.world, "--prompts", str(args.prompts)]
     command += ["--threads", str(args.threads), "--clock", args.clock]
+    if args.compare_graphs:
+        sides = (
+            ("baseline", ["--src", str(ROOT), "--graphs", "off"]),
+            ("current", ["--src", str(ROOT), "--graphs", "trace"]),
+        )
+    else:
+        sides = (("baseline", ["--src", args.baseline]), ("current", ["--src", str(ROOT), "--graphs", args.graphs]))
     for _ in range(args.repeats):
-        for label, src in (("baseline", args.baseline), ("current", str(ROOT))):
-            done = subprocess.run([*command, "--src", src], check=True, capture_output=True, text=True)
+        for label, extra in sides:
+            done = subprocess.run([*command, *extra], check=True, capture_output=True, text=True)
             report = json.loads(done.stdout)
             runs[label].append(report["arms"])
             stubbed[label].append(report["verify_round_stubbed_us"])
@@ -212,11 +236,18 @@ def main() -> None:
     p.add_argument("--src", default=str(ROOT), help="checkout whose tlt_stream is measured")
     p.add_argument("--baseline", help="another checkout to measure alternately with this one")
     p.add_argument("--repeats", type=int, default=3, help="alternations with --baseline (medians reported)")
+    p.add_argument(
+        "--graphs",
+        choices=["off", "trace"],
+        default="off",
+        help="replay the target's decode and verify forwards from traces (model/graphs.py; CUDA graphs' stand-in)",
+    )
+    p.add_argument("--compare-graphs", action="store_true", help="alternate --graphs off and trace on this checkout")
     args = p.parse_args()
     report = {"benchmark": "round_costs", "batch": 1, "temperature": 1.0, "threads": args.threads, "clock": args.clock}
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
-    if args.baseline:
-        report |= {"repeats": args.repeats, "baseline": args.baseline} | compare(args)
+    if args.baseline or args.compare_graphs:
+        report |= {"repeats": args.repeats, "baseline": args.baseline or "graphs off"} | compare(args)
     else:
         report |= measure(args)
     print(json.dumps(report))

@@ -343,6 +343,14 @@ class RolloutConfig(_Section, frozen=True):
             "rollout-vs-learner logprob mismatch it causes."
         ),
     ] = "auto"
+    graphs: Annotated[
+        Literal["off", "auto", "cuda", "trace"],
+        _doc(
+            "Replay the policy's decode and verify forwards captured per shape (torch backend): cuda is CUDA "
+            "graphs, auto is cuda on a CUDA device and off elsewhere, trace is the CPU stand-in the tests check "
+            "(no faster on a CPU). Off by default until bench/gpu_check.py has run on a GPU (UNVERIFIED there)."
+        ),
+    ] = "off"
 
     def __post_init__(self) -> None:
         _check_device(self.device, "rollout.device")

@@ -50,6 +50,7 @@ def attention_context(
     tree_mask: torch.Tensor | None = None,
     first_slot: int = 0,
     spec_offset: int = 0,
+    static_len: int | None = None,
 ) -> AttentionContext:
     """Build one forward's `AttentionContext`; the semantics are `Transformer.forward`'s."""
     b, t = positions.shape
@@ -62,8 +63,11 @@ def attention_context(
     if num_new is not None and num_new.shape != (b,):
         raise ValueError(f"num_new must have shape {(b,)}, got {tuple(num_new.shape)}")
     lengths = cache.lengths[first_slot : first_slot + b]  # [B]
-    lo, hi = (int(v) for v in torch.aminmax(lengths))
-    kv_len = hi + u
+    if static_len is None:
+        lo, hi = (int(v) for v in torch.aminmax(lengths))
+        kv_len = hi + u
+    else:  # no host read: S is the caller's, the mask does the rest (`graphs`)
+        lo, hi, kv_len = 0, static_len - u, static_len
     if first_slot + b > cache.max_batch or kv_len > cache.max_len:
         raise ValueError(
             f"forward over slots {first_slot}..{first_slot + b - 1} with {u} uncommitted tokens after up to "
@@ -73,8 +77,10 @@ def attention_context(
     query = spec_offset + torch.arange(t, device=device)  # [T] uncommitted index of each new token
     write_slot = torch.arange(first_slot, first_slot + b, device=device)[:, None].expand(b, t)
     write_pos = lengths[:, None] + query  # [B, T]
+    if static_len is not None:  # padded rows of a captured batch (idle slots) may run past the cache
+        write_pos = write_pos.clamp(max=cache.max_len - 1)
     plain = num_new is None and tree_mask is None
-    if plain and lo == hi and (u == 1 or (hi == 0 and spec_offset == 0)):
+    if plain and static_len is None and lo == hi and (u == 1 or (hi == 0 and spec_offset == 0)):
         return AttentionContext(cos, sin, write_slot, write_pos, first_slot, kv_len, None, t > 1)
     rel = torch.arange(kv_len, device=device)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
     query = query[None, :, None]  # [1, T, 1]

@@ -67,6 +67,7 @@ class Transformer(nn.Module):
         tree_mask: torch.Tensor | None = None,
         first_slot: int = 0,
         spec_offset: int = 0,
+        static_len: int | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [B, T]` at `positions [B, T]` against cache slots `first_slot .. first_slot+B-1`.
 
@@ -77,7 +78,9 @@ class Transformer(nn.Module):
         causal among the new ones). `num_new [B]` marks the first `num_new[b]` new tokens of row b as real
         and the rest as padding: no real query sees padding, and padding queries see themselves so they
         stay finite. The caller guarantees `lengths[slot] + spec_offset + T <= cache.max_len`. Lengths are
-        not advanced.
+        not advanced. With `static_len` S, attention reads S cache entries (S >= every row's length + T, the
+        caller's guarantee) with the rest masked, and nothing is read back to the host: the shapes are
+        fixed by (B, T, S) and the forward can be captured in a graph (`graphs`).
 
         Returns the final-norm hidden states `[B, T, H]` (what `logits` and an EAGLE drafter consume).
         """
@@ -90,6 +93,7 @@ class Transformer(nn.Module):
             tree_mask=tree_mask,
             first_slot=first_slot,
             spec_offset=spec_offset,
+            static_len=static_len,
         )
         if input_ids.shape != positions.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ")

@@ -94,6 +94,8 @@ class RolloutSettings:
     """Where the policy (and the drafter bound to it) runs: "cpu", "cuda" or "cuda:N" (resolved already)."""
     dtype: str = DEFAULTS.rollout.dtype
     """The engine's weights and KV cache (auto: bfloat16 on CUDA, float32 on the CPU)."""
+    graphs: str = DEFAULTS.rollout.graphs
+    """Replay captured forwards: off, auto, cuda or trace (`model.graphs`)."""
     backend: str = DEFAULTS.rollout.backend
     """"torch" (this project's engine) or "vllm" (`rollout/vllm/backend.py`, optional extra, GPU; one engine
     for the worker's life: policy versions and drafters are loaded into it in place)."""
@@ -160,6 +162,7 @@ class RolloutSettings:
             collapse_min_drafted=sd.collapse_min_drafted,
             device=device,
             dtype=own.dtype,
+            graphs=own.graphs,
             backend=own.backend,
             partial_rollouts=config.policy.partial_rollouts,
             ahead_tokens=config.policy.ahead_tokens,

@@ -27,6 +27,8 @@ class EngineSpec:
     """A resolved device: cpu, cuda or cuda:N."""
     dtype: str = DEFAULTS.rollout.dtype
     """Weights and KV cache: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16."""
+    graphs: str = DEFAULTS.rollout.graphs
+    """Captured forwards (`model.graphs.resolve_backend`): off, auto, cuda or trace; torch backend only."""
     drafter: str | None = None
     """The draft source: an EAGLE drafter directory, "ngram" (prompt lookup), or None (no speculation)."""
     group: bool = DEFAULTS.sd.group
@@ -50,6 +52,8 @@ class EngineSpec:
             raise ValueError("adaptive SD decides per decode step, which vLLM cannot: give a fixed arm")
         if self.backend == "vllm" and self.group:
             raise ValueError("group/history drafts (sd.group) run on the torch engine only")
+        if self.backend == "vllm" and self.graphs in ("cuda", "trace"):
+            raise ValueError("rollout.graphs is the torch engine's (vLLM captures its own CUDA graphs)")
         if self.group and self.drafter is None:
             raise ValueError("sd.group drafts beside a draft source: set sd.drafter (a drafter, or ngram)")
 
@@ -76,6 +80,7 @@ def build_engine(
         return VllmEngine(policy, settings=vllm_settings(spec), drafter=drafter), None
 
     from tlt_stream.model import load_model, resolve_dtype
+    from tlt_stream.model.graphs import resolve_backend
     from tlt_stream.rollout.adaptive import arm_kinds
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import GroupProposer, MixedProposer, build_proposer
@@ -100,6 +105,7 @@ def build_engine(
         arm=arm,
         max_draft_nodes=_max_nodes(spec),
         draft_rows=spec.draft_rows,
+        graphs=resolve_backend(spec.graphs, model.device),
     )
     controller = AdaptiveSd(engine, adaptive, drafter_version=drafter_version) if adaptive is not None else None
     return engine, controller

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tlt_stream.errors import CheckpointError
+from tlt_stream.model.graphs import ForwardGraphs, GraphBackend
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.proposers import SOURCE_EAGLE, SOURCE_GROUP, Proposal, Proposer
@@ -66,12 +67,16 @@ class GenerationEngine:
         arm: Arm | None = None,
         max_draft_nodes: int = 64,
         draft_rows: int | None = None,
+        graphs: GraphBackend | None = None,
     ) -> None:
         """`cache_dtype` defaults to the weights' dtype; fp32 with bf16 weights speeds up CPU attention.
 
         With a `proposer`, steps are speculative whenever `arm` is set; caches get `max_draft_nodes + 1`
         entries of headroom for the uncommitted drafts (arms may verify at most that many nodes). Drafts of
         the next policy (partial rollouts) start only while fewer than `draft_rows` rows run (`Scheduler`).
+        With `graphs`, decode steps and verify rounds replay the target's forward captured per shape
+        (`model.graphs.ForwardGraphs`: "cuda" graphs, or the "trace" replay that stands in for them on a CPU);
+        prefills and re-verifications run eagerly.
         """
         self.model = model
         self.max_len = max_len
@@ -82,6 +87,8 @@ class GenerationEngine:
         self.cache = model.new_cache(max_batch, max_len + headroom, dtype=cache_dtype)
         if proposer is not None:
             proposer.allocate(max_batch, max_len + headroom)
+        self.graphs = ForwardGraphs(model, self.cache, graphs) if graphs is not None else None
+        """The captured forwards of decode steps and verify rounds (None: eager)."""
         self.arm = arm
         self.rounds = 0
         """Speculative rounds run (one target forward each)."""
@@ -401,7 +408,8 @@ class GenerationEngine:
         device = self.model.device
         ids = torch.tensor([s.last_token for s in seqs], device=device)[:, None]  # [B, 1]
         positions = self.cache.lengths[:b, None].clone()  # [B, 1]
-        hidden = self.model(ids, positions, self.cache)  # [B, 1, H]
+        # [B, 1, H]; a replay's is the graph's buffer, used before the next step
+        hidden = self.graphs(ids, positions) if self.graphs is not None else self.model(ids, positions, self.cache)
         self.cache.advance(self._ones[:b])
         self._emit(seqs, hidden[:, 0])
         self.plain_steps += 1
@@ -418,7 +426,7 @@ class GenerationEngine:
         generators = [self._generators[s.request_id] for s in seqs]
         proposal = self.proposer.propose(b, arm, temperatures, generators)
         last = torch.tensor([s.last_token for s in seqs])
-        outcome = verify_round(self.model, self.cache, proposal, last, temperatures, generators)
+        outcome = verify_round(self.model, self.cache, proposal, last, temperatures, generators, forward=self.graphs)
         self.rounds += 1
         used = []
         for row, s in enumerate(seqs):

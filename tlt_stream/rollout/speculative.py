@@ -9,11 +9,10 @@ produced each of them, exactly as plain decoding would report them.
 
 At small batches on CPU a round is mostly per-op overhead, so the tree's structure is looked up, not built
 (`acceptance.tree_structure`), acceptance walks on the host, and the verdict is copied to the host once.
-On an accelerator, CUDA graphs are the next step (issue 23 point 4; a hook, unverified: no GPU was
-available): the verify forward, `target_logprobs` and the loop-free `acceptance._judge_tree` have static
-shapes per (batch, N, K); what keeps them out of one captured graph today are the host reads (the greedy
-chain test, `_judge_tree`'s path width, `attention_context`'s length range) and the per-row generators of
-`_uniforms`. Capture would wrap everything in `verify_round` up to the verdict, per shape.
+On an accelerator the verify forward (most of a round's kernels) can be replayed from a CUDA graph captured
+per shape (`forward`, `model.graphs.ForwardGraphs`; checked on the CPU through its trace stand-in, never yet
+on a GPU). Acceptance stays eager: the greedy chain test, `_judge_tree`'s path width and the per-row
+generators of `_uniforms` read the host; they are a dozen kernels against the forward's hundreds.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt_stream.model.cache import KVCache
+from tlt_stream.model.graphs import ForwardGraphs
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import Verdict, accept_chain, accept_tree, greedy_onehot
 from tlt_stream.rollout.proposers import Proposal
@@ -117,8 +117,11 @@ def verify_round(
     last_tokens: torch.Tensor,
     temperatures: torch.Tensor,
     generators: list[torch.Generator | None],
+    *,
+    forward: ForwardGraphs | None = None,
 ) -> RoundOutcome:
-    """Verify `proposal` for rows 0..B-1 (whose last tokens are not yet in the cache) and commit the result."""
+    """Verify `proposal` for rows 0..B-1 (whose last tokens are not yet in the cache) and commit the result.
+    With `forward`, the verify forward is its captured replay (the same semantics, `model.graphs`)."""
     tree = proposal.tree
     b, n = tree.tokens.shape
     device = model.device
@@ -126,7 +129,9 @@ def verify_round(
     tokens = tree.tokens.to(device)
     ids = torch.cat([last_tokens.to(device)[:, None], tokens], dim=1)  # [B, N+1]
     positions = cache.lengths[:b, None] + structure.depths.to(device)  # [B, N+1]
-    hidden = model(ids, positions, cache, tree_mask=structure.ancestor_mask.to(device))  # [B, N+1, H]
+    mask = structure.ancestor_mask.to(device)
+    # [B, N+1, H]; a replay's is the graph's buffer, which only this round reads
+    hidden = forward(ids, positions, mask) if forward is not None else model(ids, positions, cache, tree_mask=mask)
     logits = model.logits(hidden).float()  # [B, N+1, V]
     temps = temperatures.to(device)
     chain = structure.chain_lengths

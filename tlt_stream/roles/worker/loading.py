@@ -168,6 +168,7 @@ class PolicyLoading:
             temperature=self.settings.temperature,
             device=self.settings.device,
             dtype=self.settings.dtype,
+            graphs=self.settings.graphs,
             drafter=drafter,
             group=self.settings.group and drafter is not None and self.settings.backend == "torch",
             group_strong_match=self.settings.group_strong_match,
