@@ -241,13 +241,23 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
 
         fresh(BATCH).generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
         counted = (fresh(BATCH), fresh(1))  # the batch-32 run's engine and the batch-1 runs'
-        captured = [e.graphs.capture_seconds if e.graphs is not None else 0.0 for e in counted]
+
+        def graph_counts(engine: Any) -> tuple[float, int, int, int]:
+            g = engine.graphs
+            return (g.capture_seconds, g.captures, g.replays, g.eager) if g is not None else (0.0, 0, 0, 0)
+
+        before32 = graph_counts(counted[0])  # the two may be one engine: each run's own share is a difference
         wall32, batched = timed(counted[0], prompts, args.new_tokens, eos, args.device)
+        after32, before1 = graph_counts(counted[0]), graph_counts(counted[1])
         wall1, single, tokens1 = 0.0, [], 0
         for prompt in prompts[:SINGLE]:
             wall, (result,) = timed(counted[1], [prompt], args.new_tokens, eos, args.device)
             wall1, tokens1 = wall1 + wall, tokens1 + len(result.token_ids)
             single.append(result)
+        after1 = graph_counts(counted[1])
+        shares = [
+            [b - a for a, b in zip(start, end, strict=True)] for start, end in ((before32, after32), (before1, after1))
+        ]
         if name.removesuffix("+graphs") in GROUP_ARMS:
             out["acceptance_by_source"][name] = {
                 source: round(sum(e.accepted_by[source] for e in counted) / drafted, 3)
@@ -256,17 +266,14 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
             }
         tokens32 = sum(len(r.token_ids) for r in batched)
         out["tokens_per_s"][name] = {"batch_1": round(tokens1 / wall1, 1), "batch_32": round(tokens32 / wall32, 1)}
-        if counted[0].graphs is not None:
-            spent = [e.graphs.capture_seconds - before for e, before in zip(counted, captured, strict=True)]
+        if counted[0].graphs is not None:  # per run [batch 32, batch 1]: capture seconds, captures, replays, eager
             out["tokens_per_s"][name] |= {
-                "batch_1_steady": round(tokens1 / max(wall1 - spent[1], 1e-9), 1),
-                "batch_32_steady": round(tokens32 / max(wall32 - spent[0], 1e-9), 1),
+                "batch_1_steady": round(tokens1 / max(wall1 - shares[1][0], 1e-9), 1),
+                "batch_32_steady": round(tokens32 / max(wall32 - shares[0][0], 1e-9), 1),
             }
             out["graphs"][name] = {
-                "capture_s": [round(x, 3) for x in spent],
-                "captures": [e.graphs.captures for e in counted],
-                "replays": [e.graphs.replays for e in counted],
-                "eager_calls": [e.graphs.eager for e in counted],
+                field: [round(share[i], 3) for share in shares]
+                for i, field in enumerate(("capture_s", "captures", "replays", "eager_calls"))
             }
         rounds = [a for r in [*batched, *single] for a in r.accept_lengths]
         out["mean_accept_length"][name] = round(sum(rounds) / len(rounds), 3) if rounds else None

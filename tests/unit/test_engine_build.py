@@ -125,3 +125,19 @@ def test_group_drafts_sit_beside_the_drafter_or_replace_prompt_lookup(init_polic
         spec(drafter="ngram", group=True, arm=Arm.ngram(4), backend="vllm")
     with pytest.raises(ValueError, match=r"set sd\.drafter"):
         spec(group=True)
+
+
+def test_the_workers_graphs_setting_reaches_the_engine(init_policy: Path) -> None:
+    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.roles.rollout_worker import RolloutSettings
+
+    assert RolloutSettings.from_config(DEFAULTS, device="cpu").graphs == "off"
+    settings = RolloutSettings.from_config(override(DEFAULTS, {"rollout.graphs": "trace"}), device="cpu")
+    engine, _ = build_engine(str(init_policy), spec(graphs=settings.graphs))
+    assert engine.graphs is not None and engine.graphs.backend == "trace" and engine.graphs.cache is engine.cache
+    for setting in ("off", "auto"):  # auto: CUDA graphs on a CUDA device only
+        assert build_engine(str(init_policy), spec(graphs=setting))[0].graphs is None
+    with pytest.raises(ValueError, match="CUDA device"):
+        build_engine(str(init_policy), spec(graphs="cuda"))
+    with pytest.raises(ValueError, match="vLLM captures"):
+        spec(backend="vllm", graphs="cuda", drafter=None)

@@ -295,7 +295,8 @@ class ForwardGraphs:
                 self._run(graph, span)
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self._pool):
+        # thread_local: another thread of the worker may use the device meanwhile (the idle drafter trainer)
+        with torch.cuda.graph(cuda_graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._run(graph, span)
 
         def replay() -> torch.Tensor:
