@@ -9,6 +9,8 @@ and end to end in the engine against transformers as the oracle. CUDA capture it
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -112,6 +114,25 @@ def test_replayed_forward_equals_the_eager_one_as_lengths_batches_and_trees_chan
         assert python_forwards > len(shapes)
 
 
+def test_calls_beyond_the_capture_limits_run_eagerly_and_agree(models) -> None:
+    _, model = models
+    cache, eager_cache = model.new_cache(4, 40), model.new_cache(4, 40)
+    graphs = ForwardGraphs(model, cache, "trace", batch_sizes=(1, 2), max_tokens=2)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for b, t in [(3, 1), (2, 3), (2, 2), (2, 2)]:  # batch above every size, tokens above max_tokens, captured
+            lengths = torch.randint(0, 30, (b,), generator=g)
+            cache.lengths[:b] = lengths
+            eager_cache.lengths.copy_(cache.lengths)
+            eager_cache.k.copy_(cache.k)
+            eager_cache.v.copy_(cache.v)
+            ids, positions = torch.randint(0, VOCAB, (b, t), generator=g), lengths[:, None] + torch.arange(t)
+            mask = None if t == 1 else random_tree_mask(b, t, g)
+            got = graphs(ids, positions, mask).clone()
+            torch.testing.assert_close(got, model(ids, positions, eager_cache, tree_mask=mask), rtol=1e-5, atol=1e-5)
+    assert (graphs.eager, graphs.captures, graphs.replays) == (2, 1, 1)
+
+
 def test_capture_refuses_a_host_read_and_a_static_capture_follows_its_inputs(models) -> None:
     _, model = models
     cache, eager_cache = model.new_cache(2, 32), model.new_cache(2, 32)
@@ -189,6 +210,41 @@ def test_sampling_with_replayed_forwards_draws_what_the_eager_engine_draws(model
     assert len({tuple(r.token_ids) for r in got}) > len(prompts()), "the draws differ between a prompt's copies"
     for a, b in zip(got, want, strict=True):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_the_drafter_sees_the_features_it_would_see_eagerly_when_sd_switches_on_and_off(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain steps hand the drafter each step's hidden states, which it keeps until its next catch-up; a
+    replay's output lives in a buffer the next call overwrites. What the drafter's forward receives is
+    recorded (cloned at the call) and compared with the eager engine's."""
+    _, model = models
+    seen: list[list[torch.Tensor]] = []
+    outcomes = []
+    for graphs in (None, "trace"):
+        torch.manual_seed(1)
+        drafter = Drafter(model.spec).bind(model)
+        inner, calls = drafter.forward, []
+
+        def recording(tokens, features, *args, inner=inner, calls=calls, **kwargs):
+            calls.append(features.clone())
+            return inner(tokens, features, *args, **kwargs)
+
+        monkeypatch.setattr(drafter, "forward", recording)
+        engine = GenerationEngine(model, 4, 64, proposer=EagleProposer(drafter), graphs=graphs)
+        ids = [engine.add_request(p, 30, eos_ids=[EOS]) for p in prompts()[:4]]
+        arms = itertools.cycle([None, None, None, Arm.drafter(4, 1, 4), None, Arm.drafter(3, 2, 6)])
+        done = {}
+        while engine.has_unfinished:
+            engine.arm = next(arms)
+            done |= {r.request_id: r for r in engine.step()}
+        outcomes.append([(done[i].token_ids, done[i].accept_lengths) for i in ids])
+        seen.append(calls)
+    assert outcomes[0] == outcomes[1]
+    eager, replayed = seen
+    assert len(eager) == len(replayed) > 0
+    for a, b in zip(eager, replayed, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
 def test_backend_settings() -> None:

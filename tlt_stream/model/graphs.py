@@ -199,8 +199,11 @@ class ForwardGraphs:
     (padded batch, tokens, attention length, tree or causal) and replayed. `__call__` has the eager
     forward's semantics for `first_slot=0, spec_offset=0` and no `num_new`.
 
-    Batches larger than the largest capture size (or the cache) run eagerly. At most `max_graphs` shapes
-    are kept (least recently used dropped)."""
+    Batches larger than the largest capture size (or the cache), and calls of more than `max_tokens`
+    tokens, run eagerly. At most `max_graphs` shapes are kept (least recently used dropped). Every graph
+    writes its output into one buffer `[max_batch, max_tokens, H]` allocated outside the graphs' shared
+    memory pool, so the device memory they hold is one graph's intermediates plus that buffer, whatever the
+    number of shapes (a graph's own output, kept alive for its replays, would hold a buffer per shape)."""
 
     def __init__(
         self,
@@ -211,17 +214,22 @@ class ForwardGraphs:
         batch_sizes: Sequence[int] = BATCH_SIZES,
         len_step: int = 128,
         max_graphs: int = 96,
+        max_tokens: int = 65,
     ) -> None:
         if backend == "cuda" and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
-        if len_step <= 0 or max_graphs <= 0:
-            raise ValueError(f"len_step and max_graphs must be positive, got {len_step} and {max_graphs}")
+        if min(len_step, max_graphs, max_tokens) <= 0:
+            raise ValueError(
+                f"len_step, max_graphs and max_tokens must be positive: {len_step}, {max_graphs}, {max_tokens}"
+            )
         self.model, self.cache, self.backend = model, cache, backend
         sizes = {s for s in batch_sizes if 0 < s < cache.max_batch}
         if cache.max_batch <= max(batch_sizes):  # the cache's own batch, so no batch it holds runs eagerly
             sizes.add(cache.max_batch)
         self.batch_sizes = sorted(sizes)
-        self.len_step, self.max_graphs = len_step, max_graphs
+        self.len_step, self.max_graphs, self.max_tokens = len_step, max_graphs, max_tokens
+        self._out: torch.Tensor | None = None
+        """The output buffer every graph writes (allocated at the first capture)."""
         self._graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self._pool: Any = torch.cuda.graph_pool_handle() if backend == "cuda" else None
         self.captures = 0
@@ -238,7 +246,7 @@ class ForwardGraphs:
         """`ids`, `positions [B, T]`, `tree_mask [B, T, T]` bool or None (causal) -> hidden `[B, T, H]`."""
         b, t = ids.shape
         padded = next((s for s in self.batch_sizes if s >= b), None)
-        if padded is None:
+        if padded is None or t > self.max_tokens:
             self.eager += 1
             return self.model(ids, positions, self.cache, tree_mask=tree_mask)
         hi = int(self.cache.lengths[:b].max())  # the one host read, outside the graph
@@ -261,6 +269,9 @@ class ForwardGraphs:
             if b < padded:
                 graph.tree_mask[b:].copy_(graph.eye)
         if fresh:
+            if self._out is None:
+                shape = (self.cache.max_batch, self.max_tokens, self.model.spec.hidden_size)
+                self._out = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
             started = self._clock()
             out = self._capture(graph, span)
             self.capture_seconds += self._clock() - started
@@ -280,7 +291,10 @@ class ForwardGraphs:
         return time.perf_counter()
 
     def _run(self, graph: _Graph, span: int) -> torch.Tensor:
-        return self.model(graph.ids, graph.positions, self.cache, tree_mask=graph.tree_mask, static_len=span)
+        assert self._out is not None
+        hidden = self.model(graph.ids, graph.positions, self.cache, tree_mask=graph.tree_mask, static_len=span)
+        b, t = graph.ids.shape
+        return self._out[:b, :t].copy_(hidden)
 
     def _capture(self, graph: _Graph, span: int) -> torch.Tensor:
         """Capture `graph`'s shape; returns the output of the run that captured it (for the current inputs)."""

@@ -87,7 +87,9 @@ class GenerationEngine:
         self.cache = model.new_cache(max_batch, max_len + headroom, dtype=cache_dtype)
         if proposer is not None:
             proposer.allocate(max_batch, max_len + headroom)
-        self.graphs = ForwardGraphs(model, self.cache, graphs) if graphs is not None else None
+        self.graphs = (
+            ForwardGraphs(model, self.cache, graphs, max_tokens=max_draft_nodes + 1) if graphs is not None else None
+        )
         """The captured forwards of decode steps and verify rounds (None: eager)."""
         self.arm = arm
         self.rounds = 0
@@ -408,8 +410,10 @@ class GenerationEngine:
         device = self.model.device
         ids = torch.tensor([s.last_token for s in seqs], device=device)[:, None]  # [B, 1]
         positions = self.cache.lengths[:b, None].clone()  # [B, 1]
-        # [B, 1, H]; a replay's is the graph's buffer, used before the next step
-        hidden = self.graphs(ids, positions) if self.graphs is not None else self.model(ids, positions, self.cache)
+        if self.graphs is not None:  # the graphs' buffer, which the next call overwrites: the proposer keeps these
+            hidden = self.graphs(ids, positions).clone()  # [B, 1, H]
+        else:
+            hidden = self.model(ids, positions, self.cache)  # [B, 1, H]
         self.cache.advance(self._ones[:b])
         self._emit(seqs, hidden[:, 0])
         self.plain_steps += 1
