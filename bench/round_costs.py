@@ -13,7 +13,8 @@ every op runs on that thread), or wall time (`--clock wall`), tokens/s included.
 
 With `--graphs trace` the target's decode and verify forwards replay traces (`model/graphs.py`, the CPU
 stand-in for CUDA graphs; captures count as forward time), and `--compare-graphs` alternates eager and traced
-in fresh processes as `--baseline` does.
+in fresh processes as `--baseline` does; `capture` is the part of the forward's time spent capturing
+(each prompt's new engine captures its shapes again).
 
 With `--baseline DIR` (another checkout, e.g. `git worktree add /tmp/rc-before HEAD~3`), the same timers run
 on both trees in fresh processes, alternated `--repeats` times, and the medians of each phase are printed
@@ -105,7 +106,8 @@ def measure(args: argparse.Namespace) -> dict:
             engine = GenerationEngine(
                 policy, 1, len(prompt) + 300, proposer=proposer, arm=arm, max_draft_nodes=32, graphs=graphs
             )
-            if engine.graphs is not None:  # the replayed forward is the target's forward (captures included)
+            if engine.graphs is not None:  # the replayed forward is the target's forward, captures included
+                engine.graphs._capture = timed("capture", engine.graphs._capture)  # ... and shown apart
                 engine.graphs = timed("target_forward", engine.graphs)
             if proposer is not None:
                 proposer.propose = timed("drafting", proposer.propose)
@@ -119,6 +121,8 @@ def measure(args: argparse.Namespace) -> dict:
         ms = {k: 1e3 * v / rounds for k, v in spent.items()}
         total = 1e3 * elapsed / rounds
         per_round = {"total": total, "target_forward": ms["target_forward"]}
+        if graphs is not None:  # of which capturing (a new engine per prompt captures its shapes again)
+            per_round["capture"] = ms.pop("capture", 0.0)
         if name == "plain":
             per_round["other"] = total - ms["target_forward"]
         else:
