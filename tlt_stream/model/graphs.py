@@ -101,6 +101,20 @@ class _Op:
         found += [f for name, a in kwargs.items() for f in _locate(a, slots, (name,))]
         self.inner = [(path[0], slot) for path, slot in found if len(path) == 1]
         self.nested = [(path, slot) for path, slot in found if len(path) > 1]
+        if any(len(path) > 2 for path, _ in self.nested):
+            raise GraphCaptureError(f"{func} takes a traced tensor nested deeper than a list: not replayable")
+        # Drop the recording's own intermediates (a replay puts its values there): a trace holds no memory
+        # but its inputs' and the tensors made outside it.
+        for at, _ in self.inner:
+            if isinstance(at, int):
+                self.args[at] = None
+            else:
+                self.kwargs[at] = None
+        for path, _ in self.nested:
+            holder = self.args if isinstance(path[0], int) else self.kwargs
+            items = list(holder[path[0]])  # type: ignore[index]
+            items[path[1]] = None
+            holder[path[0]] = items  # type: ignore[index]
         self.out_slots: list[tuple[int, int]] = []
         self.single = True
 
@@ -116,8 +130,6 @@ class _Op:
             for path, slot in self.nested:
                 holder = args if isinstance(path[0], int) else kwargs
                 items = list(holder[path[0]])  # type: ignore[index]
-                if len(path) != 2:
-                    raise GraphCaptureError(f"an argument nested {len(path)} deep cannot be replayed")
                 items[path[1]] = values[slot]
                 holder[path[0]] = items  # type: ignore[index]
         return self.call(*args, **kwargs)
