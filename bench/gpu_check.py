@@ -227,6 +227,11 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
         history.setdefault(tuple(prompt), []).append(result.token_ids)
     out: dict[str, Any] = {"tokens_per_s": {}, "mean_accept_length": {}, "acceptance_by_source": {}, "graphs": {}}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
+    logprobs: dict[str, list[list[float]]] = {}
+
+    def first_difference(a: list[int], b: list[int]) -> int:
+        return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
     group_names = [*GROUP_ARMS, *(f"{name}+graphs" for name in GROUP_ARMS)]
     for name in [*built, *group_names]:
         # Group arms: a new index (the history only) for each timed run, so no run drafts from an earlier
@@ -242,9 +247,11 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
         fresh(BATCH).generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
         counted = (fresh(BATCH), fresh(1))  # the batch-32 run's engine and the batch-1 runs'
 
-        def graph_counts(engine: Any) -> tuple[float, int, int, int]:
+        def graph_counts(engine: Any) -> tuple[float, ...]:
             g = engine.graphs
-            return (g.capture_seconds, g.captures, g.replays, g.eager) if g is not None else (0.0, 0, 0, 0)
+            if g is None:
+                return (0.0,) * 6
+            return (g.capture_seconds, g.captures, g.replays, g.eager, g.dropped, g.failed)
 
         before32 = graph_counts(counted[0])  # the two may be one engine: each run's own share is a difference
         wall32, batched = timed(counted[0], prompts, args.new_tokens, eos, args.device)
@@ -273,11 +280,25 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
             }
             out["graphs"][name] = {
                 field: [round(share[i], 3) for share in shares]
-                for i, field in enumerate(("capture_s", "captures", "replays", "eager_calls"))
+                for i, field in enumerate(("capture_s", "captures", "replays", "eager_calls", "dropped", "failed"))
             }
         rounds = [a for r in [*batched, *single] for a in r.accept_lengths]
         out["mean_accept_length"][name] = round(sum(rounds) / len(rounds), 3) if rounds else None
         outputs[name] = {"batch_32": [r.token_ids for r in batched], "batch_1": [r.token_ids for r in single]}
+        logprobs[name] = [r.logprobs for r in [*batched, *single]]
+        if name.endswith("+graphs"):  # the graphs' numerics against the same arm eager, over the shared prefixes
+            same = [
+                *outputs[name.removesuffix("+graphs")]["batch_32"],
+                *outputs[name.removesuffix("+graphs")]["batch_1"],
+            ]
+            mine = [*outputs[name]["batch_32"], *outputs[name]["batch_1"]]
+            eager_lp = logprobs[name.removesuffix("+graphs")]
+            diffs = [
+                abs(x - y)
+                for a, b, la, lb in zip(same, mine, eager_lp, logprobs[name], strict=True)
+                for (x, y), _ in zip(zip(la, lb, strict=False), range(first_difference(a, b)), strict=False)
+            ]
+            out["graphs"][name]["max_logprob_diff_vs_eager"] = round(max(diffs, default=0.0), 6)
     plain = outputs["plain"]
     mismatched = {
         f"{name}/{size}": [i for i, (a, b) in enumerate(zip(plain[size], got[size], strict=True)) if a != b]
@@ -288,9 +309,6 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
     out["identical"] = not any(mismatched.values())
     out["compared_rows"] = sum(len(rows) for got in outputs.values() for rows in got.values()) - BATCH - SINGLE
     out["mismatched_rows"] = {k: v for k, v in mismatched.items() if v}
-
-    def first_difference(a: list[int], b: list[int]) -> int:
-        return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
     out["first_divergence"] = {  # token position of the first difference, per mismatched row
         key: {i: first_difference(plain[key.split("/")[1]][i], outputs[key.split("/")[0]][key.split("/")[1]][i])

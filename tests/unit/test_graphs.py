@@ -133,6 +133,61 @@ def test_calls_beyond_the_capture_limits_run_eagerly_and_agree(models) -> None:
     assert (graphs.eager, graphs.captures, graphs.replays) == (2, 1, 1)
 
 
+def test_a_shape_that_fails_to_capture_or_to_agree_runs_eagerly(
+    models, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Capture errors and (with `check`, CUDA's default) a first replay that disagrees with one eager
+    forward both leave the shape to the eager forward, logged; what the caller gets is right either way."""
+    _, model = models
+    g = torch.Generator().manual_seed(2)
+
+    def calls(graphs: ForwardGraphs, cache, times: int) -> None:
+        eager_cache = model.new_cache(2, 40)
+        with torch.inference_mode():
+            for _ in range(times):
+                cache.lengths[:2] = torch.randint(0, 30, (2,), generator=g)
+                eager_cache.lengths.copy_(cache.lengths)
+                eager_cache.k.copy_(cache.k)
+                eager_cache.v.copy_(cache.v)
+                ids, positions = torch.randint(0, VOCAB, (2, 1), generator=g), cache.lengths[:2, None].clone()
+                torch.testing.assert_close(graphs(ids, positions).clone(), model(ids, positions, eager_cache))
+
+    def broken(self, graph, span):  # a capture that raises, as a CUDA capture of an uncapturable op would
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    failing = ForwardGraphs(model, model.new_cache(2, 40), "trace", len_step=64)
+    with monkeypatch.context() as patch, caplog.at_level("WARNING", logger="tlt_stream.model.graphs"):
+        patch.setattr(ForwardGraphs, "_capture", broken)
+        calls(failing, failing.cache, 3)
+    assert (failing.failed, failing.captures, failing.eager) == (1, 0, 3)
+    assert "capture failed: RuntimeError: operation not permitted" in caplog.text
+
+    real_run = ForwardGraphs._run
+
+    def wrong(self, graph, span):  # a graph that replays wrong values (e.g. a stale pointer)
+        return real_run(self, graph, span).add_(1.0)
+
+    checked = ForwardGraphs(model, model.new_cache(2, 40), "trace", len_step=64, check=True)
+    caplog.clear()
+    with monkeypatch.context() as patch, caplog.at_level("WARNING", logger="tlt_stream.model.graphs"):
+        patch.setattr(ForwardGraphs, "_run", wrong)
+        calls(checked, checked.cache, 3)
+    assert (checked.failed, checked.captures, checked.eager) == (1, 0, 3)
+    assert "differs from the eager forward" in caplog.text
+    fine = ForwardGraphs(model, model.new_cache(2, 40), "trace", len_step=64, check=True)
+    calls(fine, fine.cache, 3)
+    assert (fine.failed, fine.captures, fine.replays) == (0, 1, 2), "a right capture passes the check"
+
+
+def test_a_replay_whose_shapes_depend_on_data_is_refused() -> None:
+    x = torch.tensor([1.0, -2.0, 3.0])
+    trace = record(lambda: x[x > 0] * 2)  # boolean indexing: the output's length is data
+    torch.testing.assert_close(trace.replay(), torch.tensor([2.0, 6.0]))
+    x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(GraphCaptureError, match="on replay"):
+        trace.replay()
+
+
 def test_capture_refuses_a_host_read_and_a_static_capture_follows_its_inputs(models) -> None:
     _, model = models
     cache, eager_cache = model.new_cache(2, 32), model.new_cache(2, 32)

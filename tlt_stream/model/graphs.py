@@ -27,6 +27,7 @@ Two replay backends with one contract:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -41,6 +42,8 @@ from torch.utils._pytree import tree_flatten
 from tlt_stream.model.cache import KVCache
 from tlt_stream.model.transformer import Transformer
 
+log = logging.getLogger(__name__)
+
 __all__ = ["BATCH_SIZES", "ForwardGraphs", "GraphBackend", "GraphCaptureError", "record", "resolve_backend"]
 
 GraphBackend = Literal["cuda", "trace"]
@@ -48,16 +51,33 @@ GraphBackend = Literal["cuda", "trace"]
 BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Batch sizes captured (a batch runs at the smallest that holds it); vLLM's default capture list is similar."""
 
-_HOST_READS = {
-    torch.ops.aten.item.default,
-    torch.ops.aten._local_scalar_dense.default,
-    torch.ops.aten.is_nonzero.default,
-    torch.ops.aten.equal.default,
-    torch.ops.aten.nonzero.default,
-}
-"""Ops whose result the host must wait for (or whose shape depends on data): refused during a capture.
-(`tolist` and `numpy` read a CPU tensor without an op; what they freeze shows as a replay that differs from
-the eager forward, which the tests check with inputs that change between calls.)"""
+
+def _aten(*names: str) -> frozenset[Any]:
+    """aten overloads by name ("op" for its default overload, "op.overload")."""
+    found = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        found.append(getattr(getattr(torch.ops.aten, packet), overload or "default"))
+    return frozenset(found)
+
+
+_HOST_READS = _aten(
+    "item",
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "repeat_interleave.Tensor",
+)
+"""Ops whose result the host must wait for, or whose output shape depends on data: refused during a capture.
+`tolist`, `numpy` and `.cpu()` read a CPU tensor without an op, so a CPU test cannot see them; any other op
+whose output shape changes between capture and replay is refused at the replay (`Trace.replay`), and what a
+frozen host value changes shows as a replay that differs from the eager forward, which the tests check with
+inputs that change between calls. So the stand-in is close to, not the same as, a CUDA capture."""
 
 
 class GraphCaptureError(RuntimeError):
@@ -92,9 +112,10 @@ class _Op:
     """One recorded op, ready to run again: its arguments as recorded, with the places where a value the
     trace produced goes (a top-level argument, or an item of a list argument such as `index_put_`'s)."""
 
-    __slots__ = ("args", "call", "inner", "kwargs", "nested", "out_slots", "single")
+    __slots__ = ("args", "call", "func", "inner", "kwargs", "nested", "out_slots", "shape", "single")
 
     def __init__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], slots: dict[int, int]) -> None:
+        self.func = func
         self.call = getattr(func, "_op", func)  # the C++ entry point: skips OpOverload's Python __call__
         self.args, self.kwargs = list(args), dict(kwargs)
         found = [f for i, a in enumerate(args) for f in _locate(a, slots, (i,))]
@@ -117,6 +138,8 @@ class _Op:
             holder[path[0]] = items  # type: ignore[index]
         self.out_slots: list[tuple[int, int]] = []
         self.single = True
+        self.shape: torch.Size | None = None
+        """The output's shape when recorded (one-tensor outputs): a replay must give the same."""
 
     def run(self, values: list[Any]) -> Any:
         args, kwargs = self.args, self.kwargs
@@ -153,6 +176,7 @@ class _Recorder(TorchDispatchMode):
         op = _Op(func, args, kwargs, self.slots)
         out = func(*args, **kwargs)
         op.single = isinstance(out, torch.Tensor)
+        op.shape = out.shape if op.single else None
         for i, x in enumerate([out] if op.single else tree_flatten(out)[0]):
             if isinstance(x, torch.Tensor):
                 op.out_slots.append((i, self.slots.setdefault(id(x), len(self.slots))))
@@ -176,6 +200,10 @@ class Trace:
         for op in self.ops:
             out = op.run(values)
             if op.single:
+                if out.shape != op.shape:  # a shape made from data: a CUDA graph would replay the old one
+                    raise GraphCaptureError(
+                        f"{op.func} returned {tuple(out.shape)} on replay, {tuple(op.shape)} when recorded"
+                    )
                 for _, slot in op.out_slots:
                     values[slot] = out
             elif op.out_slots:
@@ -191,6 +219,10 @@ def record(fn: Callable[[], torch.Tensor]) -> Trace:
     with recorder:
         output = fn()
     return Trace(recorder.ops, len(recorder.slots), recorder.slots.get(id(output)), output)
+
+
+def _rows(mask: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    return None if mask is None else mask[:b]
 
 
 class _Graph:
@@ -212,7 +244,13 @@ class ForwardGraphs:
     forward's semantics for `first_slot=0, spec_offset=0` and no `num_new`.
 
     Batches larger than the largest capture size (or the cache), and calls of more than `max_tokens`
-    tokens, run eagerly. At most `max_graphs` shapes are kept (least recently used dropped). Every graph
+    tokens, run eagerly. At most `max_graphs` shapes are kept (least recently used dropped). The span
+    grows in `len_step`s up to 4 of them, then doubles, so a long context adds few shapes (attention reads
+    at most twice the entries it needs).
+
+    A shape whose capture fails, or (with `check`, on by default for CUDA) whose first replay disagrees
+    with one eager forward over the same inputs, is logged and runs eagerly from then on: the forward is
+    idempotent (it writes the same K/V again), so the check costs one forward per shape. Every graph
     writes its output into one buffer `[max_batch, max_tokens, H]` allocated outside the graphs' shared
     memory pool, so the device memory they hold is one graph's intermediates plus that buffer, whatever the
     number of shapes (a graph's own output, kept alive for its replays, would hold a buffer per shape)."""
@@ -225,8 +263,9 @@ class ForwardGraphs:
         *,
         batch_sizes: Sequence[int] = BATCH_SIZES,
         len_step: int = 128,
-        max_graphs: int = 96,
+        max_graphs: int = 256,
         max_tokens: int = 65,
+        check: bool | None = None,
     ) -> None:
         if backend == "cuda" and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
@@ -244,11 +283,18 @@ class ForwardGraphs:
         """The output buffer every graph writes (allocated at the first capture)."""
         self._graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self._pool: Any = torch.cuda.graph_pool_handle() if backend == "cuda" else None
+        self.check = backend == "cuda" if check is None else check
+        self._refused: set[tuple[int, int, int, bool]] = set()
+        """Shapes that run eagerly: their capture failed or their first replay disagreed."""
         self.captures = 0
         """Shapes captured so far (a dropped shape captured again counts again)."""
+        self.dropped = 0
+        """Shapes dropped to keep `max_graphs`."""
+        self.failed = 0
+        """Shapes whose capture failed or whose first replay disagreed with the eager forward."""
         self.replays = 0
         self.eager = 0
-        """Calls that ran eagerly (batch above every capture size)."""
+        """Calls that ran eagerly (batch above every capture size, too many tokens, a refused shape)."""
         self.capture_seconds = 0.0
         """Wall seconds spent capturing (warm-up runs included; the device synchronised around each)."""
 
@@ -264,8 +310,14 @@ class ForwardGraphs:
         hi = int(self.cache.lengths[:b].max())  # the one host read, outside the graph
         if hi + t > self.cache.max_len:
             raise ValueError(f"{t} new tokens after {hi} cached ones exceed the cache ({self.cache.max_len} entries)")
-        span = min(self.cache.max_len, math.ceil((hi + t) / self.len_step) * self.len_step)
+        steps = math.ceil((hi + t) / self.len_step)
+        if steps > 4:
+            steps = 1 << (steps - 1).bit_length()
+        span = min(self.cache.max_len, steps * self.len_step)
         key = (padded, t, span, tree_mask is not None)
+        if key in self._refused:
+            self.eager += 1
+            return self.model(ids, positions, self.cache, tree_mask=tree_mask)
         graph = self._graphs.get(key)
         fresh = graph is None
         if graph is None:
@@ -285,17 +337,42 @@ class ForwardGraphs:
                 shape = (self.cache.max_batch, self.max_tokens, self.model.spec.hidden_size)
                 self._out = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
             started = self._clock()
-            out = self._capture(graph, span)
+            try:
+                out = self._capture(graph, span)
+                problem = self._disagreement(graph, out, b) if self.check else None
+            except Exception as err:  # a backend's capture error: logged, and the shape runs eagerly
+                problem = f"capture failed: {type(err).__name__}: {err}"
             self.capture_seconds += self._clock() - started
+            if problem is not None:
+                self.failed += 1
+                self._refused.add(key)
+                log.warning("forward graph for batch %d, %d tokens, span %d runs eagerly: %s", padded, t, span, problem)
+                self.eager += 1
+                return self.model(ids, positions, self.cache, tree_mask=tree_mask)
+            if self.check:  # the check's eager forward wrote its own K/V: the graph writes them again
+                out = graph.replay()
             self._graphs[key] = graph
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
+                self.dropped += 1
             self.captures += 1
         else:
             self._graphs.move_to_end(key)
             out = graph.replay()
             self.replays += 1
         return out[:b]
+
+    def _disagreement(self, graph: _Graph, out: torch.Tensor, b: int) -> str | None:
+        """Why the first replay's rows 0..b-1 are not the eager forward's over the same inputs, or None."""
+        eager = self.model(graph.ids[:b], graph.positions[:b], self.cache, tree_mask=_rows(graph.tree_mask, b))
+        got = out[:b].float()
+        want = eager.float()
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        error = float((got - want).abs().max()) if want.numel() else 0.0
+        tolerance = (1e-3 if self.model.dtype == torch.float32 else 5e-2) * max(1.0, scale)
+        if not math.isfinite(error) or error > tolerance:
+            return f"its first replay differs from the eager forward by {error:.3g} (tolerance {tolerance:.3g})"
+        return None
 
     def _clock(self) -> float:
         if self.backend == "cuda":
