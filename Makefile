@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tlt-stream run
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(XDIST) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
