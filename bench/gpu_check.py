@@ -194,6 +194,22 @@ def group_engine(
     return GenerationEngine(policy, batch, max_len, proposer=proposer, arm=arm, max_draft_nodes=32, graphs=graphs)
 
 
+GRAPH_COUNTS = {
+    "capture_s": "capture_seconds",
+    "captures": "captures",
+    "replays": "replays",
+    "eager_calls": "eager",
+    "dropped": "dropped",
+    "failed": "failed",
+}
+"""The `graphs` figures per timed run (JSON key: `ForwardGraphs` counter)."""
+
+
+def graph_counts(engine: Any) -> list[float]:
+    """An engine's `GRAPH_COUNTS` so far (zeros without graphs)."""
+    return [getattr(engine.graphs, attr) if engine.graphs is not None else 0 for attr in GRAPH_COUNTS.values()]
+
+
 def timed(engine: Any, prompts: list[list[int]], n: int, eos: int, device: str) -> tuple[float, list[Any]]:
     synchronize(device)
     start = time.perf_counter()
@@ -247,12 +263,6 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
         fresh(BATCH).generate(prompts[:2], 8, 0.0, eos_ids=[eos])  # warm-up: allocation, kernels, autotuning
         counted = (fresh(BATCH), fresh(1))  # the batch-32 run's engine and the batch-1 runs'
 
-        def graph_counts(engine: Any) -> tuple[float, ...]:
-            g = engine.graphs
-            if g is None:
-                return (0.0,) * 6
-            return (g.capture_seconds, g.captures, g.replays, g.eager, g.dropped, g.failed)
-
         before32 = graph_counts(counted[0])  # the two may be one engine: each run's own share is a difference
         wall32, batched = timed(counted[0], prompts, args.new_tokens, eos, args.device)
         after32, before1 = graph_counts(counted[0]), graph_counts(counted[1])
@@ -279,23 +289,19 @@ def phase_greedy(args: argparse.Namespace, world: Path, dtype_name: str) -> dict
                 "batch_32_steady": round(tokens32 / max(wall32 - shares[0][0], 1e-9), 1),
             }
             out["graphs"][name] = {
-                field: [round(share[i], 3) for share in shares]
-                for i, field in enumerate(("capture_s", "captures", "replays", "eager_calls", "dropped", "failed"))
+                field: [round(share[i], 3) for share in shares] for i, field in enumerate(GRAPH_COUNTS)
             }
         rounds = [a for r in [*batched, *single] for a in r.accept_lengths]
         out["mean_accept_length"][name] = round(sum(rounds) / len(rounds), 3) if rounds else None
         outputs[name] = {"batch_32": [r.token_ids for r in batched], "batch_1": [r.token_ids for r in single]}
         logprobs[name] = [r.logprobs for r in [*batched, *single]]
         if name.endswith("+graphs"):  # the graphs' numerics against the same arm eager, over the shared prefixes
-            same = [
-                *outputs[name.removesuffix("+graphs")]["batch_32"],
-                *outputs[name.removesuffix("+graphs")]["batch_1"],
-            ]
+            eager = name.removesuffix("+graphs")
+            same = [*outputs[eager]["batch_32"], *outputs[eager]["batch_1"]]
             mine = [*outputs[name]["batch_32"], *outputs[name]["batch_1"]]
-            eager_lp = logprobs[name.removesuffix("+graphs")]
             diffs = [
                 abs(x - y)
-                for a, b, la, lb in zip(same, mine, eager_lp, logprobs[name], strict=True)
+                for a, b, la, lb in zip(same, mine, logprobs[eager], logprobs[name], strict=True)
                 for (x, y), _ in zip(zip(la, lb, strict=False), range(first_difference(a, b)), strict=False)
             ]
             out["graphs"][name]["max_logprob_diff_vs_eager"] = round(max(diffs, default=0.0), 6)

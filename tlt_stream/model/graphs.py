@@ -221,10 +221,6 @@ def record(fn: Callable[[], torch.Tensor]) -> Trace:
     return Trace(recorder.ops, len(recorder.slots), recorder.slots.get(id(output)), output)
 
 
-def _rows(mask: torch.Tensor | None, b: int) -> torch.Tensor | None:
-    return None if mask is None else mask[:b]
-
-
 class _Graph:
     """One captured shape: its input buffers and how to replay it."""
 
@@ -305,8 +301,7 @@ class ForwardGraphs:
         b, t = ids.shape
         padded = next((s for s in self.batch_sizes if s >= b), None)
         if padded is None or t > self.max_tokens:
-            self.eager += 1
-            return self.model(ids, positions, self.cache, tree_mask=tree_mask)
+            return self._eager(ids, positions, tree_mask)
         hi = int(self.cache.lengths[:b].max())  # the one host read, outside the graph
         if hi + t > self.cache.max_len:
             raise ValueError(f"{t} new tokens after {hi} cached ones exceed the cache ({self.cache.max_len} entries)")
@@ -316,8 +311,7 @@ class ForwardGraphs:
         span = min(self.cache.max_len, steps * self.len_step)
         key = (padded, t, span, tree_mask is not None)
         if key in self._refused:
-            self.eager += 1
-            return self.model(ids, positions, self.cache, tree_mask=tree_mask)
+            return self._eager(ids, positions, tree_mask)
         graph = self._graphs.get(key)
         fresh = graph is None
         if graph is None:
@@ -347,8 +341,7 @@ class ForwardGraphs:
                 self.failed += 1
                 self._refused.add(key)
                 log.warning("forward graph for batch %d, %d tokens, span %d runs eagerly: %s", padded, t, span, problem)
-                self.eager += 1
-                return self.model(ids, positions, self.cache, tree_mask=tree_mask)
+                return self._eager(ids, positions, tree_mask)
             if self.check:  # the check's eager forward wrote its own K/V: the graph writes them again
                 out = graph.replay()
             self._graphs[key] = graph
@@ -362,9 +355,14 @@ class ForwardGraphs:
             self.replays += 1
         return out[:b]
 
+    def _eager(self, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        self.eager += 1
+        return self.model(ids, positions, self.cache, tree_mask=tree_mask)
+
     def _disagreement(self, graph: _Graph, out: torch.Tensor, b: int) -> str | None:
         """Why the first replay's rows 0..b-1 are not the eager forward's over the same inputs, or None."""
-        eager = self.model(graph.ids[:b], graph.positions[:b], self.cache, tree_mask=_rows(graph.tree_mask, b))
+        mask = graph.tree_mask[:b] if graph.tree_mask is not None else None
+        eager = self.model(graph.ids[:b], graph.positions[:b], self.cache, tree_mask=mask)
         got = out[:b].float()
         want = eager.float()
         scale = float(want.abs().max()) if want.numel() else 0.0
