@@ -25,19 +25,11 @@ from tlt_stream.drafter.export import export_drafter
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.engine import GenerationEngine
-from tlt_stream.rollout.vllm.backend import (
-    INSTALL_HINT,
-    WORKER_EXTENSION,
-    BackendUnavailable,
-    TltWorkerExtension,
-    VllmEngine,
-    accept_lengths,
-    drafter_swap_tensors,
-    field_names,
-    recompute_hidden,
-    require_vllm,
-    to_generation_result,
-)
+from tlt_stream.rollout.vllm.backend import VllmEngine
+from tlt_stream.rollout.vllm.extension import WORKER_EXTENSION, TltWorkerExtension, drafter_swap_tensors
+from tlt_stream.rollout.vllm.hidden import recompute_hidden
+from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm
+from tlt_stream.rollout.vllm.outputs import accept_lengths, to_generation_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
