@@ -186,7 +186,7 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine")
 
 
-def closing(engine) -> Iterator:  # noqa: ANN001
+def closing(engine) -> Iterator:
     try:
         yield engine
     finally:

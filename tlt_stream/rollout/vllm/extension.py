@@ -8,9 +8,11 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1; a name and a path string need nothing of th
 - `tlt_reload_policy(dir)`: the worker's `reload_weights(weights_path=dir)` (vLLM's in-place reload,
   `model_loader/reload/inplace.py`), or `model.load_weights` over the checkpoint's safetensors on a vLLM
   without it (what TRL and OpenRLHF do).
-- `tlt_swap_drafter(export)`: the export's fc and layer tensors into the draft model with its own
-  `load_weights`; never `embed_tokens`/`lm_head`, which the draft shares with the target (loading an
-  export's embedding would overwrite the live policy's).
+- `tlt_swap_drafter(export)`: the export's fc and layer tensors into the draft model through vLLM's in-place
+  reload (`reload_weights` with the draft as the model: weights a platform repacked after loading, as the
+  CPU build does, are loaded in checkpoint format and processed again; a plain `load_weights` fails on
+  them), or the draft's own `load_weights` on a vLLM without it; never `embed_tokens`/`lm_head`, which the
+  draft shares with the target (loading an export's embedding would overwrite the live policy's).
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def _swap_drafter_on_worker(worker: Any, path: str) -> int:
     if draft is None:
         raise RuntimeError("this vLLM engine has no draft model (it was built without speculative decoding)")
     weights = drafter_swap_tensors(path)
+    try:  # vLLM's in-place reload: weights a platform repacked after loading (the CPU build's) are re-processed
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    except ImportError:
+        reload_weights = None
     try:
         from vllm.config import set_current_vllm_config
 
@@ -93,7 +99,10 @@ def _swap_drafter_on_worker(worker: Any, path: str) -> int:
     except (ImportError, AttributeError):
         context = contextlib.nullcontext()
     with context, torch.no_grad():
-        draft.load_weights(iter(weights))
+        if reload_weights is None:
+            draft.load_weights(iter(weights))
+        else:  # the shared embedding and LM head load nothing: their own tensors are put back
+            reload_weights(worker.vllm_config, draft, iter(weights), None, is_checkpoint_format=True)
     return len(weights)
 
 
