@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.vllm.conftest import MAX_LEN, Oracle, closing, prompt_ids, settings
+from tests.vllm.conftest import MAX_LEN, Oracle, closing, prompt_ids, requires_vllm, settings
 
-pytestmark = pytest.mark.vllm
+pytestmark = requires_vllm
 
 
 @pytest.fixture(scope="module")

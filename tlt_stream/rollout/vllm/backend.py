@@ -147,6 +147,12 @@ class VllmEngine:
         with _inline_engine(settings.inline):
             self.llm = vllm.LLM(**kwargs)
         self._engine = self.llm.llm_engine
+        try:
+            for fixed in self._rpc("tlt_prepare")[0]:
+                log.info("vllm backend: replaced %s (vLLM's CPU build writes a copy of its output)", fixed)
+        except BaseException:
+            self.close()
+            raise
         self._requests = Requests()
         self._keys = itertools.count()
         self._ids = itertools.count()

@@ -5,6 +5,7 @@
 worker. A callable would have to be pickled across vLLM's process boundary, which vLLM allows only with
 VLLM_ALLOW_INSECURE_SERIALIZATION=1; a name and a path string need nothing of the kind.
 
+- `tlt_prepare()`: the CPU build's broken rejection-sampler kernel replaced (`kernels.py`);
 - `tlt_reload_policy(dir)`: the worker's `reload_weights(weights_path=dir)` (vLLM's in-place reload,
   `model_loader/reload/inplace.py`), or `model.load_weights` over the checkpoint's safetensors on a vLLM
   without it (what TRL and OpenRLHF do).
@@ -111,6 +112,13 @@ class TltWorkerExtension:
     `LLM.collective_rpc("tlt_...", args=(path,))` reaches them by name: a callable would have to be pickled
     across vLLM's process boundary, which vLLM allows only with VLLM_ALLOW_INSECURE_SERIALIZATION=1. No
     `__init__` and only `tlt_`-prefixed names (vLLM refuses an extension that shadows a worker attribute)."""
+
+    def tlt_prepare(self) -> list[str]:
+        """Once, after the engine started: replace the kernels of vLLM's CPU build that sample wrongly
+        (`kernels.py`); the names replaced."""
+        from tlt_stream.rollout.vllm.kernels import fix_cpu_kernels
+
+        return fix_cpu_kernels()
 
     def tlt_reload_policy(self, path: str) -> None:
         _reload_policy_on_worker(self, path)
