@@ -128,14 +128,18 @@ class Oracle:
 
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int], new_tokens: int, eos_ids: Sequence[int] = ()) -> list[int]:
-        ids = torch.tensor([list(prompt)])
+        """Argmax decoding with transformers' KV cache, stopping after an id of `eos_ids` (and nowhere else)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        logits = self.model(torch.tensor([list(prompt)]), past_key_values=cache, use_cache=True).logits
         out: list[int] = []
         for _ in range(new_tokens):
-            token = int(self.model(ids).logits[0, -1].argmax())
+            token = int(logits[0, -1].argmax())
             out.append(token)
             if token in eos_ids:
                 break
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            logits = self.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
         return out
 
     @torch.inference_mode()

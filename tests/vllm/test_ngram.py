@@ -58,7 +58,7 @@ def test_an_engine_whose_process_dies_fails_in_one_line_and_does_not_hang(engine
     from tlt_stream.rollout.vllm.backend import EngineDied
 
     (prompt,) = repetitive_prompts(1)
-    engine.add_request(prompt, 200, 1.0, seed=1, request_id="doomed")
+    engine.add_request(prompt, 120, 1.0, seed=1, request_id="doomed")
     engine.step()
     cores = [pid for pid, line in engine_processes().items() if "EngineCore" in line]
     assert len(cores) == 1, engine_processes()

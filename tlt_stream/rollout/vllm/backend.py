@@ -46,7 +46,7 @@ from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION
 from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.requests import Pending, Requests
-from tlt_stream.rollout.vllm.settings import VllmSettings, kv_cache_bytes, speculation
+from tlt_stream.rollout.vllm.settings import VllmSettings, for_build, kv_cache_bytes, speculation
 
 __all__ = [
     "INSTALL_HINT",
@@ -105,7 +105,8 @@ class VllmEngine:
         self, policy: str | Path, *, settings: VllmSettings | None = None, drafter: str | Path | None = None
     ) -> None:
         vllm = require_vllm()
-        settings = settings or VllmSettings()
+        build = vllm_build()
+        settings = for_build(settings or VllmSettings(), build[0] if build else None)
         from vllm.config import SpeculativeConfig
         from vllm.engine.arg_utils import EngineArgs
 
@@ -128,7 +129,7 @@ class VllmEngine:
             seed=settings.seed,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_cache_bytes=self._kv_cache_bytes(),
-            enforce_eager=settings.enforce_eager,
+            enforce_eager=bool(settings.enforce_eager),
             inline=settings.inline,
             speculative=spec.translation,
             schedule=spec.schedule,
@@ -138,7 +139,7 @@ class VllmEngine:
         )
         for note in spec.translation.notes if spec.translation is not None else ():
             log.warning("vllm backend: %s", note)
-        log.info("vllm backend (%s): LLM(%s)", "/".join(vllm_build() or ("?",)), json.dumps(kwargs, default=str))
+        log.info("vllm backend (%s): LLM(%s)", "/".join(build or ("?",)), json.dumps(kwargs, default=str))
         wanted = sampling_params(max_tokens=1, temperature=0.0, seed=None, eos_ids=())
         missing = sorted(set(wanted) - field_names(vllm.SamplingParams))
         if missing:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -20,7 +20,7 @@ from tlt_stream.rollout.tuner import DEFAULT_EDGES
 from tlt_stream.rollout.vllm.config import SpecTranslation, UnsupportedSetting, as_arm, dynamic_schedule
 from tlt_stream.rollout.vllm.config import speculative_config as translate
 
-__all__ = ["Speculation", "VllmSettings", "kv_cache_bytes", "speculation"]
+__all__ = ["Speculation", "VllmSettings", "for_build", "kv_cache_bytes", "speculation"]
 
 GIB = 1 << 30
 
@@ -48,15 +48,17 @@ class VllmSettings:
     token 0s at T = 1 (docs/vllm.md), so greedy is the default."""
     dtype: str = DEFAULTS.rollout.dtype
     """vLLM's dtype: auto, float32 or bfloat16. vLLM's auto runs a float32 checkpoint in the platform's half
-    type (bfloat16 on CUDA): the same as this project's `rollout.dtype = "auto"` on CUDA."""
+    type, bfloat16 (this project's `rollout.dtype = "auto"` on CUDA); on the CPU build the backend resolves
+    auto to float32, as the torch engine does on a CPU (`for_build`)."""
     gpu_memory_utilization: float = 0.80
     """On a GPU: the device memory vLLM may take (weights, activations, KV cache)."""
     kv_cache_gib: float | None = None
     """The KV cache in GiB (vLLM's `kv_cache_memory_bytes`). None: vLLM's own sizing on a GPU; on the CPU
     build, what `max_batch` rows of `max_len` tokens need (`kv_cache_bytes`), unless VLLM_CPU_KVCACHE_SPACE
     is set."""
-    enforce_eager: bool = False
-    """No CUDA graphs or torch.compile (vLLM's CPU build runs eagerly without Triton anyway)."""
+    enforce_eager: bool | None = None
+    """No CUDA graphs or torch.compile. None: vLLM's choice on a GPU, eager on the CPU build (its
+    torch.compile warm-up costs half a minute of start-up on a small CPU, `for_build`)."""
     inline: bool = False
     """Run vLLM's engine core and its worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the
     `uni` executor): about 40 s sooner on a 2-core CPU, for tests and tools; an engine fault is then this
@@ -67,6 +69,14 @@ class VllmSettings:
     hidden_batch_tokens: int = 16_384
     work_dir: str | None = None
     """Where drafter exports go (default: a temporary directory owned by the engine)."""
+
+
+def for_build(settings: VllmSettings, build: str | None) -> VllmSettings:
+    """`settings` with what depends on the vLLM build resolved (`build`: the distribution, `install.py`)."""
+    cpu = build == "vllm-cpu"
+    dtype = "float32" if cpu and settings.dtype == "auto" else settings.dtype
+    eager = cpu if settings.enforce_eager is None else settings.enforce_eager
+    return replace(settings, dtype=dtype, enforce_eager=eager)
 
 
 @dataclass(frozen=True)
