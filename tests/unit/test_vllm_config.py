@@ -55,6 +55,7 @@ ENGINE_ARGS = {
     "max_num_batched_tokens",
     "kv_cache_memory_bytes",
     "distributed_executor_backend",
+    "scheduler_cls",
 }
 SAMPLING_FIELDS = {
     "n",

@@ -114,6 +114,33 @@ def test_the_schedule_drafts_only_at_small_batches(fitted, oracle: Oracle) -> No
     assert sum(batch_at_end[rid] > SWITCH for rid in results) >= MAX_BATCH - 2 * SWITCH
 
 
+def test_a_new_table_takes_effect_without_a_new_engine(fitted, oracle: Oracle) -> None:
+    """`set_schedule` with a published table: all plain, then EAGLE at every batch size (above SWITCH too),
+    then the engine's own schedule again; the same vLLM engine throughout."""
+    from tlt_stream.rollout.tuner import DEFAULT_EDGES
+    from tlt_stream.rollout.vllm.config import UnsupportedSetting
+
+    buckets = range(len(DEFAULT_EDGES) + 1)
+    llm, prompts = fitted.llm, prompt_ids(MAX_BATCH, seed=27)
+    try:
+        assert fitted.set_schedule(dict.fromkeys(buckets, "plain")) == [[1, MAX_BATCH, 0]]
+        off = fitted.generate(prompts[:SWITCH], 32, temperature=0.0)
+        assert all(r.accept_lengths == [] for r in off)
+        fitted.set_schedule(dict.fromkeys(buckets, "d4k1v4"))
+        on = fitted.generate(prompts, 32, temperature=0.0)  # MAX_BATCH rows: above the built-in switch
+        assert all(r.accept_lengths for r in on)
+        for prompt, result in zip(prompts, on, strict=True):
+            assert result.token_ids == oracle.greedy(prompt, 32)
+        assert [r.token_ids for r in off] == [r.token_ids for r in on[:SWITCH]]
+        with pytest.raises(UnsupportedSetting, match="need a new engine"):
+            fitted.set_schedule(dict.fromkeys(buckets, "d6k1v6"))
+        with pytest.raises(UnsupportedSetting, match="need a new engine"):
+            fitted.set_schedule(dict.fromkeys(buckets, "ngram-d4"))
+    finally:
+        fitted.set_schedule(dict.fromkeys(buckets, "d4k1v4"), switch_threshold=SWITCH)
+    assert fitted.llm is llm
+
+
 def test_a_drafter_swap_with_requests_in_flight_keeps_outputs_exact_and_changes_acceptance(
     fitted, models: dict[str, Path], drafter_fit: Path, oracle: Oracle
 ) -> None:

@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION
 from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.requests import Pending, Requests
-from tlt_stream.rollout.vllm.settings import VllmSettings, for_build, kv_cache_bytes, speculation
+from tlt_stream.rollout.vllm.settings import VllmSettings, for_build, kv_cache_bytes, speculation, table_schedule
 
 __all__ = [
     "INSTALL_HINT",
@@ -59,6 +59,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+SCHEDULER = "tlt_stream.rollout.vllm.scheduling.TltScheduler"
+"""vLLM's `scheduler_cls`: its scheduler, taking new schedules from requests (`scheduling.py`, imported only by
+vLLM's engine core)."""
+SCHEDULE_KEY = "tlt_sd_schedule"
+"""`scheduling.SCHEDULE_KEY` (that module imports vllm)."""
 
 _NO_PARTIAL_ROLLOUTS = (
     "the vllm backend has no partial rollouts (load_policy(reverify=True), ahead_limit): it cannot park a "
@@ -134,6 +140,7 @@ class VllmEngine:
             speculative=spec.translation,
             schedule=spec.schedule,
             worker_extension=WORKER_EXTENSION,
+            scheduler=SCHEDULER,
             available=field_names(EngineArgs),
             spec_available=field_names(SpeculativeConfig),
         )
@@ -155,6 +162,8 @@ class VllmEngine:
             self.close()
             raise
         self._requests = Requests()
+        self._schedule: list[list[int]] | None = None
+        """The batch-size schedule attached to new requests (`set_schedule`); None: the one built in."""
         self._keys = itertools.count()
         self._ids = itertools.count()
         self.tokens_generated = 0
@@ -300,7 +309,8 @@ class VllmEngine:
         pending = Pending(rid, prompt, eos, return_hidden, stop)
         kind = RequestOutputKind.DELTA if pending.streams else RequestOutputKind.FINAL_ONLY
         key = f"tlt-{next(self._keys)}"  # vLLM wants unique str ids; ours may be any hashable
-        request = self._vllm.SamplingParams(**params, output_kind=kind)
+        extra = {SCHEDULE_KEY: self._schedule} if self._schedule is not None else None
+        request = self._vllm.SamplingParams(**params, output_kind=kind, extra_args=extra)
         self._call("add_request", key, {"prompt_token_ids": prompt}, request)
         self._requests.add(key, pending)
         return rid
@@ -388,6 +398,13 @@ class VllmEngine:
         self._bind_drafter()
         self._call("reset_prefix_cache")  # cached prefixes carry the old drafter's KV (only acceptance suffers)
         return int(counts[0]) if counts else 0
+
+    def set_schedule(self, table: Mapping[int, str], *, switch_threshold: int | None = None) -> list[list[int]]:
+        """A new per-bucket arm table (a published `sd_config`) as this engine's batch-size schedule, without a
+        new engine: requests added from now on carry it to vLLM's scheduler (`scheduling.py`). The schedule;
+        `settings.table_schedule` says what is refused."""
+        self._schedule = table_schedule(table, self.arm, self.settings, switch_threshold=switch_threshold)
+        return self._schedule
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         try:

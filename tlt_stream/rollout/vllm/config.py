@@ -250,6 +250,7 @@ def llm_kwargs(
     speculative: SpecTranslation | None = None,
     schedule: list[tuple[int, int, int]] | None = None,
     worker_extension: str | None = None,
+    scheduler: str | None = None,
     available: Collection[str] | None = None,
     spec_available: Collection[str] | None = None,
 ) -> dict[str, Any]:
@@ -257,6 +258,7 @@ def llm_kwargs(
 
     `worker_extension`: import path of a class vLLM mixes into its workers (the backend's in-place weight
     updates). `kv_cache_bytes`: the KV cache's size (else vLLM sizes it by `gpu_memory_utilization`).
+    `scheduler`: import path of the scheduler class (with speculation only: `scheduling.py`).
     `inline`: vLLM's worker in the engine core's process (the `uni` executor). Chunked prefill is off: a
     request's prompt is prefilled in one step, so vLLM never rewinds a seeded request's random generator
     after a partial prefill, which its CPU generators cannot do ("CPU Generator does not use offset").
@@ -289,6 +291,9 @@ def llm_kwargs(
         kwargs["distributed_executor_backend"] = "uni"
     if worker_extension is not None:
         kwargs["worker_extension_cls"] = worker_extension
+    if scheduler is not None and speculative is not None:  # a scheduler that takes new schedules in place
+        _require(available, "scheduler_cls", "a new sd_config without a new engine")
+        kwargs["scheduler_cls"] = scheduler
     if speculative is not None:
         spec = dict(speculative.config)
         if schedule is not None:

@@ -20,7 +20,7 @@ from tlt_stream.rollout.tuner import DEFAULT_EDGES
 from tlt_stream.rollout.vllm.config import SpecTranslation, UnsupportedSetting, as_arm, dynamic_schedule
 from tlt_stream.rollout.vllm.config import speculative_config as translate
 
-__all__ = ["Speculation", "VllmSettings", "for_build", "kv_cache_bytes", "speculation"]
+__all__ = ["Speculation", "VllmSettings", "for_build", "kv_cache_bytes", "speculation", "table_schedule"]
 
 GIB = 1 << 30
 
@@ -125,6 +125,25 @@ def speculation(
     temperature = s.temperature if s.draft_sampling == "probabilistic" else 0.0
     translation = translate(arm, drafter=path, temperature=temperature, available=available)
     return Speculation(translation, schedule, arm, path)
+
+
+def table_schedule(
+    table: Mapping[int, str], arm: Arm | None, settings: VllmSettings, *, switch_threshold: int | None = None
+) -> list[list[int]]:
+    """A per-bucket arm table as the batch-size schedule of an engine built to draft with `arm`. Plain buckets
+    draft nothing; an all-plain table turns SD off everywhere. Refused: an engine without speculation, a
+    method other than the engine's, chains deeper than the engine's."""
+    if arm is None:
+        raise UnsupportedSetting("this engine was built without speculative decoding: a table needs one")
+    arms = {bucket: as_arm(label) for bucket, label in table.items()}
+    if all(a.kind == "plain" for a in arms.values()):
+        return [[1, settings.max_batch, 0]]
+    method, top, ranges = dynamic_schedule(
+        arms, max_num_seqs=settings.max_batch, edges=settings.edges, switch_threshold=switch_threshold
+    )
+    if method != ("eagle" if arm.kind == "drafter" else "ngram") or top > arm.depth:
+        raise UnsupportedSetting(f"the engine drafts with {arm.label}: {method} chains up to {top} need a new engine")
+    return [list(r) for r in ranges]
 
 
 def kv_cache_bytes(policy: str | Path, settings: VllmSettings, draft: str | Path | None = None) -> int:
