@@ -61,9 +61,15 @@ def test_eagle_sampling_at_t1_follows_the_targets_distribution(fitted, oracle: O
     """The first three tokens of 1,000 samples at T = 1 from one prompt: the joint of tokens 1-2 and the
     marginal of token 3 against transformers' exact distribution (chi-square, false alarm 1e-4 each).
     Tokens 2 and 3 come from vLLM's rejection sampler on this project's drafts."""
+    from tlt_stream.rollout.tuner import DEFAULT_EDGES
+
     (prompt,) = prompt_ids(1, seed=22)
     n = 1000
-    results = waves(fitted, [prompt] * n, 3, 1.0, 100)
+    fitted.set_schedule(dict.fromkeys(range(len(DEFAULT_EDGES) + 1), "d4k1v4"))  # SD at every batch size
+    try:
+        results = fitted.generate([prompt] * n, 3, temperature=1.0, seed=100)
+    finally:
+        fitted.set_schedule(dict.fromkeys(range(len(DEFAULT_EDGES) + 1), "d4k1v4"), switch_threshold=SWITCH)
     assert all(len(r.token_ids) == 3 for r in results)
     assert sum(len(r.accept_lengths) for r in results) >= n  # every sample went through a verify round
     first = oracle.next_probs([prompt], 1.0)[0]  # [V]
