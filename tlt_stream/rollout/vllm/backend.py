@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from tlt_stream.rollout.vllm.config import UnsupportedSetting, llm_kwargs, sampl
 from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION
 from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
+from tlt_stream.rollout.vllm.lifecycle import EngineDied, EngineWatch, exit_codes, inline_engine
 from tlt_stream.rollout.vllm.requests import Pending, Requests
 from tlt_stream.rollout.vllm.settings import VllmSettings, for_build, kv_cache_bytes, speculation, table_schedule
 
@@ -73,34 +74,12 @@ _NO_PARTIAL_ROLLOUTS = (
 )
 
 
-class EngineDied(RuntimeError):
-    """vLLM's engine process died (or its core failed): the engine can do nothing more. One line: the cause as
-    far as this process can see it; vLLM's own log above it has the traceback."""
-
-
 @dataclass
 class DraftHolder:
     """Where `GenerationEngine` has its proposer: the drafter the engine drafts with, as a torch module
     bound to the recompute model (vLLM holds its own copy of the same weights)."""
 
     drafter: Any
-
-
-@contextlib.contextmanager
-def _inline_engine(inline: bool) -> Iterator[None]:
-    """VLLM_ENABLE_V1_MULTIPROCESSING=0 while vLLM builds an inline engine (vLLM reads it then), restored after."""
-    if not inline:
-        yield
-        return
-    key, before = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ[key] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
 
 
 class VllmEngine:
@@ -152,9 +131,10 @@ class VllmEngine:
         if missing:
             raise UnsupportedSetting(f"the installed vLLM's SamplingParams has no {missing}")
         self._vllm = vllm
-        with _inline_engine(settings.inline):
+        with inline_engine(settings.inline):
             self.llm = vllm.LLM(**kwargs)
         self._engine = self.llm.llm_engine
+        self._watch = EngineWatch(self._engine)
         try:
             for fixed in self._rpc("tlt_prepare")[0]:
                 log.info("vllm backend: replaced %s (vLLM's CPU build writes a copy of its output)", fixed)
@@ -231,13 +211,7 @@ class VllmEngine:
     # -- vLLM calls that fail when its engine process has died
 
     def _died(self, exc: BaseException) -> EngineDied:
-        codes = []
-        core = getattr(self._engine, "engine_core", None)
-        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-        for process in getattr(manager, "processes", None) or ():
-            if getattr(process, "exitcode", None) is not None:
-                codes.append(f"{process.name} exited with code {process.exitcode}")
-        where = "; ".join(codes) or "its core failed"
+        where = exit_codes(self._engine) or "its core failed"
         return EngineDied(f"vLLM's engine died ({where}): {type(exc).__name__}: {exc}".splitlines()[0])
 
     def _call(self, what: str, *args: Any, **kwargs: Any) -> Any:
@@ -416,6 +390,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """Shut the engine down (its processes and their memory) and remove its exports."""
+        self._watch.stop()
         core = getattr(self._engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
