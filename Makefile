@@ -28,8 +28,10 @@ test: $(VENV)/.installed
 vllm-cpu-env:
 	bash deploy/vllm-cpu-env.sh
 
+# VLLM_TESTS: a subset (e.g. tests/vllm/test_plain.py).
+VLLM_TESTS ?= tests/vllm
 test-vllm:
-	env="$$(bash deploy/vllm-cpu-env.sh)" && PYTHONPATH="$(CURDIR)" "$$env/bin/python" -m pytest -q tests/vllm $(PYTEST_ARGS)
+	env="$$(bash deploy/vllm-cpu-env.sh)" && PYTHONPATH="$(CURDIR)" "$$env/bin/python" -m pytest -q $(VLLM_TESTS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
