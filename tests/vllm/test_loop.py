@@ -66,14 +66,18 @@ async def test_the_loop_on_vllm_trains_every_sample_once_with_versions_loaded_in
     ]
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
     process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url, decode_responses=True)
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
     try:
         async with asyncio.timeout(600):
             _, stderr = await process.communicate()
         assert process.returncode == 0, stderr.decode()[-3000:]
-        added = {
-            name: (await redis.xinfo_stream(keys.stream(name)))["entries-added"] for name in ("prompts", "samples")
-        }
+        added = {}
+        for name in ("prompts", "samples"):
+            info = {
+                str(k, "utf-8") if isinstance(k, bytes) else k: v
+                for k, v in (await redis.xinfo_stream(keys.stream(name))).items()
+            }
+            added[name] = int(info["entries-added"])
     finally:
         for pid in run_pids(bus_config.run):
             with contextlib.suppress(ProcessLookupError):
