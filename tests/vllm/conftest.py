@@ -26,6 +26,7 @@ import torch
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 requires_vllm = [
     pytest.mark.vllm,
+    pytest.mark.timeout(900),  # a module's first test starts its engine: 35-140 s on a busy 2-core machine
     pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build runs in its side environment: make test-vllm"),
 ]
 """Every test module's marks (`pytestmark = requires_vllm`)."""

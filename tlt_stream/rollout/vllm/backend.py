@@ -23,7 +23,6 @@ tested against the running engine on the CPU build (tests/vllm/).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
@@ -47,7 +46,14 @@ from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.lifecycle import EngineDied, EngineWatch, exit_codes, inline_engine
 from tlt_stream.rollout.vllm.requests import Pending, Requests
-from tlt_stream.rollout.vllm.settings import VllmSettings, for_build, kv_cache_bytes, speculation, table_schedule
+from tlt_stream.rollout.vllm.settings import (
+    VllmSettings,
+    checkpoint_shape,
+    for_build,
+    kv_cache_bytes,
+    speculation,
+    table_schedule,
+)
 
 __all__ = [
     "INSTALL_HINT",
@@ -95,11 +101,9 @@ class VllmEngine:
         from vllm.config import SpeculativeConfig
         from vllm.engine.arg_utils import EngineArgs
 
-        from tlt_stream.model.loader import load_spec
-
         self.settings = settings
         self.policy = Path(policy)
-        self.vocab_size = load_spec(self.policy).vocab_size
+        self.vocab_size = int(checkpoint_shape(self.policy)["vocab_size"])  # type: ignore[call-overload]
         self._tmp = None if settings.work_dir else tempfile.TemporaryDirectory(prefix="tlt-vllm-")
         self.work_dir = Path(settings.work_dir or self._tmp.name)  # type: ignore[union-attr]
         self._exports = itertools.count()
@@ -135,6 +139,7 @@ class VllmEngine:
             self.llm = vllm.LLM(**kwargs)
         self._engine = self.llm.llm_engine
         self._watch = EngineWatch(self._engine)
+        self._dead: EngineDied | None = None
         try:
             for fixed in self._rpc("tlt_prepare")[0]:
                 log.info("vllm backend: replaced %s (vLLM's CPU build writes a copy of its output)", fixed)
@@ -215,12 +220,15 @@ class VllmEngine:
         return EngineDied(f"vLLM's engine died ({where}): {type(exc).__name__}: {exc}".splitlines()[0])
 
     def _call(self, what: str, *args: Any, **kwargs: Any) -> Any:
+        if self._dead is not None:  # once dead, every call says so (vLLM's client may still accept a request)
+            raise self._dead
         try:
             return getattr(self._engine, what)(*args, **kwargs)
         except (UnsupportedSetting, ValueError, TypeError):
             raise
         except Exception as exc:
-            raise self._died(exc) from exc
+            self._dead = self._died(exc)
+            raise self._dead from exc
 
     # -- GenerationEngine's surface
 
@@ -343,11 +351,8 @@ class VllmEngine:
             raise UnsupportedSetting(_NO_PARTIAL_ROLLOUTS)
         if self.has_unfinished:
             raise RuntimeError("load_policy() with requests in flight; let them finish first")
-        from tlt_stream.model.loader import load_spec
-
         path = Path(path)
-        old, new = load_spec(self.policy), load_spec(path)
-        if dataclasses.replace(new, max_position_embeddings=old.max_position_embeddings) != old:
+        if checkpoint_shape(path) != checkpoint_shape(self.policy):
             raise CheckpointError(f"{path}: a different architecture than the engine's policy; build a new engine")
         self._rpc("tlt_reload_policy", str(path))
         self._call("reset_prefix_cache")
@@ -381,6 +386,8 @@ class VllmEngine:
         return self._schedule
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
+        if getattr(self, "_dead", None) is not None:
+            raise self._dead  # type: ignore[misc]
         try:
             return self.llm.collective_rpc(method, args=args)
         except Exception as exc:

@@ -20,7 +20,15 @@ from tlt_stream.rollout.tuner import DEFAULT_EDGES
 from tlt_stream.rollout.vllm.config import SpecTranslation, UnsupportedSetting, as_arm, dynamic_schedule
 from tlt_stream.rollout.vllm.config import speculative_config as translate
 
-__all__ = ["Speculation", "VllmSettings", "for_build", "kv_cache_bytes", "speculation", "table_schedule"]
+__all__ = [
+    "Speculation",
+    "VllmSettings",
+    "checkpoint_shape",
+    "for_build",
+    "kv_cache_bytes",
+    "speculation",
+    "table_schedule",
+]
 
 GIB = 1 << 30
 
@@ -144,6 +152,35 @@ def table_schedule(
     if method != ("eagle" if arm.kind == "drafter" else "ngram") or top > arm.depth:
         raise UnsupportedSetting(f"the engine drafts with {arm.label}: {method} chains up to {top} need a new engine")
     return [list(r) for r in ranges]
+
+
+SHAPE_KEYS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def checkpoint_shape(policy: str | Path) -> dict[str, object]:
+    """What fixes a checkpoint's tensor shapes, read from its config.json (any family vLLM runs, not only the
+    ones this project's runtime loads); a `CheckpointError` naming the file when it cannot be read."""
+    from tlt_stream.errors import CheckpointError
+
+    path = Path(policy) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        shape = {key: config.get(key) for key in SHAPE_KEYS}
+        if not isinstance(shape["vocab_size"], int) or shape["vocab_size"] < 1:
+            raise ValueError(f"vocab_size {shape['vocab_size']!r}")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a checkpoint's config ({exc})") from None
+    return shape
 
 
 def kv_cache_bytes(policy: str | Path, settings: VllmSettings, draft: str | Path | None = None) -> int:
