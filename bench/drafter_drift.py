@@ -10,7 +10,7 @@ policy (T = 1, SD chain d4k1v4), the mean acceptance length (tokens per target f
 - an oracle: a drafter trained from scratch to convergence (1600 steps) on the current policy's own samples (at the
   first and last update only: it is the expensive reference).
 
-Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with SD (a fixed d4 chain by
+Part B, cost (the real pipeline, `tlt_stream.commands.run.launch`): the same RL run with SD (a fixed d4 chain by
 default), with and without online drafter training, alternating (`--repeats` runs each); the median step
 wall time over every step of each mode (training adds time only if it steals it from generation) and the
 share of workers' idle seconds
@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tlt_stream.config import PRESETS, override  # noqa: E402  (light: no torch)
+from tlt_stream.basics.config import PRESETS, override  # noqa: E402  (light: no torch)
 
 TINY = PRESETS["tiny-world"]["learner"]
 """The RL run's learner recipe (`tlt-stream run` on the tiny world)."""
@@ -233,9 +233,9 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
 def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
-    from tlt_stream.config import load_config
-    from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.report import state_intervals
+    from tlt_stream.basics.config import load_config
+    from tlt_stream.commands.report import state_intervals
+    from tlt_stream.commands.run.launch import RunPlan, run_plan
     from tlt_stream.rl.records import load_metrics, read_jsonl
 
     base = load_config(None, environ=os.environ)

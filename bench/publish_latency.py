@@ -67,7 +67,7 @@ def make_policy(size: str, out: Path) -> int:
 
 
 def one_group(vocab: int) -> list:
-    from tlt_stream.messages import Sample, Tensor
+    from tlt_stream.basics.messages import Sample, Tensor
     from tlt_stream.rl.groups import ReadyGroup
 
     samples = [

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import codec_for
 
 
 @contextlib.asynccontextmanager

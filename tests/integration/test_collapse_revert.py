@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 
 from tests.integration.test_group_drafts_worker import worker_on_version_0
 from tests.integration.test_rl_loop import learner_and_worker_planes, redis_entries
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import DrafterVersion, PromptGroup, RolloutStats, codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import DrafterVersion, PromptGroup, RolloutStats, codec_for
 from tlt_stream.roles.rollout_worker import RolloutSettings
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.store.digest import directory_sha256
@@ -37,7 +37,7 @@ PROMPTS = ["Start at 4 and add 3, 2 times.\n", "Start at 1 and add 5, 3 times.\n
 def good_and_bad_drafters(policy_dir: Path, out: Path, prompts: list[list[int]]) -> tuple[Path, Path]:
     """A drafter trained on the policy's own greedy responses (it drafts them well) and a random one."""
     from tlt_stream.drafter.model import Drafter, save_drafter
-    from tlt_stream.drafter.warmup import policy_windows, warm_up_drafter
+    from tlt_stream.rollout.warmup import policy_windows, warm_up_drafter
     from tlt_stream.model import load_model
 
     windows = policy_windows(policy_dir, prompts, max_len=96, stops=[], seed=0, temperature=0.0, batch=8)

@@ -13,13 +13,13 @@ import redis.asyncio as aioredis
 import torch
 
 from tests.integration.loop import keep_for_audit
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import DrafterStats, HiddenWindow, SdArmReport, codec_for
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.drafter.online import OnlineTrainingConfig
-from tlt_stream.messages import DrafterStats, HiddenWindow, SdArmReport, codec_for
 from tlt_stream.model import load_model
 from tlt_stream.rl.samples import hidden_window
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
 from tlt_stream.tasks.tokenizer import build_tokenizer
 

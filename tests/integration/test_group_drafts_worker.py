@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from tests.integration.test_rl_loop import learner_and_worker_planes, redis_entries
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, Sample, Tensor, codec_for
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, Sample, Tensor, codec_for
 from tlt_stream.rl.rewards import resolve_reward
 from tlt_stream.roles.learner import LearnerService
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
@@ -79,7 +79,7 @@ async def test_a_policy_swap_is_judged_by_the_acceptance_measured_before_and_aft
     swap from the engine's real counts, once, with a baseline from before it. (B's greedy text is a loop its
     own rows draft well: no collapse here; the collapse rule itself is tested in tests/unit/test_collapse.py.)"""
     from tests.worlds import tiny_policy
-    from tlt_stream.messages import PolicyVersion, RolloutStats
+    from tlt_stream.basics.messages import PolicyVersion, RolloutStats
     from tlt_stream.store.digest import directory_sha256
 
     other = tiny_policy(tmp_path / "other", seed=7)

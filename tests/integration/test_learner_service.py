@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import Sample, Tensor, codec_for
 from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import Sample, Tensor, codec_for
 from tlt_stream.rl.learner import LearnerSettings
 from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 from tlt_stream.store.digest import directory_sha256
@@ -138,7 +138,7 @@ async def test_each_updates_figures_and_samples_reach_tensorboard_and_offline_wa
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
     from tests.tracking_files import tensorboard_scalars, tensorboard_texts, wandb_history
-    from tlt_stream.config import override
+    from tlt_stream.basics.config import override
 
     config = override(bus_config, {"learner.log_to": ("tensorboard", "wandb")})
     run_dir = tmp_path / "run"

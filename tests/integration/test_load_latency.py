@@ -13,12 +13,12 @@ import pytest
 from tests.integration.loop import stats_of
 from tests.integration.test_rl_loop import learner_and_worker_planes
 from tests.unit.test_weight_sync import versions
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import RolloutStats
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import RolloutStats
-from tlt_stream.monitor import snapshot
-from tlt_stream.monitor.dashboard import render
-from tlt_stream.monitor.prometheus import prometheus_text
+from tlt_stream.roles.monitor import snapshot
+from tlt_stream.roles.monitor.dashboard import render
+from tlt_stream.roles.monitor.prometheus import prometheus_text
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]

@@ -21,13 +21,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
 from tests.faults.harness import free_port
+from tlt_stream.basics.config import BusConfig, Config
+from tlt_stream.basics.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import BusConfig, Config
-from tlt_stream.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.roles.policy import PolicyService
 
 pytestmark = [pytest.mark.redis]

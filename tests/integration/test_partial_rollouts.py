@@ -29,10 +29,10 @@ import tlt_stream.roles.worker.generation as worker_generation
 from tests.integration.loop import keep_for_audit, until_first_done
 from tests.integration.partial_oracle import first_token_distributions, hf_logprobs, noncentrality, power
 from tests.stats import chi2_threshold, chi_square
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, Sample, codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, Sample, codec_for
 from tlt_stream.rl.checkpoint import complete_checkpoints
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerSettings

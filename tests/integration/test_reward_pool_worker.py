@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_rl_loop import learner_and_worker_planes, redis_entries
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.rl.reward_pool import RewardPool
 from tlt_stream.rl.rewards import resolve_reward
 from tlt_stream.roles.learner import LearnerService

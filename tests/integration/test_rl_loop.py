@@ -13,10 +13,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.integration.loop import keep_for_audit
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import WorkerStatus, codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import WorkerStatus, codec_for
 from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker, streams_hidden
@@ -203,7 +203,7 @@ async def test_the_three_services_run_as_separate_processes(
 async def test_a_worker_refuses_a_corrupted_policy_and_keeps_generating_with_the_old_one(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
-    from tlt_stream.messages import PolicyVersion, WorkerState
+    from tlt_stream.basics.messages import PolicyVersion, WorkerState
 
     keys = Keys(bus_config.run)
     async with learner_and_worker_planes(bus_config) as planes:
@@ -257,7 +257,7 @@ async def test_a_policy_version_pruned_while_a_worker_loads_it_is_skipped_for_th
     import shutil
 
     import tlt_stream.store.weights as weights_module
-    from tlt_stream.messages import PolicyVersion
+    from tlt_stream.basics.messages import PolicyVersion
     from tlt_stream.store.digest import directory_sha256
 
     copies = {v: shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1, 2)}
@@ -295,7 +295,7 @@ async def test_a_policy_version_unreadable_for_a_while_is_loaded_once_it_is_back
     need) is tried again after a backoff, not refused for good: refusing it would stall the run."""
     import shutil
 
-    from tlt_stream.messages import PolicyVersion
+    from tlt_stream.basics.messages import PolicyVersion
     from tlt_stream.store.digest import directory_sha256
 
     v0, v1 = (shutil.copytree(init_policy, tmp_path / f"v{v}") for v in (0, 1))
@@ -415,8 +415,8 @@ async def test_poison_tasks_are_dead_lettered_and_the_worker_generates_on(
     policy version nobody published) go to `dead` with their reasons; the good task behind them is done."""
     import json
 
+    from tlt_stream.basics.messages import PromptGroup
     from tlt_stream.bus.producer import StreamProducer
-    from tlt_stream.messages import PromptGroup
 
     keys = Keys(bus_config.run)
     vocab = json.loads((init_policy / "config.json").read_text())["vocab_size"]
@@ -472,8 +472,8 @@ async def test_a_task_generating_past_the_reclaim_time_stays_with_its_live_worke
     """Two workers, tasks that generate for many reclaim periods: no task is taken over by the other worker
     while its owner heartbeats, none is redelivered or dead-lettered, and every sample is generated once
     (read from Redis: the PEL's delivery counts while it runs, the `samples` and `dead` streams after)."""
+    from tlt_stream.basics.messages import PromptGroup
     from tlt_stream.bus.producer import StreamProducer
-    from tlt_stream.messages import PromptGroup
 
     config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reclaim_idle_ms=50))
     keys = Keys(config.run)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import SdArmReport
 from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter
-from tlt_stream.messages import SdArmReport
 from tlt_stream.model import load_model
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
 from tlt_stream.roles.sd_config import SdConfigPublisher

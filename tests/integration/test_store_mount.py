@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from tests.integration.test_rl_loop import learner_and_worker_planes
-from tlt_stream.config import BusConfig, Config
+from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.roles.learner import LearnerService
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
 from tlt_stream.store.digest import directory_sha256

@@ -18,10 +18,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.integration.loop import keep_for_audit
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import RolloutStats, codec_for
 from tlt_stream.bus.streams import Keys
-from tlt_stream.cli import main
-from tlt_stream.config import Config
-from tlt_stream.messages import RolloutStats, codec_for
+from tlt_stream.commands.cli import main
 from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
 from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.config import DEFAULTS, PRESETS, Config, ConfigError, describe, dump_toml, load_config, override
+from tlt_stream.basics.config import DEFAULTS, PRESETS, Config, ConfigError, describe, dump_toml, load_config, override
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tlt_stream"
 ROLE_COMMANDS = ("run", "learner", "policy", "rollout_worker")
 """Subcommands whose options are role settings: every one goes through `commands.args.setting`."""
 NOT_SETTINGS = {
-    "tlt_stream/messages.py": "wire formats: a field's default is what an old producer's message means",
+    "tlt_stream/basics/messages.py": "wire formats: a field's default is what an old producer's message means",
     "GenerateOptions": "`tlt-stream generate`'s own options (an offline tool, greedy by default), not a role's",
     "Sequence.temperature": "one request's state in the scheduler",
     "ArmMeasurement.steps": "a counter",
@@ -140,7 +140,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    from tlt_stream.cli import build_parser
+    from tlt_stream.commands.cli import build_parser
 
     return build_parser().parse_args(list(argv))
 
@@ -222,7 +222,7 @@ def test_dump_toml_reads_back_to_the_same_configuration(tmp_path: Path) -> None:
 
 
 def test_config_describe_lists_every_key_and_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
-    from tlt_stream.cli import main
+    from tlt_stream.commands.cli import main
 
     assert main(["config", "describe"]) == 0
     out = capsys.readouterr().out

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tlt_stream.basics.messages import HiddenWindow, Tensor
 from tlt_stream.drafter import online
 from tlt_stream.drafter.buffer import WindowBuffer, window_from_message
 from tlt_stream.drafter.model import Drafter, load_drafter
@@ -20,7 +21,6 @@ from tlt_stream.drafter.online import (
     held_out_acceptance,
 )
 from tlt_stream.drafter.train import PackedBatch, Window, pack_windows
-from tlt_stream.messages import HiddenWindow, Tensor
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer

@@ -34,7 +34,7 @@ def test_without_a_drafter_the_engine_decodes_plainly(init_policy: Path) -> None
 
 
 def test_the_workers_ahead_rows_bounds_where_the_engine_starts_drafts(init_policy: Path) -> None:
-    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.basics.config import DEFAULTS, override
     from tlt_stream.roles.rollout_worker import RolloutSettings
 
     for rows, expected in ((5, 5), (0, None)):
@@ -48,7 +48,7 @@ def test_the_workers_ahead_rows_bounds_where_the_engine_starts_drafts(init_polic
 
 
 def test_the_workers_group_strong_match_reaches_the_group_source(init_policy: Path, drafter: Path) -> None:
-    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.basics.config import DEFAULTS, override
     from tlt_stream.roles.rollout_worker import RolloutSettings
 
     config = override(DEFAULTS, {"sd.drafter": str(drafter), "sd.group": True, "sd.group_strong_match": 7})
@@ -128,7 +128,7 @@ def test_group_drafts_sit_beside_the_drafter_or_replace_prompt_lookup(init_polic
 
 
 def test_the_workers_graphs_setting_reaches_the_engine(init_policy: Path) -> None:
-    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.basics.config import DEFAULTS, override
     from tlt_stream.roles.rollout_worker import RolloutSettings
 
     assert RolloutSettings.from_config(DEFAULTS, device="cpu").graphs == "off"

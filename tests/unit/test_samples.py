@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.drafter.train import Window
-from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.model import load_model
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rollout.arms import Arm

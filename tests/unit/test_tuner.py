@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.stats import chi2_threshold, chi_square
-from tlt_stream.messages import SdArmReport
+from tlt_stream.basics.messages import SdArmReport
 from tlt_stream.rollout.tuner import (
     DEFAULT_ARMS,
     DEFAULT_EDGES,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.reference_digest import sha256_v1, sha256_v2
-from tlt_stream.config import Config
-from tlt_stream.messages import PolicyVersion, Sample, Tensor
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion, Sample, Tensor
 from tlt_stream.rl.checkpoint import CheckpointInfo, latest_checkpoint, restore_checkpoint
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerSettings

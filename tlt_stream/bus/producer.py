@@ -25,11 +25,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
-from tlt_stream.aio import retry
+from tlt_stream.basics.aio import retry
+from tlt_stream.basics.common import as_text
+from tlt_stream.basics.config import BusConfig
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.streams import Keys, spec
-from tlt_stream.common import as_text
-from tlt_stream.config import BusConfig
-from tlt_stream.messages import codec_for
 
 __all__ = ["StreamProducer", "stream_backlog", "trim_acked"]
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from tlt_stream.config import DEFAULTS, Config
+from tlt_stream.basics.config import DEFAULTS, Config
 from tlt_stream.drafter.buffer import WindowBuffer
 from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, save_drafter
 from tlt_stream.drafter.train import PackedBatch, Window, eagle_loss, pack_windows

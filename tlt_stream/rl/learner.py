@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tlt_stream.config import DEFAULTS as _D
-from tlt_stream.config import Config
+from tlt_stream.basics.config import DEFAULTS as _D
+from tlt_stream.basics.config import Config
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
 from tlt_stream.rl.metrics import length_summary

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tlt_stream.failpoints import failpoint
+from tlt_stream.basics.failpoints import failpoint
 from tlt_stream.rl.checkpoint import (
     OPTIMIZER,
     CheckpointInfo,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from tlt_stream.messages import PromptGroup, Sample
+from tlt_stream.basics.messages import PromptGroup, Sample
 
 __all__ = ["location_problem", "prompt_problem", "sample_problem"]
 

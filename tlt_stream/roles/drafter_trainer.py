@@ -37,16 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tlt_stream.basics.common import stable_int
+from tlt_stream.basics.config import DEFAULTS, Config
+from tlt_stream.basics.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.common import stable_int
-from tlt_stream.config import DEFAULTS, Config
 from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
-from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
 from tlt_stream.store.digest import directory_sha256
 
 __all__ = ["DrafterTrainingSettings", "IdleDrafterTrainer"]

@@ -37,12 +37,12 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
+from tlt_stream.basics.config import DEFAULTS, Config
+from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import PolicyVersion
 from tlt_stream.model.loader import resolve_dtype
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup

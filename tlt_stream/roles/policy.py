@@ -30,13 +30,13 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, WatchError
 
-from tlt_stream.aio import retry, sleep_or_stop
+from tlt_stream.basics.aio import retry, sleep_or_stop
+from tlt_stream.basics.config import DEFAULTS, Config
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S, PAYLOAD_FIELD, trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import PromptGroup, codec_for
 
 __all__ = ["PolicyService", "RepeatedAddSource", "TaskSource", "serve_policy"]
 
@@ -331,7 +331,7 @@ class PolicyService:
 def tiny_world_pool(tokenizer: Any, size: int, *, seed: int) -> TaskSource:
     """`size` training problems of the tiny world's task drawn once from `seed`, as a `PromptPool`: epochs
     of the same prompts, shuffled per epoch (a pure function of (seed, step), like a dataset's)."""
-    from tlt_stream.common import stable_int
+    from tlt_stream.basics.common import stable_int
     from tlt_stream.rl.datasets import Example, PromptPool
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
 

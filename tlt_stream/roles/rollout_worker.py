@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import DEFAULTS, Config
+from tlt_stream.basics.messages import WorkerStatus
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import WorkerStatus
 from tlt_stream.rl.reward_pool import RewardPool, pool_size
 from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
 from tlt_stream.roles.worker.drafters import DrafterSwaps

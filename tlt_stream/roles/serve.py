@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config, redact_text, redact_url
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.config import Config, redact_text, redact_url
-from tlt_stream.errors import CheckpointError
 
 __all__ = ["TEARDOWN_S", "Body", "device_or_refuse", "refuse", "serve"]
 
@@ -76,8 +76,8 @@ def device_or_refuse(spec: str, command: str) -> str | None:
 
 
 def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
-    from tlt_stream.aio import install_stop_signals
-    from tlt_stream.aio import run as run_loop
+    from tlt_stream.basics.aio import install_stop_signals
+    from tlt_stream.basics.aio import run as run_loop
     from tlt_stream.bus.connect import connect_redis, endpoints
 
     async def main(config: Config) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tlt_stream.config import DEFAULTS
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
 from tlt_stream.rollout.arms import Arm
 

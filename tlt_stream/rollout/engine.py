@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tlt_stream.errors import CheckpointError
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.graphs import ForwardGraphs, GraphBackend
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.arms import Arm

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from tlt_stream.config import DEFAULTS
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.rollout.arms import Arm
 
 __all__ = [

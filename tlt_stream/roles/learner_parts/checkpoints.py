@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.config import Config
-from tlt_stream.messages import PolicyVersion
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.checkpoint import CheckpointInfo, complete_checkpoints, latest_checkpoint
 from tlt_stream.rl.groups import GroupAssembler

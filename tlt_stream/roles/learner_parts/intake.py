@@ -20,11 +20,11 @@ from typing import Annotated
 import msgspec
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.messages import Sample
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.messages import Sample
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.validate import sample_problem
 from tlt_stream.roles.learner_parts import log

@@ -19,10 +19,10 @@ import time
 
 import redis.asyncio as aioredis
 
-from tlt_stream.aio import sleep_or_stop
+from tlt_stream.basics.aio import sleep_or_stop
+from tlt_stream.basics.config import Config
 from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 from tlt_stream.roles.learner_parts import log
 
 __all__ = ["LeaseKeeping", "RunTaken"]

@@ -17,9 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import LearnerStats, Sample
 from tlt_stream.bus.producer import StreamProducer
-from tlt_stream.config import Config
-from tlt_stream.messages import LearnerStats, Sample
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.tracking import Tracker, scalars, trackers_for

@@ -17,8 +17,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from tlt_stream.aio import retry, sleep_or_stop
-from tlt_stream.config import Config
+from tlt_stream.basics.aio import retry, sleep_or_stop
+from tlt_stream.basics.config import Config
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.learner import LearnerCore

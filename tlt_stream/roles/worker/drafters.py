@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import DrafterVersion, PromptGroup, SdConfigVersion, WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
-from tlt_stream.config import Config
-from tlt_stream.messages import DrafterVersion, PromptGroup, SdConfigVersion, WorkerStatus
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.validate import location_problem
 from tlt_stream.roles.worker import log

@@ -47,9 +47,9 @@ class SampleFollowing:
         are produced (a plain XREAD from the stream's end, no consumer group, no round trip per decode
         step). Lossy by design: an entry trimmed before it is read is a draft source missed, nothing else.
         Our own responses are indexed while they run."""
-        from tlt_stream.aio import sleep_or_stop
+        from tlt_stream.basics.aio import sleep_or_stop
+        from tlt_stream.basics.messages import codec_for
         from tlt_stream.bus.producer import PAYLOAD_FIELD
-        from tlt_stream.messages import codec_for
 
         stream, codec = self.keys.stream("samples"), codec_for("samples")
         last: str | bytes | None = None

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tlt_stream.basics.messages import HiddenWindow, Sample
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import StreamProducer
-from tlt_stream.messages import HiddenWindow, Sample
 from tlt_stream.rl.reward_pool import RewardFailed, RewardPool
 from tlt_stream.rl.rewards import call_reward
 from tlt_stream.rl.samples import hidden_window, make_sample

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tlt_stream.basics.common import stable_int
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, Sample
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.common import stable_int
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, Sample
 from tlt_stream.rl.validate import prompt_problem
 from tlt_stream.roles.worker import log
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import DrafterVersion, PolicyVersion, WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
-from tlt_stream.config import Config
-from tlt_stream.messages import DrafterVersion, PolicyVersion, WorkerStatus
 from tlt_stream.model.loader import CheckpointError, stop_token_ids
 from tlt_stream.rl.validate import location_problem
 from tlt_stream.roles.worker import log

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tlt_stream.basics.messages import RolloutStats, SdArmReport
 from tlt_stream.bus.producer import StreamProducer
-from tlt_stream.messages import RolloutStats, SdArmReport
 
 if TYPE_CHECKING:
     from tlt_stream.roles.worker.intake import GroupTask

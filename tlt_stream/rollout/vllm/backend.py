@@ -64,8 +64,8 @@ from typing import Any, Literal
 
 import torch
 
-from tlt_stream.config import DEFAULTS
-from tlt_stream.errors import CheckpointError
+from tlt_stream.basics.config import DEFAULTS
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import FinishReason, StopRule

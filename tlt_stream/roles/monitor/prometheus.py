@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from tlt_stream.messages import WorkerStatus
+from tlt_stream.basics.messages import WorkerStatus
 
 __all__ = ["FAMILIES", "MetricsServer", "metric_families", "prometheus_text"]
 

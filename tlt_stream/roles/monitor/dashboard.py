@@ -14,7 +14,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from tlt_stream.messages import CONTROL_KINDS
+from tlt_stream.basics.messages import CONTROL_KINDS
 
 __all__ = ["render", "summary_line"]
 

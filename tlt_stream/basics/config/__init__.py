@@ -5,7 +5,7 @@ the environment, `--set` and flags (`load.py`), and printed without its secrets 
 prints the effective values.
 """
 
-from tlt_stream.config.load import (
+from tlt_stream.basics.config.load import (
     ENV_ALIASES,
     NO_PRESET,
     ConfigError,
@@ -16,8 +16,8 @@ from tlt_stream.config.load import (
     override,
     parse_assignment,
 )
-from tlt_stream.config.redact import redact_config, redact_text, redact_url
-from tlt_stream.config.tree import (
+from tlt_stream.basics.config.redact import redact_config, redact_text, redact_url
+from tlt_stream.basics.config.tree import (
     DEFAULTS,
     PRESETS,
     BusConfig,

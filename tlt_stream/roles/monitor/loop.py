@@ -17,12 +17,12 @@ import msgspec
 from rich.console import Console
 from rich.live import Live
 
-from tlt_stream.aio import install_stop_signals, run, sleep_or_stop
+from tlt_stream.basics.aio import install_stop_signals, run, sleep_or_stop
+from tlt_stream.basics.config import Config, ConfigError
 from tlt_stream.bus.connect import connect_redis
-from tlt_stream.config import Config, ConfigError
-from tlt_stream.monitor.dashboard import render, summary_line
-from tlt_stream.monitor.prometheus import MetricsServer
-from tlt_stream.monitor.snapshot import snapshot
+from tlt_stream.roles.monitor.dashboard import render, summary_line
+from tlt_stream.roles.monitor.prometheus import MetricsServer
+from tlt_stream.roles.monitor.snapshot import snapshot
 
 __all__ = ["MonitorOptions", "monitor"]
 

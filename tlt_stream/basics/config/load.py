@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from tlt_stream.config.redact import is_secret_key, redact_text
-from tlt_stream.config.tree import PRESETS, Config
+from tlt_stream.basics.config.redact import is_secret_key, redact_text
+from tlt_stream.basics.config.tree import PRESETS, Config
 
 __all__ = [
     "ENV_ALIASES",

@@ -37,7 +37,7 @@ class RedactingFormatter(logging.Formatter):
     whatever a library or a service logs, no secret reaches a terminal or a run's logs."""
 
     def format(self, record: logging.LogRecord) -> str:
-        from tlt_stream.config import redact_text
+        from tlt_stream.basics.config import redact_text
 
         return redact_text(super().format(record))
 
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", 0))
     handler: Callable[[argparse.Namespace], int] = args.handler
-    from tlt_stream.config import ConfigError, redact_text
+    from tlt_stream.basics.config import ConfigError, redact_text
 
     try:
         return handler(args)

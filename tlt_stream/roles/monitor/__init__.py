@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tlt_stream.monitor.snapshot import inspect_redis, read_stats, snapshot
-from tlt_stream.monitor.summaries import (
+from tlt_stream.roles.monitor.snapshot import inspect_redis, read_stats, snapshot
+from tlt_stream.roles.monitor.summaries import (
     drafter_summary,
     entry_seconds,
     group_lag,

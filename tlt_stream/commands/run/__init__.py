@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tlt_stream.basics.config.tree import DEFAULTS
 from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, load, setting
-from tlt_stream.config.tree import DEFAULTS
 
 __all__ = ["handle", "register"]
 
@@ -93,13 +93,20 @@ def handle(args: argparse.Namespace) -> int:
     import msgspec
     import torch
 
-    from tlt_stream.aio import install_stop_signals
-    from tlt_stream.config import redact_text
-    from tlt_stream.launch import TINY_WORLD, RunPlan, ensure_new_run, evaluate_version, placement, run_plan
+    from tlt_stream.basics.aio import install_stop_signals
+    from tlt_stream.basics.config import redact_text
+    from tlt_stream.basics.progress import PhaseProgress
+    from tlt_stream.commands.placement import describe
+    from tlt_stream.commands.report import write_report
+    from tlt_stream.commands.run.launch import (
+        TINY_WORLD,
+        RunPlan,
+        ensure_new_run,
+        evaluate_version,
+        placement,
+        run_plan,
+    )
     from tlt_stream.model import resolve_device
-    from tlt_stream.placement import describe
-    from tlt_stream.progress import PhaseProgress
-    from tlt_stream.report import write_report
     from tlt_stream.rl.datasets import DatasetError
     from tlt_stream.rl.tracking import require_trackers
     from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
@@ -121,7 +128,7 @@ def handle(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{config.run}")
     world = Path(config.launch.world)
     if resume is not None:
-        from tlt_stream.config import override
+        from tlt_stream.basics.config import override
         from tlt_stream.rl.checkpoint import latest_checkpoint
 
         newest = latest_checkpoint(out / "checkpoints")
@@ -152,7 +159,7 @@ def handle(args: argparse.Namespace) -> int:
             require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
             plan = RunPlan(world=world, run_dir=out, config=config, cores=cores)
             if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
-                from tlt_stream.launch import service_config
+                from tlt_stream.commands.run.launch import service_config
                 from tlt_stream.roles.policy import task_source
 
                 pool = task_source(service_config(plan, config))
@@ -231,8 +238,8 @@ DEFAULT_WORLD = DEFAULTS.launch.world
 def _evaluate_during(out: Path, version: int, n: int, seed: int, config: Any) -> None:
     """Held-out evaluation of the checkpoint of `version` while the run goes on (one thread: the services
     have the cores); a checkpoint already pruned is skipped."""
-    from tlt_stream.errors import CheckpointError
-    from tlt_stream.launch import evaluate_version
+    from tlt_stream.basics.errors import CheckpointError
+    from tlt_stream.commands.run.launch import evaluate_version
     from tlt_stream.rl.checkpoint import complete_checkpoints
 
     found = next((c for c in complete_checkpoints(out / "checkpoints") if c.step == version), None)

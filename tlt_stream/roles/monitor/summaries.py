@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tlt_stream.common import as_text
-from tlt_stream.messages import DrafterStats, LearnerStats, RolloutStats
+from tlt_stream.basics.common import as_text
+from tlt_stream.basics.messages import DrafterStats, LearnerStats, RolloutStats
 
 __all__ = [
     "drafter_summary",

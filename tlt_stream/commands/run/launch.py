@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tlt_stream.config import Config, redact_url
-from tlt_stream.placement import LEARNER, POLICY, place, visible_gpus, worker_name
+from tlt_stream.basics.config import Config, redact_url
+from tlt_stream.commands.placement import LEARNER, POLICY, place, visible_gpus, worker_name
 
 __all__ = [
     "RunPlan",
@@ -123,7 +123,7 @@ def thread_split(cores: int, workers: int, max_staleness: int) -> tuple[int, int
 def service_config(plan: RunPlan, config: Config) -> Config:
     """What every service of the run reads (RUN_DIR/config.toml): `config` with the run's own places filled in
     (the world's policy and drafter, the run directory, the drafter-training states, the checkpoint store)."""
-    from tlt_stream.config import override
+    from tlt_stream.basics.config import override
 
     sd = plan.sd
     train = sd == "eagle" and config.drafter.train
@@ -197,7 +197,7 @@ def service_commands(plan: RunPlan, config: Config) -> list[ServiceCommand]:
 def write_service_config(plan: RunPlan, config: Config) -> Path:
     """RUN_DIR/config.toml from `service_config`; the servers' URLs (which may hold passwords) are not
     written: the services get them from the environment."""
-    from tlt_stream.config import dump_toml
+    from tlt_stream.basics.config import dump_toml
 
     text = dump_toml(service_config(plan, config), leave_out=("bus.redis_url", "bus.mqtt_url"))
     plan.run_dir.mkdir(parents=True, exist_ok=True)
@@ -368,8 +368,8 @@ async def save_timeline(config: Config, path: Path) -> int:
     import msgspec
     import redis.asyncio as aioredis
 
+    from tlt_stream.basics.messages import DrafterStats, RolloutStats, WorkerState, codec_for
     from tlt_stream.bus.streams import Keys
-    from tlt_stream.messages import DrafterStats, RolloutStats, WorkerState, codec_for
 
     codec = codec_for("stats")
     redis = aioredis.Redis.from_url(config.bus.redis_url)

@@ -17,15 +17,15 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.common import as_text
+from tlt_stream.basics.config import BusConfig, Config, redact_url
+from tlt_stream.basics.messages import CONTROL_KINDS, LearnerStats, codec_for
 from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.registry import list_workers
 from tlt_stream.bus.streams import STREAMS, Keys
-from tlt_stream.common import as_text
-from tlt_stream.config import BusConfig, Config, redact_url
-from tlt_stream.messages import CONTROL_KINDS, LearnerStats, codec_for
-from tlt_stream.monitor.summaries import (
+from tlt_stream.roles.monitor.summaries import (
     entry_seconds,
     group_lag,
     next_entry_id,

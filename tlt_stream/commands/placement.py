@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tlt_stream.config import ConfigError
+from tlt_stream.basics.config import ConfigError
 
 __all__ = ["LEARNER", "POLICY", "describe", "place", "visible_gpus", "worker_name"]
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from msgspec import Meta, Struct, field
 
-from tlt_stream.config.redact import redact_url
+from tlt_stream.basics.config.redact import redact_url
 
 __all__ = [
     "DEFAULTS",
