@@ -25,11 +25,11 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tlt_stream.config import DEFAULTS, Config
+from tlt_stream.basics.config import DEFAULTS, Config
 from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, SdTable, SdTuner
 
 __all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement", "arm_kinds"]
@@ -101,7 +101,16 @@ class _Log:
 class AdaptiveSd:
     """Per-step SD decisions for one engine (which must have a proposer)."""
 
-    def __init__(self, engine: Any, settings: AdaptiveSettings = AdaptiveSettings(), *, drafter_version: int = 0):
+    def __init__(
+        self,
+        engine: Any,
+        settings: AdaptiveSettings = AdaptiveSettings(),
+        *,
+        drafter_version: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """`clock` times each step for the tuner (a test hands in a steady one, so its measurements, and with
+        them the arms chosen, do not depend on how busy the machine is)."""
         proposer = getattr(engine, "proposer", None)
         if proposer is None:
             raise ValueError("adaptive SD needs an engine with a proposer (a drafter or the n-gram proposer)")
@@ -126,6 +135,7 @@ class AdaptiveSd:
         self.log = _Log()
         self._pending: dict[tuple[int, Arm], ArmMeasurement] = {}
         self.arm: Arm = Arm.plain()
+        self.clock = clock
 
     def step(self) -> list[Any]:
         engine = self.engine
@@ -145,9 +155,9 @@ class AdaptiveSd:
         engine.arm = None if arm.kind == "plain" else arm
         self.arm = arm
         waiting, tokens = scheduler.num_waiting, engine.tokens_generated
-        started = time.perf_counter()
+        started = self.clock()
         results = engine.step()
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         emitted = engine.tokens_generated - tokens
         bucket = self.tuner.bucket(batch)
         self.log.chosen[(bucket, arm.label)] += 1
