@@ -35,7 +35,7 @@ class SdConfigPublisher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, control: ControlPlane, *, window: int = 2000) -> None:
         from collections import deque
 
-        from tlt_stream.rollout.tuner import DEFAULT_EDGES
+        from tlt_stream.rollout.switch import DEFAULT_EDGES
 
         self.redis = redis
         self.keys = keys
@@ -49,7 +49,7 @@ class SdConfigPublisher:
     async def poll(self) -> bool:
         """Read new reports and publish a new version if the table changed; returns whether it published."""
         from tlt_stream.basics.messages import SdArmChoice, SdArmReport, SdConfigVersion
-        from tlt_stream.rollout.tuner import aggregate_reports
+        from tlt_stream.rollout.switch import aggregate_reports
 
         stream = self.keys.stream("stats")
         while True:

@@ -67,10 +67,11 @@ import torch
 from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import FinishReason, StopRule
 from tlt_stream.rollout.stops import StopStrings
-from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm
+from tlt_stream.rollout.switch import DEFAULT_EDGES
 from tlt_stream.rollout.vllm.config import (
     UnsupportedSetting,
     as_arm,
