@@ -142,11 +142,13 @@ def _window(message: Any) -> Any:
 
 
 def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
+    import msgspec
     from _grpo import update_groups  # bench/, on the path as the script's directory
     from transformers import AutoModelForCausalLM
 
+    from tlt_stream.basics.config import DEFAULTS
     from tlt_stream.drafter.model import load_drafter
-    from tlt_stream.drafter.online import LrSchedule, OnlineDrafterTrainer, OnlineTrainingConfig, WindowBuffer
+    from tlt_stream.drafter.online import OnlineDrafterTrainer, WindowBuffer
     from tlt_stream.model import load_model
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
     from tlt_stream.rl.samples import hidden_window
@@ -171,11 +173,10 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     online = OnlineDrafterTrainer(
         online_drafter,
         buffer,
-        OnlineTrainingConfig(
-            schedule=LrSchedule(
-                base_lr=LrSchedule.base_lr if args.online_lr is None else args.online_lr,
-                warmup_steps=LrSchedule.warmup_steps if args.online_warmup is None else args.online_warmup,
-            ),
+        msgspec.structs.replace(
+            DEFAULTS.drafter,
+            lr=DEFAULTS.drafter.lr if args.online_lr is None else args.online_lr,
+            lr_warmup_steps=DEFAULTS.drafter.lr_warmup_steps if args.online_warmup is None else args.online_warmup,
             batch_pairs=1024,
         ),
         policy_version=0,

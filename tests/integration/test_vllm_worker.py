@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-import redis.asyncio as aioredis
 
 from tests.integration.loop import keep_for_audit
-from tlt_stream.basics.config import Config
+from tlt_stream.basics.config import DEFAULTS, Config, ConfigError, override
 from tlt_stream.basics.messages import RolloutStats, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.streams import Keys
 from tlt_stream.commands.cli import main
-from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.learner import LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
-from tlt_stream.rollout.adaptive import AdaptiveSettings
+from tlt_stream.roles.rollout_worker import RolloutWorker
 from tlt_stream.rollout.vllm import backend as vllm_backend
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -95,19 +94,18 @@ async def test_a_vllm_worker_keeps_one_engine_and_loads_every_version_into_it(
     monkeypatch.setattr(vllm_backend, "VllmEngine", CpuVllmEngine)
     CpuVllmEngine.built = []
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     await keep_for_audit(redis, keys)  # the learner trims what it checkpointed
     stop = asyncio.Event()
     services: list[asyncio.Task[None]] = []
     try:
         async with planes(bus_config, {"learner": ["policy"], "policy": [], "rollout": []}) as control:
             learner = LearnerService(
-                bus_config,
+                override(bus_config, {"learner.groups_per_step": PROMPTS, "policy.max_staleness": 0}),
                 redis,
                 control["learner"],
                 run_dir=tmp_path / "run",
                 init_policy=init_policy,
-                settings=LearnerRunSettings(groups_per_step=PROMPTS, max_staleness=0),
             )
             dispatcher = PolicyService(
                 bus_config,
@@ -118,9 +116,9 @@ async def test_a_vllm_worker_keeps_one_engine_and_loads_every_version_into_it(
                 group_size=GROUP,
                 total_steps=STEPS,
             )
-            settings = RolloutSettings(max_batch=4, max_len=96, backend="vllm")
+            settings = {"rollout.max_batch": 4, "rollout.max_len": 96, "rollout.backend": "vllm"}
             worker = RolloutWorker(
-                bus_config, redis, control["rollout"], worker_id="w0", reward=reward, settings=settings
+                override(bus_config, settings), redis, control["rollout"], worker_id="w0", reward=reward
             )
             await learner.start()
             services = [
@@ -140,7 +138,7 @@ async def test_a_vllm_worker_keeps_one_engine_and_loads_every_version_into_it(
         # too, when it was announced before the stop).
         assert len(engine.policies) in (STEPS, STEPS + 1) and len(set(engine.policies)) == len(engine.policies)
         expected = {f"s{s:06d}-{i:04d}/{g}" for s in range(STEPS) for i in range(PROMPTS) for g in range(GROUP)}
-        assert learner.assembler.ledger == expected and learner.assembler.duplicates == 0
+        assert learner.intake.assembler.ledger == expected and learner.intake.assembler.duplicates == 0
         samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
         assert sorted(s.sample_id for s in samples) == sorted(expected)
         assert all(s.policy_version == s.step for s in samples)
@@ -154,18 +152,18 @@ async def test_a_vllm_worker_keeps_one_engine_and_loads_every_version_into_it(
 
 
 def test_adaptive_sd_is_refused_on_the_vllm_backend() -> None:
-    with pytest.raises(ValueError, match="fixed --sd-arm"):
-        RolloutSettings(drafter="ngram", adaptive=AdaptiveSettings(), backend="vllm")
-    with pytest.raises(ValueError, match="unknown rollout backend 'tensorrt'"):
-        RolloutSettings(backend="tensorrt")
+    with pytest.raises(ConfigError, match="--fixed-sd --sd-arm"):
+        override(DEFAULTS, {"sd.drafter": "ngram", "sd.adaptive": True, "rollout.backend": "vllm"})
+    with pytest.raises(ConfigError, match=r"rollout\.backend: invalid enum value 'tensorrt'"):
+        override(DEFAULTS, {"rollout.backend": "tensorrt"})
 
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ([], "the vllm rollout backend needs vLLM"),
-        (["--drafter", "ngram"], "use a fixed sd.arm"),  # adaptive SD, the default
-        (["--drafter", "ngram", "--adaptive-sd"], "use a fixed sd.arm"),
+        ([], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),
+        (["--drafter", "ngram"], "configuration error: sd.adaptive: "),  # adaptive SD, the default
+        (["--drafter", "ngram", "--adaptive-sd"], "configuration error: sd.adaptive: "),
     ],
 )
 def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(
@@ -176,4 +174,4 @@ def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(
     argv = ["rollout-worker", "--backend", "vllm", "--redis-url", "redis://127.0.0.1:9/0", *extra]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tlt-stream rollout-worker: ") and needle in err and "\n" not in err
+    assert err.startswith("tlt-stream") and needle in err and "\n" not in err

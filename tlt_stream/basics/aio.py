@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Backoff", "install_stop_signals", "retry", "run", "sleep_or_stop"]
+__all__ = ["Backoff", "as_task", "install_stop_signals", "retry", "run", "sleep_or_stop", "wait_or_stop", "wait_until"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -29,6 +29,36 @@ async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def wait_until(awaitable: Awaitable[object], stop: asyncio.Event, timeout: float | None = None) -> bool:
+    """Await `awaitable` until it is done, `stop` is set, or `timeout` seconds pass (it is cancelled then).
+    Returns whether it finished; an error it raised is raised here."""
+    async with asyncio.TaskGroup() as tasks:
+        waited = tasks.create_task(_awaited(awaitable), name="wait-until")
+        stopped = tasks.create_task(stop.wait(), name="wait-until-stop")
+        await asyncio.wait({waited, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in (waited, stopped):
+            task.cancel()
+    return not waited.cancelled()
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def as_task(awaitable: Awaitable[T], name: str) -> asyncio.Task[T]:
+    """`awaitable` as a named task (itself when it is one)."""
+    if isinstance(awaitable, asyncio.Task):
+        return awaitable
+    return asyncio.create_task(_awaited(awaitable), name=name)
+
+
+async def wait_or_stop(event: asyncio.Event, stop: asyncio.Event, timeout: float | None = None) -> bool:
+    """Wait until `event` is set, `stop` is set, or `timeout` seconds pass. Returns whether `event` is set."""
+    if not (event.is_set() or stop.is_set()):
+        await wait_until(event.wait(), stop, timeout)
+    return event.is_set()
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -25,7 +25,9 @@ import msgspec
 from msgspec import Struct
 
 from tlt_stream.basics.config.redact import is_secret_key, redact_text
+from tlt_stream.basics.config.rules import check_rules
 from tlt_stream.basics.config.tree import PRESETS, Config
+from tlt_stream.basics.errors import ConfigError
 
 __all__ = [
     "ENV_ALIASES",
@@ -39,10 +41,6 @@ __all__ = [
     "parse_assignment",
     "parse_literal",
 ]
-
-
-class ConfigError(Exception):
-    """A configuration value, file or override is invalid. The message is one line meant for a human."""
 
 
 ENV_ALIASES: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -203,7 +201,7 @@ def load_config(
     for key, value, where in layers:
         _set_path(tree, key, value, where)
         _validate(tree, where)
-    return _validate(_with_preset(tree, default_preset, origin), origin)
+    return _checked(_validate(_with_preset(tree, default_preset, origin), origin))
 
 
 def _validate(tree: dict[str, Any], origin: str) -> Config:
@@ -212,6 +210,12 @@ def _validate(tree: dict[str, Any], origin: str) -> Config:
         return msgspec.convert(checked, Config, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc, origin, tree)) from None
+
+
+def _checked(config: Config) -> Config:
+    """`config` once every layer is applied, held to the rules between its sections (`rules.py`: the error
+    names the keys, whichever layers set them)."""
+    return check_rules(config)
 
 
 def override(config: Config, values: Mapping[str, Any]) -> Config:
@@ -224,7 +228,7 @@ def override(config: Config, values: Mapping[str, Any]) -> Config:
         tree = _merge(tree, _with_preset({"preset": name}, None, "override"))
     for key, value in values.items():
         _set_path(tree, tuple(key.split(".")), value, key)
-    return _validate(tree, "override")
+    return _checked(_validate(tree, "override"))
 
 
 def describe(struct: type[Struct] = Config, prefix: str = "") -> list[tuple[str, Any, str]]:
