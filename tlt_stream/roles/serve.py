@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.aio import as_task
 from tlt_stream.basics.config import Config, redact_text, redact_url
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.bus.control import ControlPlane
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 async def bounded(step: Awaitable[None], what: str, seconds: float = TEARDOWN_S) -> None:
     """Await a teardown step for at most `seconds`; its error, if any, is raised. Past that, log an error
     with the stack of every pending task (what hung, for whoever reads the log), cancel it and go on."""
-    task = asyncio.ensure_future(step)
+    task = as_task(step, what)
     done, _ = await asyncio.wait({task}, timeout=seconds)
     if done:
         task.result()
@@ -88,7 +89,7 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
         control = ControlPlane(config, redis, role=role, owns=owns)
         stop = asyncio.Event()
         install_stop_signals(stop)
-        plane = asyncio.create_task(control.run(stop))
+        plane = asyncio.create_task(control.run(stop), name=f"{role}-control-plane")
         try:
             await body(config, redis, control, stop)
         finally:

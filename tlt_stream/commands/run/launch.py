@@ -45,6 +45,8 @@ __all__ = [
 
 
 TINY_WORLD = "tiny-world"
+WATCH_BLOCK_MS = 5000
+"""The launcher reads new metrics rows when the run's stats stream grows, and at least this often."""
 """The preset of the tiny world's learner recipe (`config.PRESETS`), which `tlt-stream run` uses on it."""
 
 
@@ -251,8 +253,8 @@ class Supervisor:
         """Wait for service `name` to exit and return its code (None when `stop` was set first); raise if
         another service fails first."""
         stop = stop or asyncio.Event()
-        stopper = asyncio.create_task(stop.wait())
-        waits = {asyncio.create_task(p.wait()): n for n, p in self.processes.items()}
+        stopper = asyncio.create_task(stop.wait(), name="launcher-stop")
+        waits = {asyncio.create_task(p.wait(), name=f"wait-{n}"): n for n, p in self.processes.items()}
         try:
             while True:
                 done, _ = await asyncio.wait([*waits, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -407,7 +409,10 @@ async def run_plan(plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = 
     hand and its checkpoints stay intact. `purge`: once the timeline is saved, delete the run's keys and
     retained messages from the servers (benchmarks on shared servers; the run directory keeps the figures).
     """
-    from tlt_stream.bus.connect import endpoints
+    from redis.exceptions import RedisError
+
+    from tlt_stream.bus.connect import connect_redis, endpoints
+    from tlt_stream.bus.streams import Keys
     from tlt_stream.rl.records import load_metrics
 
     plan.run_dir.mkdir(parents=True, exist_ok=True)
@@ -418,15 +423,26 @@ async def run_plan(plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = 
         seen = len(load_metrics(plan.run_dir))
 
         async def watch() -> None:
+            """New `metrics.jsonl` rows to `on_step` whenever the run's `stats` stream grows (the learner
+            writes its row before its `LearnerStats` entry), and at least every few seconds."""
             nonlocal seen
-            while True:
-                await asyncio.sleep(1.0)
-                rows = load_metrics(plan.run_dir)
-                if len(rows) > seen and on_step is not None:
-                    on_step(rows[seen:])
-                seen = len(rows)
+            redis = connect_redis(resolved.bus.redis_url, name="launcher", block_ms=WATCH_BLOCK_MS)
+            stream, last = Keys(resolved.run).stream("stats"), "$"
+            try:
+                while True:
+                    try:
+                        for _, entries in await redis.xread({stream: last}, count=256, block=WATCH_BLOCK_MS):
+                            last = entries[-1][0]
+                    except RedisError:  # the services' own outage handling is theirs; the file is read anyway
+                        await asyncio.sleep(WATCH_BLOCK_MS / 1000)
+                    rows = load_metrics(plan.run_dir)
+                    if len(rows) > seen and on_step is not None:
+                        on_step(rows[seen:])
+                    seen = len(rows)
+            finally:
+                await redis.aclose()
 
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(watch(), name="launcher-watch-metrics")
         try:
             await supervisor.start()
             code = await supervisor.wait_for("learner", stop=stop)
