@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -303,3 +304,36 @@ def test_discard_clears_the_step_and_hands_back_its_groups() -> None:
     step.take(list(groups))
     assert step.discard() == groups and step.groups == []
     assert all(p.grad is None for p in core.model.parameters())
+
+
+def test_the_accumulated_failpoint_kills_with_a_group_accumulated_and_nothing_applied() -> None:
+    """`learner.accumulated` is where a fault test kills a learner mid-step: after a group's gradients are in,
+    before the step is applied (a degenerate group, which adds nothing, does not reach it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import random, torch\n"
+        "from tests.unit.test_accumulate import random_groups, tiny_model\n"
+        "from tlt_stream.rl.accumulate import StepAccumulator\n"
+        "from tlt_stream.rl.learner import LearnerCore, LearnerSettings\n"
+        "import msgspec\n"
+        "from tlt_stream.rl.groups import ReadyGroup\n"
+        "g = random_groups(random.Random(1), 1, 'k')[0]\n"
+        "same = ReadyGroup('same', [msgspec.structs.replace(s, reward=1.0) for s in g.samples], [])\n"
+        "mixed = [msgspec.structs.replace(s, reward=float(i % 2)) for i, s in enumerate(g.samples)]\n"
+        "signal = ReadyGroup('sig', mixed, [])\n"
+        "step = StepAccumulator(LearnerCore(tiny_model(1), LearnerSettings()), 3)\n"
+        "step.add(same)\n"
+        "print('degenerate added', flush=True)\n"
+        "step.add(signal)\n"
+        "print('survived', flush=True)\n"
+    )
+    env = {**os.environ, "TLT_FAILPOINTS": "learner.accumulated=kill", "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["degenerate added"]
+    assert "failpoint learner.accumulated: kill" in done.stderr

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from tlt_stream.failpoints import failpoint
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LossSums
 from tlt_stream.rl.ranks import Command, RanksOutOfStep
@@ -112,6 +113,8 @@ class StepAccumulator:
             self.core.optimizer.zero_grad(set_to_none=True)  # a backward cut short may have added part of itself
         finally:
             self._seconds += time.perf_counter() - started
+        if self._started:  # fault tests: die with part of a step accumulated, nothing of it applied or acked
+            failpoint("learner.accumulated")
 
     def finish(self) -> dict[str, Any]:
         """Apply the step, once it has all its groups: the metrics `LearnerCore.step` returns over the same
