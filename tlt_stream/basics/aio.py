@@ -7,14 +7,25 @@ watches, so shutdown is "stop taking work, drain, exit" rather than cancellation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Backoff", "as_task", "install_stop_signals", "retry", "run", "sleep_or_stop", "wait_or_stop", "wait_until"]
+__all__ = [
+    "Backoff",
+    "as_task",
+    "install_stop_signals",
+    "one_error",
+    "retry",
+    "run",
+    "sleep_or_stop",
+    "wait_or_stop",
+    "wait_until",
+]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -31,15 +42,28 @@ async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def one_error() -> Iterator[None]:
+    """Inside a task group's block: its one error goes out as itself, not as a group of one, so a caller's
+    `except ValueError` (a service's exit 2, a learner's ranks out of step) still sees it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
 async def wait_until(awaitable: Awaitable[object], stop: asyncio.Event, timeout: float | None = None) -> bool:
     """Await `awaitable` until it is done, `stop` is set, or `timeout` seconds pass (it is cancelled then).
     Returns whether it finished; an error it raised is raised here."""
-    async with asyncio.TaskGroup() as tasks:
-        waited = tasks.create_task(_awaited(awaitable), name="wait-until")
-        stopped = tasks.create_task(stop.wait(), name="wait-until-stop")
-        await asyncio.wait({waited, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for task in (waited, stopped):
-            task.cancel()
+    with one_error():
+        async with asyncio.TaskGroup() as tasks:
+            waited = tasks.create_task(_awaited(awaitable), name="wait-until")
+            stopped = tasks.create_task(stop.wait(), name="wait-until-stop")
+            await asyncio.wait({waited, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for task in (waited, stopped):
+                task.cancel()
     return not waited.cancelled()
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
+from tlt_stream.basics.aio import one_error
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.consumer import StreamReader
@@ -123,17 +124,18 @@ class LearnerService:
             await self.lease.take()
         self.updates.stop = stop
         try:
-            async with asyncio.TaskGroup() as tasks:
-                keeper = tasks.create_task(self.lease.keep(stop), name="learner-lease")
-                try:
-                    finished = await self._consume(stop, max_updates)
-                    if finished and self.updates.last_entries:  # done: nothing to redo, whatever the disk does
-                        await self.intake.ack(self.updates.last_entries)
-                        self.updates.last_entries = []
-                    if finished:
-                        await self.intake.ack_trained_leftovers()
-                finally:
-                    keeper.cancel()
+            with one_error():
+                async with asyncio.TaskGroup() as tasks:
+                    keeper = tasks.create_task(self.lease.keep(stop), name="learner-lease")
+                    try:
+                        finished = await self._consume(stop, max_updates)
+                        if finished and self.updates.last_entries:  # done: nothing to redo, whatever the disk
+                            await self.intake.ack(self.updates.last_entries)
+                            self.updates.last_entries = []
+                        if finished:
+                            await self.intake.ack_trained_leftovers()
+                    finally:
+                        keeper.cancel()
         finally:
             # The optimizer state being written is the newest checkpoint's: done before another learner may
             # take the run (SIGTERM and a normal end both come through here).

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, WatchError
 
-from tlt_stream.basics.aio import retry, sleep_or_stop, wait_until
+from tlt_stream.basics.aio import one_error, retry, sleep_or_stop, wait_until
 from tlt_stream.basics.config import DEFAULTS, Config
 from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.bus.connect import REDIS_RETRYABLE
@@ -388,13 +388,14 @@ def serve_policy(config: Config) -> int:
         done = asyncio.Event()
         from tlt_stream.roles.sd_config import SdConfigPublisher
 
-        async with asyncio.TaskGroup() as tasks:
-            tables = SdConfigPublisher(redis, Keys(config.run), control)
-            tasks.create_task(tables.run(done), name="sd-config-publisher")
-            try:
-                await service.run(stop)
-            finally:
-                done.set()
+        with one_error():
+            async with asyncio.TaskGroup() as tasks:
+                tables = SdConfigPublisher(redis, Keys(config.run), control)
+                tasks.create_task(tables.run(done), name="sd-config-publisher")
+                try:
+                    await service.run(stop)
+                finally:
+                    done.set()
         print(f"policy: stopped before step {await service.next_step()}", file=sys.stderr)
 
     return serve(config, "policy", ["sd_config"], body)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.aio import one_error
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.config.rules import trains_drafter
 from tlt_stream.basics.messages import WorkerStatus
@@ -107,16 +108,17 @@ class RolloutWorker:
         """Generate until `stop` is set (or `max_tasks` tasks were completed by this call)."""
         ended = asyncio.Event()
         """Set when the loop ends, for whatever reason: the heartbeat and the follower end with it."""
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self.registry.heartbeat(ended), name=f"{self.worker_id}-heartbeat")
-            if self.config.sd.group:
-                tasks.create_task(self.follower.run(ended), name=f"{self.worker_id}-follow-samples")
-            try:
-                await self._loop(stop, max_tasks)
-            finally:  # groups still being scored stay unacked: sent when run again, else redone by another worker
-                self.generation.cancel_scoring()
-                await self.registry.set_state(WorkerStatus.STOPPED)
-                ended.set()
+        with one_error():
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self.registry.heartbeat(ended), name=f"{self.worker_id}-heartbeat")
+                if self.config.sd.group:
+                    tasks.create_task(self.follower.run(ended), name=f"{self.worker_id}-follow-samples")
+                try:
+                    await self._loop(stop, max_tasks)
+                finally:  # groups being scored stay unacked: sent when run again, else redone by another worker
+                    self.generation.cancel_scoring()
+                    await self.registry.set_state(WorkerStatus.STOPPED)
+                    ended.set()
 
     async def _loop(self, stop: asyncio.Event, max_tasks: int | None) -> None:
         await self.registry.set_state(WorkerStatus.LOADING, "waiting for a policy version")
