@@ -85,8 +85,7 @@ class RolloutConfig(Section, frozen=True):
         float,
         doc(
             "Share of samples whose hidden states are streamed, by a stable hash of the sample id (a uniform "
-            "sample, long tail included). Streaming costs generation time, and an idle drafter trainer on a CPU "
-            "uses only a part of what a step streams.",
+            "sample, long tail included).",
             gt=0,
             le=1,
         ),
@@ -110,7 +109,7 @@ class RolloutConfig(Section, frozen=True):
         doc(
             "Replay the policy's decode and verify forwards captured per shape (torch backend): cuda is CUDA "
             "graphs, auto is cuda on a CUDA device and off elsewhere, trace is the CPU stand-in the tests check "
-            "(no faster on a CPU). Off by default: not yet run on a GPU."
+            "(no faster on a CPU). Off by default until bench/gpu_check.py has run on a GPU (UNVERIFIED there)."
         ),
     ] = "off"
 
@@ -164,7 +163,7 @@ class SdConfig(Section, frozen=True):
         ),
     ] = 256
     crossover: Annotated[
-        int, doc("Running batch size above which SD loses (measure it with `bench/sd_speedup.py`).", ge=1)
+        int, doc("Running batch size above which SD was measured to lose (`bench/sd_speedup.py`).", ge=1)
     ] = 16
     margin: Annotated[
         int, doc("Hysteresis band: on at batch <= crossover - 1 - margin, off above crossover - 1.", ge=0)
