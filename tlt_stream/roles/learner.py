@@ -135,11 +135,12 @@ class LearnerService:
                         if finished:
                             await self.intake.ack_trained_leftovers()
                     finally:
+                        # The optimizer state being written is the newest checkpoint's: done, the lease still
+                        # renewed, before another learner may take the run (a stop and a normal end both come
+                        # through here).
+                        await asyncio.to_thread(self.checkpoints.trainer.wait_for_writes)
                         keeper.cancel()
         finally:
-            # The optimizer state being written is the newest checkpoint's: done before another learner may
-            # take the run (SIGTERM and a normal end both come through here).
-            await asyncio.to_thread(self.checkpoints.trainer.wait_for_writes)
             await self.lease.release()
 
     async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> bool:
