@@ -116,7 +116,6 @@ class RolloutWorker:
                 try:
                     await self._loop(stop, max_tasks)
                 finally:  # groups being scored stay unacked: sent when run again, else redone by another worker
-                    self.generation.cancel_scoring()
                     await self.registry.set_state(WorkerStatus.STOPPED)
                     ended.set()
 
@@ -241,6 +240,7 @@ def serve_rollout_worker(config: Config) -> int:
         try:
             await worker.run(stop, max_tasks=own.max_tasks)
         finally:
+            await worker.generation.close()
             if pool is not None:
                 pool.close()
         done, sent = worker.generation.tasks_done, worker.generation.samples_sent

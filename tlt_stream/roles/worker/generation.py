@@ -174,8 +174,10 @@ class Generation:
                 break
         return finished, engine.tokens_generated - tokens, engine.rounds + engine.plain_steps - forwards
 
-    def cancel_scoring(self) -> None:
-        """The worker stops: groups still being scored stay unacked (sent when run again, else redone by
-        another worker)."""
+    async def close(self) -> None:
+        """The worker's process ends: groups still being scored are dropped unacked (another worker, or this
+        one restarted, generates them again)."""
         for task in self.scoring.values():
             task.cancel()
+        await asyncio.gather(*self.scoring.values(), return_exceptions=True)
+        self.scoring.clear()
