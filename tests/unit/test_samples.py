@@ -87,7 +87,7 @@ def test_the_sample_carries_the_group_the_versions_and_tokens_per_forward(model)
 
 
 def test_hidden_share_picks_a_stable_uniform_subset_apart_from_the_held_out_split() -> None:
-    from tlt_stream.roles.worker.flight.started import streams_hidden
+    from tlt_stream.roles.worker.tasks import streams_hidden
 
     from tlt_stream.basics.config import DEFAULTS, ConfigError, override
     from tlt_stream.roles.drafter_trainer import _held_out
