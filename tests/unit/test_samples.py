@@ -87,10 +87,9 @@ def test_the_sample_carries_the_group_the_versions_and_tokens_per_forward(model)
 
 
 def test_hidden_share_picks_a_stable_uniform_subset_apart_from_the_held_out_split() -> None:
-    from tlt_stream.roles.worker.tasks import streams_hidden
-
     from tlt_stream.basics.config import DEFAULTS, ConfigError, override
     from tlt_stream.roles.drafter_trainer import _held_out
+    from tlt_stream.roles.worker.tasks import streams_hidden
 
     ids = [f"s{step:06d}-{p:04d}/{g}" for step in range(50) for p in range(16) for g in range(8)]
     chosen = [i for i in ids if streams_hidden(i, 0.25)]
