@@ -11,7 +11,7 @@ def update_groups(
 ) -> tuple[list[Any], dict[tuple[int, int], Any]]:
     """Every problem's `group` samples at T = 1 (a fixed seed per sample), scored, as `ReadyGroup`s of
     samples from policy version `update - 1`; also the engine's results by (problem, sample) index."""
-    from tlt_stream.messages import PromptGroup
+    from tlt_stream.basics.messages import PromptGroup
     from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.samples import make_sample
     from tlt_stream.rollout.engine import GenerationEngine

@@ -39,7 +39,6 @@ estimates at the end. Prints progress to stderr and one JSON object to stdout.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -48,6 +47,8 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -95,7 +96,7 @@ def parse_args() -> argparse.Namespace:
         action="append",
         default=[],
         metavar="FIELD=VALUE[;FIELD=VALUE]",
-        help="also run adaptive with these AdaptiveSettings fields changed, as a strategy of its own beside the "
+        help="also run adaptive with these SdConfig fields changed, as a strategy of its own beside the "
         "default settings' adaptive (repeatable; e.g. 'context_rows=8', 'window=48', 'arms=plain/d6k1v6/group-d8v8': "
         "arm labels are separated by '/', since an either arm's label holds '|')",
     )
@@ -123,12 +124,12 @@ def variant_settings(settings: Any, spec: str) -> Any:
             changes[field] = tuple(type(current[0])(v) for v in value.split("/"))
         else:
             changes[field] = type(current)(value)
-    return dataclasses.replace(settings, **changes)
+    return msgspec.structs.replace(settings, **changes)
 
 
 def bucket_label(running: int) -> str:
     """The SD tuner's bucket of a running batch, as "lo-hi" rows."""
-    from tlt_stream.rollout.tuner import DEFAULT_EDGES, bucket_of  # after main() set the thread counts
+    from tlt_stream.rollout.switch import DEFAULT_EDGES, bucket_of  # after main() set the thread counts
 
     i = bucket_of(running, DEFAULT_EDGES)
     lo = 1 if i == 0 else DEFAULT_EDGES[i - 1] + 1
@@ -161,7 +162,7 @@ class GreedyWatch:
         self.last[bucket] = greedy.label
 
     def summary(self) -> dict[str, Any]:
-        from tlt_stream.rollout.tuner import DEFAULT_EDGES
+        from tlt_stream.rollout.switch import DEFAULT_EDGES
 
         out = {}
         for bucket in sorted(self.steps):
@@ -290,9 +291,8 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tlt_stream.rollout.adaptive import AdaptiveSettings
-    from tlt_stream.rollout.arms import Arm
-    from tlt_stream.rollout.build import EngineSpec, build_engine
+    from tlt_stream.basics.config import DEFAULTS, SdConfig
+    from tlt_stream.rollout.build import build_engine
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -312,7 +312,7 @@ def main() -> None:
         "differ": (heavy, args.differ_temperature),
     }
     fixed = FIXED_QUICK if args.quick else FIXED
-    settings = AdaptiveSettings(crossover=args.crossover, seed=args.seed)
+    settings = SdConfig(crossover=args.crossover, seed=args.seed)
     variants = {"adaptive": settings}  # adaptive strategy -> its settings
     for spec in args.variant:
         variants[f"adaptive[{spec}]"] = variant_settings(settings, spec)
@@ -327,7 +327,7 @@ def main() -> None:
         "crossover": args.crossover,
         "history_per_prompt": args.history,
         "adaptive_arms": [label for label in settings.arms if not label.startswith("ngram")],
-        "adaptive_variants": {name: dataclasses.asdict(v) for name, v in variants.items()},
+        "adaptive_variants": {name: msgspec.structs.asdict(v) for name, v in variants.items()},
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__},
         "workloads": {},
     }
@@ -335,22 +335,21 @@ def main() -> None:
     def engine_for(strategy: str, temperature: float) -> tuple[Any, Any]:
         """The worker's engine (`build_engine`): plain, a fixed arm, or adaptive (with its controller)."""
         sd = strategy != "plain"
-        arm = (
-            None
-            if strategy == "plain" or strategy in variants
-            else Arm.from_label(fixed[0] if strategy == UPKEEP else strategy)
+        base = msgspec.structs.replace(
+            DEFAULTS,
+            rollout=msgspec.structs.replace(
+                DEFAULTS.rollout, max_batch=args.batch, max_len=max_len, temperature=temperature
+            ),
         )
-        spec = EngineSpec(
-            max_batch=args.batch,
-            max_len=max_len,
-            temperature=temperature,
-            device="cpu",
-            drafter=str(world / "drafter") if sd else None,
-            group=sd,
-            arm=arm,
-            adaptive=variants.get(strategy),
-        )
-        engine, controller = build_engine(str(world / "policy"), spec, drafter_version=0)  # -1: no EAGLE arms
+        if strategy in variants:  # adaptive, with the variant's settings
+            section = msgspec.structs.replace(variants[strategy], drafter=str(world / "drafter"), group=True)
+        elif sd:  # a fixed arm
+            label = fixed[0] if strategy == UPKEEP else strategy
+            section = SdConfig(drafter=str(world / "drafter"), group=True, adaptive=False, arm=label)
+        else:
+            section = SdConfig()
+        config = msgspec.structs.replace(base, sd=section)
+        engine, controller = build_engine(str(world / "policy"), config, drafter_version=0)  # -1: no EAGLE arms
         if strategy == UPKEEP:
             engine.arm = None
         if sd:  # an earlier epoch's responses to these prompts, as a worker's history cache holds them

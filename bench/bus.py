@@ -31,11 +31,11 @@ import redis.asyncio as aioredis
 import torch
 from redis.utils import HIREDIS_AVAILABLE
 
+from tlt_stream.basics.config import BusConfig
+from tlt_stream.basics.messages import HiddenWindow, Sample, Tensor, codec_for
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import BusConfig
-from tlt_stream.messages import HiddenWindow, Sample, Tensor, codec_for
 
 BATCH = 16
 

@@ -10,7 +10,7 @@ policy (T = 1, SD chain d4k1v4), the mean acceptance length (tokens per target f
 - an oracle: a drafter trained from scratch to convergence (1600 steps) on the current policy's own samples (at the
   first and last update only: it is the expensive reference).
 
-Part B, cost (the real pipeline, `tlt_stream.launch`): the same RL run with SD (a fixed d4 chain by
+Part B, cost (the real pipeline, `tlt_stream.commands.run.launch`): the same RL run with SD (a fixed d4 chain by
 default), with and without online drafter training, alternating (`--repeats` runs each); the median step
 wall time over every step of each mode (training adds time only if it steals it from generation) and the
 share of workers' idle seconds
@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tlt_stream.config import PRESETS, override  # noqa: E402  (light: no torch)
+from tlt_stream.basics.config import PRESETS, override  # noqa: E402  (light: no torch)
 
 TINY = PRESETS["tiny-world"]["learner"]
 """The RL run's learner recipe (`tlt-stream run` on the tiny world)."""
@@ -142,11 +142,13 @@ def _window(message: Any) -> Any:
 
 
 def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
+    import msgspec
     from _grpo import update_groups  # bench/, on the path as the script's directory
     from transformers import AutoModelForCausalLM
 
+    from tlt_stream.basics.config import DEFAULTS
     from tlt_stream.drafter.model import load_drafter
-    from tlt_stream.drafter.online import LrSchedule, OnlineDrafterTrainer, OnlineTrainingConfig, WindowBuffer
+    from tlt_stream.drafter.online import OnlineDrafterTrainer, WindowBuffer
     from tlt_stream.model import load_model
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
     from tlt_stream.rl.samples import hidden_window
@@ -171,11 +173,10 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     online = OnlineDrafterTrainer(
         online_drafter,
         buffer,
-        OnlineTrainingConfig(
-            schedule=LrSchedule(
-                base_lr=LrSchedule.base_lr if args.online_lr is None else args.online_lr,
-                warmup_steps=LrSchedule.warmup_steps if args.online_warmup is None else args.online_warmup,
-            ),
+        msgspec.structs.replace(
+            DEFAULTS.drafter,
+            lr=DEFAULTS.drafter.lr if args.online_lr is None else args.online_lr,
+            lr_warmup_steps=DEFAULTS.drafter.lr_warmup_steps if args.online_warmup is None else args.online_warmup,
             batch_pairs=1024,
         ),
         policy_version=0,
@@ -233,9 +234,9 @@ def drift(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
 def pipeline(args: argparse.Namespace, world: Path) -> dict[str, Any]:
 
-    from tlt_stream.config import load_config
-    from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.report import state_intervals
+    from tlt_stream.basics.config import load_config
+    from tlt_stream.commands.report import state_intervals
+    from tlt_stream.commands.run.launch import RunPlan, run_plan
     from tlt_stream.rl.records import load_metrics, read_jsonl
 
     base = load_config(None, environ=os.environ)

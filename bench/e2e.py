@@ -16,9 +16,10 @@ Same tiny task, model, seed, prompts per step, group size and number of steps, i
                      default 0: any free slot); both stop 64 tokens ahead (`policy.ahead_tokens`)
     (g512) g512_sync_partial (g16) with drafts that may run 512 tokens ahead (whole responses here)
 
-(a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults (`tlt_stream.launch.RunPlan`), every service
-a separate process, every sample through Redis. (d) runs in this process on the same cores
-(`pip install -e '.[bench]'`; skipped with a reason when TRL is not installed). Per config: median step
+(a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults
+(`tlt_stream.commands.run.launch.RunPlan`), every service a separate process, every sample through
+Redis. (d) runs in this process on the same cores (`pip install -e '.[bench]'`; skipped with a reason
+when TRL is not installed). Per config: median step
 time (the first step, which includes start-up, is left out), tokens/s (response tokens of a step over the
 step's wall time), the train accuracy (reward mean, the reward is exact-match) of every step and, unless
 `--quick`, held-out accuracy of the final policy. Ratios are computed inside one run: the machine is
@@ -48,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tlt_stream.config import override  # noqa: E402  (light: msgspec)
+from tlt_stream.basics.config import override  # noqa: E402  (light: msgspec)
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "a_sync_plain": {"launch.sd": "off", "policy.max_staleness": 0},
@@ -151,8 +152,8 @@ def tiny_world(config: Any, *, steps: int, prompts: int, seed: int, extra: dict[
 def run_tlt(
     name: str, world: Path, run_dir: Path, config, *, steps: int, prompts: int, seed: int, cores: int
 ) -> dict[str, Any]:
-    from tlt_stream.launch import RunPlan, run_plan
-    from tlt_stream.report import partial_rollouts, write_report
+    from tlt_stream.commands.report import partial_rollouts, write_report
+    from tlt_stream.commands.run.launch import RunPlan, run_plan
     from tlt_stream.rl.records import load_metrics, read_jsonl
 
     named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=CONFIGS[name])
@@ -204,7 +205,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tlt_stream.config import Config
+    from tlt_stream.basics.config import Config
     from tlt_stream.roles.policy import RepeatedAddSource
     from tlt_stream.tasks.repeated_add import reward
 
@@ -314,8 +315,8 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tlt_stream.config import load_config
-    from tlt_stream.launch import evaluate_version
+    from tlt_stream.basics.config import load_config
+    from tlt_stream.commands.run.launch import evaluate_version
     from tlt_stream.rl.checkpoint import latest_checkpoint
 
     cores = len(os.sched_getaffinity(0))

@@ -347,8 +347,8 @@ def rl_steps(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
+    from tlt_stream.basics.messages import PromptGroup
     from tlt_stream.drafter.model import load_drafter
-    from tlt_stream.messages import PromptGroup
     from tlt_stream.model import load_model
     from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.learner import LearnerSettings
@@ -453,7 +453,7 @@ def phase_run(args: argparse.Namespace, world: Path) -> dict[str, Any]:
     line = [
         sys.executable,
         "-m",
-        "tlt_stream.cli",
+        "tlt_stream.commands.cli",
         "run",
         "--world",
         str(world),

@@ -176,9 +176,9 @@ def rl_step(
     for 4 training prompts, one GRPO update, save, reload in place and check, drafter pass and swap."""
     import torch
 
+    from tlt_stream.basics.messages import PromptGroup
     from tlt_stream.drafter.model import load_drafter, save_drafter
     from tlt_stream.drafter.train import DrafterTrainer, Window, batches
-    from tlt_stream.messages import PromptGroup
     from tlt_stream.model import load_model
     from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.samples import make_sample

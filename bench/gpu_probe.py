@@ -38,7 +38,7 @@ def main(path: str, device: str) -> NoReturn:
     if device == "cuda" and not torch.cuda.is_available():
         verdict(path, error=f"torch {torch.__version__} sees no CUDA device")
     try:
-        import tlt_stream.config  # noqa: F401
+        import tlt_stream.basics.config  # noqa: F401
     except ImportError as exc:
         verdict(path, error=f"tlt_stream is not importable: {exc}")
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None

@@ -28,7 +28,7 @@ def log(message: str) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    from tlt_stream.config import PRESETS  # defaults: `tlt-stream run`'s recipe on the tiny world
+    from tlt_stream.basics.config import PRESETS  # defaults: `tlt-stream run`'s recipe on the tiny world
     from tlt_stream.rl.learner import LearnerSettings  # the rest: the learner's own
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

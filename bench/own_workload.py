@@ -46,7 +46,7 @@ def one_run(root: Path, policy: Path, train: Path, test: Path, dtype: str, steps
     out = root / f"run-{tag}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_") or k in ("TLT_REDIS_URL", "TLT_MQTT_URL")}
     command = [
-        *(sys.executable, "-m", "tlt_stream.cli", "run", "--run", f"own-{tag}-{int(time.time())}"),
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", f"own-{tag}-{int(time.time())}"),
         *("--policy", str(policy), "--dataset", str(train), "--eval-dataset", str(test)),
         *("--reward", f"{root / 'reward.py'}:score", "--steps", str(steps), "--prompts-per-step", "4"),
         *("--group-size", "8", "--max-len", "160", "--eval", "8", "--sd", "off", "--out", str(out)),

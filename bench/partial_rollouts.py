@@ -87,7 +87,7 @@ def main() -> None:
     from _grpo import update_groups
     from transformers import AutoModelForCausalLM
 
-    from tlt_stream.config import Config, override
+    from tlt_stream.basics.config import Config, override
     from tlt_stream.model import load_model
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
     from tlt_stream.rollout.engine import GenerationEngine

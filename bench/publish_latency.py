@@ -67,7 +67,7 @@ def make_policy(size: str, out: Path) -> int:
 
 
 def one_group(vocab: int) -> list:
-    from tlt_stream.messages import Sample, Tensor
+    from tlt_stream.basics.messages import Sample, Tensor
     from tlt_stream.rl.groups import ReadyGroup
 
     samples = [
@@ -100,10 +100,11 @@ def timed(fn: Any) -> tuple[Any, float]:
 def measure(size: str, tmp: Path) -> dict:
     import torch
 
+    from tlt_stream.basics.config import DEFAULTS, override
     from tlt_stream.rl.checkpoint import save_checkpoint
     from tlt_stream.rl.learner import LearnerSettings
     from tlt_stream.rl.sharded import Trainer
-    from tlt_stream.rollout.build import EngineSpec, build_engine
+    from tlt_stream.rollout.build import build_engine
     from tlt_stream.store.digest import directory_sha256, verify_directory
     from tlt_stream.store.weights import read_weights
 
@@ -115,7 +116,8 @@ def measure(size: str, tmp: Path) -> dict:
     first = trainer.save(root, step=0, ledger=set(), **common)
     trainer.wait_for_writes()
     core.step(one_group(int(core.model.get_input_embeddings().weight.shape[0])))  # AdamW state exists now
-    engine, _ = build_engine(str(first.policy_dir), EngineSpec(max_batch=1, max_len=64, temperature=1.0, device="cpu"))
+    config = override(DEFAULTS, {"rollout.max_batch": 1, "rollout.max_len": 64, "rollout.temperature": 1.0})
+    engine, _ = build_engine(str(first.policy_dir), config)
 
     # inline: the optimizer state written inside the checkpoint; verify, then load from the path
     inline, save_i = timed(

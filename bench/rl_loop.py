@@ -3,7 +3,7 @@ policy learns in a fixed number of steps (160: about 15 minutes on 2 cores). Run
 with the same seed produced bit-identical rewards and losses at every step.
 
 Every figure comes from a real run: the policy service, rollout worker(s) and learner as separate processes
-(`tlt_stream.launch`, the same path as `tlt-stream run`), every sample through Redis, every policy version
+(`tlt_stream.commands.run.launch`, the same path as `tlt-stream run`), every sample through Redis, every policy version
 through MQTT. Per-step figures are what the learner wrote to `metrics.jsonl` (rollout span and tail phase
 from the samples' own timestamps, learn/checkpoint/wait times from the learner); step wall time is the gap
 between consecutive policy versions. Medians over the steps after the first (which includes start-up).
@@ -89,7 +89,7 @@ def breakdown(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def one_run(plan, *, budget_s: float | None = None) -> tuple[int, float]:
-    from tlt_stream.launch import run_plan
+    from tlt_stream.commands.run.launch import run_plan
 
     stop = asyncio.Event()
     timer = asyncio.get_running_loop().call_later(budget_s, stop.set) if budget_s else None
@@ -111,9 +111,9 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tlt_stream.config import load_config, override
-    from tlt_stream.launch import RunPlan, evaluate_version
-    from tlt_stream.report import write_report
+    from tlt_stream.basics.config import load_config, override
+    from tlt_stream.commands.report import write_report
+    from tlt_stream.commands.run.launch import RunPlan, evaluate_version
     from tlt_stream.rl.checkpoint import latest_checkpoint
     from tlt_stream.rl.records import load_metrics
 

@@ -350,7 +350,7 @@ def rl_step_share(torch, world: Path, policy, tokenizer, task, args) -> dict[str
     """
     from transformers import AutoModelForCausalLM
 
-    from tlt_stream.messages import PromptGroup
+    from tlt_stream.basics.messages import PromptGroup
     from tlt_stream.rl.groups import ReadyGroup
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
     from tlt_stream.rl.samples import make_sample

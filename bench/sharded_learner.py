@@ -66,7 +66,7 @@ def make_policy(name: str, out: Path) -> int:
 
 
 def groups(name: str, update: int, vocab: int) -> list:
-    from tlt_stream.messages import Sample, Tensor
+    from tlt_stream.basics.messages import Sample, Tensor
     from tlt_stream.rl.groups import ReadyGroup
 
     m = MODELS[name]

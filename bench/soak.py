@@ -36,9 +36,9 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict:
 
     from tests.faults.harness import PrivateServers
     from tests.worlds import build_world, tiny_policy
+    from tlt_stream.basics.config import BusConfig, Config, override
     from tlt_stream.bus.streams import STREAMS, Keys
-    from tlt_stream.config import BusConfig, Config, override
-    from tlt_stream.launch import RunPlan, service_commands, write_service_config
+    from tlt_stream.commands.run.launch import RunPlan, service_commands, write_service_config
     from tlt_stream.rl.records import load_metrics
 
     build_world(tiny_policy(tmp / "init"), tmp / "world")

@@ -64,8 +64,8 @@ def main() -> None:
 
     import torch
 
-    from tlt_stream.rollout.arms import Arm
-    from tlt_stream.rollout.build import EngineSpec, build_engine
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.rollout.build import build_engine
     from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
 
     torch.set_num_threads(1)  # vLLM's CPU worker binds one core; the torch engine gets the same
@@ -76,16 +76,12 @@ def main() -> None:
     result: dict[str, Any] = {"bench": "vllm_rollout", "model": args.model, "tokens": args.tokens}
     for arm in ("plain", "d4k1v4"):
         sd = arm != "plain"
-        torch_spec = EngineSpec(
-            max_batch=32,
-            max_len=24 + args.tokens,
-            temperature=0.0,
-            device="cpu",
-            dtype="float32",
-            drafter=str(drafter) if sd else None,
-            arm=Arm.from_label(arm) if sd else None,
+        config = override(
+            DEFAULTS,
+            {"rollout.max_batch": 32, "rollout.max_len": 24 + args.tokens, "rollout.dtype": "float32"}
+            | ({"sd.drafter": str(drafter), "sd.adaptive": False, "sd.arm": arm} if sd else {}),
         )
-        torch_engine, _ = build_engine(str(policy), torch_spec)
+        torch_engine, _ = build_engine(str(policy), config)
         start = time.perf_counter()
         settings = VllmSettings(
             max_batch=32,

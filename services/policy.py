@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tlt_stream.cli import console
+from tlt_stream.commands.cli import console
 
 if __name__ == "__main__":
     sys.exit(console(["policy", *sys.argv[1:]]))

@@ -18,8 +18,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.bus.embedded import EmbeddedServers
-from tlt_stream.config import BusConfig, Config
 
 REAL_REDIS = os.environ.get("TLT_TEST_REDIS_URL")
 REAL_MQTT = os.environ.get("TLT_TEST_MQTT_URL")

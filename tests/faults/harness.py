@@ -216,8 +216,8 @@ class FaultRun:
         env: dict[str, str] | None = None,
         **plan: Any,
     ) -> None:
-        from tlt_stream.config import BusConfig, Config, override
-        from tlt_stream.launch import RunPlan, service_commands, write_service_config
+        from tlt_stream.basics.config import BusConfig, Config, override
+        from tlt_stream.commands.run.launch import RunPlan, service_commands, write_service_config
 
         self.servers = servers
         self.run = run
@@ -421,7 +421,7 @@ class FaultRun:
 
     async def collect(self) -> RunRecord:
         """Read the evidence: Redis (through the audit group's untrimmed view), the broker, the checkpoints."""
-        from tlt_stream.messages import CONTROL_CODEC, codec_for
+        from tlt_stream.basics.messages import CONTROL_CODEC, codec_for
 
         def decode(stream: str, payload: bytes | None) -> Any:
             try:
@@ -463,8 +463,8 @@ class FaultRun:
 
     async def retained(self, kind: str, timeout: float = 5.0) -> Any:
         """The broker's retained message on `tlt/{run}/{kind}` (None when there is none)."""
+        from tlt_stream.basics.messages import CONTROL_CODEC
         from tlt_stream.bus.connect import mqtt_params
-        from tlt_stream.messages import CONTROL_CODEC
 
         client = mqtt_params(self.servers.mqtt_url).client(identifier=f"audit-{os.getpid()}-{time.monotonic_ns()}")
         async with client:

@@ -110,7 +110,7 @@ async def lose_last_writes(run: FaultRun, servers: PrivateServers) -> float:
 
 async def _samples_of_step(run: FaultRun, step: int) -> int:
     """Entries of `samples` that belong to step `step` (ids `s{step:06d}-...`)."""
-    from tlt_stream.messages import codec_for
+    from tlt_stream.basics.messages import codec_for
 
     codec = codec_for("samples")
     async with run.redis() as redis:

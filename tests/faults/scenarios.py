@@ -76,7 +76,7 @@ def _drafts_reclaimed(run: FaultRun, result: AuditResult) -> None:
 
 
 def _failpoint(name: str) -> Callable[[FaultRun], contextlib.AbstractAsyncContextManager[None]]:
-    """A `prepare` giving every service failpoint `name` (`tlt_stream.failpoints`: SIGKILL, once per run),
+    """A `prepare` giving every service failpoint `name` (`tlt_stream.basics.failpoints`: SIGKILL, once per run),
     armed only when the injection makes the run's `failpoints/` directory (`_killed_at`)."""
 
     @contextlib.asynccontextmanager
@@ -542,7 +542,7 @@ async def inject_poison(run: FaultRun, servers: PrivateServers) -> float:
     """Poison written straight into the streams (a raw client, the right codec): a sample with a NaN reward,
     one with a token id outside the vocabulary, a prompt longer than max_len. Each must be dead-lettered by
     the service that reads it, which goes on."""
-    from tlt_stream.messages import PromptGroup, Sample, Tensor, codec_for
+    from tlt_stream.basics.messages import PromptGroup, Sample, Tensor, codec_for
 
     vocab = json.loads((run.plan.world / "policy" / "config.json").read_text())["vocab_size"]
     version = await run.published()
@@ -590,8 +590,8 @@ FORGED_VERSION = 2**62
 async def forge_control(run: FaultRun, servers: PrivateServers) -> float:
     """A raw MQTT client on the policy topic: a forged version 2**62 pointing at a checkpoint that does not
     exist, then a replay of an older genuine retained message (both retained, as an attacker would)."""
+    from tlt_stream.basics.messages import CONTROL_CODEC, PolicyVersion
     from tlt_stream.bus.connect import mqtt_params
-    from tlt_stream.messages import CONTROL_CODEC, PolicyVersion
 
     genuine = await run.retained("policy")
     assert isinstance(genuine, PolicyVersion), genuine

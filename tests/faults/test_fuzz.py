@@ -21,11 +21,11 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import HiddenWindow, PromptGroup, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import HiddenWindow, PromptGroup, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 
 pytestmark = [pytest.mark.redis]
 
@@ -161,7 +161,7 @@ def test_every_consumed_stream_dead_letters_hostile_entries_and_keeps_reading(bu
 def test_the_stats_log_skips_and_counts_hostile_entries(bus_config: Config) -> None:
     """`stats` has no consumer group (the monitor and the run's timeline read it with XRANGE): garbage there
     is skipped and counted as undecodable, never fatal, and the valid entries around it still show."""
-    from tlt_stream.monitor import _read_stats
+    from tlt_stream.roles.monitor import _read_stats
 
     @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(cases=st.lists(mutated("stats"), min_size=1, max_size=6))
@@ -282,7 +282,7 @@ def test_bad_policy_checkpoints_are_refused_in_one_line(
     elif damage == "bad_config":
         (policy / "config.json").write_text("{not json")
     line = _one_line_refusal(
-        ["-m", "tlt_stream.cli", "eval", "--model", str(policy), "--n", "2"],
+        ["-m", "tlt_stream.commands.cli", "eval", "--model", str(policy), "--n", "2"],
         {},
     )
     assert expected in line.lower(), line
@@ -297,9 +297,9 @@ def test_control_messages_over_the_size_limit_are_refused_before_decoding() -> N
     garbage of any size never raises."""
     import aiomqtt
 
+    from tlt_stream.basics.config import BusConfig
+    from tlt_stream.basics.messages import CONTROL_CODEC, PolicyVersion
     from tlt_stream.bus.control import CONTROL_MAX_BYTES, ControlPlane
-    from tlt_stream.config import BusConfig
-    from tlt_stream.messages import CONTROL_CODEC, PolicyVersion
 
     config = Config(run="fuzz", bus=BusConfig(redis_url="redis://127.0.0.1:1/0", mqtt_url="mqtt://127.0.0.1:1"))
     plane = ControlPlane(config, None, role="test")  # type: ignore[arg-type] - Redis is never touched here

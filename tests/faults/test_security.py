@@ -46,7 +46,7 @@ async def test_a_run_trains_over_tls_with_acl_and_broker_passwords_and_logs_no_s
 async def doctor(env: dict[str, str], timeout: float = 60.0) -> tuple[int, str, float]:
     started = time.monotonic()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tlt_stream.cli", "doctor", "-vv",
+        sys.executable, "-m", "tlt_stream.commands.cli", "doctor", "-vv",
         env={**{k: v for k, v in os.environ.items() if not k.startswith("TLT_")}, "PYTHONPATH": str(ROOT), **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -9,16 +9,17 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import codec_for
 
 
 @contextlib.asynccontextmanager
 async def planes(config: Config, roles: dict[str, list[str]]) -> AsyncIterator[dict[str, ControlPlane]]:
     """One connected `ControlPlane` per role (owning the listed kinds), stopped on the way out."""
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    redis = connect_redis(config.bus.redis_url)
     made = {role: ControlPlane(config, redis, role=role, owns=owns) for role, owns in roles.items()}
     stop = asyncio.Event()
     tasks = [asyncio.create_task(p.run(stop)) for p in made.values()]

@@ -18,12 +18,11 @@ from safetensors.torch import load_file
 
 from tests.integration.test_group_drafts_worker import worker_on_version_0
 from tests.integration.test_rl_loop import learner_and_worker_planes, redis_entries
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import DrafterVersion, PromptGroup, RolloutStats, codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import DrafterVersion, PromptGroup, RolloutStats, codec_for
-from tlt_stream.roles.rollout_worker import RolloutSettings
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.store.digest import directory_sha256
 from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -37,8 +36,8 @@ PROMPTS = ["Start at 4 and add 3, 2 times.\n", "Start at 1 and add 5, 3 times.\n
 def good_and_bad_drafters(policy_dir: Path, out: Path, prompts: list[list[int]]) -> tuple[Path, Path]:
     """A drafter trained on the policy's own greedy responses (it drafts them well) and a random one."""
     from tlt_stream.drafter.model import Drafter, save_drafter
-    from tlt_stream.drafter.warmup import policy_windows, warm_up_drafter
     from tlt_stream.model import load_model
+    from tlt_stream.rollout.warmup import policy_windows, warm_up_drafter
 
     windows = policy_windows(policy_dir, prompts, max_len=96, stops=[], seed=0, temperature=0.0, batch=8)
     good = out / "good"
@@ -73,10 +72,10 @@ async def test_a_drafter_that_collapses_acceptance_is_reported_and_replaced_by_t
     assert after < 0.5 * before, f"the set-up is no collapse: {before:.2f} -> {after:.2f}"
 
     keys = Keys(bus_config.run)
-    settings = RolloutSettings(
-        max_batch=4, max_len=96, max_response_len=48, temperature=0.0, drafter=str(good), sd_arm=ARM,
-        collapse_min_drafted=32,
-    )  # fmt: skip
+    settings = {
+        "rollout.max_batch": 4, "rollout.max_len": 96, "rollout.max_response_len": 48, "rollout.temperature": 0.0,
+        "sd.drafter": str(good), "sd.adaptive": False, "sd.arm": ARM.label, "sd.collapse_min_drafted": 32,
+    }  # fmt: skip
     async with learner_and_worker_planes(bus_config) as planes:
         publisher = ControlPlane(bus_config, planes.redis, role="drafter", owns=["drafter"])
         running = asyncio.create_task(publisher.run(planes.stop))
@@ -102,14 +101,14 @@ async def test_a_drafter_that_collapses_acceptance_is_reported_and_replaced_by_t
         planes.stop.set()
         await running
 
-    verdicts = [v for v in worker.watch.verdicts if v.kind == "drafter" and v.version == 1]
-    assert len(verdicts) == 1 and verdicts[0].collapsed, worker.watch.verdicts
-    assert worker.collapses == 1 and 1 in worker.refused_drafters
+    verdicts = [v for v in worker.drafters.watch.verdicts if v.kind == "drafter" and v.version == 1]
+    assert len(verdicts) == 1 and verdicts[0].collapsed, worker.drafters.watch.verdicts
+    assert worker.drafters.collapses == 1 and 1 in worker.drafters.refused
     stats = [codec_for("stats").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "stats")]
     assert [s for s in stats if isinstance(s, RolloutStats)][-1].collapses == 1, "the collapse is in `stats`"
     # Back on the good drafter: the engine's weights are the good checkpoint's, read from disk.
     on_disk = {k: v for f in good.glob("*.safetensors") for k, v in load_file(f).items()}
-    live = worker.engine.proposer.drafter.state_dict()
+    live = worker.loader.engine.proposer.drafter.state_dict()
     own = {k: v for k, v in live.items() if k in on_disk}
     assert own and own.keys() == on_disk.keys(), (sorted(live)[:5], sorted(on_disk)[:5])
     for name, tensor in on_disk.items():

@@ -43,10 +43,10 @@ from tests.compose_file import (
     services,
 )
 from tests.worlds import build_world
+from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.registry import list_workers
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import BusConfig, Config
 from tlt_stream.rl.checkpoint import latest_checkpoint
 from tlt_stream.rl.records import load_metrics
 
@@ -189,7 +189,7 @@ async def test_every_service_started_as_compose_says_trains_and_stops_cleanly_on
 async def test_the_stack_trains_on_the_secured_servers_compose_ships_with_no_command_refused(
     tmp_path: Path, init_policy: Path
 ) -> None:
-    from tlt_stream.doctor import inspect_mqtt
+    from tlt_stream.commands.doctor_checks import inspect_mqtt
 
     if why := missing_binaries("redis-server", "sha256sum", "mosquitto", "mosquitto_passwd"):
         pytest.skip(why)

@@ -14,12 +14,8 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from tlt_stream.bus.connect import mqtt_params
-from tlt_stream.bus.control import ControlPlane, read_mirror
-from tlt_stream.bus.embedded import EmbeddedServers, free_port
-from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import (
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import (
     CONTROL_CODEC,
     ControlMessage,
     DrafterVersion,
@@ -27,6 +23,10 @@ from tlt_stream.messages import (
     SdArmChoice,
     SdConfigVersion,
 )
+from tlt_stream.bus.connect import mqtt_params
+from tlt_stream.bus.control import ControlPlane, read_mirror
+from tlt_stream.bus.embedded import EmbeddedServers, free_port
+from tlt_stream.bus.streams import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 

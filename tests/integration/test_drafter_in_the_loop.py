@@ -8,25 +8,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
-import redis.asyncio as aioredis
 import torch
 
 from tests.integration.loop import keep_for_audit
+from tlt_stream.basics.config import Config, override
+from tlt_stream.basics.messages import DrafterStats, HiddenWindow, SdArmReport, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter, save_drafter
-from tlt_stream.drafter.online import OnlineTrainingConfig
-from tlt_stream.messages import DrafterStats, HiddenWindow, SdArmReport, codec_for
 from tlt_stream.model import load_model
 from tlt_stream.rl.samples import hidden_window
-from tlt_stream.roles.drafter_trainer import DrafterTrainingSettings, IdleDrafterTrainer
-from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.drafter_trainer import IdleDrafterTrainer
+from tlt_stream.roles.learner import LearnerService
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
-from tlt_stream.rollout.adaptive import AdaptiveSettings
+from tlt_stream.roles.rollout_worker import RolloutWorker
 from tlt_stream.tasks.repeated_add import reward
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -43,49 +42,51 @@ def init_drafter(init_policy: Path, tmp_path: Path) -> Path:
     return save_drafter(Drafter(load_model(init_policy).spec), tmp_path / "drafter0")
 
 
-def training_settings(tmp_path: Path) -> DrafterTrainingSettings:
-    return DrafterTrainingSettings(
-        state_dir=tmp_path / "states",
-        slice_seconds=0.3,
-        min_windows=2,
-        holdout_percent=25,
-        tolerance=10.0,  # random drafters: acceptance is noise, adopt every slice
-        judge_every_steps=1,  # judge every slice (test_slices_are_judged_every_k_steps covers the spacing)
-        lease_ttl_ms=5000,
-        training=OnlineTrainingConfig(batch_pairs=64, row_tokens=64),
-    )
+def training_settings(tmp_path: Path, **more: object) -> dict[str, object]:
+    """Online drafter training as these tests run it (dotted keys of the drafter section)."""
+    return {
+        "drafter.state_dir": str(tmp_path / "states"),
+        "drafter.slice_seconds": 0.3,
+        "drafter.min_windows": 2,
+        "drafter.holdout_percent": 25,
+        "drafter.tolerance": 10.0,  # random drafters: acceptance is noise, adopt every slice
+        "drafter.judge_every_steps": 1,  # judge every slice (test_slices_are_judged_every_k_steps: the spacing)
+        "drafter.lease_ttl_ms": 5000,
+        "drafter.batch_pairs": 64,
+        "drafter.row_tokens": 64,
+        **{f"drafter.{key}": value for key, value in more.items()},
+    }
+
+
+def worker_config(config: Config, init_drafter: Path, training: dict[str, object], **rollout: object) -> Config:
+    """A worker that drafts with `init_drafter`, streams every sample's windows and trains as `training` says."""
+    values = {"rollout.hidden_share": 1.0, "sd.drafter": str(init_drafter), **training}
+    return override(config, values | {f"rollout.{key}": value for key, value in rollout.items()})
 
 
 async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group_trains_once(
     bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
 ) -> None:
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     await keep_for_audit(redis, keys)  # the learner trims what it checkpointed
     roles = {"learner": ["policy"], "policy": [], "rollout": ["drafter"]}
     async with planes(bus_config, roles) as control:
         learner = LearnerService(
-            bus_config,
+            override(bus_config, {"learner.groups_per_step": PROMPTS}),
             redis,
             control["learner"],
             run_dir=tmp_path / "run",
             init_policy=init_policy,
-            settings=LearnerRunSettings(groups_per_step=PROMPTS),
         )
+        # Every sample's windows (training starts within a few groups); SD on once <= 3 of the 4 rows remain.
+        sd = {"sd.crossover": 4, "sd.margin": 0}
         worker = RolloutWorker(
-            bus_config,
+            worker_config(bus_config, init_drafter, training_settings(tmp_path) | sd, max_batch=4, max_len=64),
             redis,
             control["rollout"],
             worker_id="w0",
             reward=reward,
-            settings=RolloutSettings(
-                max_batch=4,
-                max_len=64,
-                hidden_share=1.0,  # every sample's windows: training starts within a few groups
-                drafter=str(init_drafter),
-                drafter_training=training_settings(tmp_path),
-                adaptive=AdaptiveSettings(crossover=4, margin=0),  # SD on once <= 3 of the 4 rows remain
-            ),
         )
 
         def dispatcher(total: int) -> PolicyService:
@@ -122,11 +123,12 @@ async def test_idle_workers_train_publish_and_swap_the_drafter_while_every_group
             async with asyncio.timeout(30):
                 await asyncio.gather(generating, return_exceptions=True)
 
-        assert learner.version == 3 and learner.assembler.duplicates == 0 and learner.assembler.dropped_groups == 0
-        assert len(learner.assembler.ledger) == 3 * PROMPTS * GROUP, "every dispatched group trained exactly once"
+        assembler = learner.intake.assembler
+        assert learner.version == 3 and assembler.duplicates == 0 and assembler.dropped_groups == 0
+        assert len(assembler.ledger) == 3 * PROMPTS * GROUP, "every dispatched group trained exactly once"
         published = (await read_mirror(redis, keys))["drafter"]
         assert published.version >= 1 and published.location.startswith(str(tmp_path / "states"))
-        assert worker.drafter_swaps >= 1
+        assert worker.drafters.swaps >= 1
         samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
         assert {s.drafter_version for s in samples if s.step < 2} == {0}, "steps 0-1 ran on the warm-up drafter"
         assert all(s.drafter_version >= 1 for s in samples if s.step == 2), "step 2 ran on an online drafter"
@@ -176,21 +178,11 @@ async def test_a_new_lease_holder_continues_from_the_committed_state(
     """Worker a trains and commits under the lease; worker b takes the lease next and resumes at a's step
     with a's optimizer moments, not from scratch."""
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    settings = training_settings(tmp_path)
+    redis = connect_redis(bus_config.bus.redis_url)
+    config = worker_config(bus_config, init_drafter, training_settings(tmp_path), max_batch=2, max_len=64)
     async with planes(bus_config, {"a": ["drafter"], "b": ["drafter"]}) as control:
         workers = {
-            name: RolloutWorker(
-                bus_config,
-                redis,
-                control[name],
-                worker_id=name,
-                reward=reward,
-                settings=RolloutSettings(
-                    max_batch=2, max_len=64, hidden_share=1.0, drafter=str(init_drafter), drafter_training=settings
-                ),
-            )
-            for name in ("a", "b")
+            name: RolloutWorker(config, redis, control[name], worker_id=name, reward=reward) for name in ("a", "b")
         }
         engine = sd_engine(init_policy, init_drafter)
         windows = hidden_windows(engine)
@@ -212,7 +204,7 @@ async def test_a_new_lease_holder_continues_from_the_committed_state(
         await StreamProducer(redis, keys, bus_config.bus).send("hidden", windows)
         b = workers["b"].idle_trainer
         assert b is not None and b.trainer is None
-        b.settings = DrafterTrainingSettings(**{**settings.__dict__, "slice_seconds": 0.01})
+        b.own = msgspec.structs.replace(b.own, slice_seconds=0.01)
         await idle_until_a_slice("b")
         slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
         by_b = [s for s in slices if s.worker_id == "b"]
@@ -231,16 +223,11 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
     published) only once k steps have passed since the last judgement; the others report no verdict."""
     k = 20
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    settings = DrafterTrainingSettings(**{**training_settings(tmp_path).__dict__, "judge_every_steps": k})
-    settings = DrafterTrainingSettings(**{**settings.__dict__, "slice_seconds": 0.05})  # a few steps per slice
+    redis = connect_redis(bus_config.bus.redis_url)
+    training = training_settings(tmp_path, judge_every_steps=k, slice_seconds=0.05)  # a few steps per slice
+    config = worker_config(bus_config, init_drafter, training, max_batch=2, max_len=64)
     async with planes(bus_config, {"w": ["drafter"]}) as control:
-        worker = RolloutWorker(
-            bus_config, redis, control["w"], worker_id="w", reward=reward,
-            settings=RolloutSettings(
-                max_batch=2, max_len=64, hidden_share=1.0, drafter=str(init_drafter), drafter_training=settings
-            ),
-        )  # fmt: skip
+        worker = RolloutWorker(config, redis, control["w"], worker_id="w", reward=reward)
         trainer = worker.idle_trainer
         assert trainer is not None
         engine = sd_engine(init_policy, init_drafter)

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
 from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 
 pytestmark = [pytest.mark.redis]
 

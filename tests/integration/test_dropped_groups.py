@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -24,7 +25,7 @@ async def _tasks(redis: aioredis.Redis, keys: Keys) -> list[PromptGroup]:
 
 async def test_a_dropped_group_is_sent_again_once_with_its_prompt_even_across_a_restart(bus_config: Config) -> None:
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
 
     def service() -> PolicyService:
         control = ControlPlane(bus_config, redis, role="policy")

@@ -9,15 +9,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config, override
+from tlt_stream.basics.messages import Sample, Tensor, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import Sample, Tensor, codec_for
-from tlt_stream.rl.learner import LearnerSettings
-from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.learner import LearnerService
 from tlt_stream.store.digest import directory_sha256
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
@@ -43,16 +42,19 @@ def sample(task: str, index: int, reward: float, version: int = 0) -> Sample:
 
 
 @contextlib.asynccontextmanager
-async def service(config: Config, run_dir: Path, init_policy: Path, **more: object) -> AsyncIterator[LearnerService]:
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
+async def service(
+    config: Config, run_dir: Path, init_policy: Path, more: dict[str, object] | None = None
+) -> AsyncIterator[LearnerService]:
+    """A learner on groups of 2 with staleness 1 at lr 1e-2, and the settings `more` (dotted keys)."""
+    redis = connect_redis(config.bus.redis_url)
     control = ControlPlane(config, redis, role="learner", owns=["policy"])
     stop = asyncio.Event()
     plane = asyncio.create_task(control.run(stop))
-    settings = LearnerRunSettings(groups_per_step=2, max_staleness=1, learner=LearnerSettings(lr=1e-2), **more)
+    values = {"learner.groups_per_step": 2, "policy.max_staleness": 1, "learner.lr": 1e-2, **(more or {})}
     try:
         async with asyncio.timeout(20):
             await control.connected.wait()
-        yield LearnerService(config, redis, control, run_dir=run_dir, init_policy=init_policy, settings=settings)
+        yield LearnerService(override(config, values), redis, control, run_dir=run_dir, init_policy=init_policy)
     finally:
         stop.set()
         await asyncio.wait_for(plane, timeout=15)
@@ -64,7 +66,7 @@ async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
 ) -> None:
     run_dir = tmp_path / "run"
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
     async with service(bus_config, run_dir, init_policy) as learner:
         assert (await learner.start()).version == 0
@@ -73,8 +75,8 @@ async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
         async with asyncio.timeout(60):
             await learner.run(asyncio.Event(), max_updates=2)
         assert learner.version == 2
-        assert learner.assembler.ledger == {m.sample_id for m in messages}
-        assert learner.assembler.duplicates == 1
+        assert learner.intake.assembler.ledger == {m.sample_id for m in messages}
+        assert learner.intake.assembler.duplicates == 1
         mirror = await read_mirror(redis, keys)
         published = mirror["policy"]
         assert published.version == 2
@@ -89,10 +91,10 @@ async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
     # A restarted learner resumes at version 2 with the same ledger; a late redelivery changes nothing.
     async with service(bus_config, run_dir, init_policy) as again:
         assert (await again.start()).version == 2
-        assert again.assembler.ledger == {m.sample_id for m in messages}
+        assert again.intake.assembler.ledger == {m.sample_id for m in messages}
         await producer.send("samples", [messages[5]])
         async with asyncio.timeout(30):
-            while again.assembler.duplicates < 1:
+            while again.intake.assembler.duplicates < 1:
                 stop = asyncio.Event()
                 task = asyncio.create_task(again.run(stop))
                 await asyncio.sleep(0.5)
@@ -110,15 +112,15 @@ async def test_a_policy_published_in_bf16_is_what_workers_get_and_a_restart_resu
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
-    async with service(bus_config, run_dir, init_policy, publish_dtype=torch.bfloat16) as learner:
+    async with service(bus_config, run_dir, init_policy, {"rollout.dtype": "bfloat16"}) as learner:
         await learner.start()
         await producer.send("samples", [sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1)])
         async with asyncio.timeout(60):
             await learner.run(asyncio.Event(), max_updates=1)
-        assert learner.core is not None
-        masters = {k: v.clone() for k, v in learner.core.model.state_dict().items()}
+        assert learner.checkpoints.core is not None
+        masters = {k: v.clone() for k, v in learner.checkpoints.core.model.state_dict().items()}
         published = (await read_mirror(redis, Keys(bus_config.run)))["policy"]
     await redis.aclose()
     assert published.version == 1
@@ -127,10 +129,10 @@ async def test_a_policy_published_in_bf16_is_what_workers_get_and_a_restart_resu
     assert any(not torch.equal(masters[k].to(torch.bfloat16).float(), masters[k]) for k in weights), (
         "the update left weights that bf16 cannot hold: the masters carry more than the published copy"
     )
-    async with service(bus_config, run_dir, init_policy, publish_dtype=torch.bfloat16) as again:
+    async with service(bus_config, run_dir, init_policy, {"rollout.dtype": "bfloat16"}) as again:
         assert (await again.start()).version == 1
-        assert again.core is not None
-        resumed = again.core.model.state_dict()
+        assert again.checkpoints.core is not None
+        resumed = again.checkpoints.core.model.state_dict()
         assert all(torch.equal(resumed[k], v) for k, v in masters.items()), "resumed from fp32 masters, exactly"
 
 
@@ -138,11 +140,11 @@ async def test_each_updates_figures_and_samples_reach_tensorboard_and_offline_wa
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
     from tests.tracking_files import tensorboard_scalars, tensorboard_texts, wandb_history
-    from tlt_stream.config import override
+    from tlt_stream.basics.config import override
 
     config = override(bus_config, {"learner.log_to": ("tensorboard", "wandb")})
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    redis = connect_redis(config.bus.redis_url)
     producer = StreamProducer(redis, Keys(config.run), config.bus)
     async with service(config, run_dir, init_policy) as learner:
         await learner.start()
@@ -171,7 +173,7 @@ async def test_the_learner_entrypoint_runs_as_its_own_process(
     import sys
 
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
     await producer.send("samples", [sample("a", 0, 1.0), sample("a", 1, 0.0)])
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
@@ -205,7 +207,7 @@ async def test_a_learner_process_killed_between_updates_resumes_with_the_same_le
     keys = Keys(bus_config.run)
     stream = keys.stream("samples")
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
     processes: list[asyncio.subprocess.Process] = []
@@ -318,7 +320,7 @@ async def test_a_sample_held_past_the_reclaim_time_survives_a_restart(
     keys = Keys(config.run)
     stream = keys.stream("samples")
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    redis = connect_redis(config.bus.redis_url)
     producer = StreamProducer(redis, keys, config.bus)
     (a0_entry,) = await producer.send("samples", [sample("a", 0, 1.0)])
     async with service(config, run_dir, init_policy) as learner:
@@ -328,7 +330,7 @@ async def test_a_sample_held_past_the_reclaim_time_survives_a_restart(
         await asyncio.sleep(3.0)  # ten reclaim periods with "a/0" alone in an open group
         stop.set()
         await asyncio.wait_for(running, timeout=30)
-        assert learner.assembler.redelivered == 0, "its own held entry was never handed back"
+        assert learner.intake.assembler.redelivered == 0, "its own held entry was never handed back"
     rows = await redis.xpending_range(stream, "learner", min="-", max="+", count=10)
     assert [(r["message_id"].decode(), r["times_delivered"]) for r in rows] == [(a0_entry, 1)], "still pending"
 
@@ -359,7 +361,7 @@ async def test_poison_samples_are_dead_lettered_and_the_learner_trains_on(
 
     keys = Keys(bus_config.run)
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
     vocab = json.loads((init_policy / "config.json").read_text())["vocab_size"]
     good = [sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1)]
@@ -401,7 +403,7 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
 
     run_dir = tmp_path / "run"
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
     async with service(bus_config, run_dir, init_policy) as learner:
         await learner.start()
@@ -421,7 +423,7 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     weights.write_bytes(bytes(data))
     async with service(bus_config, run_dir, init_policy) as restarted:
         await restarted.start()
-        assert restarted.version == 1 and restarted.assembler.ledger == {"a/0", "a/1", "b/0", "b/1"}
+        assert restarted.version == 1 and restarted.intake.assembler.ledger == {"a/0", "a/1", "b/0", "b/1"}
         assert [p.name.startswith("corrupt-step-00000002") for p in (run_dir / "checkpoints").iterdir()].count(
             True
         ) == 1
@@ -458,7 +460,7 @@ async def test_a_group_with_a_bad_member_is_trained_without_it(
 
     keys = Keys(bus_config.run)
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, keys, bus_config.bus)
     field = {"reward": math.nan} if bad == "poison" else {"accept_length": -2.5}  # encoding does not validate
     member = msgspec.structs.replace(sample("c", 1, 0.0), **field)
@@ -487,7 +489,7 @@ async def test_a_group_an_update_leaves_behind_is_recorded_for_the_policy_servic
     """A group still incomplete when two updates have passed it by (its first sample made by version 0, the
     learner at 2, staleness 1) is dropped by the update, not by an arriving sample; it is recorded in Redis
     all the same, so the policy service sends it again (tests/integration/test_dropped_groups.py)."""
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
     async with service(bus_config, tmp_path / "run", init_policy) as learner:
         await learner.start()
@@ -498,7 +500,7 @@ async def test_a_group_an_update_leaves_behind_is_recorded_for_the_policy_servic
         await producer.send("samples", [sample(t, i, float(i == 0), version=1) for t in ("c", "d") for i in (0, 1)])
         async with asyncio.timeout(60):
             await learner.run(asyncio.Event(), max_updates=1)
-        assert learner.version == 2 and learner.assembler.dropped_groups == 1
+        assert learner.version == 2 and learner.intake.assembler.dropped_groups == 1
     assert await redis.hgetall(Keys(bus_config.run).dropped) == {b"x": str(waiting.step).encode()}
     await redis.aclose()
 
@@ -519,7 +521,7 @@ async def test_groups_dropped_as_too_stale_are_counted_with_their_response_lengt
         )
 
     run_dir = tmp_path / "run"
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
     async with service(bus_config, run_dir, init_policy) as learner:
         await learner.start()
@@ -536,7 +538,7 @@ async def test_groups_dropped_as_too_stale_are_counted_with_their_response_lengt
         async with asyncio.timeout(60):
             await learner.run(asyncio.Event(), max_updates=1)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    meta = json.loads((learner.checkpoint.path / "meta.json").read_text())
+    meta = json.loads((learner.checkpoints.checkpoint.path / "meta.json").read_text())
     assert meta["extra"]["trained_groups"] == ["e", "f"], "the stale group was not trained"
     assert [line["stale_dropped_groups"] for line in lines] == [0.0, 0.0, 1.0]
     assert lines[2]["stale_dropped_len_mean"] == 10.0 and "stale_dropped_len_mean" not in lines[1]

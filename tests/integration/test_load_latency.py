@@ -13,13 +13,13 @@ import pytest
 from tests.integration.loop import stats_of
 from tests.integration.test_rl_loop import learner_and_worker_planes
 from tests.unit.test_weight_sync import versions
+from tlt_stream.basics.config import Config, override
+from tlt_stream.basics.messages import RolloutStats
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import RolloutStats
-from tlt_stream.monitor import snapshot
-from tlt_stream.monitor.dashboard import render
-from tlt_stream.monitor.prometheus import prometheus_text
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+from tlt_stream.roles.monitor import snapshot
+from tlt_stream.roles.monitor.dashboard import render
+from tlt_stream.roles.monitor.prometheus import prometheus_text
+from tlt_stream.roles.rollout_worker import RolloutWorker
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -28,10 +28,8 @@ LATE_S = 30.0
 
 
 def new_worker(bus_config: Config, planes: Any) -> RolloutWorker:
-    return RolloutWorker(
-        bus_config, planes.redis, planes.worker, worker_id="w0", reward=lambda text, answer: 0.0,
-        settings=RolloutSettings(max_batch=2, max_len=64),
-    )  # fmt: skip
+    config = override(bus_config, {"rollout.max_batch": 2, "rollout.max_len": 64})
+    return RolloutWorker(config, planes.redis, planes.worker, worker_id="w0", reward=lambda text, answer: 0.0)
 
 
 async def announce_and_load(worker: RolloutWorker, planes: Any, message: Any) -> None:
@@ -41,7 +39,7 @@ async def announce_and_load(worker: RolloutWorker, planes: Any, message: Any) ->
     await planes.learner.publish(message)
     async with asyncio.timeout(20):
         await planes.worker.wait_for("policy", message.version)
-    await worker._maybe_load()
+    await worker.load_announced()
     assert worker.version == message.version
 
 
@@ -62,7 +60,7 @@ async def test_each_versions_publish_to_loaded_latency_reaches_the_monitor(
             await announce_and_load(worker, planes, msgspec.structs.replace(message, published_at=published_at))
             loaded[message.version] = (before - published_at, time.time() - published_at)
             await worker.registry.beat()
-            await worker.producer.send_one("stats", worker._rollout_stats())  # as after a step's tasks
+            await worker.producer.send_one("stats", worker.reports.rollout_stats())  # as after a step's tasks
 
         snap = await snapshot(bus_config)
     latency = snap["rollout"]["load_latency"]
@@ -98,14 +96,14 @@ async def test_hops_before_a_load_are_reported_under_the_version_they_ran_with(
         worker = new_worker(bus_config, planes)
         await announce_and_load(worker, planes, announced[0])
         # A group of step 1 dispatched ahead (it needs version 1) is in flight: its hops run ahead.
-        draft = SimpleNamespace(delivery=SimpleNamespace(message=SimpleNamespace(min_policy_version=1)))
-        worker.tasks["s000001-0000"] = draft  # type: ignore[assignment]
-        worker._count_hop(tokens=12, forwards=3, seconds=0.75)
-        worker._count_hop(tokens=8, forwards=2, seconds=0.5)
+        draft = SimpleNamespace(group=SimpleNamespace(min_policy_version=1))
+        worker.flight.started["s000001-0000"] = draft  # type: ignore[assignment]
+        worker.reports.count_hop(tokens=12, forwards=3, seconds=0.75)
+        worker.reports.count_hop(tokens=8, forwards=2, seconds=0.5)
         await announce_and_load(worker, planes, announced[1])  # no report was sent since the hops
-        worker._count_hop(tokens=4, forwards=1, seconds=0.25)  # under version 1, nothing ahead of it
-        del worker.tasks["s000001-0000"]
-        await worker._send_reports()
+        worker.reports.count_hop(tokens=4, forwards=1, seconds=0.25)  # under version 1, nothing ahead of it
+        del worker.flight.started["s000001-0000"]
+        await worker.reports.send()
 
         reports = await stats_of(planes.redis, Keys(bus_config.run), RolloutStats)
         snap = await snapshot(bus_config)

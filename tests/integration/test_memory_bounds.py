@@ -21,13 +21,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
 from tests.faults.harness import free_port
+from tlt_stream.basics.config import BusConfig, Config
+from tlt_stream.basics.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import BusConfig, Config
-from tlt_stream.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.roles.policy import PolicyService
 
 pytestmark = [pytest.mark.redis]
@@ -78,7 +79,7 @@ async def test_hidden_stays_within_its_byte_bound(
     )
     keys = Keys(config.run)
     key = keys.stream("hidden")
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    redis = connect_redis(config.bus.redis_url)
     producer = StreamProducer(redis, keys, config.bus)
     message = window(rows, 1024)
     entry_bytes = len(codec_for("hidden").encode(message))
@@ -99,7 +100,7 @@ async def test_hidden_stays_within_its_byte_bound(
 async def test_the_policy_service_trims_prompts_every_group_acked(bus_config: Config) -> None:
     keys = Keys(bus_config.run)
     key = keys.stream("prompts")
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     control = ControlPlane(bus_config, redis, role="policy")
     service = PolicyService(bus_config, redis, control, FixedSource(), prompts_per_step=3, group_size=2)
     reader: StreamReader = StreamReader(redis, keys, bus_config.bus, "prompts", "w1")

@@ -21,13 +21,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tlt_stream.bus.consumer import StreamReader
-from tlt_stream.bus.control import ControlPlane
-from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
-from tlt_stream.bus.registry import WorkerRegistry
-from tlt_stream.bus.streams import Keys
-from tlt_stream.config import BusConfig, Config
-from tlt_stream.messages import (
+from tlt_stream.basics.config import BusConfig, Config
+from tlt_stream.basics.messages import (
     DrafterStats,
     DrafterVersion,
     HiddenWindow,
@@ -42,7 +37,12 @@ from tlt_stream.messages import (
     Tensor,
     WorkerStatus,
 )
-from tlt_stream.monitor import snapshot, summary_line
+from tlt_stream.bus.consumer import StreamReader
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
+from tlt_stream.bus.registry import WorkerRegistry
+from tlt_stream.bus.streams import Keys
+from tlt_stream.roles.monitor import snapshot, summary_line
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -199,7 +199,7 @@ async def live_run(config: Config) -> AsyncIterator[float]:
         await redis.aclose()
 
 
-def cli(config: Config, *args: str, module: str = "tlt_stream.cli") -> list[str]:
+def cli(config: Config, *args: str, module: str = "tlt_stream.commands.cli") -> list[str]:
     return [sys.executable, "-m", module, *args, "--run", config.run]
 
 

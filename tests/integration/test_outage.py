@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import BusConfig
+from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import BusConfig
-from tlt_stream.messages import Sample, Tensor
 
 pytestmark = [
     pytest.mark.redis,

@@ -19,9 +19,9 @@ import pytest
 import redis.asyncio as aioredis
 from safetensors.torch import load_file
 
+from tlt_stream.basics.config import Config, load_config
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config, load_config
-from tlt_stream.messages import codec_for
 from tlt_stream.rl.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt, pytest.mark.slow]
@@ -48,7 +48,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 async def run(config: Config, *args: str, timeout: float = 240) -> tuple[int, str]:
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "tlt_stream.cli", "run", "--run", config.run, *args),
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", config.run, *args),
         env=env_for(config),
         stderr=asyncio.subprocess.PIPE,
     )

@@ -22,27 +22,38 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 import torch
 
 import tlt_stream.roles.worker.generation as worker_generation
 from tests.integration.loop import keep_for_audit, until_first_done
 from tests.integration.partial_oracle import first_token_distributions, hf_logprobs, noncentrality, power
 from tests.stats import chi2_threshold, chi_square
+from tlt_stream.basics.config import DEFAULTS, Config, override
+from tlt_stream.basics.messages import PromptGroup, Sample, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, Sample, codec_for
 from tlt_stream.rl.checkpoint import complete_checkpoints
 from tlt_stream.rl.groups import ReadyGroup
-from tlt_stream.rl.learner import LearnerSettings
-from tlt_stream.roles.learner import LearnerRunSettings, LearnerService
+from tlt_stream.roles.learner import LearnerService
+from tlt_stream.roles.learner_parts.update import Updates
 from tlt_stream.roles.policy import PolicyService, RepeatedAddSource
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+from tlt_stream.roles.rollout_worker import RolloutWorker
+from tlt_stream.roles.worker.generation import Generation
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
+
+
+def rollout_settings(max_batch: int, max_len: int, **policy: object) -> dict[str, Any]:
+    """A worker with partial rollouts on: its batch shape and the policy section's partial-rollout keys
+    (`max_response_len` is the rollout section's)."""
+    values: dict[str, Any] = {"rollout.max_batch": max_batch, "rollout.max_len": max_len}
+    values["policy.partial_rollouts"] = True
+    if "max_response_len" in policy:
+        values["rollout.max_response_len"] = policy.pop("max_response_len")
+    return values | {f"policy.{key}": value for key, value in policy.items()}
 
 
 def varied_reward(response: str, answer: str) -> float:
@@ -83,24 +94,25 @@ async def run_pipeline(
     group: int,
     max_staleness: int,
     lr: float,
-    rollout: RolloutSettings,
+    rollout: dict[str, Any],
     reward: Callable[[str, str], float] = varied_reward,
     seconds: float = 180,
 ) -> PipelineRun:
-    """A learner, a policy service and one worker, with partial rollouts, until `steps` updates are done."""
+    """A learner, a policy service and one worker (its settings `rollout`, dotted keys), with partial rollouts,
+    until `steps` updates are done."""
     loads: list[tuple[bool, int]] = []
     trained: list[tuple[int, list[Sample]]] = []
     reverified: dict[str, int] = {}
-    original_load, original_update = GenerationEngine.load_policy, LearnerService._update
+    original_load, original_update = GenerationEngine.load_policy, Updates.update
     original_sample = worker_generation.make_sample
 
     def load_spy(engine: GenerationEngine, path: object, *, reverify: bool = False, **verified: object) -> None:
         loads.append((reverify, engine.num_parked + engine.num_running))
         original_load(engine, path, reverify=reverify, **verified)
 
-    async def update_spy(learner: LearnerService, groups: list[ReadyGroup]) -> dict[str, float]:
-        version = learner.version
-        metrics = await original_update(learner, groups)
+    async def update_spy(updates: Updates, groups: list[ReadyGroup]) -> dict[str, float]:
+        version = updates.checkpoints.version
+        metrics = await original_update(updates, groups)
         trained.append((version, [s for g in groups for s in g.samples]))
         return metrics
 
@@ -110,10 +122,10 @@ async def run_pipeline(
         return sample
 
     monkeypatch.setattr(GenerationEngine, "load_policy", load_spy)
-    monkeypatch.setattr(LearnerService, "_update", update_spy)
+    monkeypatch.setattr(Updates, "update", update_spy)
     monkeypatch.setattr(worker_generation, "make_sample", sample_spy)
     keys = Keys(config.run)
-    redis = aioredis.Redis.from_url(config.bus.redis_url)
+    redis = connect_redis(config.bus.redis_url)
     await keep_for_audit(redis, keys)
     planes = {
         role: ControlPlane(config, redis, role=role, owns=["policy"] if role == "learner" else [])
@@ -125,18 +137,15 @@ async def run_pipeline(
     try:
         async with asyncio.timeout(20):
             await asyncio.gather(*(plane.connected.wait() for plane in planes.values()))
+        learning = {
+            "learner.groups_per_step": prompts,
+            "policy.max_staleness": max_staleness,
+            "learner.keep_checkpoints": steps + 2,
+            "learner.lr": lr,
+            "learner.warmup_steps": 0,
+        }
         learner = LearnerService(
-            config,
-            redis,
-            planes["learner"],
-            run_dir=run_dir,
-            init_policy=init_policy,
-            settings=LearnerRunSettings(
-                groups_per_step=prompts,
-                max_staleness=max_staleness,
-                keep_checkpoints=steps + 2,
-                learner=LearnerSettings(lr=lr, warmup_steps=0),
-            ),
+            override(config, learning), redis, planes["learner"], run_dir=run_dir, init_policy=init_policy
         )
         dispatcher = PolicyService(
             config,
@@ -149,7 +158,7 @@ async def run_pipeline(
             total_steps=steps,
             partial_rollouts=True,
         )
-        worker = RolloutWorker(config, redis, planes["rollout"], worker_id="w0", reward=reward, settings=rollout)
+        worker = RolloutWorker(override(config, rollout), redis, planes["rollout"], worker_id="w0", reward=reward)
         await learner.start()
         services = [
             asyncio.create_task(learner.run(stop, max_updates=steps)),
@@ -162,7 +171,7 @@ async def run_pipeline(
             worker=worker,
             prompts=[codec_for("prompts").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("prompts"))],
             samples=[codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))],
-            locations={info.step: info.policy_dir for info in complete_checkpoints(learner.checkpoints)},
+            locations={info.step: info.policy_dir for info in complete_checkpoints(learner.checkpoints.root)},
             loads=loads,
             trained=trained,
             reverified=reverified,
@@ -198,7 +207,7 @@ STEPS, PROMPTS, GROUP, AHEAD = 3, 2, 2, 6
 async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_policy_samples(
     bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch, one_backend: str
 ) -> None:
-    settings = RolloutSettings(max_batch=8, max_len=96, max_response_len=24, partial_rollouts=True, ahead_tokens=AHEAD)
+    settings = rollout_settings(8, 96, max_response_len=24, ahead_tokens=AHEAD)
     # Updates large enough that consecutive versions' logprobs differ far beyond the tolerance of the stamp
     # check (the defaults barely move the test policy: a draft kept with its old logprobs would pass unnoticed).
     run = await run_pipeline(
@@ -215,8 +224,8 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
     )
     assert run.learner.version == STEPS
     expected = {f"s{s:06d}-{i:04d}/{g}" for s in range(STEPS) for i in range(PROMPTS) for g in range(GROUP)}
-    assert run.learner.assembler.ledger == expected, "every dispatched sample trained exactly once"
-    assert run.learner.assembler.dropped_groups == 0, "nothing was too stale: the run stayed on-policy"
+    assert run.learner.intake.assembler.ledger == expected, "every dispatched sample trained exactly once"
+    assert run.learner.intake.assembler.dropped_groups == 0, "nothing was too stale: the run stayed on-policy"
     assert all(v == s.policy_version for v, samples in run.trained for s in samples), "staleness 0 throughout"
 
     drafts = {t.task_id: t for t in run.prompts if t.draft_version is not None}
@@ -225,10 +234,10 @@ async def test_an_on_policy_run_with_partial_rollouts_trains_only_exact_on_polic
 
     assert {s.sample_id for s in run.samples} == expected and len(run.samples) == len(expected)
     assert all(s.policy_version == s.step for s in run.samples), "each sample stamped with its step's version"
-    assert_stamps_are_true(run, settings.temperature)
+    assert_stamps_are_true(run, DEFAULTS.rollout.temperature)
     # Drafts really ran ahead: versions 1.. were loaded re-verifying rows already holding tokens.
     assert any(reverify and rows > 0 for reverify, rows in run.loads), run.loads
-    assert run.worker.engine.tokens_kept + run.worker.engine.tokens_discarded >= AHEAD
+    assert run.worker.loader.engine.tokens_kept + run.worker.loader.engine.tokens_discarded >= AHEAD
 
 
 def first_token_reward(response: str, answer: str) -> float:
@@ -250,9 +259,7 @@ async def test_drafts_reverified_in_an_on_policy_run_follow_their_stamped_versio
     token from v - 1, the same statistic would pass the threshold with probability >= 0.999 (non-centrality
     of that alternative on the run's own prompts and drafted rows)."""
     steps, prompts, group = 3, 32, 16
-    settings = RolloutSettings(
-        max_batch=2 * prompts * group, max_len=96, max_response_len=2, partial_rollouts=True, ahead_tokens=1
-    )
+    settings = rollout_settings(2 * prompts * group, 96, max_response_len=2, ahead_tokens=1)
     run = await run_pipeline(
         bus_config,
         tmp_path / "run",
@@ -266,7 +273,7 @@ async def test_drafts_reverified_in_an_on_policy_run_follow_their_stamped_versio
         rollout=settings,
         reward=first_token_reward,
     )
-    assert run.learner.version == steps and run.learner.assembler.dropped_groups == 0
+    assert run.learner.version == steps and run.learner.intake.assembler.dropped_groups == 0
     assert all(v == s.policy_version for v, samples in run.trained for s in samples), "staleness 0 throughout"
     trained = [s for _, samples in run.trained for s in samples]
     assert sorted(s.sample_id for s in trained) == sorted(s.sample_id for s in run.samples)
@@ -275,8 +282,8 @@ async def test_drafts_reverified_in_an_on_policy_run_follow_their_stamped_versio
         drafted = [run.reverified[s.sample_id] > 0 for s in mine]
         assert len(mine) == prompts * group and sum(drafted) >= len(mine) // 2, (version, sum(drafted))
         at = [s.prompt_ids for s in mine]
-        p = first_token_distributions(run.locations[version], at, settings.temperature)  # [N, V]
-        q = first_token_distributions(run.locations[version - 1], at, settings.temperature)
+        p = first_token_distributions(run.locations[version], at, DEFAULTS.rollout.temperature)  # [N, V]
+        q = first_token_distributions(run.locations[version - 1], at, DEFAULTS.rollout.temperature)
         stale = torch.where(torch.tensor(drafted)[:, None], q, p)  # drafts that kept their first token from q
         n = len(mine)
         expected, alternative = dict(enumerate(p.mean(dim=0).tolist())), dict(enumerate(stale.mean(dim=0).tolist()))
@@ -296,26 +303,27 @@ async def test_a_streaming_run_with_partial_rollouts_reverifies_rows_in_flight_a
     then trained, or dropped and sent again in turn); no trained sample is more than one version stale; and
     every sample carries the logprobs of the version it is stamped with."""
     steps, prompts, group = 4, 2, 4
-    settings = RolloutSettings(max_batch=group, max_len=96, max_response_len=48, partial_rollouts=True)
+    settings = rollout_settings(group, 96, max_response_len=48)
     # Rows must be in flight when a version arrives, whatever the machine's speed: once the worker decodes
     # only step 1's rows (started under version 0), hold its decoding after their second hop until version 1
     # is announced to it; its loop then loads version 1 over those rows before decoding them further.
-    original_generate = RolloutWorker._generate
+    original_hop = Generation.hop
     hops: Counter[str] = Counter()
 
-    async def gated_generate(worker: RolloutWorker) -> None:
-        step_1_only = worker.tasks and all(not task_id.startswith("s000000") for task_id in worker.tasks)
-        if "held" not in hops and worker.version == 0 and step_1_only:
+    async def gated_hop(generation: Generation) -> None:
+        started, loader = generation.flight.started, generation.loader
+        step_1_only = started and all(not task_id.startswith("s000000") for task_id in started)
+        if "held" not in hops and loader.version == 0 and step_1_only:
             hops["step 1"] += 1
-            if hops["step 1"] > 2 and worker.engine.num_running:
+            if hops["step 1"] > 2 and loader.engine.num_running:
                 async with asyncio.timeout(60):
-                    while worker._loadable_policy() is None:  # noqa: ASYNC110 (an MQTT delivery: no event to await)
+                    while loader.loadable() is None:  # noqa: ASYNC110 (an MQTT delivery: no event to await)
                         await asyncio.sleep(0.01)
                 hops["held"] += 1
                 return  # the loop loads version 1 next, over the rows in flight
-        await original_generate(worker)
+        await original_hop(generation)
 
-    monkeypatch.setattr(RolloutWorker, "_generate", gated_generate)
+    monkeypatch.setattr(Generation, "hop", gated_hop)
     run = await run_pipeline(
         bus_config,
         tmp_path / "run",
@@ -346,13 +354,13 @@ async def test_a_streaming_run_with_partial_rollouts_reverifies_rows_in_flight_a
     in_redis = [s.sample_id for s in run.samples]
     assert len(in_redis) == len(set(in_redis)) and set(trained_ids) <= set(in_redis)
     assert {s.task_id for s in run.samples} <= ends | run.dropped, "nothing else was generated"
-    assert {i.rsplit("/", 1)[0] for i in run.learner.assembler.ledger - set(trained_ids)} <= run.dropped
+    assert {i.rsplit("/", 1)[0] for i in run.learner.intake.assembler.ledger - set(trained_ids)} <= run.dropped
 
-    assert_stamps_are_true(run, settings.temperature)
+    assert_stamps_are_true(run, DEFAULTS.rollout.temperature)
     # Re-verification really ran: versions 1.. were loaded over rows holding tokens, and trained samples of a
     # newer version than they started under carry what it kept.
     assert hops["held"] == 1, hops
     assert hops["held"] == 1, hops
     assert any(reverify and rows > 0 for reverify, rows in run.loads), run.loads
     assert any(run.reverified[i] > 0 for i in trained_ids), run.reverified
-    assert run.worker.engine.tokens_kept + run.worker.engine.tokens_discarded > 0
+    assert run.worker.loader.engine.tokens_kept + run.worker.loader.engine.tokens_discarded > 0

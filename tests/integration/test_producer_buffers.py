@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import Sample, Tensor, codec_for
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import Sample, Tensor, codec_for
 
 pytestmark = [pytest.mark.redis]
 

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup
 
 pytestmark = [pytest.mark.redis]
 

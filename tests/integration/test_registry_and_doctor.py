@@ -12,12 +12,12 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion, PromptGroup, WorkerStatus, codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry, list_workers
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PolicyVersion, PromptGroup, WorkerStatus, codec_for
 
 pytestmark = [pytest.mark.redis]
 
@@ -61,7 +61,7 @@ def doctor(config: Config, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
     args = ["--run", config.run, "--redis-url", config.bus.redis_url, "--mqtt-url", config.bus.mqtt_url]
     return subprocess.run(
-        [sys.executable, "-m", "tlt_stream.cli", "doctor", "--json", *args, *extra],
+        [sys.executable, "-m", "tlt_stream.commands.cli", "doctor", "--json", *args, *extra],
         capture_output=True,
         text=True,
         timeout=60,
@@ -117,7 +117,7 @@ def test_doctor_fails_clearly_when_servers_are_unreachable() -> None:
 def test_doctor_with_nothing_configured_uses_embedded_servers() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
     result = subprocess.run(
-        [sys.executable, "-m", "tlt_stream.cli", "doctor", "--json"],
+        [sys.executable, "-m", "tlt_stream.commands.cli", "doctor", "--json"],
         capture_output=True,
         text=True,
         timeout=60,

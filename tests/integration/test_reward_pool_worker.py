@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_rl_loop import learner_and_worker_planes, redis_entries
+from tlt_stream.basics.config import Config, override
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.rl.reward_pool import RewardPool
 from tlt_stream.rl.rewards import resolve_reward
 from tlt_stream.roles.learner import LearnerService
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+from tlt_stream.roles.rollout_worker import RolloutWorker
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
@@ -46,8 +46,8 @@ async def test_a_raising_and_a_hanging_reward_cost_their_groups_whole_and_nothin
     try:
         async with learner_and_worker_planes(bus_config) as planes:
             worker = RolloutWorker(
-                bus_config, planes.redis, planes.worker, worker_id="w0", reward=resolve_reward(name),
-                settings=RolloutSettings(max_batch=8, max_len=96), reward_pool=pool,
+                override(bus_config, {"rollout.max_batch": 8, "rollout.max_len": 96}), planes.redis, planes.worker,
+                worker_id="w0", reward=resolve_reward(name), reward_pool=pool,
             )  # fmt: skip
             learner = LearnerService(
                 bus_config, planes.redis, planes.learner, run_dir=tmp_path / "run", init_policy=init_policy
@@ -58,7 +58,7 @@ async def test_a_raising_and_a_hanging_reward_cost_their_groups_whole_and_nothin
             # until every task is sent or dead, whichever the last one is (run(max_tasks) counts sent ones only).
             running = asyncio.create_task(worker.run(planes.stop))
             async with asyncio.timeout(90):
-                while worker.tasks_done + worker.invalid_tasks < len(tasks):  # noqa: ASYNC110
+                while worker.generation.tasks_done + worker.intake.invalid_tasks < len(tasks):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
             planes.stop.set()
             await running
@@ -72,4 +72,4 @@ async def test_a_raising_and_a_hanging_reward_cost_their_groups_whole_and_nothin
     assert set(reasons) == {"raise", "hang"}, reasons
     assert "the reward raised: ValueError: cannot score this one" in reasons["raise"]
     assert "ran past its timeout of 3 s" in reasons["hang"]
-    assert worker.reward_failures == 2 and worker.invalid_tasks == 2 and pool.timeouts == 1
+    assert worker.generation.reward_failures == 2 and worker.intake.invalid_tasks == 2 and pool.timeouts == 1

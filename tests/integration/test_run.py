@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.launch import RunPlan, service_commands, service_config, thread_split, write_service_config
+from tlt_stream.commands.run.launch import RunPlan, service_commands, service_config, thread_split, write_service_config
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -40,7 +40,7 @@ def world_from(init_policy: Path, tmp_path: Path) -> Path:
 
 def run_command(config: Config, world: Path, out: Path, *extra: str) -> list[str]:
     return [
-        *(sys.executable, "-m", "tlt_stream.cli", "run", "--run", config.run),
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", config.run),
         *("--world", str(world), "--out", str(out), "--prompts-per-step", "2", "--group-size", "2"),
         *("--max-len", "64", "--eval", "4", *extra),
     ]
@@ -62,7 +62,7 @@ def service_pids(run: str, *, launcher: bool = False) -> list[int]:
             except OSError:
                 continue
             line = b" ".join(argv)
-            if (b"services." in line or (launcher and b"tlt_stream.cli" in line)) and run.encode() in argv:
+            if (b"services." in line or (launcher and b"tlt_stream.commands.cli" in line)) and run.encode() in argv:
                 found.append(int(entry.name))
     return found
 
@@ -135,7 +135,7 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
                 await asyncio.sleep(0.5)
         # The live run as the monitor sees it, from Redis alone.
         monitor = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "tlt_stream.cli", "monitor", "--once", "--json", "--run", bus_config.run),
+            *(sys.executable, "-m", "tlt_stream.commands.cli", "monitor", "--once", "--json", "--run", bus_config.run),
             env=env_for(bus_config),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -171,7 +171,7 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
     await purge_run(bus_config)
     until = found.step + 1
     resumed = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "tlt_stream.cli", "run", "--resume", str(out), "--steps", str(until)),
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--resume", str(out), "--steps", str(until)),
         env=env_for(bus_config),
         stderr=asyncio.subprocess.PIPE,
     )
@@ -191,7 +191,7 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
 
 
 def test_the_plan_gives_each_process_its_threads_and_every_service_one_configuration_file(tmp_path: Path) -> None:
-    from tlt_stream.config import load_config, override
+    from tlt_stream.basics.config import load_config, override
 
     (tmp_path / "policy").mkdir()
     config = override(Config(run="r1"), {"policy.steps": 5, "launch.workers": 2, "policy.max_staleness": 1})
@@ -228,7 +228,7 @@ def test_a_world_without_a_drafter_is_refused_with_one_line(tmp_path: Path, init
     world = tmp_path / "world"
     shutil.copytree(init_policy, world / "policy")
     result = subprocess.run(
-        [sys.executable, "-m", "tlt_stream.cli", "run", "--world", str(world), "--out", str(tmp_path / "run")],
+        [sys.executable, "-m", "tlt_stream.commands.cli", "run", "--world", str(world), "--out", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -6,21 +6,21 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
+from tlt_stream.basics.config import Config, SdConfig, override
+from tlt_stream.basics.messages import SdArmReport
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 from tlt_stream.drafter.model import Drafter
-from tlt_stream.messages import SdArmReport
 from tlt_stream.model import load_model
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+from tlt_stream.roles.rollout_worker import RolloutWorker
 from tlt_stream.roles.sd_config import SdConfigPublisher
-from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.adaptive import AdaptiveSd
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer
-from tlt_stream.rollout.tuner import Arm
 from tlt_stream.tasks.repeated_add import reward
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
@@ -45,7 +45,7 @@ async def test_two_workers_reports_become_one_table_that_a_late_worker_adopts(
     bus_config: Config, init_policy: Path
 ) -> None:
     keys = Keys(bus_config.run)
-    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    redis = connect_redis(bus_config.bus.redis_url)
     policy = ControlPlane(bus_config, redis, role="policy", owns=["sd_config"])
     late = ControlPlane(bus_config, redis, role="rollout")
     stop = asyncio.Event()
@@ -84,15 +84,19 @@ async def test_two_workers_reports_become_one_table_that_a_late_worker_adopts(
         async with asyncio.timeout(20):
             await late.wait_for("sd_config", 2)
         worker = RolloutWorker(
-            bus_config, redis, late, worker_id="late", reward=reward, settings=RolloutSettings(max_batch=2, max_len=32)
+            override(bus_config, {"rollout.max_batch": 2, "rollout.max_len": 32}),
+            redis,
+            late,
+            worker_id="late",
+            reward=reward,
         )
         model = load_model(init_policy)
         engine = GenerationEngine(model, 2, 32, proposer=EagleProposer(Drafter(model.spec).bind(model)))
-        worker.adaptive = AdaptiveSd(engine, AdaptiveSettings(epsilon=0.0), drafter_version=0)
-        worker._maybe_adopt_sd_config()
-        assert worker.sd_config == 2
-        assert worker.adaptive.tuner.greedy(64) == Arm.plain()
-        assert worker.adaptive.tuner.greedy(2) == Arm.plain(), "bucket 1 now favours plain"
+        worker.loader.adaptive = AdaptiveSd(engine, SdConfig(epsilon=0.0), drafter_version=0)
+        worker.drafters.adopt_sd_config(worker.loader.adaptive)
+        assert worker.drafters.sd_config == 2
+        assert worker.loader.adaptive.tuner.greedy(64) == Arm.plain()
+        assert worker.loader.adaptive.tuner.greedy(2) == Arm.plain(), "bucket 1 now favours plain"
     finally:
         stop.set()
         await asyncio.gather(*planes, return_exceptions=True)

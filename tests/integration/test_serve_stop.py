@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from tlt_stream.config import Config
+from tlt_stream.basics.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ CHILD = """
 import asyncio, logging, sys
 import msgspec
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.config import Config
+from tlt_stream.basics.config import Config
 from tlt_stream.roles.serve import serve
 
 logging.basicConfig(level=logging.INFO)

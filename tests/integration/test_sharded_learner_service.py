@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration.test_learner_service import sample
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import codec_for
 from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
 from tlt_stream.store.digest import directory_sha256
 

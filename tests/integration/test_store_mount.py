@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from tests.integration.test_rl_loop import learner_and_worker_planes
-from tlt_stream.config import BusConfig, Config
+from tlt_stream.basics.config import BusConfig, Config, override
 from tlt_stream.roles.learner import LearnerService
-from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+from tlt_stream.roles.rollout_worker import RolloutWorker
 from tlt_stream.store.digest import directory_sha256
 from tlt_stream.tasks.repeated_add import reward
 
@@ -40,12 +40,11 @@ async def test_a_worker_loads_a_version_from_the_store_mounted_elsewhere(
         learner_mount.rename(worker_mount)  # the same store, now at another path; the learner's path is gone
         assert not (learner_mount / announced.location).exists()
         worker = RolloutWorker(
-            with_store(bus_config, worker_mount),
+            override(with_store(bus_config, worker_mount), {"rollout.max_batch": 2, "rollout.max_len": 64}),
             planes.redis,
             planes.worker,
             worker_id="w0",
             reward=reward,
-            settings=RolloutSettings(max_batch=2, max_len=64),
         )
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
@@ -56,9 +55,9 @@ async def test_a_worker_loads_a_version_from_the_store_mounted_elsewhere(
         finally:
             stop.set()
             await asyncio.wait_for(running, timeout=30)
-        assert worker.policy is not None and worker.policy.sha256 == announced.sha256
-        assert Path(worker.policy.location) == worker_mount / announced.location
-        assert directory_sha256(worker.policy.location, scheme=announced.digest) == announced.sha256
+        assert worker.loader.policy is not None and worker.loader.policy.sha256 == announced.sha256
+        assert Path(worker.loader.policy.location) == worker_mount / announced.location
+        assert directory_sha256(worker.loader.policy.location, scheme=announced.digest) == announced.sha256
 
 
 async def test_a_relative_location_without_a_store_root_is_refused(
@@ -74,8 +73,8 @@ async def test_a_relative_location_without_a_store_root_is_refused(
         worker = RolloutWorker(bus_config, planes.redis, planes.worker, worker_id="w0", reward=reward)
         async with asyncio.timeout(20):
             await planes.worker.wait_for("policy", 0)
-        await worker._maybe_load()
-        assert worker.version == -1 and worker.versions.refused == {0}
+        await worker.load_announced()
+        assert worker.version == -1 and worker.loader.versions.refused == {0}
         assert "bus.store_root is not set" in worker.registry.info["refused_policy"]
     assert announced.version == 0
 

@@ -14,11 +14,11 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PromptGroup, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import PAYLOAD_FIELD, StreamProducer, stream_backlog, trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
-from tlt_stream.messages import PromptGroup, Tensor, WorkerState, WorkerStatus, codec_for
 
 pytestmark = [pytest.mark.redis]
 
@@ -155,7 +155,7 @@ CONSUMER_SCRIPT = textwrap.dedent(
     import asyncio, sys, msgspec, redis.asyncio as aioredis
     from tlt_stream.bus.consumer import StreamReader
     from tlt_stream.bus.streams import Keys
-    from tlt_stream.config import BusConfig
+    from tlt_stream.basics.config import BusConfig
 
     async def main():
         bus = msgspec.json.decode(sys.argv[2], type=BusConfig)
@@ -278,7 +278,7 @@ async def test_retention_durable_trims_only_acked_buffer_is_bounded(bus_config: 
     assert await trim_acked(redis, keys.stream("prompts")) == 4, "up to the first undelivered entry"
 
     window = Tensor.from_values([[0.0] * 4] * 2, "float32")
-    from tlt_stream.messages import HiddenWindow
+    from tlt_stream.basics.messages import HiddenWindow
 
     for _ in range(4):
         await producer.send(

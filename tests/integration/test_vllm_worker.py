@@ -7,24 +7,23 @@ import sys
 
 import pytest
 
-from tlt_stream.cli import main
-from tlt_stream.roles.rollout_worker import RolloutSettings
-from tlt_stream.rollout.adaptive import AdaptiveSettings
+from tlt_stream.basics.config import DEFAULTS, ConfigError, override
+from tlt_stream.commands.cli import main
 
 
 def test_adaptive_sd_is_refused_on_the_vllm_backend() -> None:
-    with pytest.raises(ValueError, match="fixed --sd-arm"):
-        RolloutSettings(drafter="ngram", adaptive=AdaptiveSettings(), backend="vllm")
-    with pytest.raises(ValueError, match="unknown rollout backend 'tensorrt'"):
-        RolloutSettings(backend="tensorrt")
+    with pytest.raises(ConfigError, match="--fixed-sd --sd-arm"):
+        override(DEFAULTS, {"sd.drafter": "ngram", "sd.adaptive": True, "rollout.backend": "vllm"})
+    with pytest.raises(ConfigError, match=r"rollout\.backend: invalid enum value 'tensorrt'"):
+        override(DEFAULTS, {"rollout.backend": "tensorrt"})
 
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ([], "the vllm rollout backend needs vLLM"),
-        (["--drafter", "ngram"], "use a fixed sd.arm"),  # adaptive SD, the default
-        (["--drafter", "ngram", "--adaptive-sd"], "use a fixed sd.arm"),
+        ([], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),
+        (["--drafter", "ngram"], "configuration error: sd.adaptive: "),  # adaptive SD, the default
+        (["--drafter", "ngram", "--adaptive-sd"], "configuration error: sd.adaptive: "),
     ],
 )
 def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(
@@ -35,4 +34,4 @@ def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(
     argv = ["rollout-worker", "--backend", "vllm", "--redis-url", "redis://127.0.0.1:9/0", *extra]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tlt-stream rollout-worker: ") and needle in err and "\n" not in err
+    assert err.startswith("tlt-stream") and needle in err and "\n" not in err

@@ -7,12 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from tlt_stream.basics.config import SdConfig
 from tlt_stream.drafter.model import Drafter
 from tlt_stream.model import load_model
-from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.rollout.adaptive import AdaptiveSd
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer, NgramProposer
-from tlt_stream.rollout.tuner import Arm
+
+
+class SteadyClock:
+    """A clock that moves `tick` seconds each time it is read: every step the controller times lasts `tick`,
+    so what it measures (tokens per second) and hence the arms it picks are the same on a busy machine."""
+
+    def __init__(self, tick: float = 0.001) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
 
 
 def drain(adaptive: AdaptiveSd, prompts: list[list[int]], lengths: list[int]) -> dict[int, list[int]]:
@@ -40,8 +53,8 @@ def test_switching_sd_and_arms_mid_sequence_keeps_greedy_output_identical(init_p
     engine = GenerationEngine(model, 6, 96, proposer=proposer)
     # On at batch <= 3, off above 4: the drain crosses it; epsilon 0.5 makes arms change from step to step.
     mixed_arms = ("plain", "d2k1v2", "group-d8v8", "d4k2v8+g8", "d2k1v2|g6")
-    arms = mixed_arms if kind == "mixed" else AdaptiveSettings().arms
-    adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.5, seed=1, arms=arms))
+    arms = mixed_arms if kind == "mixed" else SdConfig().arms
+    adaptive = AdaptiveSd(engine, SdConfig(crossover=5, margin=1, epsilon=0.5, seed=1, arms=arms), clock=SteadyClock())
     done = drain(adaptive, prompts, lengths)
     assert [done[i] for i in range(6)] == [r.token_ids[:n] for r, n in zip(plain, lengths, strict=True)]
     assert adaptive.switch.switches >= 1 and engine.rounds > 0 and engine.plain_steps > 0
@@ -59,7 +72,7 @@ def test_switching_sd_and_arms_mid_sequence_keeps_greedy_output_identical(init_p
 def test_a_published_table_is_exploited_and_a_new_drafter_is_noted(init_policy: Path) -> None:
     model = load_model(init_policy)
     engine = GenerationEngine(model, 4, 96, proposer=EagleProposer(Drafter(model.spec).bind(model)))
-    adaptive = AdaptiveSd(engine, AdaptiveSettings(crossover=8, margin=1, epsilon=0.0))
+    adaptive = AdaptiveSd(engine, SdConfig(crossover=8, margin=1, epsilon=0.0), clock=SteadyClock())
     best = Arm.from_label("d2k1v2")
     assert adaptive.adopt({b: best for b in range(8)} | {0: Arm.from_label("ngram-d4")}, drafter_version=0)
     drain(adaptive, [[5, 9, 12]] * 2, [12, 12])
@@ -79,8 +92,8 @@ def test_above_the_crossover_an_arm_measured_faster_than_plain_runs_unless_told_
 ) -> None:
     model = load_model(init_policy)
     engine = GenerationEngine(model, 4, 96, proposer=EagleProposer(Drafter(model.spec).bind(model)))
-    settings = AdaptiveSettings(crossover=2, margin=0, epsilon=0.0, above_crossover=above)  # on at batch 1 only
-    adaptive = AdaptiveSd(engine, settings)
+    settings = SdConfig(crossover=2, margin=0, epsilon=0.0, above_crossover=above)  # on at batch 1 only
+    adaptive = AdaptiveSd(engine, settings, clock=SteadyClock())
     faster = Arm.from_label("d2k1v2")
     for batch in (2, 3, 4):  # measured where the switch is off: d2k1v2 beat plain there, often enough
         adaptive.tuner.record(batch, Arm.plain(), 100, 1.0)
@@ -122,7 +135,9 @@ def test_each_step_is_chosen_and_recorded_in_the_group_context_read_before_it(
     )
     arms = ("plain", "d2k1v2", "group-d8v8", "d2k1v2|g6")
     adaptive = AdaptiveSd(
-        engine, AdaptiveSettings(crossover=5, margin=1, epsilon=0.3, arms=arms, context_rows=context_rows)
+        engine,
+        SdConfig(crossover=5, margin=1, epsilon=0.3, arms=arms, context_rows=context_rows),
+        clock=SteadyClock(),
     )
     read, chosen, recorded = [], [], []
     context, choose, record = group.context, adaptive.tuner.choose, adaptive.tuner.record

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tlt_stream.cli import main
-from tlt_stream.config import Config  # launch.sd defaults to eagle: the world needs a drafter
+from tlt_stream.basics.config import Config  # launch.sd defaults to eagle: the world needs a drafter
+from tlt_stream.commands.cli import main
+from tlt_stream.commands.run.launch import RunPlan
 from tlt_stream.drafter.model import load_drafter
-from tlt_stream.launch import RunPlan
 from tlt_stream.model import load_model
 from tlt_stream.tasks import bootstrap as bootstrap_module
 from tlt_stream.tasks.bootstrap import MARKER, STAGING, bootstrap, unfinished

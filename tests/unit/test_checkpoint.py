@@ -230,7 +230,7 @@ def test_restore_refuses_weights_that_do_not_fit_the_model(tmp_path: Path) -> No
 
 
 def test_restore_refuses_optimizer_state_from_different_parameter_groups(tmp_path: Path) -> None:
-    from tlt_stream.errors import CheckpointError
+    from tlt_stream.basics.errors import CheckpointError
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 
     model, optimizer = trained()

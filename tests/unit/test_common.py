@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tlt_stream.common import as_text, stable_hex, stable_int
+from tlt_stream.basics.common import as_text, stable_hex, stable_int
 
 
 def test_the_stable_hash_is_sha1_of_the_utf8_text_truncated() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-import tlt_stream.cli
+import tlt_stream.commands.cli
 from tests.compose_file import (
     COMPOSE_FILE,
     CPU_OVERRIDE,
@@ -34,7 +34,7 @@ from tests.compose_file import (
     services,
     untagged,
 )
-from tlt_stream.cli import build_parser
+from tlt_stream.commands.cli import build_parser
 
 SUBCOMMANDS = {
     "bootstrap": "bootstrap",
@@ -60,7 +60,7 @@ SHELL = {"TLT_CONFIG_FILE": "/srv/tlt/mine.toml", "TLT_WORLD_SIZE": "small", "TL
 
 def cli_args(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What the service's command line hands to `tlt-stream`: a `python -m services.X` entry point is run
-    in-process with `tlt_stream.cli.main` replaced, so the arguments it forwards are seen exactly."""
+    in-process with `tlt_stream.commands.cli.main` replaced, so the arguments it forwards are seen exactly."""
     line = argv(service)
     if line[0] == "tlt-stream":
         return line[1:]
@@ -68,11 +68,11 @@ def cli_args(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[s
     module = line[2]
     assert (ROOT / Path(*module.split("."))).with_suffix(".py").exists(), f"no entry point {module}"
     forwarded: list[list[str]] = []
-    monkeypatch.setattr(tlt_stream.cli, "main", lambda args=None: forwarded.append(list(args or [])) or 0)
+    monkeypatch.setattr(tlt_stream.commands.cli, "main", lambda args=None: forwarded.append(list(args or [])) or 0)
     monkeypatch.setattr(sys, "argv", [module, *line[3:]])
     with pytest.raises(SystemExit) as exited:
         runpy.run_module(module, run_name="__main__")
-    assert exited.value.code == 0 and len(forwarded) == 1, f"{module} did not call tlt_stream.cli.main once"
+    assert exited.value.code == 0 and len(forwarded) == 1, f"{module} did not call tlt_stream.commands.cli.main once"
     return forwarded[0]
 
 

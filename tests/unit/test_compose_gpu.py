@@ -11,7 +11,7 @@ import pytest
 
 from tests.compose_file import COMPOSE_FILE, Tagged, argv, compose_command, environment, load, make_env, untagged
 from tests.unit.test_compose import compose_config
-from tlt_stream.cli import build_parser, main
+from tlt_stream.commands.cli import build_parser, main
 
 
 def generate(capsys: pytest.CaptureFixture[str], *flags: str) -> str:

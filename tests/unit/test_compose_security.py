@@ -40,8 +40,8 @@ from tests.compose_file import (
     read_env_file,
     services,
 )
+from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.bus.connect import mqtt_params
-from tlt_stream.config import BusConfig, Config
 
 SERVICE_ROLES = ("policy", "rollout", "learner")
 PUBLISHER = {"policy": "learner", "drafter": "rollout", "sd_config": "policy"}
@@ -363,8 +363,8 @@ def test_the_monitor_reads_everything_and_writes_nothing(redis_server: tuple[int
 async def test_doctor_and_monitor_see_the_run_through_the_monitor_user(
     redis_server: tuple[int, dict[str, str]],
 ) -> None:
-    from tlt_stream.doctor import inspect_redis
-    from tlt_stream.monitor import snapshot
+    from tlt_stream.commands.doctor_checks import inspect_redis
+    from tlt_stream.roles.monitor import snapshot
 
     port, env = redis_server
     for call in data_plane(as_user(port, env, "rollout")).values():
@@ -482,7 +482,7 @@ async def test_only_the_owner_of_a_control_kind_publishes_it_and_everyone_reads_
 async def test_the_policy_topic_takes_the_learner_only_and_the_doctor_reads_the_broker(
     broker: tuple[int, dict[str, str]],
 ) -> None:
-    from tlt_stream.doctor import inspect_mqtt
+    from tlt_stream.commands.doctor_checks import inspect_mqtt
 
     port, env = broker
     async with client(port, env, "learner") as learner:

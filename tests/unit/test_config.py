@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.config import Config, ConfigError, describe, load_config, redact_config, redact_text, redact_url
+from tlt_stream.basics.config import Config, ConfigError, describe, load_config, redact_config, redact_text, redact_url
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -124,7 +124,11 @@ def test_redact_url_and_config_leave_what_holds_no_secret() -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tlt_stream.cli", *args], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "tlt_stream.commands.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -142,7 +146,7 @@ def test_cli_config_error_is_one_line_exit_2_no_traceback(tmp_path: Path) -> Non
 def test_cli_help_imports_nothing_heavy() -> None:
     code = (
         "import sys, contextlib, io\n"
-        "from tlt_stream.cli import main\n"
+        "from tlt_stream.commands.cli import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['--help'])\n"
         "main(['config', 'describe'])\n"

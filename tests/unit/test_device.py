@@ -50,8 +50,8 @@ def test_services_refuse_a_missing_device_in_one_line_before_connecting(service:
 
 
 def test_run_plans_pass_the_device_to_workers_and_learner(tmp_path: Path) -> None:
-    from tlt_stream.config import load_config
-    from tlt_stream.launch import RunPlan, service_commands, write_service_config
+    from tlt_stream.basics.config import load_config
+    from tlt_stream.commands.run.launch import RunPlan, service_commands, write_service_config
 
     (tmp_path / "policy").mkdir()
     config = load_config(

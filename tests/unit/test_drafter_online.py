@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tlt_stream.basics.config import DrafterConfig
+from tlt_stream.basics.messages import HiddenWindow, Tensor
 from tlt_stream.drafter import online
 from tlt_stream.drafter.buffer import WindowBuffer, window_from_message
 from tlt_stream.drafter.model import Drafter, load_drafter
 from tlt_stream.drafter.online import (
-    LrSchedule,
     OnlineDrafterTrainer,
-    OnlineTrainingConfig,
     SliceEnd,
     held_out_acceptance,
+    lr_at,
 )
 from tlt_stream.drafter.train import PackedBatch, Window, pack_windows
-from tlt_stream.messages import HiddenWindow, Tensor
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
@@ -31,8 +31,11 @@ pytestmark = pytest.mark.xdist_group("test_drafter_online")
 SPEC = ModelSpec(
     "qwen2", vocab_size=29, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
 )
-CONFIG = OnlineTrainingConfig(
-    schedule=LrSchedule(base_lr=3e-3, warmup_steps=5, kind="cosine", total_steps=40),
+CONFIG = DrafterConfig(
+    lr=3e-3,
+    lr_warmup_steps=5,
+    lr_schedule="cosine",
+    lr_total_steps=40,
     row_tokens=64,
     batch_pairs=128,
     unroll=3,
@@ -77,7 +80,7 @@ def filled_buffer(windows: list[Window]) -> WindowBuffer:
 
 
 def make_trainer(
-    target: Transformer, buffer: WindowBuffer, init_seed: int, config: OnlineTrainingConfig = CONFIG
+    target: Transformer, buffer: WindowBuffer, init_seed: int, config: DrafterConfig = CONFIG
 ) -> OnlineDrafterTrainer:
     torch.manual_seed(init_seed)
     return OnlineDrafterTrainer(Drafter(SPEC).bind(target), buffer, config, policy_version=2)
@@ -159,7 +162,7 @@ def test_save_load_round_trip_and_resumed_training_match_uninterrupted_training(
     resumed = make_trainer(target, buffer, init_seed=99)  # another worker, another random init
     assert resumed.load_state(saved) == {"fence": 7}
     assert resumed.step_count == 3 and resumed.policy_version == 2
-    assert resumed.lr == at_save[2] != CONFIG.schedule.lr_at(0) != CONFIG.schedule.lr_at(7)
+    assert resumed.lr == at_save[2] != lr_at(CONFIG, 0) != lr_at(CONFIG, 7)
     assert_same(weights(resumed), at_save[0])
     assert_same(moments(resumed), at_save[1])
     assert torch.equal(resumed.generator.get_state(), at_save[3])
@@ -281,7 +284,7 @@ def test_held_out_acceptance_ranks_a_trained_drafter_above_a_random_one(
     target: Transformer, train_windows: list[Window]
 ) -> None:
     held_out = greedy_windows(target, 8, 24, seed=2)
-    config = OnlineTrainingConfig(schedule=LrSchedule(base_lr=3e-3, warmup_steps=5), row_tokens=64, batch_pairs=256)
+    config = DrafterConfig(lr=3e-3, lr_warmup_steps=5, row_tokens=64, batch_pairs=256)
     trainer = make_trainer(target, filled_buffer(train_windows), init_seed=1, config=config)
     untrained = {d: held_out_acceptance(trainer.drafter, held_out, d) for d in (1, 4)}
     trainer.train_slice(max_steps=80)

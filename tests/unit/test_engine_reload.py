@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.drafter.model import Drafter, save_drafter
-from tlt_stream.errors import CheckpointError
 from tlt_stream.model import load_model
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine

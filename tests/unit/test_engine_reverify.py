@@ -554,7 +554,7 @@ def test_a_sample_counts_the_forwards_of_discarded_tokens_too(tiny) -> None:
     tokens emitted over the target forwards that emitted them: it survives the wire, lies between 1 and a
     round's most (depth + 1), and is at least the emitted tokens over every target forward the engine ran
     for the request (counted here by wrapping the policy's forward)."""
-    from tlt_stream.messages import PromptGroup, codec_for
+    from tlt_stream.basics.messages import PromptGroup, codec_for
     from tlt_stream.rl.samples import make_sample
     from tlt_stream.rollout.proposers import OracleProposer
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tlt_stream.cli import main
+from tlt_stream.commands.cli import main
 from tlt_stream.drafter.export import (
     ExportError,
     eagle_tensor_names,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.failpoints import parse_failpoints
+from tlt_stream.basics.failpoints import parse_failpoints
 
-SCRIPT = "from tlt_stream.failpoints import failpoint\nfailpoint('a.b')\nprint('went on', flush=True)\n"
+SCRIPT = "from tlt_stream.basics.failpoints import failpoint\nfailpoint('a.b')\nprint('went on', flush=True)\n"
 
 
 def _run(tmp_path: Path, spec: str) -> subprocess.CompletedProcess[str]:

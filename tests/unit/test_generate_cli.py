@@ -48,7 +48,7 @@ def generate(checkpoint: Path, tmp_path: Path, rows: list, *extra: str) -> subpr
         [
             sys.executable,
             "-m",
-            "tlt_stream.cli",
+            "tlt_stream.commands.cli",
             "generate",
             "--model",
             str(checkpoint),

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tlt_stream.messages import Sample, Tensor
+from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.rl.groups import GroupAssembler
 
 

@@ -190,7 +190,7 @@ def test_advantage_errors() -> None:
 
 
 def test_config_defaults_and_validation() -> None:
-    from tlt_stream.config import DEFAULTS
+    from tlt_stream.basics.config import DEFAULTS
 
     config = GrpoLossConfig()  # the learner's defaults, written once in the configuration tree
     assert (config.clip_low, config.clip_high, config.kl_coef) == (0.2, 0.28, 0.0)

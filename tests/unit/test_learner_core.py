@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tlt_stream.messages import Sample, Tensor
+from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 

@@ -9,15 +9,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from tlt_stream.basics.config import Config
 from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from tlt_stream.rl.records import load_metrics
-from tlt_stream.roles.learner import LearnerService
+from tlt_stream.roles.learner_parts.records import UpdateRecords
 
 
-def bare_service(run_dir: Path) -> LearnerService:
-    service = LearnerService.__new__(LearnerService)  # only the file-handling methods are exercised
-    service.run_dir = run_dir
-    return service
+def bare_service(run_dir: Path) -> UpdateRecords:
+    return UpdateRecords(Config(), run_dir, None, lambda: None)  # type: ignore[arg-type]  # files only
 
 
 def test_a_missing_metrics_line_is_recovered_from_the_checkpoint(tmp_path: Path, init_policy: Path) -> None:
@@ -32,12 +31,12 @@ def test_a_missing_metrics_line_is_recovered_from_the_checkpoint(tmp_path: Path,
     found = latest_checkpoint(tmp_path / "checkpoints")
     assert found is not None
     _, meta = restore_checkpoint(found, restore_rng=False)
-    service._recover_metrics_row(found, meta)
+    service.recover_row(found, meta)
     rows = load_metrics(tmp_path)
     assert [r["version"] for r in rows] == [1, 2]
     assert rows[1]["trained_groups"] == extra["trained_groups"] and rows[1]["recovered"] is True
     assert rows[1]["groups"] == 2.0 and rows[1]["reward_mean"] == 0.5
-    service._recover_metrics_row(found, meta)  # a second restart writes nothing more
+    service.recover_row(found, meta)  # a second restart writes nothing more
     service._append_metrics({"version": 3, "trained_groups": []})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["version"] == 3 and len(load_metrics(tmp_path)) == 3

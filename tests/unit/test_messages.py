@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tlt_stream.messages import (
+from tlt_stream.basics.messages import (
     CONTROL_CODEC,
     DeadLetter,
     DrafterVersion,

@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tlt_stream.config import ConfigError
-from tlt_stream.messages import DrafterStats, LearnerStats, RolloutStats
-from tlt_stream.monitor import (
+from tlt_stream.basics.config import ConfigError
+from tlt_stream.basics.messages import DrafterStats, LearnerStats, RolloutStats
+from tlt_stream.roles.monitor import (
     MetricsServer,
     MonitorOptions,
     drafter_summary,
@@ -128,7 +128,7 @@ def test_each_draft_sources_acceptance_is_summed_over_the_window() -> None:
         "eagle": {"drafted": 40, "accepted": 0, "rate": 0.0},
         "group": {"drafted": 100, "accepted": 40, "rate": 0.4},
     }
-    from tlt_stream.monitor.dashboard import _sources
+    from tlt_stream.roles.monitor.dashboard import _sources
 
     assert _sources(summary["draft_sources"]) == "; drafts accepted: eagle 0.00 (0/40), group 0.40 (40/100)"
 
@@ -168,7 +168,7 @@ def test_partial_rollouts_count_per_step_the_drafts_were_verified_into() -> None
     assert summary["partial"]["9"] == {
         "ahead_tokens": 0, "kept_tokens": 0, "discarded_tokens": 0, "kept_share": None, "ahead_seconds": 0.25,
     }  # fmt: skip
-    from tlt_stream.monitor.dashboard import _partial
+    from tlt_stream.roles.monitor.dashboard import _partial
 
     line = _partial({"partial": {"5": step5, "4": step4}})
     assert line is not None and line.plain == (
@@ -200,7 +200,7 @@ def test_stale_drops_compare_dropped_and_trained_lengths_in_the_same_updates() -
     }
     none = stale_drops([(1, 16, {"stale_dropped_groups": 0.0, "response_len_mean": 20.0})])
     assert (none["groups"], none["dropped_len_mean"], none["trained_len_mean"]) == (0, None, None)
-    from tlt_stream.monitor.dashboard import _stale_drops
+    from tlt_stream.roles.monitor.dashboard import _stale_drops
 
     line = _stale_drops(summary)
     assert line is not None and line.plain == (

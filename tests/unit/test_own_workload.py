@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tlt_stream.config import Config, override
+from tlt_stream.basics.config import Config, override
 from tlt_stream.model import stop_token_ids
 from tlt_stream.rl.datasets import DatasetError, Example, PromptPool, load_examples
 from tlt_stream.rl.rewards import RewardError, exact_reward, resolve_reward
@@ -109,9 +109,9 @@ def test_drafter_init_warms_a_drafter_up_on_the_policys_own_responses_and_run_st
 ) -> None:
     import torch
 
-    from tlt_stream.cli import main
+    from tlt_stream.commands.cli import main
+    from tlt_stream.commands.run.launch import RunPlan, service_config
     from tlt_stream.drafter.model import load_drafter
-    from tlt_stream.launch import RunPlan, service_config
     from tlt_stream.model import load_model
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
@@ -163,7 +163,7 @@ def test_a_reward_gets_the_rows_other_fields_it_asks_for(tmp_path: Path) -> None
 
 
 def test_the_tiny_world_can_revisit_a_fixed_pool_in_epochs() -> None:
-    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.basics.config import DEFAULTS, override
     from tlt_stream.rl.datasets import PromptPool
     from tlt_stream.roles.policy import RepeatedAddSource, task_source
 

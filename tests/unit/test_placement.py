@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.cli import build_parser
-from tlt_stream.config import Config, ConfigError, override
-from tlt_stream.launch import RunPlan, ServiceCommand, Supervisor, service_commands
-from tlt_stream.placement import place, visible_gpus
+from tlt_stream.basics.config import Config, ConfigError, override
+from tlt_stream.commands.cli import build_parser
+from tlt_stream.commands.placement import place, visible_gpus
+from tlt_stream.commands.run.launch import RunPlan, ServiceCommand, Supervisor, service_commands
 
 
 def plan_for(tmp_path: Path, gpus: tuple[str, ...], **values: object) -> tuple[RunPlan, Config]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlt_stream.progress import PhaseProgress
+from tlt_stream.basics.progress import PhaseProgress
 
 
 def test_plain_progress_logs_each_tenth_of_each_phase(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tlt_stream.report import draft_sources, partial_rollouts, stale_drops, state_intervals, write_report
+from tlt_stream.commands.report import draft_sources, partial_rollouts, stale_drops, state_intervals, write_report
 
 
 def test_state_intervals_follow_each_workers_transitions_until_the_end() -> None:

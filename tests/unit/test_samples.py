@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.drafter.train import Window
-from tlt_stream.messages import PromptGroup, codec_for
 from tlt_stream.model import load_model
 from tlt_stream.rl.samples import hidden_window, make_sample
 from tlt_stream.rollout.arms import Arm
@@ -87,18 +87,18 @@ def test_the_sample_carries_the_group_the_versions_and_tokens_per_forward(model)
 
 
 def test_hidden_share_picks_a_stable_uniform_subset_apart_from_the_held_out_split() -> None:
+    from tlt_stream.basics.config import DEFAULTS, ConfigError, override
     from tlt_stream.roles.drafter_trainer import _held_out
-    from tlt_stream.roles.rollout_worker import RolloutSettings, streams_hidden
+    from tlt_stream.roles.worker.tasks import streams_hidden
 
     ids = [f"s{step:06d}-{p:04d}/{g}" for step in range(50) for p in range(16) for g in range(8)]
-    quarter = RolloutSettings(hidden_share=0.25)
-    chosen = [i for i in ids if streams_hidden(i, quarter)]
+    chosen = [i for i in ids if streams_hidden(i, 0.25)]
     assert abs(len(chosen) / len(ids) - 0.25) < 0.02
-    assert chosen == [i for i in ids if streams_hidden(i, RolloutSettings(hidden_share=0.25))], "stable"
-    assert all(streams_hidden(i, RolloutSettings(hidden_share=1.0)) for i in ids[:100]), "share 1: every sample"
+    assert chosen == [i for i in ids if streams_hidden(i, 0.25)], "stable"
+    assert all(streams_hidden(i, 1.0) for i in ids[:100]), "share 1: every sample"
     # The trainer holds back ~10% of the windows it receives by another hash: still ~10% of the chosen ones.
     held = sum(_held_out(i, 10) for i in chosen) / len(chosen)
     assert 0.07 < held < 0.13
     for bad in (0.0, -0.5, 1.5):
-        with pytest.raises(ValueError, match="hidden_share"):
-            RolloutSettings(hidden_share=bad)
+        with pytest.raises(ConfigError, match=r"rollout\.hidden_share"):
+            override(DEFAULTS, {"rollout.hidden_share": bad})

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tlt_stream.bus.embedded import EmbeddedServers, free_port
-from tlt_stream.cli import RedactingFormatter, main
+from tlt_stream.commands.cli import RedactingFormatter, main
 
 SECRET = "hunter2-Zq9"
 """Every password in this file: the one string that must never come out."""
@@ -32,7 +32,7 @@ def with_password(url: str, *, query: str = "password") -> str:
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tlt_stream.cli", *args],
+        [sys.executable, "-m", "tlt_stream.commands.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -181,8 +181,8 @@ def test_the_log_formatter_redacts_messages_arguments_and_tracebacks() -> None:
 
 def test_ensure_new_run_error_alone(redis_url: str) -> None:
     """The message of the launcher's check itself, for callers other than the command line."""
-    from tlt_stream.config import BusConfig, Config
-    from tlt_stream.launch import ensure_new_run
+    from tlt_stream.basics.config import BusConfig, Config
+    from tlt_stream.commands.run.launch import ensure_new_run
 
     config = Config(run="used2", bus=BusConfig(redis_url=with_password(redis_url)))
 

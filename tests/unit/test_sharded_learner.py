@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tlt_stream.messages import Sample, Tensor
+from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.rl.checkpoint import checkpoint_at, latest_checkpoint, restore_checkpoint
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerSettings, deal_by_tokens

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.cli import build_parser
+from tlt_stream.commands.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "deploy" / "slurm"

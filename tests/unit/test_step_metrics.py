@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tlt_stream.messages import Sample, Tensor
+from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.rl.metrics import accept_by_drafter, length_summary, rollout_timing, staleness_histogram
 
 

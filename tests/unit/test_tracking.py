@@ -58,7 +58,7 @@ def test_a_missing_package_or_an_unknown_name_is_one_clear_error(monkeypatch: py
 
 
 def test_the_learner_gives_wandb_its_configuration_without_secrets(tmp_path: Path) -> None:
-    from tlt_stream.config import DEFAULTS, override
+    from tlt_stream.basics.config import DEFAULTS, override
     from tlt_stream.rl.tracking import trackers_for
 
     config = override(

@@ -14,19 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.stats import chi2_threshold, chi_square
-from tlt_stream.messages import SdArmReport
-from tlt_stream.rollout.tuner import (
-    DEFAULT_ARMS,
+from tlt_stream.basics.messages import SdArmReport
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.switch import (
     DEFAULT_EDGES,
-    Arm,
     SdSwitch,
     SdTable,
-    SdTuner,
     aggregate_reports,
     arm_of_report,
     bucket_of,
     threshold_from_crossover,
 )
+from tlt_stream.rollout.tuner import DEFAULT_ARMS, SdTuner
 
 PLAIN = Arm.plain()
 NGRAM = Arm.ngram(4)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from tlt_stream.messages import PromptGroup, Sample, Tensor
+from tlt_stream.basics.messages import PromptGroup, Sample, Tensor
 from tlt_stream.rl.validate import location_problem, prompt_problem, sample_problem
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tlt_stream.cli import main
+from tlt_stream.commands.cli import main
 from tlt_stream.drafter.export import export_drafter
 from tlt_stream.drafter.model import Drafter, save_drafter
 from tlt_stream.model import load_model
@@ -182,9 +182,9 @@ def test_importing_tlt_stream_never_imports_vllm(tmp_path: Path) -> None:
     (fake / "__init__.py").write_text("raise RuntimeError('vllm was imported')\n")
     code = (
         "import sys\n"
-        "import tlt_stream, tlt_stream.cli, tlt_stream.generate, tlt_stream.drafter.export\n"
+        "import tlt_stream, tlt_stream.commands.cli, tlt_stream.commands.generate, tlt_stream.drafter.export\n"
         "import tlt_stream.rollout.vllm.backend, tlt_stream.rollout.vllm.config\n"
-        "tlt_stream.cli.build_parser()\n"
+        "tlt_stream.commands.cli.build_parser()\n"
         "assert 'vllm' not in sys.modules, 'vllm in sys.modules'\n"
         "print('ok')\n"
     )

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, bucket_of
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.switch import DEFAULT_EDGES, SdSwitch, bucket_of
 from tlt_stream.rollout.vllm.config import (
     SpecTranslation,
     UnsupportedSetting,

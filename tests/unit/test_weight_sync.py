@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.reference_digest import sha256_v1, sha256_v2
-from tlt_stream.config import Config
-from tlt_stream.messages import PolicyVersion, Sample, Tensor
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion, Sample, Tensor
 from tlt_stream.rl.checkpoint import CheckpointInfo, latest_checkpoint, restore_checkpoint
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.learner import LearnerSettings
@@ -207,15 +207,15 @@ def test_checkpoints_from_before_v2_still_verify_and_load(tmp_path: Path, init_p
 def worker_for(tmp_path: Path) -> Any:
     import fakeredis.aioredis
 
-    from tlt_stream.roles.rollout_worker import RolloutSettings, RolloutWorker
+    from tlt_stream.basics.config import override
+    from tlt_stream.roles.rollout_worker import RolloutWorker
 
     return RolloutWorker(
-        Config(run="t"),
+        override(Config(run="t"), {"rollout.max_batch": 2, "rollout.max_len": 64}),
         fakeredis.aioredis.FakeRedis(),
-        None,  # type: ignore[arg-type]  # _load touches no control plane
+        None,  # type: ignore[arg-type]  # loading touches no control plane
         worker_id="w0",
         reward=lambda text, answer: 0.0,
-        settings=RolloutSettings(max_batch=2, max_len=64),
     )
 
 
@@ -237,7 +237,7 @@ def versions(tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def engine_weights(worker: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in worker.engine.model.state_dict().items()}
+    return {k: v.clone() for k, v in worker.loader.engine.model.state_dict().items()}
 
 
 def test_each_weight_file_is_read_once_per_load_and_the_engine_gets_those_tensors(
@@ -252,11 +252,11 @@ def test_each_weight_file_is_read_once_per_load_and_the_engine_gets_those_tensor
         files = sorted(p.name for p in directory.glob("*.safetensors"))
         assert len(files) > 1
         with weight_file_opens(lambda path, directory=directory: path.parent == directory) as opens:
-            worker._load(version)
+            worker.loader._load(version, None, -1)
         assert opens == Counter({("read", name): 1 for name in files}), f"version {version.version}"
         expected = load_model(directory).state_dict()
         assert all(torch.equal(expected[k], v) for k, v in engine_weights(worker).items())
-        assert worker.policy == version
+        assert worker.loader.policy == version
 
 
 @pytest.mark.parametrize("where", ["tensor data", "safetensors header"])
@@ -265,17 +265,17 @@ def test_a_flipped_byte_is_refused_by_the_worker_and_nothing_of_it_is_loaded(
 ) -> None:
     announced = versions(tmp_path, init_policy, monkeypatch)
     worker = worker_for(tmp_path)
-    worker._load(announced[0])
+    worker.loader._load(announced[0], None, -1)
     before = engine_weights(worker)
     damaged = sorted(Path(announced[1].location).glob("model-*.safetensors"))[-1]
     flip_byte(damaged, -3 if where == "tensor data" else 20)  # the header's JSON starts at byte 8
     with pytest.raises(ChecksumMismatch):
-        worker._load(announced[1])
-    assert worker.policy == announced[0]
+        worker.loader._load(announced[1], None, -1)
+    assert worker.loader.policy == announced[0]
     after = engine_weights(worker)
     assert all(torch.equal(before[k], after[k]) for k in before), "no tensor of the damaged version was loaded"
-    worker._load(announced[2])  # the next good version loads
-    assert worker.policy == announced[2]
+    worker.loader._load(announced[2], None, -1)  # the next good version loads
+    assert worker.loader.policy == announced[2]
 
 
 # --- the zero-copy reader ----------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def drafter_fit(models: dict[str, Path]) -> Path:
     """A drafter warmed up for seconds on the policy's own sampled responses (`drafter/warmup.py`): its
     drafts are accepted far more often than the random drafter's."""
-    from tlt_stream.drafter.warmup import policy_windows, warm_up_drafter
+    from tlt_stream.rollout.warmup import policy_windows, warm_up_drafter
 
     policy = models["policy"]
     windows = policy_windows(policy, prompt_ids(16, seed=11), max_len=80, stops=[], seed=0, temperature=0.7)

@@ -61,7 +61,7 @@ def test_eagle_sampling_at_t1_follows_the_targets_distribution(fitted, oracle: O
     """The first three tokens of 1,000 samples at T = 1 from one prompt: the joint of tokens 1-2 and the
     marginal of token 3 against transformers' exact distribution (chi-square, false alarm 1e-4 each).
     Tokens 2 and 3 come from vLLM's rejection sampler on this project's drafts."""
-    from tlt_stream.rollout.tuner import DEFAULT_EDGES
+    from tlt_stream.rollout.switch import DEFAULT_EDGES
 
     (prompt,) = prompt_ids(1, seed=22)
     n = 1000
@@ -123,7 +123,7 @@ def test_the_schedule_drafts_only_at_small_batches(fitted, oracle: Oracle) -> No
 def test_a_new_table_takes_effect_without_a_new_engine(fitted, oracle: Oracle) -> None:
     """`set_schedule` with a published table: all plain, then EAGLE at every batch size (above SWITCH too),
     then the engine's own schedule again; the same vLLM engine throughout."""
-    from tlt_stream.rollout.tuner import DEFAULT_EDGES
+    from tlt_stream.rollout.switch import DEFAULT_EDGES
     from tlt_stream.rollout.vllm.config import UnsupportedSetting
 
     buckets = range(len(DEFAULT_EDGES) + 1)
@@ -175,8 +175,8 @@ def test_a_drafter_that_does_not_fit_the_engine_is_refused_in_one_line(
 ) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tlt_stream.basics.errors import CheckpointError
     from tlt_stream.drafter.model import Drafter, save_drafter
-    from tlt_stream.errors import CheckpointError
     from tlt_stream.model import load_model
 
     narrow = tmp_path / "narrow"

@@ -21,8 +21,8 @@ import redis.asyncio as aioredis
 import torch
 
 from tests.vllm.conftest import hf_policy, requires_vllm
+from tlt_stream.basics.config import Config
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config
 
 pytestmark = [*requires_vllm, pytest.mark.redis, pytest.mark.mqtt]
 
@@ -59,7 +59,7 @@ async def test_the_loop_on_vllm_trains_every_sample_once_with_versions_loaded_in
     keys = Keys(bus_config.run)
     out = tmp_path / "run"
     command = [
-        *(sys.executable, "-m", "tlt_stream.cli", "run", "--run", bus_config.run),
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", bus_config.run),
         *("--world", str(world(tmp_path / "w"))),
         *("--out", str(out), "--steps", str(STEPS), "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP)),
         *("--max-len", "96", "--eval", "0", "--fixed-sd", "--set", "rollout.backend=vllm"),

@@ -120,7 +120,7 @@ def test_load_policy_in_place_gives_the_new_checkpoints_logprobs(
 def test_requests_the_engine_cannot_serve_are_refused_in_one_line(engine, tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tlt_stream.errors import CheckpointError
+    from tlt_stream.basics.errors import CheckpointError
     from tlt_stream.rollout.vllm.config import UnsupportedSetting
 
     other = tmp_path / "other"

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff
 
+from tlt_stream.basics.config import Config, redact_text, redact_url
 from tlt_stream.bus.embedded import EmbeddedServers
-from tlt_stream.config import Config, redact_text, redact_url
 
 __all__ = [
     "REDIS_RETRYABLE",
@@ -52,7 +52,7 @@ class OutageBackoff(AbstractBackoff):
         self.base, self.cap = base, cap
 
     def compute(self, failures: int) -> float:
-        from tlt_stream.aio import Backoff
+        from tlt_stream.basics.aio import Backoff
 
         delay = Backoff(base=self.base, cap=self.cap, attempt=failures - 1).next_delay()
         if failures == 2 or failures % 10 == 0:  # the first retry is routine (a dropped idle connection)
@@ -219,7 +219,7 @@ async def purge_run(config: Config) -> int:
     For benchmarks and tests on shared servers: a run's `hidden` stream alone holds ~100 MB at the default
     bound, and keys outlive the processes that wrote them. Never call it on a run that is still going.
     """
-    from tlt_stream.messages import CONTROL_KINDS
+    from tlt_stream.basics.messages import CONTROL_KINDS
 
     if config.bus.redis_url is None or config.bus.mqtt_url is None:
         raise ValueError("purge_run needs the Redis and MQTT URLs of the run (embedded servers vanish with it)")

@@ -33,12 +33,12 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
-from tlt_stream.aio import retry
+from tlt_stream.basics.aio import retry
+from tlt_stream.basics.common import as_text
+from tlt_stream.basics.config import BusConfig
+from tlt_stream.basics.messages import DeadLetter, codec_for
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys, spec
-from tlt_stream.common import as_text
-from tlt_stream.config import BusConfig
-from tlt_stream.messages import DeadLetter, codec_for
 
 __all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "StreamReader", "dead_letter"]
 

@@ -31,12 +31,9 @@ import aiomqtt
 import msgspec
 import redis.asyncio as aioredis
 
-from tlt_stream.aio import Backoff, retry, sleep_or_stop
-from tlt_stream.bus.connect import REDIS_RETRYABLE, mqtt_params
-from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S
-from tlt_stream.bus.streams import Keys
-from tlt_stream.config import Config, redact_url
-from tlt_stream.messages import (
+from tlt_stream.basics.aio import Backoff, retry, sleep_or_stop
+from tlt_stream.basics.config import Config, redact_url
+from tlt_stream.basics.messages import (
     CONTROL_CODEC,
     CONTROL_KINDS,
     ControlMessage,
@@ -44,6 +41,9 @@ from tlt_stream.messages import (
     PolicyVersion,
     SdConfigVersion,
 )
+from tlt_stream.bus.connect import REDIS_RETRYABLE, mqtt_params
+from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S
+from tlt_stream.bus.streams import Keys
 
 __all__ = ["ControlPlane", "read_mirror"]
 

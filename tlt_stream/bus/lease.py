@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from tlt_stream.aio import sleep_or_stop
+from tlt_stream.basics.aio import sleep_or_stop
+from tlt_stream.basics.common import as_text
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.streams import Keys
-from tlt_stream.common import as_text
 
 __all__ = ["DrafterLease", "FencedRecord", "LeaseGrant", "LeaseHolder"]
 

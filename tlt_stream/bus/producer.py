@@ -25,11 +25,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
-from tlt_stream.aio import retry
+from tlt_stream.basics.aio import retry
+from tlt_stream.basics.common import as_text
+from tlt_stream.basics.config import BusConfig
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.streams import Keys, spec
-from tlt_stream.common import as_text
-from tlt_stream.config import BusConfig
-from tlt_stream.messages import codec_for
 
 __all__ = ["StreamProducer", "stream_backlog", "trim_acked"]
 
@@ -64,8 +64,8 @@ def _next_id(entry_id: bytes | str) -> tuple[int, int]:
 def stored_bytes(payload_bytes: int) -> int:
     """What an entry with this payload costs in Redis, a little over: the allocator rounds an allocation up to
     its size class (up to a quarter more, jemalloc), and each stream node adds its radix-tree key, listpack
-    header and master entry (a large entry has a node to itself). Measured with `MEMORY USAGE` on Redis 7
-    for payloads from 40 bytes to 1 MiB, the real cost was at most 97% of this."""
+    header and master entry (a large entry has a node to itself). An upper bound of what `MEMORY USAGE`
+    reports on Redis 7 for payloads from 40 bytes to 1 MiB."""
     return payload_bytes + payload_bytes // 4 + 512
 
 

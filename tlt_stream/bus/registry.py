@@ -23,13 +23,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
-from tlt_stream.aio import sleep_or_stop
+from tlt_stream.basics.aio import sleep_or_stop
+from tlt_stream.basics.common import as_text
+from tlt_stream.basics.config import BusConfig
+from tlt_stream.basics.messages import WorkerState, WorkerStatus
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.common import as_text
-from tlt_stream.config import BusConfig
-from tlt_stream.messages import WorkerState, WorkerStatus
 
 __all__ = ["WorkerRegistry", "list_workers"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tlt_stream.config import BusConfig
+from tlt_stream.basics.config import BusConfig
 
 __all__ = ["STREAMS", "Keys", "StreamSpec", "spec"]
 

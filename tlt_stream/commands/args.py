@@ -54,7 +54,7 @@ def positive(text: str) -> int:
 
 @functools.cache
 def _rows() -> dict[str, tuple[Any, str]]:
-    from tlt_stream.config import describe
+    from tlt_stream.basics.config import describe
 
     return {key: (default, text) for key, default, text in describe()}
 
@@ -63,7 +63,7 @@ def _field(key: str) -> tuple[Any, str, bool]:
     """(default, docstring, holds text) of a dotted configuration key."""
     import msgspec
 
-    from tlt_stream.config import DEFAULTS
+    from tlt_stream.basics.config import DEFAULTS
 
     rows = _rows()
     if key not in rows:
@@ -93,7 +93,7 @@ def setting(
             *flags, dest=dest, action="store_const", const=const, default=None, help=f"{help or doc} ({where})"
         )
         return
-    from tlt_stream.config.load import parse_literal
+    from tlt_stream.basics.config.load import parse_literal
 
     kind = kwargs.pop("type", None) or (str if text else parse_literal)
     if "choices" not in kwargs:
@@ -114,7 +114,7 @@ def flag_values(args: argparse.Namespace) -> dict[tuple[str, ...], Any]:
 
 def load(args: argparse.Namespace, *, default_preset: str | None = None) -> Any:
     """The validated configuration from --config, the environment, --set and the flags."""
-    from tlt_stream.config import load_config
+    from tlt_stream.basics.config import load_config
 
     extra: dict[tuple[str, ...], Any] = {("run",): getattr(args, "run", None)}
     if hasattr(args, "redis_url"):

@@ -31,7 +31,7 @@ def handle(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tlt_stream.progress import PhaseProgress
+    from tlt_stream.basics.progress import PhaseProgress
     from tlt_stream.tasks.bootstrap import bootstrap
 
     torch.set_num_threads(args.threads)

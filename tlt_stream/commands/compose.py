@@ -45,8 +45,8 @@ def register(commands: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from tlt_stream.basics.config import ConfigError
     from tlt_stream.commands.args import EXIT_CONFIG
-    from tlt_stream.config import ConfigError
 
     workers = args.workers or max(1, args.gpus - args.learner_gpus)
     try:
@@ -73,8 +73,8 @@ def _reservation(devices: str, indent: str) -> list[str]:
 
 def render(gpus: int, learner_gpus: int, workers: int, *, base: str = "compose.yaml") -> str:
     """The override's YAML text for `gpus` devices (ids 0 .. gpus-1). ConfigError when they do not go round."""
-    from tlt_stream.launch import learner_launcher
-    from tlt_stream.placement import LEARNER, describe, place, worker_name
+    from tlt_stream.commands.placement import LEARNER, describe, place, worker_name
+    from tlt_stream.commands.run.launch import learner_launcher
 
     placed = place([str(i) for i in range(gpus)], workers=workers, learner_gpus=learner_gpus)
     ranks = len(placed[LEARNER].split(","))

@@ -20,7 +20,7 @@ def register(commands: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     import msgspec
 
-    from tlt_stream.config import PRESETS, describe, redact_config
+    from tlt_stream.basics.config import PRESETS, describe, redact_config
 
     if args.action == "describe":
         for key, default, text in describe():

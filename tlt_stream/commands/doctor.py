@@ -24,6 +24,6 @@ def register(commands: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from tlt_stream.doctor import doctor
+    from tlt_stream.commands.doctor_checks import doctor
 
     return doctor(load(args), as_json=args.json, timeout=args.timeout)

@@ -41,11 +41,11 @@ def handle(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from tlt_stream.config import redact_text
-    from tlt_stream.drafter.warmup import policy_windows, warm_up_drafter
+    from tlt_stream.basics.config import redact_text
+    from tlt_stream.basics.progress import PhaseProgress
     from tlt_stream.model import load_spec, stop_token_ids
-    from tlt_stream.progress import PhaseProgress
     from tlt_stream.rl.datasets import DatasetError, pool_from_config
+    from tlt_stream.rollout.warmup import policy_windows, warm_up_drafter
 
     config = load(args)
     data = config.data

@@ -35,8 +35,8 @@ def handle(args: argparse.Namespace) -> int:
 
     import torch
 
+    from tlt_stream.basics.progress import PhaseProgress
     from tlt_stream.model import CheckpointError
-    from tlt_stream.progress import PhaseProgress
     from tlt_stream.tasks.evaluate import evaluate
 
     torch.set_num_threads(args.threads)

@@ -1,15 +1,208 @@
-"""`tlt-stream generate`: generate from a JSONL file of prompts with the rollout engine (plain or speculative)."""
+"""`tlt-stream generate`: batch generation from a JSONL file with the rollout engine (plain or speculative).
+
+Input rows are `{"prompt_ids": [...]}` or `{"prompt": "..."}` (tokenised with the checkpoint's tokenizer);
+output rows, in input order, are `{"token_ids", "logprobs", "finish_reason", "accept_lengths"}`. A bad row
+stops the command before any generation with one line naming the file and line. `--backend vllm` runs the
+same rows on vLLM (`rollout/vllm/backend.py`; EAGLE chains and n-gram only), refused in one line when vLLM
+is not installed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tlt_stream.commands.args import EXIT_CONFIG, positive
 
-__all__ = ["handle", "register"]
+__all__ = ["InputError", "handle", "read_prompts", "register", "run_generate"]
+
+
+class InputError(Exception):
+    """An input row is malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    model: Path
+    input: Path
+    output: Path
+    drafter: str | None = None
+    depth: int = 4
+    topk: int = 1
+    verify: int | None = None
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    seed: int = 0
+    batch_size: int = 32
+    dtype: str = "float32"
+    backend: str = "torch"
+    """"torch" (this project's engine) or "vllm"."""
+
+
+def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
+    """Token ids of every input row, validated."""
+    tokenizer = None
+    prompts: list[list[int]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{where}: expected an object with 'prompt_ids' or 'prompt'")
+        if "prompt_ids" in row:
+            ids = row["prompt_ids"]
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
+                raise InputError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InputError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            prompts.append(ids)
+        elif "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"]:
+                raise InputError(f"{where}: 'prompt' must be a non-empty string")
+            if tokenizer is None:
+                tokenizer = _tokenizer(tokenizer_dir, where)
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise InputError(f"{where}: the prompt tokenises to nothing")
+            prompts.append(list(ids))
+        else:
+            raise InputError(f"{where}: expected 'prompt_ids' or 'prompt', got keys {sorted(row)}")
+    if not prompts:
+        raise InputError(f"{path}: no prompts")
+    return prompts
+
+
+def _tokenizer(directory: Path, where: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise InputError(
+            f"{where}: a text prompt needs the checkpoint's tokenizer, which failed to load ({exc})"
+        ) from None
+
+
+def _generate_with_progress(engine: Any, prompts: list[list[int]], opts: GenerateOptions, eos: list[int]) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    ids = [
+        engine.add_request(p, opts.max_new_tokens, opts.temperature, opts.seed + i, eos) for i, p in enumerate(prompts)
+    ]
+    done: dict[Any, Any] = {}
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=_stderr_console()) as progress:
+        task = progress.add_task("generate", total=len(ids))
+        while engine.has_unfinished:
+            for result in engine.step():
+                done[result.request_id] = result
+                progress.advance(task)
+    return [done[i] for i in ids]
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
+    from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
+
+    label = None
+    if arm is not None:
+        label = f"ngram-d{arm.depth}" if opts.drafter == "ngram" else arm.label
+    settings = VllmSettings(
+        max_batch=opts.batch_size,
+        max_len=max_len,
+        temperature=opts.temperature,
+        arm=label,
+        dtype=opts.dtype,
+        hidden="none",
+    )
+    return VllmEngine(opts.model, settings=settings, drafter=None if opts.drafter == "ngram" else opts.drafter)
+
+
+def run_generate(opts: GenerateOptions) -> dict[str, Any]:
+    import torch
+
+    from tlt_stream.model import load_model, load_spec, stop_token_ids
+    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import build_proposer
+
+    if opts.backend not in ("torch", "vllm"):
+        raise ValueError(f"unknown backend {opts.backend!r} (torch, vllm)")
+    if opts.backend == "vllm":
+        from tlt_stream.rollout.vllm.backend import require_vllm
+
+        require_vllm()  # before reading anything: one line when it is missing
+    arm = None
+    if opts.drafter is not None:
+        arm = Arm.drafter(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
+    if opts.backend == "vllm":
+        prompts = read_prompts(opts.input, opts.model, load_spec(opts.model).vocab_size)
+        engine = _vllm_engine(opts, max(len(p) for p in prompts) + opts.max_new_tokens, arm)
+    else:
+        model = load_model(opts.model, dtype=getattr(torch, opts.dtype))
+        prompts = read_prompts(opts.input, opts.model, model.spec.vocab_size)
+        max_len = max(len(p) for p in prompts) + opts.max_new_tokens
+        proposer = build_proposer(opts.drafter, model) if opts.drafter is not None else None
+        engine = GenerationEngine(
+            model,
+            opts.batch_size,
+            max_len,
+            proposer=proposer,
+            arm=arm,
+            max_draft_nodes=max(64, arm.verify if arm else 0),
+        )
+    start = time.perf_counter()
+    results = _generate_with_progress(engine, prompts, opts, stop_token_ids(opts.model))
+    seconds = time.perf_counter() - start
+    opts.output.parent.mkdir(parents=True, exist_ok=True)
+    with opts.output.open("w") as out:
+        for r in results:
+            row = {
+                "token_ids": r.token_ids,
+                "logprobs": r.logprobs,
+                "finish_reason": r.finish_reason,
+                "accept_lengths": r.accept_lengths,
+            }
+            out.write(json.dumps(row) + "\n")
+    tokens = sum(len(r.token_ids) for r in results)
+    rounds = sum(len(r.accept_lengths) for r in results)
+    summary = {
+        "prompts": len(results),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "sd": arm.label if arm else "off",
+        "mean_accept_length": round(sum(sum(r.accept_lengths) for r in results) / rounds, 3) if rounds else None,
+        "output": str(opts.output),
+        "backend": opts.backend,
+    }
+    if opts.backend == "vllm":
+        engine.close()
+    print(json.dumps(summary), file=sys.stderr)
+    return summary
 
 
 def register(commands: Any) -> None:
@@ -44,7 +237,6 @@ def register(commands: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
 
-    from tlt_stream.generate import GenerateOptions, InputError, run_generate
     from tlt_stream.model import CheckpointError
     from tlt_stream.rollout.vllm.backend import BackendUnavailable
 

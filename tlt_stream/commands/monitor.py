@@ -35,7 +35,7 @@ def register(commands: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from tlt_stream.monitor import MonitorOptions, monitor
+    from tlt_stream.roles.monitor import MonitorOptions, monitor
 
     options = MonitorOptions(
         once=args.once,

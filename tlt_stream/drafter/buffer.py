@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tlt_stream.basics.messages import HiddenWindow
 from tlt_stream.drafter.train import Window
-from tlt_stream.messages import HiddenWindow
 
 __all__ = ["BufferedWindow", "WindowBuffer", "window_from_message"]
 

@@ -75,8 +75,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, read_drafter
-from tlt_stream.errors import CheckpointError
 from tlt_stream.model.loader import layer_tensor_names
 from tlt_stream.model.spec import ModelSpec
 

@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tlt_stream.config import DEFAULTS, Config
+from tlt_stream.basics.config import DEFAULTS, DrafterConfig
 from tlt_stream.drafter.buffer import WindowBuffer
 from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, save_drafter
 from tlt_stream.drafter.train import PackedBatch, Window, eagle_loss, pack_windows
@@ -44,13 +44,12 @@ from tlt_stream.store.durable import atomic_directory
 from tlt_stream.store.tensors import optimizer_state, optimizer_tensors
 
 __all__ = [
-    "LrSchedule",
     "OnlineDrafterTrainer",
-    "OnlineTrainingConfig",
     "SliceEnd",
     "SliceResult",
     "WindowBuffer",
     "held_out_acceptance",
+    "lr_at",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,72 +61,28 @@ RNG = "rng.safetensors"
 TRAINER = "trainer.json"
 
 
-@dataclass(frozen=True)
-class LrSchedule:
-    """Linear warmup to `base_lr`, then constant or cosine decay to `min_ratio * base_lr` at `total_steps`.
-
-    Its defaults are the configuration's (section drafter: lr, lr_warmup_steps, lr_schedule, ...)."""
-
-    base_lr: float = DEFAULTS.drafter.lr
-    warmup_steps: int = DEFAULTS.drafter.lr_warmup_steps
-    kind: Literal["constant", "cosine"] = DEFAULTS.drafter.lr_schedule
-    total_steps: int = DEFAULTS.drafter.lr_total_steps
-    min_ratio: float = DEFAULTS.drafter.lr_min_ratio
-
-    def __post_init__(self) -> None:
-        if self.base_lr <= 0 or self.warmup_steps < 0 or self.total_steps < 1 or not 0 <= self.min_ratio <= 1:
-            raise ValueError(f"invalid learning-rate schedule {self}")
-        if self.kind not in ("constant", "cosine"):
-            raise ValueError(f"schedule kind must be 'constant' or 'cosine', got {self.kind!r}")
-
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.base_lr * (step + 1) / self.warmup_steps
-        if self.kind == "constant":
-            return self.base_lr
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.base_lr * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+def lr_at(config: DrafterConfig, step: int) -> float:
+    """The drafter's learning rate at `step`: linear warm-up to `lr` over `lr_warmup_steps`, then constant or a
+    cosine decay to `lr_min_ratio * lr` at `lr_total_steps`."""
+    base = config.lr
+    if step < config.lr_warmup_steps:
+        return base * (step + 1) / config.lr_warmup_steps
+    if config.lr_schedule == "constant":
+        return base
+    span = max(1, config.lr_total_steps - config.lr_warmup_steps)
+    progress = min(1.0, (step - config.lr_warmup_steps) / span)
+    return base * (config.lr_min_ratio + (1 - config.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@dataclass(frozen=True)
-class OnlineTrainingConfig:
-    schedule: LrSchedule = LrSchedule()
-    betas: tuple[float, float] = DEFAULTS.drafter.betas
-    weight_decay: float = DEFAULTS.drafter.weight_decay
-    clip: float = DEFAULTS.drafter.clip
-    """Gradient-norm clipping threshold."""
-    unroll: int = DEFAULTS.drafter.unroll
-    """Training-time-test steps of the EAGLE loss (`eagle_loss`)."""
-    row_tokens: int = DEFAULTS.drafter.row_tokens
-    """Pairs per packed row."""
-    batch_pairs: int = DEFAULTS.drafter.batch_pairs
-    """Training pairs drawn from the buffer per step (at least; whole windows are drawn)."""
-    seed: int = DEFAULTS.drafter.seed
-
-    def __post_init__(self) -> None:
-        if self.unroll < 1 or self.row_tokens < 2 or self.batch_pairs < 1 or self.clip <= 0:
-            raise ValueError(f"invalid online training config {self}")
-
-    @classmethod
-    def from_config(cls, config: Config) -> OnlineTrainingConfig:
-        own = config.drafter
-        schedule = LrSchedule(
-            base_lr=own.lr,
-            warmup_steps=own.lr_warmup_steps,
-            kind=own.lr_schedule,
-            total_steps=own.lr_total_steps,
-            min_ratio=own.lr_min_ratio,
-        )
-        return cls(
-            schedule=schedule,
-            betas=own.betas,
-            weight_decay=own.weight_decay,
-            clip=own.clip,
-            unroll=own.unroll,
-            row_tokens=own.row_tokens,
-            batch_pairs=own.batch_pairs,
-            seed=own.seed,
-        )
+def _schedule(config: DrafterConfig) -> dict[str, Any]:
+    """What a saved state records of the learning-rate schedule it was trained with."""
+    return {
+        "base_lr": config.lr,
+        "warmup_steps": config.lr_warmup_steps,
+        "kind": config.lr_schedule,
+        "total_steps": config.lr_total_steps,
+        "min_ratio": config.lr_min_ratio,
+    }
 
 
 class SliceEnd(enum.StrEnum):
@@ -156,7 +111,7 @@ class OnlineDrafterTrainer:
         self,
         drafter: Drafter,
         buffer: WindowBuffer,
-        config: OnlineTrainingConfig = OnlineTrainingConfig(),
+        config: DrafterConfig = DEFAULTS.drafter,
         *,
         policy_version: int = -1,
     ) -> None:
@@ -170,7 +125,7 @@ class OnlineDrafterTrainer:
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.schedule.lr_at(0), betas=config.betas, weight_decay=config.weight_decay
+            self.params, lr=lr_at(config, 0), betas=config.betas, weight_decay=config.weight_decay
         )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0
@@ -178,7 +133,7 @@ class OnlineDrafterTrainer:
     @property
     def lr(self) -> float:
         """The learning rate the next step will use."""
-        return self.config.schedule.lr_at(self.step_count)
+        return lr_at(self.config, self.step_count)
 
     def rebind(self, target: Transformer, policy_version: int) -> None:
         """Borrow a new policy version's frozen embedding and LM head (the trainable state is unchanged)."""
@@ -264,7 +219,7 @@ class OnlineDrafterTrainer:
                     "format": STATE_FORMAT,
                     "step": self.step_count,
                     "policy_version": self.policy_version,
-                    "schedule": dataclasses.asdict(self.config.schedule),
+                    "schedule": _schedule(self.config),
                     "param_names": self.param_names,
                     "optimizer": optimizer_meta,
                     "metadata": metadata,
@@ -296,8 +251,8 @@ class OnlineDrafterTrainer:
         own = self.drafter.state_dict()
         if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
             raise CheckpointError(f"{path}: drafter weights do not match this drafter's shapes")
-        if meta["schedule"] != dataclasses.asdict(self.config.schedule):
-            log.warning("%s: saved with schedule %s; continuing with %s", path, meta["schedule"], self.config.schedule)
+        if meta["schedule"] != (schedule := _schedule(self.config)):
+            log.warning("%s: saved with schedule %s; continuing with %s", path, meta["schedule"], schedule)
         moments = optimizer_state(load_file(str(path / OPTIMIZER), device=str(device)), meta["optimizer"])
         self.drafter.load_state_dict(weights)
         self.optimizer.load_state_dict(moments)

@@ -1,4 +1,4 @@
-"""The target's cached forward at static shapes, captured once per shape and replayed (issue 23 point 4).
+"""The target's cached forward at static shapes, captured once per shape and replayed.
 
 At small batches a decode step or a verify round is launch-bound on a GPU: a few hundred kernels of
 microseconds each, launched one by one from Python. A CUDA graph records them once per shape and replays
@@ -22,7 +22,7 @@ Two replay backends with one contract:
 - "trace": the aten ops of one run, recorded by a dispatch mode and replayed on the same tensors. Python
   control flow, shapes and scalars are frozen at capture exactly as in a CUDA graph, and host reads during
   capture are refused as CUDA refuses them, so the CPU tests hold the captured forward (not only the static
-  one) to the eager forward. It also skips the modules' Python on a CPU (`bench/round_costs.py --graphs`).
+  one) to the eager forward. It also skips the modules' Python on a CPU.
 """
 
 from __future__ import annotations

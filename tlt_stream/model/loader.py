@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from tlt_stream.errors import CheckpointError
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.layers import rope_inv_freq
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer

@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from tlt_stream.errors import CheckpointError
-from tlt_stream.failpoints import failpoint
+from tlt_stream.basics.errors import CheckpointError
+from tlt_stream.basics.failpoints import failpoint
 from tlt_stream.rl.checkpoint_layout import (
     LATEST,
     MASTER,

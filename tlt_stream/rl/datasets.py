@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlt_stream.common import stable_hex
+from tlt_stream.basics.common import stable_hex
 
 __all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples", "pool_from_config"]
 
@@ -181,7 +181,7 @@ class PromptPool:
     def _order(self, epoch: int) -> list[int]:
         import random
 
-        from tlt_stream.common import stable_int
+        from tlt_stream.basics.common import stable_int
 
         if epoch not in self._orders:
             if len(self._orders) > 2:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tlt_stream.config import Config
+from tlt_stream.basics.config import Config
 from tlt_stream.rl.datasets import pool_from_config
 from tlt_stream.rl.rewards import call_reward, resolve_reward
 

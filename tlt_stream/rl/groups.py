@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tlt_stream.messages import Sample
+from tlt_stream.basics.messages import Sample
 
 __all__ = ["GroupAssembler", "Offer", "ReadyGroup"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_stream.config import DEFAULTS as _D
+from tlt_stream.basics.config import DEFAULTS as _D
 
 __all__ = ["GrpoLossConfig", "group_advantages", "grpo_loss", "token_logprobs"]
 

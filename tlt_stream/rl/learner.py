@@ -1,13 +1,14 @@
 """One GRPO update over complete groups: the learner's compute, free of streams and processes.
 
 `LearnerCore.step(groups)` turns the groups' samples into padded micro-batches of about
-`micro_batch_tokens` tokens, recomputes the policy's log-probabilities of the response tokens (logits
-divided by the rollout temperature, as the behaviour logprobs were), and accumulates the clipped
+`micro_batch_tokens` tokens (`batches.py`), recomputes the policy's log-probabilities of the response tokens
+(logits divided by the rollout temperature, as the behaviour logprobs were), and accumulates the clipped
 token-mean GRPO loss (`grpo.py`) with every micro-batch normalised by the *step's* response-token count,
 so the update is the full-batch update whatever the micro-batch size. Then gradient clipping and one
 AdamW step. Groups whose rewards are all equal carry no signal (their advantages are exactly 0); they are
 left out of the batch and counted. The service around it (`roles/learner.py`) owns reading, acking,
-checkpointing and publishing.
+checkpointing and publishing. The same pieces (`plan`, `backward`, `apply`) build an update group by group
+as the groups complete, unnormalised until the last one is in (`accumulate.py`).
 
 Sharded over torchrun's ranks (`rl/sharded.py`), the same core runs on every rank: rank 0 plans the update
 (advantages, the used samples, the step's token count), deals the samples out so each rank gets about the
@@ -20,14 +21,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tlt_stream.config import DEFAULTS as _D
-from tlt_stream.config import Config
+from tlt_stream.basics.config import DEFAULTS as _D
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import Sample
+from tlt_stream.rl.batches import BATCH_KEYS, deal_by_tokens, micro_batches, with_idle
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.grpo import GrpoLossConfig, group_advantages, grpo_loss, token_logprobs
 from tlt_stream.rl.metrics import length_summary
@@ -39,14 +42,13 @@ if TYPE_CHECKING:
 __all__ = [
     "LearnerCore",
     "LearnerSettings",
+    "LossSums",
+    "StepPlan",
     "compute_dtype_on",
     "deal_by_tokens",
     "final_norm_gain",
     "load_for_training",
 ]
-
-BATCH_KEYS = ("ids", "attention", "old", "mask", "advantages")
-"""A micro-batch's tensors, in the order they are handed to another rank."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class LearnerSettings:
     scales every logit, so it is the policy's own inverse temperature, and RL's most consistent signal on a
     sampled policy is to sharpen it; but Adam moves every parameter by about `lr` per step whatever its
     size, and a gain of ~1 moves 20-50x less, relatively, than a weight matrix of ~0.05. Measured on the
-    tiny world (docs/benchmarks.md, issue 5): 50 turns +3 points in 189 updates into far more."""
+    tiny world, a scale of 50 to 800 learns far faster than 1."""
     warmup_steps: int = _D.learner.warmup_steps
     """The learning rate ramps linearly from lr / warmup_steps to lr over the first updates. A fresh Adam
     makes sign-like steps of size lr on every parameter until its second moments have seen a few noisy
@@ -135,6 +137,38 @@ class LearnerSettings:
         return GrpoLossConfig(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef)
 
 
+@dataclass
+class LossSums:
+    """One rank's raw figures over the micro-batches it ran for an update; the update's figures are these,
+    summed over ranks and divided by its response-token count (`loss` is already over `backward`'s divisor)."""
+
+    loss: float = 0.0
+    clipped: float = 0.0
+    """Response tokens whose gradient the PPO clip cut."""
+    kl_old: float = 0.0
+    """Sum over response tokens of the k3 estimate of KL(old || new)."""
+    kl_ref: float = 0.0
+    mismatch: float = 0.0
+    """Sum over response tokens of |learner logprob - rollout logprob|."""
+    mismatch_max: float = 0.0
+    tis: float = 0.0
+    """Sum over response tokens of the truncated importance weights."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What an update over some groups trains on: every sample, its advantage, the positions of those that
+    count (not degenerate, not empty, not masked) and their response tokens, and the figures known before
+    any forward pass."""
+
+    samples: list[Sample]
+    advantages: torch.Tensor
+    """[N] float64, within each group."""
+    used: list[int]
+    total: int
+    figures: dict[str, float]
+
+
 def final_norm_gain(model: Any) -> torch.nn.Parameter:
     """The gain of the norm just before the LM head of a transformers causal LM (`model.model.norm`, as in
     Llama and Qwen2), or ValueError naming what was found instead."""
@@ -184,6 +218,22 @@ class LearnerCore:
         """One update over `groups`; returns its metrics (rewards, lengths, loss statistics, timings). Sharded,
         rank 0 calls it and hands every rank its share of the micro-batches."""
         started = time.perf_counter()
+        plan = self.plan(groups)
+        metrics = dict(plan.figures)
+        if not plan.used:  # nothing to learn from: no update, and no optimizer step that would decay weights
+            metrics.update(loss=0.0, clip_fraction=0.0, approx_kl_old=0.0, kl_ref=0.0, grad_norm=0.0, updated=0.0)
+            metrics["learn_seconds"] = time.perf_counter() - started
+            return metrics
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = LossSums()
+        self.backward(plan, sums, total=plan.total)
+        metrics.update(self.apply(sums, plan.total, scale=1.0))
+        metrics["learn_seconds"] = time.perf_counter() - started
+        return metrics
+
+    def plan(self, groups: list[ReadyGroup]) -> StepPlan:
+        """The update's samples, their advantages (within each group), which of them count and the figures
+        that need no forward pass; ValueError for groups no update can take."""
         samples = [s for g in groups for s in g.samples]
         if not samples:
             raise ValueError("a learner step needs at least one group")
@@ -192,7 +242,11 @@ class LearnerCore:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
         advantages, degenerate = group_advantages(rewards, group_ids, scale=self.settings.scale_advantages)
-        metrics: dict[str, float] = {
+        used = [i for i in range(len(samples)) if not degenerate[i] and samples[i].response_len > 0]
+        if self.settings.overlong == "mask":  # DAPO's overlong filtering: a cut-off response teaches nothing
+            used = [i for i in used if samples[i].finish_reason != "length"]
+        total = sum(samples[i].response_len for i in used)
+        figures = {
             "groups": float(len(groups)),
             "samples": float(len(samples)),
             "reward_mean": float(rewards.mean()),
@@ -200,68 +254,58 @@ class LearnerCore:
             **length_summary(samples),
             "degenerate_groups": float(len({int(g) for g, d in zip(group_ids, degenerate, strict=True) if d})),
             "truncated": float(sum(s.finish_reason == "length" for s in samples)),
+            "trained_tokens": float(total),
         }
-        used = [i for i in range(len(samples)) if not degenerate[i] and samples[i].response_len > 0]
-        if self.settings.overlong == "mask":  # DAPO's overlong filtering: a cut-off response teaches nothing
-            used = [i for i in used if samples[i].finish_reason != "length"]
-        total = sum(samples[i].response_len for i in used)
-        metrics["trained_tokens"] = float(total)
-        if not used:  # nothing to learn from: no update, and no optimizer step that would decay weights
-            metrics.update(loss=0.0, clip_fraction=0.0, approx_kl_old=0.0, kl_ref=0.0, grad_norm=0.0, updated=0.0)
-            metrics["learn_seconds"] = time.perf_counter() - started
-            return metrics
-        if self.ranks is None:
-            metrics.update(self._train(self._micro_batches(samples, advantages, used), total))
-        else:
-            lengths = [len(samples[i].prompt_ids) + samples[i].response_len for i in used]
-            parts = deal_by_tokens(lengths, self.ranks.world)  # [rank] -> positions in `used`
-            shares = [
-                [[b[k] for k in BATCH_KEYS] for b in self._micro_batches(samples, advantages, [used[j] for j in part])]
-                for part in parts
-            ]
-            try:
-                mine, rounds = self.ranks.hand_out(shares, total)
-                batches = [dict(zip(BATCH_KEYS, tensors, strict=True)) for tensors in mine]
-                metrics.update(self._train(self._with_idle(batches, rounds), total))
-            except FloatingPointError:  # every rank saw the same global norm and skipped the update
-                raise
-            except Exception as exc:  # a collective broke half-way: the ranks are no longer in step
-                raise RanksOutOfStep(f"update {self.updates + 1} failed across ranks: {exc}") from exc
-        metrics["learn_seconds"] = time.perf_counter() - started
-        return metrics
+        return StepPlan(samples, advantages, used, total, figures)
 
-    def follow(self, total: int, rounds: int) -> None:
-        """A rank other than 0, told STEP: its share of the update rank 0 hands out."""
+    def backward(self, plan: StepPlan, sums: LossSums, *, total: int | None) -> None:
+        """Forward and backward over `plan`'s used samples, adding to the gradients and to `sums`: each loss
+        divided by `total` (the update's response tokens), or, with None, not divided at all (the update is
+        accumulated and `apply` scales it). Sharded, rank 0 deals the samples out by tokens and every rank runs
+        as many rounds as the longest share (STEP, or ACCUMULATE without a total)."""
+        if not plan.used:
+            return
+        self.model.train()
+        denominator = 1 if total is None else total
+        if self.ranks is None:
+            self._backward(self._micro_batches(plan, plan.used), denominator, sums)
+            return
+        lengths = [len(plan.samples[i].prompt_ids) + plan.samples[i].response_len for i in plan.used]
+        parts = deal_by_tokens(lengths, self.ranks.world)  # [rank] -> positions in `used`
+        shares = [
+            [[b[k] for k in BATCH_KEYS] for b in self._micro_batches(plan, [plan.used[j] for j in part])]
+            for part in parts
+        ]
+        try:
+            mine, rounds = self.ranks.hand_out(shares, total)
+            batches = [dict(zip(BATCH_KEYS, tensors, strict=True)) for tensors in mine]
+            self._backward(with_idle(batches, rounds, self.device), denominator, sums)
+        except Exception as exc:  # a collective broke half-way: the ranks are no longer in step
+            raise RanksOutOfStep(f"update {self.updates + 1} failed across ranks: {exc}") from exc
+
+    def follow(self, total: int, rounds: int, sums: LossSums | None = None) -> None:
+        """A rank other than 0, told STEP (with the update's `total`: backward, then apply) or ACCUMULATE (`sums`:
+        only the backward, unnormalised, adding to the step's gradients): its share of what rank 0 hands out."""
         assert self.ranks is not None
         shares = self.ranks.receive_share()
         mine = [{k: t.to(self.device) for k, t in zip(BATCH_KEYS, tensors, strict=True)} for tensors in shares]
-        self._train(self._with_idle(mine, rounds), total)
-
-    def _with_idle(self, batches: list[dict[str, torch.Tensor]], rounds: int) -> list[dict[str, torch.Tensor]]:
-        """`batches` and empty ones up to `rounds`: a one-row batch without response tokens adds nothing to
-        the loss or the gradient, but runs the round's collectives on a rank whose share is shorter."""
-        idle = {
-            "ids": torch.zeros(1, 2, dtype=torch.long, device=self.device),
-            "attention": torch.ones(1, 2, dtype=torch.long, device=self.device),
-            "old": torch.zeros(1, 1, device=self.device),
-            "mask": torch.zeros(1, 1, dtype=torch.bool, device=self.device),
-            "advantages": torch.zeros(1, dtype=torch.float64, device=self.device),
-        }
-        return batches + [idle] * (rounds - len(batches))
-
-    def _train(self, batches: Iterable[dict[str, torch.Tensor]], total: int) -> dict[str, float]:
-        """Forward and backward over `batches`, each loss divided by the whole update's `total` response tokens,
-        then clipping by the global gradient norm and one AdamW step; the figures summed over ranks."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
-        mismatch_sum, mismatch_max, tis_sum = 0.0, 0.0, 0.0
+        if sums is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        own = LossSums() if sums is None else sums
+        self._backward(with_idle(mine, rounds, self.device), 1 if sums is not None else total, own)
+        if sums is None:
+            self.apply(own, total, scale=1.0)
+
+    def _backward(self, batches: Iterable[dict[str, torch.Tensor]], denominator: int, sums: LossSums) -> None:
+        """Forward and backward over `batches`, each loss divided by `denominator`, gradients added to what the
+        parameters hold; this rank's raw figures added to `sums`."""
         for batch in batches:
             logprobs = self._logprobs(self.model, batch)
             with torch.no_grad():  # rollout vs learner on the same tokens: engine numerics, dtype, staleness
                 delta = (logprobs.detach() - batch["old"]).abs()[batch["mask"]]
-                mismatch_sum += float(delta.sum())
-                mismatch_max = max(mismatch_max, float(delta.max()) if delta.numel() else 0.0)
+                sums.mismatch += float(delta.sum())
+                sums.mismatch_max = max(sums.mismatch_max, float(delta.max()) if delta.numel() else 0.0)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -270,7 +314,7 @@ class LearnerCore:
             if self.settings.tis_cap is not None:  # the ratio against the learner's own, the rollout's corrected
                 old = logprobs.detach()
                 weights = (old - batch["old"]).exp().clamp(max=self.settings.tis_cap)
-                tis_sum += float(weights[batch["mask"]].sum())
+                sums.tis += float(weights[batch["mask"]].sum())
             loss, stats = grpo_loss(
                 logprobs,
                 old,
@@ -278,18 +322,43 @@ class LearnerCore:
                 batch["mask"],
                 config=self.settings.loss_config,
                 ref_logprobs=ref,
-                total_tokens=total,
+                total_tokens=denominator,
                 token_weights=weights,
             )
             loss.backward()
-            sums["loss"] += stats["loss"]
-            for key in ("clip_fraction", "approx_kl_old", "kl_ref"):
-                sums[key] += stats[key] * stats["tokens"] / total  # token-weighted means over the step
+            sums.loss += stats["loss"]
+            sums.clipped += stats["clip_fraction"] * stats["tokens"]
+            sums.kl_old += stats["approx_kl_old"] * stats["tokens"]
+            sums.kl_ref += stats["kl_ref"] * stats["tokens"]
+
+    def apply(self, sums: LossSums, total: int, *, scale: float) -> dict[str, float]:
+        """`_apply`; sharded, a collective that breaks in it leaves the ranks out of step (`RanksOutOfStep`),
+        while a non-finite norm, which every rank sees alike, is an ordinary failed update."""
+        if self.ranks is None:
+            return self._apply(sums, total, scale=scale)
+        try:
+            return self._apply(sums, total, scale=scale)
+        except FloatingPointError:
+            raise
+        except Exception as exc:
+            raise RanksOutOfStep(f"update {self.updates + 1} failed across ranks: {exc}") from exc
+
+    def _apply(self, sums: LossSums, total: int, *, scale: float) -> dict[str, float]:
+        """Finish an update whose gradients the parameters hold: multiply them (and the summed loss) by `scale`
+        (1 when each loss was already divided by `total`; 1 / `total` for an accumulated update), clip by the
+        global gradient norm, take one AdamW step; the figures summed over ranks and divided by `total`. A
+        non-finite norm applies nothing (FloatingPointError); the gradients are cleared either way."""
+        figures = [sums.loss, sums.clipped, sums.kl_old, sums.kl_ref, sums.mismatch, sums.tis]
+        mismatch_max = sums.mismatch_max
         if self.ranks is not None:  # each rank summed its share: the step's figures are the sums over ranks
-            *summed, mismatch_sum, tis_sum = self.ranks.sum([*sums.values(), mismatch_sum, tis_sum])
-            sums = dict(zip(sums, summed, strict=True))
+            figures = self.ranks.sum(figures)
             mismatch_max = self.ranks.max(mismatch_max)
+        loss, clipped, kl_old, kl_ref, mismatch, tis = figures
         params = list(self.model.parameters())
+        if scale != 1.0:  # the accumulated sum becomes the token mean (DTensor grads scale their local piece)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         if self.settings.max_grad_norm > 0:  # sharded grads (DTensors): the norm is the global one
             norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm)
         else:
@@ -305,39 +374,27 @@ class LearnerCore:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.updates += 1
-        metrics = {**sums, "grad_norm": grad_norm, "lr": lr, "updated": 1.0}
-        metrics["logprob_mismatch_mean"] = mismatch_sum / total
-        metrics["logprob_mismatch_max"] = mismatch_max
+        metrics = {
+            "loss": loss * scale,
+            "clip_fraction": clipped / total,
+            "approx_kl_old": kl_old / total,
+            "kl_ref": kl_ref / total,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "updated": 1.0,
+            "logprob_mismatch_mean": mismatch / total,
+            "logprob_mismatch_max": mismatch_max,
+        }
         if self.settings.tis_cap is not None:
-            metrics["tis_weight_mean"] = tis_sum / total
+            metrics["tis_weight_mean"] = tis / total
         if self._gain is not None:  # the policy's inverse temperature, in effect: watch it sharpen
             metrics["final_norm_gain"] = float(_whole(self._gain.detach().float().mean()))
         return metrics
 
-    def _micro_batches(self, samples: list, advantages: torch.Tensor, used: list[int]):
-        """Right-padded batches of prompt + response, longest first, about `micro_batch_tokens` each, on the
-        policy's device."""
-        order = sorted(used, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_len, reverse=True)
-        while order:
-            width = len(samples[order[0]].prompt_ids) + samples[order[0]].response_len
-            count = max(1, self.settings.micro_batch_tokens // width)
-            take, order = order[:count], order[count:]
-            ids = torch.zeros(len(take), width, dtype=torch.long)
-            attention = torch.zeros(len(take), width, dtype=torch.long)
-            # Response token j of row b sits at position p + j and is predicted by the logits at p + j - 1,
-            # so old logprobs and the mask live on the shifted grid [B, width - 1].
-            old = torch.zeros(len(take), width - 1)
-            mask = torch.zeros(len(take), width - 1, dtype=torch.bool)
-            for row, i in enumerate(take):
-                s = samples[i]
-                p, n = len(s.prompt_ids), s.response_len
-                ids[row, :p] = torch.tensor(s.prompt_ids)
-                ids[row, p : p + n] = s.token_ids.to_torch().long()
-                attention[row, : p + n] = 1
-                old[row, p - 1 : p - 1 + n] = s.logprobs.to_torch()
-                mask[row, p - 1 : p - 1 + n] = True
-            batch = {"ids": ids, "attention": attention, "old": old, "mask": mask, "advantages": advantages[take]}
-            yield {name: tensor.to(self.device) for name, tensor in batch.items()}
+    def _micro_batches(self, plan: StepPlan, used: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+        return micro_batches(
+            plan.samples, plan.advantages, used, tokens=self.settings.micro_batch_tokens, device=self.device
+        )
 
     def _logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = batch["ids"].device
@@ -355,21 +412,6 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def deal_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
-    """Positions 0..len(lengths)-1 dealt into `parts` lists of about equal total length: longest first, each
-    to the list with the fewest tokens so far (the lowest index on a tie), so every rank does about the same
-    work; a list may stay empty when there are fewer items than parts."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    dealt: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for position in sorted(range(len(lengths)), key=lambda j: lengths[j], reverse=True):
-        target = min(range(parts), key=lambda r: (load[r], r))
-        dealt[target].append(position)
-        load[target] += lengths[position]
-    return dealt
 
 
 def compute_dtype_on(name: str, device: torch.device | str) -> torch.dtype:

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from tlt_stream.messages import Sample
+from tlt_stream.basics.messages import Sample
 
 __all__ = ["accept_by_drafter", "length_summary", "rollout_timing", "staleness_histogram"]
 

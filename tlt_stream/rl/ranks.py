@@ -52,6 +52,13 @@ class Command(IntEnum):
     none, fresh moments)."""
     SAVE = 4
     """Write a checkpoint: (step, nonce naming the save, recorded in every rank's optimizer piece)."""
+    ACCUMULATE = 5
+    """One group of an accumulated update: (micro-batch rounds every rank runs); its losses are not divided,
+    the gradients add to the step's so far."""
+    APPLY = 6
+    """Finish the accumulated update: (its response tokens, which scale the summed gradient)."""
+    DISCARD = 7
+    """Void the accumulated update: clear the gradients it left."""
 
 
 @dataclass(frozen=True)
@@ -104,14 +111,21 @@ class RankLink:
 
     # --- an update's micro-batches (rank 0 -> rank r) ---------------------------------------------------------
 
-    def hand_out(self, shares: list[list[list[torch.Tensor]]], total: int) -> tuple[list[list[torch.Tensor]], int]:
-        """Rank 0: send rank r its micro-batches `shares[r]` (each a list of tensors) after the STEP command;
-        returns rank 0's own share and the number of rounds every rank runs (the longest share: a rank with
-        fewer batches runs empty ones, since each forward and backward is a collective under FSDP)."""
+    def hand_out(
+        self, shares: list[list[list[torch.Tensor]]], total: int | None
+    ) -> tuple[list[list[torch.Tensor]], int]:
+        """Rank 0: send rank r its micro-batches `shares[r]` (each a list of tensors) after the STEP command
+        (an update of `total` response tokens), or, with `total` None, after ACCUMULATE (one group of an
+        accumulated update); returns rank 0's own share and the number of rounds every rank runs (the longest
+        share: a rank with fewer batches runs empty ones, since each forward and backward is a collective under
+        FSDP)."""
         if len(shares) != self.world:
             raise ValueError(f"{len(shares)} shares for {self.world} ranks")
         rounds = max(len(share) for share in shares)
-        self.command(Command.STEP, total, rounds)
+        if total is None:
+            self.command(Command.ACCUMULATE, rounds)
+        else:
+            self.command(Command.STEP, total, rounds)
         for rank in range(1, self.world):
             count = torch.tensor([len(shares[rank])], dtype=torch.int64, device=self.device)
             dist.send(count, dst=rank, group=self.group)

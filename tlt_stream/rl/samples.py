@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tlt_stream.messages import HiddenWindow, PromptGroup, Sample, Tensor
+from tlt_stream.basics.messages import HiddenWindow, PromptGroup, Sample, Tensor
 
 __all__ = ["hidden_window", "make_sample"]
 

@@ -1,9 +1,10 @@
 """The learner's policy and checkpoints whatever the number of ranks: one process, or FSDP2 under torchrun.
 
 `Trainer` is what the learner service holds: `build` (load and, sharded, shard the policy), `restore`,
-`save` and, through its `LearnerCore`, `step`. On one process these are the plain calls. Sharded, rank 0's
-service calls them and each first tells the other ranks (`rl/ranks.py`) to do the same, in the same order,
-since every one of them is a collective: the other ranks sit in `follow`, doing what they are told.
+`save` and, through its `LearnerCore`, `step` (or an update accumulated group by group: `rl/accumulate.py`).
+On one process these are the plain calls. Sharded, rank 0's service calls them and each first tells the
+other ranks (`rl/ranks.py`) to do the same, in the same order, since every one of them is a collective: the
+other ranks sit in `follow`, doing what they are told.
 
 Sharding is FSDP2 (`fully_shard`): each decoder layer its own unit, then the root (embeddings, final norm,
 the head, tied or not). Parameters and AdamW state stay fp32 masters; with a bf16 compute dtype they are
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tlt_stream.failpoints import failpoint
+from tlt_stream.basics.failpoints import failpoint
 from tlt_stream.rl.checkpoint import (
     OPTIMIZER,
     CheckpointInfo,
@@ -56,7 +57,7 @@ from tlt_stream.rl.checkpoint import (
     save_checkpoint,
     step_of,
 )
-from tlt_stream.rl.learner import LearnerCore, LearnerSettings, compute_dtype_on, load_for_training
+from tlt_stream.rl.learner import LearnerCore, LearnerSettings, LossSums, compute_dtype_on, load_for_training
 from tlt_stream.rl.ranks import Command, RankLink, RanksOutOfStep, WriteFailures
 from tlt_stream.store.background import BackgroundWriter
 from tlt_stream.store.shards import piece, rank_file, read_shards, write_shard
@@ -315,6 +316,7 @@ def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
     directory and `init_policy` the initial policy (the same configuration as rank 0's)."""
     link = trainer.link
     assert link is not None and not link.leader
+    accumulated: LossSums | None = None  # this rank's figures of the update being accumulated
     while True:
         kind, (first, second, _) = link.next_command()
         match kind:
@@ -333,6 +335,23 @@ def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
                     log.warning("rank %d: %s", link.rank, exc)
             case Command.SAVE:
                 trainer.save_share(root, step=first, nonce=second)
+            case Command.ACCUMULATE:
+                assert trainer.core is not None
+                if accumulated is None:  # the update's first group: its gradients start from nothing
+                    trainer.core.optimizer.zero_grad(set_to_none=True)
+                    accumulated = LossSums()
+                trainer.core.follow(0, first, accumulated)
+            case Command.APPLY:
+                assert trainer.core is not None
+                sums, accumulated = accumulated or LossSums(), None
+                try:
+                    trainer.core.apply(sums, first, scale=1.0 / first)
+                except FloatingPointError as exc:  # every rank saw the same global norm: rank 0 retries
+                    log.warning("rank %d: %s", link.rank, exc)
+            case Command.DISCARD:
+                assert trainer.core is not None
+                trainer.core.optimizer.zero_grad(set_to_none=True)
+                accumulated = None
 
 
 def _write_piece(directory: Path, **shard: Any) -> None:

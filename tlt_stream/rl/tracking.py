@@ -254,7 +254,7 @@ def trackers_for(config: Any, run_dir: Path, *, job: str = "learner") -> list[Tr
     none), with the run's configuration, its secrets redacted."""
     import msgspec
 
-    from tlt_stream.config import redact_config
+    from tlt_stream.basics.config import redact_config
 
     own = config.learner
     return open_trackers(

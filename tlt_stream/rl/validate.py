@@ -1,6 +1,6 @@
 """What decoding cannot check: a message that is well-formed but poison for the service that handles it.
 
-`messages.py` refuses what is malformed on its own terms (negative token ids, non-finite logprobs, an index
+`basics/messages/` refuses what is malformed on its own terms (negative token ids, non-finite logprobs, an index
 outside its group). What only a handler knows is checked here, as pure functions that return the reason a
 message must not be used (None when it may): the policy's vocabulary and context length, the newest
 published version, the rollout limit. A service dead-letters what fails, with that reason, and goes on:
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from tlt_stream.messages import PromptGroup, Sample
+from tlt_stream.basics.messages import PromptGroup, Sample
 
 __all__ = ["location_problem", "prompt_problem", "sample_problem"]
 

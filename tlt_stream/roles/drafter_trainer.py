@@ -33,80 +33,26 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tlt_stream.basics.common import stable_int
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.errors import ConfigError
+from tlt_stream.basics.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.common import stable_int
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.drafter.online import OnlineTrainingConfig, WindowBuffer, held_out_acceptance
-from tlt_stream.messages import DrafterStats, DrafterVersion, HiddenWindow, PromptGroup, WorkerStatus
+from tlt_stream.drafter.online import WindowBuffer, held_out_acceptance
 from tlt_stream.store.digest import directory_sha256
 
-__all__ = ["DrafterTrainingSettings", "IdleDrafterTrainer"]
+__all__ = ["IdleDrafterTrainer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DrafterTrainingSettings:
-    state_dir: Path
-    """Where training states go (shared by every worker of the run: a volume on a cluster)."""
-    slice_seconds: float = DEFAULTS.drafter.slice_seconds
-    """Longest training slice before the state is committed and the drafter evaluated."""
-    min_windows: int = DEFAULTS.drafter.min_windows
-    """Windows the buffer must hold before training starts."""
-    holdout_percent: int = DEFAULTS.drafter.holdout_percent
-    """Share of windows (by sample id) held back to evaluate drafters, never trained on."""
-    holdout_max: int = DEFAULTS.drafter.holdout_max
-    """Newest held-back windows kept for evaluation."""
-    accept_depth: int = DEFAULTS.drafter.accept_depth
-    """Chain depth of the held-out acceptance measurement."""
-    tolerance: float = DEFAULTS.drafter.tolerance
-    """A new drafter is adopted when its held-out acceptance >= the current one's - tolerance."""
-    judge_every_steps: int = DEFAULTS.drafter.judge_every_steps
-    """Judge (and maybe publish) the drafter once this many training steps have passed since the last
-    judgement. Judging measures two drafters on the held-out windows, as long as several training steps;
-    measured on 2 shared cores, judging after every slice spent half of the short idle periods judging
-    drafters one step apart (docs/benchmarks.md, issue 6)."""
-    lease_ttl_ms: int = DEFAULTS.drafter.lease_ttl_ms
-    recent_tokens: int = DEFAULTS.drafter.recent_tokens
-    reservoir_tokens: int = DEFAULTS.drafter.reservoir_tokens
-    training: OnlineTrainingConfig = field(default_factory=OnlineTrainingConfig)
-
-    def __post_init__(self) -> None:
-        if self.slice_seconds <= 0 or self.min_windows < 1 or not 0 < self.holdout_percent < 100:
-            raise ValueError("need slice_seconds > 0, min_windows >= 1 and holdout_percent in 1..99")
-        if self.judge_every_steps < 1:
-            raise ValueError(f"judge_every_steps must be >= 1, got {self.judge_every_steps}")
-
-    @classmethod
-    def from_config(cls, config: Config) -> DrafterTrainingSettings | None:
-        """The settings of online training (section drafter), None when it is off: not asked for, no state
-        directory, or no EAGLE drafter to start from."""
-        own = config.drafter
-        if not own.train or own.state_dir is None or config.sd.drafter in (None, "ngram"):
-            return None
-        return cls(
-            state_dir=Path(config.expand(own.state_dir)),
-            slice_seconds=own.slice_seconds,
-            min_windows=own.min_windows,
-            holdout_percent=own.holdout_percent,
-            holdout_max=own.holdout_max,
-            accept_depth=own.accept_depth,
-            tolerance=own.tolerance,
-            judge_every_steps=own.judge_every_steps,
-            lease_ttl_ms=own.lease_ttl_ms,
-            recent_tokens=own.recent_tokens,
-            reservoir_tokens=own.reservoir_tokens,
-            training=OnlineTrainingConfig.from_config(config),
-        )
 
 
 def _lower_priority() -> None:
@@ -155,21 +101,26 @@ class IdleDrafterTrainer:
         prompts: StreamReader,
         *,
         worker_id: str,
-        settings: DrafterTrainingSettings,
         initial_drafter: str,
     ) -> None:
+        own = config.drafter
+        if own.state_dir is None:
+            raise ConfigError("drafter.state_dir: online drafter training needs a directory for its states")
+        self.own = own
+        """The drafter section: training, judging and buffer settings."""
+        self.state_dir = Path(config.expand(own.state_dir))
+        """Where training states go (shared by every worker of the run: a volume on a cluster)."""
         self.control = control
         self.registry = registry
         self.producer = producer
         self.prompts = prompts
         self.worker_id = worker_id
-        self.settings = settings
         self.keys = Keys(config.run)
-        self.lease = DrafterLease(redis, self.keys, ttl_ms=settings.lease_ttl_ms)
+        self.lease = DrafterLease(redis, self.keys, ttl_ms=own.lease_ttl_ms)
         self.hidden = StreamReader(redis, self.keys, config.bus, "hidden", worker_id)
         self.buffer = WindowBuffer(
-            recent_tokens=settings.recent_tokens,
-            reservoir_tokens=settings.reservoir_tokens,
+            recent_tokens=own.recent_tokens,
+            reservoir_tokens=own.reservoir_tokens,
             seed=_stable_hash(worker_id),
         )
         self.holdout: list[Any] = []
@@ -186,8 +137,7 @@ class IdleDrafterTrainer:
         self.slices = 0
         # Slices run in one low-priority thread (Linux nice is per thread, and the torch threads it starts
         # inherit it): "idle" rollout time may still be busy time for a learner sharing the machine, which
-        # must not be slowed by the drafter (measured here on 2 shared cores: +58% step time at normal
-        # priority).
+        # must not be slowed by the drafter.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-train", initializer=_lower_priority)
 
     async def _low(self, fn: Any, *args: Any) -> Any:
@@ -245,14 +195,14 @@ class IdleDrafterTrainer:
         if committed is not None:
             self.record = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in committed.fields.items()}
         async with asyncio.TaskGroup() as tasks:
-            watcher = tasks.create_task(watch_prompts())
-            keeper = tasks.create_task(keep_lease())
+            watcher = tasks.create_task(watch_prompts(), name=f"{self.worker_id}-watch-prompts")
+            keeper = tasks.create_task(keep_lease(), name=f"{self.worker_id}-keep-drafter-lease")
             try:
                 await self.registry.set_state(WorkerStatus.TRAINING_DRAFTER, f"lease fence {grant.fence}")
                 while not preempt.is_set():
-                    await self._drain_hidden()
-                    if len(self.buffer) < self.settings.min_windows:
-                        await asyncio.sleep(0.2)
+                    short = len(self.buffer) < self.own.min_windows  # then wait for windows (a blocking read)
+                    await self._drain_hidden(block_ms=200 if short else 0)
+                    if len(self.buffer) < self.own.min_windows:
                         continue
                     restored = await self._low(self._prepare, engine, policy_version)
                     if self._unevaluated is not None:  # idle again: judge the state committed at preemption
@@ -265,7 +215,7 @@ class IdleDrafterTrainer:
                     result = await self._low(
                         functools.partial(
                             self.trainer.train_slice,
-                            max_seconds=self.settings.slice_seconds,
+                            max_seconds=self.own.slice_seconds,
                             should_stop=preempt.is_set,
                         )
                     )
@@ -283,22 +233,24 @@ class IdleDrafterTrainer:
             pending, self._unevaluated = self._unevaluated, None
             await self._report(pending)
 
-    async def _drain_hidden(self, *, batch: int = 16, most: int = 256) -> None:
+    async def _drain_hidden(self, *, block_ms: int = 0, batch: int = 16, most: int = 256) -> None:
         """Move up to `most` new windows from `hidden` into the buffer (or the held-out set), `batch` per
         read: a window is ~40 KB, and replies of a few hundred KB keep every Redis server (and the
-        embedded one, which fails on multi-MB replies under load) responsive."""
+        embedded one, which fails on multi-MB replies under load) responsive. The first read waits up to
+        `block_ms` for a window when none is there."""
         from tlt_stream.drafter.buffer import window_from_message
 
         taken = 0
         while taken < most:
-            deliveries: list[Delivery[HiddenWindow]] = await self.hidden.read(count=batch, block_ms=0)
+            wait = block_ms if taken == 0 else 0
+            deliveries: list[Delivery[HiddenWindow]] = await self.hidden.read(count=batch, block_ms=wait)
             if not deliveries:
                 return
             for delivery in deliveries:
                 message = delivery.message
                 window = window_from_message(message)
-                if _held_out(message.sample_id, self.settings.holdout_percent):
-                    self.holdout = [*self.holdout, window][-self.settings.holdout_max :]
+                if _held_out(message.sample_id, self.own.holdout_percent):
+                    self.holdout = [*self.holdout, window][-self.own.holdout_max :]
                 else:
                     self.buffer.add(window, message.policy_version)
             await self.hidden.ack([d.entry_id for d in deliveries])
@@ -313,9 +265,7 @@ class IdleDrafterTrainer:
         target = engine.model
         if self.trainer is None:
             drafter = load_drafter(self._current_location(), target)
-            self.trainer = OnlineDrafterTrainer(
-                drafter, self.buffer, self.settings.training, policy_version=policy_version
-            )
+            self.trainer = OnlineDrafterTrainer(drafter, self.buffer, self.own, policy_version=policy_version)
         elif self.trainer.policy_version != policy_version:
             self.trainer.rebind(target, policy_version)
         record = self.record
@@ -336,7 +286,7 @@ class IdleDrafterTrainer:
         (the judgement takes a second or two that generation should not wait for)."""
         assert self.trainer is not None
         step = self.trainer.step_count
-        path = self.settings.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
+        path = self.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
         await self._low(functools.partial(self.trainer.save_state, path, metadata={"worker": self.worker_id}))
         fields = {"state": str(path), "step": str(step), "policy_version": str(self.trainer.policy_version)}
         if not await self.lease.fenced_write(grant.fence, fields):
@@ -345,7 +295,7 @@ class IdleDrafterTrainer:
         self.record = fields
         self.slices += 1
         done = _Slice(path, grant.fence, step, self.trainer.policy_version, result, latency)
-        if step - self.judged_step < self.settings.judge_every_steps:
+        if step - self.judged_step < self.own.judge_every_steps:
             await self._report(done)
         elif str(result.end) == "preempted":
             self._unevaluated = done
@@ -358,7 +308,7 @@ class IdleDrafterTrainer:
         started = time.monotonic()
         accept_new, accept_current = await self._low(self._accepts, engine)
         self.judged_step = done.step
-        adopted = accept_new >= accept_current - self.settings.tolerance
+        adopted = accept_new >= accept_current - self.own.tolerance
         version = -1
         if adopted:
             location = str((done.path / "drafter").resolve())
@@ -403,8 +353,8 @@ class IdleDrafterTrainer:
         """Held-out acceptance of the slice's drafter and of the drafter the engine uses now."""
         if not self.holdout:
             return 0.0, 0.0
-        new = held_out_acceptance(self.trainer.drafter, self.holdout, self.settings.accept_depth)
+        new = held_out_acceptance(self.trainer.drafter, self.holdout, self.own.accept_depth)
         proposer = getattr(engine, "proposer", None)
         drafter = getattr(proposer, "drafter", None)
-        current = held_out_acceptance(drafter, self.holdout, self.settings.accept_depth) if drafter is not None else 0.0
+        current = held_out_acceptance(drafter, self.holdout, self.own.accept_depth) if drafter is not None else 0.0
         return new, current

@@ -19,8 +19,10 @@ applies nothing twice (the restored ledger recognises the redelivered samples). 
 resumes from the newest complete checkpoint, or makes checkpoint 0 from the initial policy, and
 (re)publishes the current version, so workers that start later find it retained.
 
-This file holds the learner's settings, its loop and its wiring; the loop's parts (the run's lease,
-checkpoints, sample intake, the update, its records) live in `roles/learner_parts/`.
+The service owns a few components (`roles/learner_parts/`), each handed the configuration and the other
+parts it uses: the run's lease, the checkpoints (and the policy trained from them), the intake of samples
+into groups, the updates, and their records; this file holds the loop that drives them and the process's
+wiring (the follower ranks' entry too).
 """
 
 from __future__ import annotations
@@ -30,72 +32,35 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 import torch
 
+from tlt_stream.basics.aio import one_error
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import PolicyVersion
-from tlt_stream.model.loader import resolve_dtype
-from tlt_stream.rl.checkpoint import CheckpointInfo
-from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
-from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+from tlt_stream.rl.learner import LearnerSettings
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer, follow
 from tlt_stream.rl.tracking import MissingTracker, require_trackers
-from tlt_stream.roles.learner_parts.checkpoints import Checkpointing
+from tlt_stream.roles.learner_parts.checkpoints import Checkpoints
 from tlt_stream.roles.learner_parts.intake import SampleIntake
-from tlt_stream.roles.learner_parts.lease import LeaseKeeping, RunTaken
+from tlt_stream.roles.learner_parts.lease import RunLease, RunTaken
 from tlt_stream.roles.learner_parts.records import UpdateRecords
-from tlt_stream.roles.learner_parts.update import UpdateFailed, Updating
+from tlt_stream.roles.learner_parts.update import UpdateFailed, Updates
 
-__all__ = ["LearnerRunSettings", "LearnerService", "RunTaken", "UpdateFailed", "follow_rank_0", "serve_learner"]
+__all__ = ["LearnerService", "RunTaken", "UpdateFailed", "follow_rank_0", "serve_learner"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LearnerRunSettings:
-    groups_per_step: int = DEFAULTS.groups_per_step
-    """Complete, usable groups per update."""
-    max_staleness: int = DEFAULTS.policy.max_staleness
-    """A group is used only while learner version - its oldest sample's policy version <= this (0: on-policy)."""
-    keep_checkpoints: int = DEFAULTS.learner.keep_checkpoints
-    """Complete checkpoints kept on disk (the newest ones)."""
-    log_samples: int = DEFAULTS.learner.log_samples
-    """Samples per step written to RUN_DIR/samples.jsonl and the log."""
-    learner: LearnerSettings = field(default_factory=LearnerSettings)
-    device: str = "cpu"
-    """Where the policy trains: "cpu", "cuda" or "cuda:N" (resolved already); checkpoints are device-free."""
-    publish_dtype: torch.dtype = torch.float32
-    """The dtype of the weights workers load (rollout.dtype on this device); fp32 masters are kept beside."""
-
-    def __post_init__(self) -> None:
-        if self.groups_per_step < 1 or self.max_staleness < 0 or self.keep_checkpoints < 1:
-            raise ValueError("need groups_per_step >= 1, max_staleness >= 0 and keep_checkpoints >= 1")
-
-    @classmethod
-    def from_config(cls, config: Config, *, device: str) -> LearnerRunSettings:
-        """The learner's settings from the configuration tree on a resolved `device`."""
-        return cls(
-            groups_per_step=config.groups_per_step,
-            max_staleness=config.policy.max_staleness,
-            keep_checkpoints=config.learner.keep_checkpoints,
-            log_samples=config.learner.log_samples,
-            learner=LearnerSettings.from_config(config),
-            device=device,
-            publish_dtype=resolve_dtype(config.rollout.dtype, device),
-        )
-
-
-class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, Updating, UpdateRecords):
+class LearnerService:
     """One learner process (there is exactly one per run: it owns the policy version)."""
 
     def __init__(
@@ -106,92 +71,95 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, Updating, Update
         *,
         run_dir: str | Path,
         init_policy: str | Path,
-        settings: LearnerRunSettings = LearnerRunSettings(),
+        device: str = "cpu",
         consumer: str = "learner",
         trainer: Trainer | None = None,
     ) -> None:
         self.config = config
-        self.redis = redis
-        self.control = control
         self.run_dir = Path(run_dir)
-        self.init_policy = Path(init_policy)
-        self.settings = settings
-        self.keys = Keys(config.run)
-        self.reader = StreamReader(redis, self.keys, config.bus, "samples", consumer)
-        self.producer = StreamProducer(redis, self.keys, config.bus)
-        self.trainer = trainer or Trainer(settings.learner, settings.device)
-        """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
-        self.core: LearnerCore | None = None
-        """Built from the checkpoint resumed (`roles/learner_parts/checkpoints.py`)."""
-        self.version = -1
-        self.checkpoint: CheckpointInfo | None = None
-        """The newest checkpoint, the one `version` is published from."""
-        self.assembler = GroupAssembler(settings.max_staleness)
-        self.ready: list[ReadyGroup] = []
-        """Complete groups within the window, in the order they completed, waiting for an update."""
-        self._stop: asyncio.Event | None = None
-        self._init_lease()
-        self._init_checkpoints()
-        self._init_intake()
-        self._init_updates()
-        self._init_records()
+        keys = Keys(config.run)
+        self.reader = StreamReader(redis, keys, config.bus, "samples", consumer)
+        self.producer = StreamProducer(redis, keys, config.bus)
+        trainer = trainer or Trainer(LearnerSettings.from_config(config), device)
+        self.lease = RunLease(config, redis, keys)
+        self.checkpoints = Checkpoints(
+            config, control, trainer, run_dir=self.run_dir, init_policy=Path(init_policy), device=device
+        )
+        self.intake = SampleIntake(
+            redis, keys, self.reader, control, self.checkpoints, max_staleness=config.policy.max_staleness
+        )
+        self.records = UpdateRecords(config, self.run_dir, self.producer, lambda: self.checkpoints.tokenizer)
+        self.updates = Updates(config, self.checkpoints, self.intake, self.lease, self.records)
+
+    @property
+    def version(self) -> int:
+        """The policy version trained so far (-1 before `start`)."""
+        return self.checkpoints.version
 
     async def start(self) -> PolicyVersion:
         """Take the run's learner lease, resume from the newest checkpoint (or create checkpoint 0) and publish
         the current version."""
-        await self._take_lease()
+        await self.lease.take()
         # Resuming (verify, build, maybe write checkpoint 0) can outlast the lease's ttl on a loaded machine:
         # keep renewing while it runs, or a restarted learner would find its own lease expired and taken.
-        loading = asyncio.create_task(asyncio.to_thread(self._load), name="learner-load")
+        loading = asyncio.create_task(asyncio.to_thread(self.checkpoints.resume), name="learner-resume")
         while not loading.done():
-            await asyncio.wait([loading], timeout=self.lease.ttl_ms / 3000)
-            await self._renew_lease()
-        await loading
-        assert self.checkpoint is not None
-        self._open_trackers()
-        message = await self._publish(self.checkpoint)
-        self._idle_since = time.perf_counter()
+            await asyncio.wait([loading], timeout=self.lease.lease.ttl_ms / 3000)
+            await self.lease.renew()
+        resumed = await loading
+        self.intake.resume(resumed.ledger)
+        if resumed.found is not None:
+            self.records.recover_row(resumed.found, resumed.meta)
+        assert self.checkpoints.checkpoint is not None
+        self.records.open_trackers()
+        message = await self.checkpoints.publish(self.checkpoints.checkpoint)
+        self.updates.idle_since = time.perf_counter()
         return message
 
     async def run(self, stop: asyncio.Event, *, max_updates: int | None = None) -> None:
         """Consume and update until `stop` is set or `max_updates` updates were applied in this run."""
-        if self.core is None:
+        if self.checkpoints.core is None:
             await self.start()
-        assert self.core is not None
-        self._stop = stop
-        keeper = asyncio.create_task(self._keep_lease(stop), name="learner-lease")
+        elif self.lease.grant is None:  # run again after a run that released it
+            await self.lease.take()
+        self.updates.stop = stop
         try:
-            finished = await self._consume(stop, max_updates)
-            if finished and self.last_update_entries:  # done: nothing to redo, whatever happens to the disk
-                await self._ack(self.last_update_entries)
-                self.last_update_entries = []
-            if finished:
-                await self._ack_trained_leftovers()
+            with one_error():
+                async with asyncio.TaskGroup() as tasks:
+                    keeper = tasks.create_task(self.lease.keep(stop), name="learner-lease")
+                    try:
+                        finished = await self._consume(stop, max_updates)
+                        if finished and self.updates.last_entries:  # done: nothing to redo, whatever the disk
+                            await self.intake.ack(self.updates.last_entries)
+                            self.updates.last_entries = []
+                        if finished:
+                            await self.intake.ack_trained_leftovers()
+                    finally:
+                        # The optimizer state being written is the newest checkpoint's: done, the lease still
+                        # renewed, before another learner may take the run (a stop and a normal end both come
+                        # through here).
+                        await asyncio.to_thread(self.checkpoints.trainer.wait_for_writes)
+                        keeper.cancel()
         finally:
-            # The optimizer state being written is the newest checkpoint's: done before another learner may
-            # take the run (SIGTERM and a normal end both come through here).
-            await asyncio.to_thread(self.trainer.wait_for_writes)
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
-            await self._release_lease()
+            await self.lease.release()
 
     async def _consume(self, stop: asyncio.Event, max_updates: int | None) -> bool:
         """Read, assemble and update until `stop` or `max_updates`; True when the updates asked for are done
         (a stop leaves the newest update's entries pending: a restart finds them in the ledger, or, past a
         damaged checkpoint, trains them again)."""
-        applied = 0
+        applied, per_step, intake = 0, self.config.groups_per_step, self.intake
         while not stop.is_set() and (max_updates is None or applied < max_updates):
             deliveries = await self.reader.read()
             if self.reader.lost:
-                self._entries_vanished()
+                intake.entries_vanished()
             to_ack: list[str] = []
             for delivery in deliveries:
-                to_ack += await self._take(delivery)
-            await self._ack(to_ack)
-            while len(self.ready) >= self.settings.groups_per_step and (max_updates is None or applied < max_updates):
-                groups = self.ready[: self.settings.groups_per_step]
-                del self.ready[: self.settings.groups_per_step]
-                if await self._try_update(groups):
+                to_ack += await intake.take(delivery)
+            await intake.ack(to_ack)
+            while len(intake.ready) >= per_step and (max_updates is None or applied < max_updates):
+                groups = intake.ready[:per_step]
+                del intake.ready[:per_step]
+                if await self.updates.try_update(groups):
                     applied += 1
                 elif stop.is_set():
                     break
@@ -199,15 +167,18 @@ class LearnerService(LeaseKeeping, Checkpointing, SampleIntake, Updating, Update
 
     def describe(self) -> dict[str, Any]:
         """What the service holds now (for logs, the dashboard and tests)."""
+        assembler = self.intake.assembler
         return {
             "version": self.version,
-            "ready_groups": len(self.ready),
-            "open_groups": self.assembler.open_groups,
-            "ledger": len(self.assembler.ledger),
-            "dropped_groups": self.assembler.dropped_groups,
-            "duplicates": self.assembler.duplicates,
-            "settings": asdict(self.settings),
+            "ready_groups": len(self.intake.ready),
+            "open_groups": assembler.open_groups,
+            "ledger": len(assembler.ledger),
+            "dropped_groups": assembler.dropped_groups,
+            "duplicates": assembler.duplicates,
         }
+
+    def close_trackers(self) -> None:
+        self.records.close_trackers()
 
 
 def follow_rank_0(trainer: Trainer, *, root: Path, init_policy: Path) -> None:
@@ -238,7 +209,6 @@ def serve_learner(config: Config) -> int:
     or the final policy version (learner.until_version, else policy.steps). Under torchrun (WORLD_SIZE > 1)
     the policy is sharded over the ranks: rank 0 runs the service, the others follow it (`follow_rank_0`: a
     signal ends them through rank 0, which stops them after its update)."""
-    import torch
 
     from tlt_stream.rl.ranks import join_ranks, leave_ranks
     from tlt_stream.roles.serve import device_or_refuse, refuse, serve
@@ -257,8 +227,7 @@ def serve_learner(config: Config) -> int:
     link = join_ranks(device, timeout_s=own.collective_timeout_s)
     if link is not None and link.device.type == "cuda":
         device = str(link.device)  # one GPU per rank: LOCAL_RANK's
-    settings = LearnerRunSettings.from_config(config, device=device)
-    trainer = Trainer(settings.learner, settings.device, link)
+    trainer = Trainer(LearnerSettings.from_config(config), device, link)
     if link is not None and not link.leader:
         follow_rank_0(trainer, root=Path(config.expand(own.run_dir)) / "checkpoints", init_policy=Path(own.policy))
         leave_ranks(link)
@@ -267,7 +236,7 @@ def serve_learner(config: Config) -> int:
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:
         run_dir = config.expand(own.run_dir)
         service = LearnerService(
-            config, redis, control, run_dir=run_dir, init_policy=own.policy, settings=settings, trainer=trainer
+            config, redis, control, run_dir=run_dir, init_policy=own.policy, device=device, trainer=trainer
         )
         try:
             message = await service.start()

@@ -30,13 +30,13 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, WatchError
 
-from tlt_stream.aio import retry, sleep_or_stop
+from tlt_stream.basics.aio import one_error, retry, sleep_or_stop, wait_until
+from tlt_stream.basics.config import DEFAULTS, Config
+from tlt_stream.basics.messages import PromptGroup, codec_for
 from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import OOM_BACKOFF_CAP_S, PAYLOAD_FIELD, trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.messages import PromptGroup, codec_for
 
 __all__ = ["PolicyService", "RepeatedAddSource", "TaskSource", "serve_policy"]
 
@@ -112,9 +112,8 @@ class PolicyService:
         self.ahead = 1 if partial_rollouts and max_staleness == 0 else 0
         """Steps dispatched ahead of the staleness window, as drafts of the version before (partial rollouts,
         on-policy only). Streaming already fills the tail; one more step in flight there would let a group's
-        first samples age past the window while its tail runs (a run of (h) in bench/e2e.py dropped 14 of 128
-        groups as too stale with it, (c) none), so with max_staleness > 0 partial rollouts mean re-verifying
-        rows in flight at each new version only."""
+        first samples age past the window while its tail runs (dropped as too stale), so with max_staleness
+        > 0 partial rollouts mean re-verifying rows in flight at each new version only."""
         self.start_step = start_step
         """Where dispatch starts when Redis holds no cursor (a resumed run on fresh servers)."""
         self.total_steps = total_steps
@@ -298,14 +297,7 @@ class PolicyService:
 
     async def _wait_policy(self, version: int, stop: asyncio.Event) -> None:
         """Until policy `version` is adopted, `stop`, or `CURSOR_CHECK_S` pass."""
-        waiter = asyncio.create_task(self.control.wait_for("policy", version), name="policy-wait-version")
-        stopper = asyncio.create_task(stop.wait(), name="policy-wait-stop")
-        try:
-            await asyncio.wait([waiter, stopper], timeout=CURSOR_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            stopper.cancel()
-            await asyncio.gather(waiter, stopper, return_exceptions=True)
+        await wait_until(self.control.wait_for("policy", version), stop, CURSOR_CHECK_S)
 
     async def _resend_from(self, at: int, sent: int, stop: asyncio.Event) -> int:
         """The cursor is at `at`, behind the `sent` steps this service dispatched: Redis lost the newest writes
@@ -331,7 +323,7 @@ class PolicyService:
 def tiny_world_pool(tokenizer: Any, size: int, *, seed: int) -> TaskSource:
     """`size` training problems of the tiny world's task drawn once from `seed`, as a `PromptPool`: epochs
     of the same prompts, shuffled per epoch (a pure function of (seed, step), like a dataset's)."""
-    from tlt_stream.common import stable_int
+    from tlt_stream.basics.common import stable_int
     from tlt_stream.rl.datasets import Example, PromptPool
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
 
@@ -396,12 +388,14 @@ def serve_policy(config: Config) -> int:
         done = asyncio.Event()
         from tlt_stream.roles.sd_config import SdConfigPublisher
 
-        tables = asyncio.create_task(SdConfigPublisher(redis, Keys(config.run), control).run(done))
-        try:
-            await service.run(stop)
-        finally:
-            done.set()
-            await tables
+        with one_error():
+            async with asyncio.TaskGroup() as tasks:
+                tables = SdConfigPublisher(redis, Keys(config.run), control)
+                tasks.create_task(tables.run(done), name="sd-config-publisher")
+                try:
+                    await service.run(stop)
+                finally:
+                    done.set()
         print(f"policy: stopped before step {await service.next_step()}", file=sys.stderr)
 
     return serve(config, "policy", ["sd_config"], body)

@@ -13,10 +13,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys
-from tlt_stream.messages import codec_for
 
 __all__ = ["SdConfigPublisher"]
 
@@ -35,7 +35,7 @@ class SdConfigPublisher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, control: ControlPlane, *, window: int = 2000) -> None:
         from collections import deque
 
-        from tlt_stream.rollout.tuner import DEFAULT_EDGES
+        from tlt_stream.rollout.switch import DEFAULT_EDGES
 
         self.redis = redis
         self.keys = keys
@@ -48,8 +48,8 @@ class SdConfigPublisher:
 
     async def poll(self) -> bool:
         """Read new reports and publish a new version if the table changed; returns whether it published."""
-        from tlt_stream.messages import SdArmChoice, SdArmReport, SdConfigVersion
-        from tlt_stream.rollout.tuner import aggregate_reports
+        from tlt_stream.basics.messages import SdArmChoice, SdArmReport, SdConfigVersion
+        from tlt_stream.rollout.switch import aggregate_reports
 
         stream = self.keys.stream("stats")
         while True:
@@ -93,7 +93,7 @@ class SdConfigPublisher:
         return True
 
     async def run(self, stop: asyncio.Event, *, every_s: float = 5.0) -> None:
-        from tlt_stream.aio import sleep_or_stop
+        from tlt_stream.basics.aio import sleep_or_stop
 
         while not await sleep_or_stop(stop, every_s):
             await self.poll()

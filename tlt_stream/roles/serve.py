@@ -21,9 +21,10 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.aio import as_task
+from tlt_stream.basics.config import Config, redact_text, redact_url
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.config import Config, redact_text, redact_url
-from tlt_stream.errors import CheckpointError
 
 __all__ = ["TEARDOWN_S", "Body", "device_or_refuse", "refuse", "serve"]
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 async def bounded(step: Awaitable[None], what: str, seconds: float = TEARDOWN_S) -> None:
     """Await a teardown step for at most `seconds`; its error, if any, is raised. Past that, log an error
     with the stack of every pending task (what hung, for whoever reads the log), cancel it and go on."""
-    task = asyncio.ensure_future(step)
+    task = as_task(step, what)
     done, _ = await asyncio.wait({task}, timeout=seconds)
     if done:
         task.result()
@@ -76,8 +77,8 @@ def device_or_refuse(spec: str, command: str) -> str | None:
 
 
 def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
-    from tlt_stream.aio import install_stop_signals
-    from tlt_stream.aio import run as run_loop
+    from tlt_stream.basics.aio import install_stop_signals
+    from tlt_stream.basics.aio import run as run_loop
     from tlt_stream.bus.connect import connect_redis, endpoints
 
     async def main(config: Config) -> None:
@@ -88,7 +89,7 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
         control = ControlPlane(config, redis, role=role, owns=owns)
         stop = asyncio.Event()
         install_stop_signals(stop)
-        plane = asyncio.create_task(control.run(stop))
+        plane = asyncio.create_task(control.run(stop), name=f"{role}-control-plane")
         try:
             await body(config, redis, control, stop)
         finally:

@@ -222,8 +222,8 @@ def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 HOST_WALK_ROWS = 16
 """CPU batches of at most this many rows walk a tree in Python over one host copy of the candidates'
-probabilities (`_walk_tree`: a quarter of `_judge_tree`'s tensor ops; 2-3x faster at 1-16 rows of 12
-nodes, 1.3x at 32); larger batches and accelerators judge every node at once, with no host round trip."""
+probabilities (`_walk_tree`: a quarter of `_judge_tree`'s tensor ops, cheaper where per-op overhead
+dominates); larger batches and accelerators judge every node at once, with no host round trip."""
 
 
 def accept_tree(
@@ -348,8 +348,8 @@ def accept_chain(
     residual_u: torch.Tensor,
     lengths: torch.Tensor | None = None,
 ) -> Verdict:
-    """Speculative sampling for a chain of drafted tokens, fully vectorised (a host walk of the accepted
-    prefix measured no faster at batch 1: the residual and the draw dominate).
+    """Speculative sampling for a chain of drafted tokens, fully vectorised (the residual and the draw, not
+    the walk of the accepted prefix, dominate its cost).
 
     `p [B, d+1, V]` target probabilities at the root and after each draft token; `q [B, d, V]` the drafter
     distributions the draft tokens `draft [B, d]` were sampled from, or None for point-mass proposals

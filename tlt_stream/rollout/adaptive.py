@@ -25,60 +25,22 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from tlt_stream.config import DEFAULTS, Config
-from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm, SdSwitch, SdTable, SdTuner
+from tlt_stream.basics.config import DEFAULTS, SdConfig
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.switch import SdSwitch, SdTable
+from tlt_stream.rollout.tuner import SdTuner
 
-__all__ = ["AdaptiveSd", "AdaptiveSettings", "ArmMeasurement", "arm_kinds"]
+__all__ = ["AdaptiveSd", "ArmMeasurement", "arm_kinds"]
 
 
 def arm_kinds(proposer: Any) -> frozenset[str]:
     """The arm kinds a proposer drafts: its `kinds` attribute; a proposer without one (a test's or a
     benchmark's own) drafts drafter arms."""
     return frozenset(getattr(proposer, "kinds", ("drafter",)))
-
-
-@dataclass(frozen=True)
-class AdaptiveSettings:
-    crossover: int = DEFAULTS.sd.crossover
-    """Running batch size above which SD was measured to lose (`bench/sd_speedup.py`'s crossover)."""
-    margin: int = DEFAULTS.sd.margin
-    """Hysteresis band: on at batch <= crossover - 1 - margin, off above crossover - 1."""
-    epsilon: float = DEFAULTS.sd.epsilon
-    window: int = DEFAULTS.sd.window
-    arms: tuple[str, ...] = DEFAULTS.sd.arms
-    """Candidate arm labels; those of another proposer kind than the engine's are left out."""
-    edges: tuple[int, ...] = DEFAULT_EDGES
-    on_new_drafter: Literal["reset", "decay"] = DEFAULTS.sd.on_new_drafter
-    above_crossover: Literal["measure", "plain"] = DEFAULTS.sd.above_crossover
-    """Where the switch is off: plain unless an explored arm measured faster (`measure`), or plain only."""
-    challenge: float = DEFAULTS.sd.challenge
-    """Where the switch is off: the share of steps an arm measured faster than plain but not yet confirmed
-    runs, until it is confirmed or falls behind (0: only epsilon's exploration measures it)."""
-    context_rows: int = DEFAULTS.sd.context_rows
-    """Up to this many running rows the tuner judges arms per context, the proposer's `context` (how well the
-    rows follow the group's responses); 0, or a proposer without one: per bucket only."""
-    seed: int = DEFAULTS.sd.seed
-
-    @classmethod
-    def from_config(cls, config: Config) -> AdaptiveSettings:
-        sd = config.sd
-        return cls(
-            crossover=sd.crossover,
-            margin=sd.margin,
-            epsilon=sd.epsilon,
-            window=sd.window,
-            arms=sd.arms,
-            edges=sd.edges,
-            on_new_drafter=sd.on_new_drafter,
-            above_crossover=sd.above_crossover,
-            challenge=sd.challenge,
-            context_rows=sd.context_rows,
-            seed=sd.seed,
-        )
 
 
 @dataclass
@@ -101,7 +63,16 @@ class _Log:
 class AdaptiveSd:
     """Per-step SD decisions for one engine (which must have a proposer)."""
 
-    def __init__(self, engine: Any, settings: AdaptiveSettings = AdaptiveSettings(), *, drafter_version: int = 0):
+    def __init__(
+        self,
+        engine: Any,
+        settings: SdConfig = DEFAULTS.sd,
+        *,
+        drafter_version: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """`clock` times each step for the tuner (a test hands in a steady one, so its measurements, and with
+        them the arms chosen, do not depend on how busy the machine is)."""
         proposer = getattr(engine, "proposer", None)
         if proposer is None:
             raise ValueError("adaptive SD needs an engine with a proposer (a drafter or the n-gram proposer)")
@@ -126,6 +97,7 @@ class AdaptiveSd:
         self.log = _Log()
         self._pending: dict[tuple[int, Arm], ArmMeasurement] = {}
         self.arm: Arm = Arm.plain()
+        self.clock = clock
 
     def step(self) -> list[Any]:
         engine = self.engine
@@ -145,9 +117,9 @@ class AdaptiveSd:
         engine.arm = None if arm.kind == "plain" else arm
         self.arm = arm
         waiting, tokens = scheduler.num_waiting, engine.tokens_generated
-        started = time.perf_counter()
+        started = self.clock()
         results = engine.step()
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         emitted = engine.tokens_generated - tokens
         bucket = self.tuner.bucket(batch)
         self.log.chosen[(bucket, arm.label)] += 1

@@ -1,83 +1,71 @@
-"""Building a rollout engine from what a worker asks for: the backend, the batch shape, the draft source and
-how the SD arm is chosen. Plain code, no bus: the rollout worker calls it on its first policy version (later
-versions are loaded into the same engine in place), tests call it directly.
+"""Building a rollout engine from the configuration: the backend, the batch shape, the draft source and how
+the SD arm is chosen. Plain code, no bus: the rollout worker calls it on its first policy version (later
+versions are loaded into the same engine in place), tests and benchmarks call it directly.
+
+What the sections forbid together (vLLM with adaptive SD or group drafts, a plain arm beside a drafter) is
+refused when the configuration is loaded (`config/rules.py`); what only the built draft source can tell (an
+arm it cannot draft) is refused here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from tlt_stream.config import DEFAULTS
-from tlt_stream.rollout.adaptive import AdaptiveSd, AdaptiveSettings
+from tlt_stream.basics.config import Config, SdConfig
+from tlt_stream.rollout.adaptive import AdaptiveSd
 from tlt_stream.rollout.arms import Arm
 
-__all__ = ["EngineSpec", "build_engine", "vllm_settings"]
+__all__ = ["build_engine", "fixed_arm", "vllm_settings"]
 
 PLAIN_NODES = 64
 """Draft-tree nodes the torch engine's buffers hold at least (room for any arm a table may name)."""
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    max_batch: int
-    max_len: int
-    temperature: float
-    device: str
-    """A resolved device: cpu, cuda or cuda:N."""
-    dtype: str = DEFAULTS.rollout.dtype
-    """Weights and KV cache: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16."""
-    graphs: str = DEFAULTS.rollout.graphs
-    """Captured forwards (`model.graphs.resolve_backend`): off, auto, cuda or trace; torch backend only."""
-    drafter: str | None = None
-    """The draft source: an EAGLE drafter directory, "ngram" (prompt lookup), or None (no speculation)."""
-    group: bool = DEFAULTS.sd.group
-    """Draft also from the prompt's own responses (`GroupProposer`; with "ngram" it replaces prompt lookup)."""
-    group_strong_match: int = DEFAULTS.sd.group_strong_match
-    """Match length from which an either arm takes the group's chain (`GroupProposer.strong_match`)."""
-    arm: Arm | None = None
-    """The fixed arm (with a drafter and no `adaptive`)."""
-    adaptive: AdaptiveSettings | None = None
-    """Choose SD per step instead of the fixed arm (torch backend only)."""
-    backend: Literal["torch", "vllm"] = DEFAULTS.rollout.backend
-    hidden: bool = False
-    """vLLM only: recompute hidden states for drafter training (the torch engine always has them)."""
-    draft_rows: int | None = None
-    """Partial rollouts: drafts of the next policy start only while fewer rows than this run (None: any)."""
-
-    def __post_init__(self) -> None:
-        if self.drafter is not None and self.adaptive is None and (self.arm is None or self.arm.kind == "plain"):
-            raise ValueError(f"a drafter ({self.drafter}) without adaptive SD needs a drafting arm, got {self.arm}")
-        if self.backend == "vllm" and self.adaptive is not None:
-            raise ValueError("adaptive SD decides per decode step, which vLLM cannot: give a fixed arm")
-        if self.backend == "vllm" and self.group:
-            raise ValueError("group/history drafts (sd.group) run on the torch engine only")
-        if self.backend == "vllm" and self.graphs in ("cuda", "trace"):
-            raise ValueError("rollout.graphs is the torch engine's (vLLM captures its own CUDA graphs)")
-        if self.group and self.drafter is None:
-            raise ValueError("sd.group drafts beside a draft source: set sd.drafter (a drafter, or ngram)")
+def fixed_arm(sd: SdConfig, drafter: str | None) -> Arm:
+    """The arm SD runs when it is not adaptive: `sd.arm`, made a prompt-lookup chain of its depth for the
+    n-gram source, and a group arm when group drafts stand in for prompt lookup (they include it)."""
+    arm = Arm.from_label(sd.arm)
+    if drafter == "ngram" and arm.kind == "drafter":
+        arm = Arm.ngram(arm.depth)
+    if drafter == "ngram" and sd.group and arm.kind == "ngram":
+        arm = Arm.group_source(arm.depth, arm.depth)
+    return arm
 
 
-def _max_nodes(spec: EngineSpec) -> int:
-    arms = list(map(Arm.from_label, spec.adaptive.arms)) if spec.adaptive is not None else []
-    if spec.arm is not None:
-        arms.append(spec.arm)
+def _max_nodes(sd: SdConfig, adaptive: bool, arm: Arm | None) -> int:
+    arms = list(map(Arm.from_label, sd.arms)) if adaptive else []
+    if arm is not None:
+        arms.append(arm)
     return max([PLAIN_NODES, *(max(a.depth, a.nodes) for a in arms)])
 
 
 def build_engine(
-    policy: str, spec: EngineSpec, *, drafter_version: int = -1, weights: Any = None
+    policy: str,
+    config: Config,
+    *,
+    device: str = "cpu",
+    drafter: str | None = None,
+    hidden: bool = False,
+    drafter_version: int = -1,
+    weights: Any = None,
 ) -> tuple[Any, AdaptiveSd | None]:
-    """(the engine, its adaptive SD controller or None) for the checkpoint directory `policy`, from `weights`
-    when given (its contents already read and verified, `store/weights.py`; torch only). The EAGLE drafter
-    binds to this policy's embedding and LM head."""
-    if spec.backend == "vllm":
+    """(the engine, its adaptive SD controller or None) for the checkpoint directory `policy`, shaped by
+    `config.rollout` and drafting as `config.sd` says, on a resolved `device`. `drafter` is the draft source
+    when it is not `sd.drafter` (a newer version of the drafter; None: `sd.drafter`); `hidden` makes vLLM
+    recompute hidden states for drafter training (the torch engine always has them); `weights` are the
+    policy's tensors already read and verified (`store/weights.py`; torch only). The EAGLE drafter binds to
+    this policy's embedding and LM head."""
+    own, sd = config.rollout, config.sd
+    source = drafter or sd.drafter
+    adaptive = sd.adaptive and source is not None
+    arm = fixed_arm(sd, source) if source is not None and not adaptive else None
+    if own.backend == "vllm":
         if weights is not None:
             raise ValueError("vLLM's workers read the checkpoint themselves: pass its path, not its tensors")
         from tlt_stream.rollout.vllm.backend import VllmEngine
 
-        drafter = spec.drafter if spec.drafter not in (None, "ngram") else None
-        return VllmEngine(policy, settings=vllm_settings(spec), drafter=drafter), None
+        eagle = source if source not in (None, "ngram") else None
+        return VllmEngine(policy, settings=vllm_settings(config, arm, hidden=hidden), drafter=eagle), None
 
     from tlt_stream.model import load_model, resolve_dtype
     from tlt_stream.model.graphs import resolve_backend
@@ -85,41 +73,40 @@ def build_engine(
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import GroupProposer, MixedProposer, build_proposer
 
-    model = load_model(policy, device=spec.device, dtype=resolve_dtype(spec.dtype, spec.device), weights=weights)
+    model = load_model(policy, device=device, dtype=resolve_dtype(own.dtype, device), weights=weights)
     proposer: Any = None
-    if spec.drafter == "ngram" and spec.group:
-        proposer = GroupProposer(strong_match=spec.group_strong_match)
-    elif spec.drafter is not None:
-        proposer = build_proposer(spec.drafter, model)
-        if spec.group:
-            proposer = MixedProposer(proposer, GroupProposer(strong_match=spec.group_strong_match))
-    adaptive = spec.adaptive if proposer is not None else None
-    arm = spec.arm if proposer is not None and adaptive is None else None  # adaptive SD sets it step by step
+    if source == "ngram" and sd.group:
+        proposer = GroupProposer(strong_match=sd.group_strong_match)
+    elif source is not None:
+        proposer = build_proposer(source, model)
+        if sd.group:
+            proposer = MixedProposer(proposer, GroupProposer(strong_match=sd.group_strong_match))
     if arm is not None and arm.kind not in arm_kinds(proposer):
         raise ValueError(f"arm {arm.label} drafts with a source this engine does not have ({type(proposer).__name__})")
     engine = GenerationEngine(
         model,
-        spec.max_batch,
-        spec.max_len,
+        own.max_batch,
+        own.max_len,
         proposer=proposer,
         arm=arm,
-        max_draft_nodes=_max_nodes(spec),
-        draft_rows=spec.draft_rows,
-        graphs=resolve_backend(spec.graphs, model.device),
+        max_draft_nodes=_max_nodes(sd, adaptive, arm),
+        draft_rows=config.policy.ahead_rows or None,
+        graphs=resolve_backend(own.graphs, model.device),
     )
-    controller = AdaptiveSd(engine, adaptive, drafter_version=drafter_version) if adaptive is not None else None
+    controller = AdaptiveSd(engine, sd, drafter_version=drafter_version) if adaptive else None
     return engine, controller
 
 
-def vllm_settings(spec: EngineSpec) -> Any:
-    """The vLLM engine's settings for `spec` (pure: vLLM is imported only by the engine itself)."""
+def vllm_settings(config: Config, arm: Arm | None, *, hidden: bool) -> Any:
+    """The vLLM engine's settings (pure: vLLM is imported only by the engine itself)."""
     from tlt_stream.rollout.vllm.backend import VllmSettings
 
+    own = config.rollout
     return VllmSettings(
-        max_batch=spec.max_batch,
-        max_len=spec.max_len,
-        temperature=spec.temperature,
-        dtype=spec.dtype,
-        arm=spec.arm.label if spec.drafter is not None and spec.arm is not None else None,
-        hidden="recompute" if spec.hidden else "none",
+        max_batch=own.max_batch,
+        max_len=own.max_len,
+        temperature=own.temperature,
+        dtype=own.dtype,
+        arm=arm.label if arm is not None else None,
+        hidden="recompute" if hidden else "none",
     )

@@ -10,12 +10,9 @@ be switched on or off mid-sequence without disturbing in-flight rows.
 Every request has its own seeded `torch.Generator`, drawn from once per emitted token, so a request's
 sampled output does not depend on which other requests share its batch.
 
-Partial rollouts (`reverify`): `load_policy(path, reverify=True)` loads a new policy with requests in
-flight and re-verifies every one that holds tokens, losslessly: each keeps the prefix the new policy
-accepts, resamples the first rejected token from the residual, and goes on under the new policy, so a
-response finished afterwards is distributed exactly as the new policy's from scratch and carries its
-logprobs. A request added with `ahead_limit` is a draft for the next version: it parks after that many
-tokens (or when it ends) and waits for the re-verification.
+Partial rollouts: `load_policy(path, reverify=True)` loads a new policy with requests in flight and
+re-verifies every one that holds tokens, losslessly (`rollout/reverify.py`); a request added with
+`ahead_limit` is a draft for the next version, parked after that many tokens until it is re-verified.
 """
 
 from __future__ import annotations
@@ -31,11 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tlt_stream.errors import CheckpointError
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.graphs import ForwardGraphs, GraphBackend
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.arms import Arm
-from tlt_stream.rollout.proposers import SOURCE_EAGLE, SOURCE_GROUP, Proposal, Proposer
+from tlt_stream.rollout.proposers.base import Proposer, count_sources
 from tlt_stream.rollout.results import GenerationResult, generate_all
 from tlt_stream.rollout.reverify import verify_rows
 from tlt_stream.rollout.sampling import sample
@@ -48,7 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["GenerationEngine", "GenerationResult", "generate_all"]
 
 
-_SOURCE_OF_ARM = {"drafter": "eagle", "group": "group", "ngram": "ngram"}
 """The draft source of a one-source arm (`RolloutEngine.drafted_by`)."""
 
 
@@ -105,10 +101,8 @@ class GenerationEngine:
         """Drafted tokens accepted and emitted, per source (as `drafted_by`)."""
         self.reverified = 0
         """Requests re-verified under a newly loaded policy (each time it happened to one)."""
-        self.tokens_kept = 0
-        """Tokens the re-verifications kept."""
-        self.tokens_discarded = 0
-        """Tokens the re-verifications discarded."""
+        self.tokens_kept = self.tokens_discarded = 0
+        """Tokens the re-verifications kept, and those they discarded."""
         self.reverify_passes = 0
         """Re-verification forwards of the new policy (batched like prefills)."""
         self.old_policy_rows = 0
@@ -117,9 +111,8 @@ class GenerationEngine:
         self._want_hidden: set[Hashable] = set()
         self._hidden: torch.Tensor | None = None
         """`[max_batch, max_len, H]` per-slot final-norm states of the generated tokens, for the requests that
-        asked for them (allocated on the first such request; slot moves are mirrored like the KV cache). One
-        indexed write per step: keeping a tensor per token and row cost ~8% of a decode step in Python
-        objects and garbage collection (docs/benchmarks.md, issue 6)."""
+        asked for them (allocated on the first such request; slot moves are mirrored like the KV cache): one
+        indexed write per step, no Python object per token and row."""
         self._prompt_hidden: dict[Hashable, torch.Tensor] = {}
         self._accepts: dict[Hashable, list[int]] = {}
         self._done: list[GenerationResult] = []
@@ -447,22 +440,8 @@ class GenerationEngine:
                 self._hidden[s.slot, start : start + emitted] = outcome.hidden[row, :emitted]
             if s.is_running:  # not finished, not parked
                 self.proposer.observe(row, outcome.tokens[row], outcome.hidden[row, :emitted])
-        self._count_sources(proposal, arm, outcome.path, used)
-
-    def _count_sources(self, proposal: Proposal, arm: Arm, paths: list[list[int]], used: list[int]) -> None:
-        """Per-source drafted and accepted counts of one round (`drafted_by`, `accepted_by`)."""
-        if proposal.sources is None:
-            name = _SOURCE_OF_ARM.get(arm.kind, type(self.proposer).__name__.removesuffix("Proposer").lower())
-            self.drafted_by[name] += int((proposal.tree.parents >= 0).sum())
-            self.accepted_by[name] += sum(used)
-            return
-        # Nodes per bit pattern (padding nodes carry none): one transfer, then plain Python every round.
-        drafted = torch.bincount(proposal.sources.view(-1).long(), minlength=4).tolist()
-        by_node = proposal.sources.tolist()
-        taken = [by_node[b][node - 1] for b, path in enumerate(paths) for node in path[: used[b]]]
-        for name, bit in (("eagle", SOURCE_EAGLE), ("group", SOURCE_GROUP)):
-            self.drafted_by[name] += sum(count for bits, count in enumerate(drafted) if bits & bit)
-            self.accepted_by[name] += sum(1 for source in taken if source & bit)
+        fallback = type(self.proposer).__name__.removesuffix("Proposer").lower()
+        count_sources(self.drafted_by, self.accepted_by, proposal, arm, (outcome.path, used), fallback)
 
     def _emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Sample one token per row from `hidden [B, H]` and append it (with its logprob) to each sequence."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_stream.failpoints import failpoint
+from tlt_stream.basics.failpoints import failpoint
 from tlt_stream.model.cache import KVCache
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.acceptance import greedy_onehot, sample_from

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tlt_stream.config import DEFAULTS
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.tasks.repeated_add import RepeatedAddTask
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -186,7 +186,7 @@ def train_policy(settings: BootstrapSettings, seed: int, out: Path, progress: Pr
 
 def drafter_windows(policy_dir: Path, settings: BootstrapSettings, seed: int, progress: Progress) -> list:
     """The policy's own sampled responses to training prompts, with its hidden states over each sequence."""
-    from tlt_stream.drafter.warmup import policy_windows
+    from tlt_stream.rollout.warmup import policy_windows
 
     tokenizer = build_tokenizer()
     problems = RepeatedAddTask().problems(settings.drafter_samples, seed + 1, heldout=False)
@@ -199,7 +199,7 @@ def drafter_windows(policy_dir: Path, settings: BootstrapSettings, seed: int, pr
 def train_drafter(
     policy_dir: Path, windows: list, settings: BootstrapSettings, seed: int, out: Path, progress: Progress
 ) -> dict[str, float]:
-    from tlt_stream.drafter.warmup import warm_up_drafter
+    from tlt_stream.rollout.warmup import warm_up_drafter
 
     return warm_up_drafter(
         policy_dir, windows, steps=settings.drafter_steps, lr=settings.drafter_lr, seed=seed, out=out, progress=progress

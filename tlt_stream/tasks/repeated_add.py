@@ -23,7 +23,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from tlt_stream.common import stable_hex
+from tlt_stream.basics.common import stable_hex
 
 __all__ = ["ANSWER_RE", "Problem", "RepeatedAddTask", "reward", "step_text"]
 

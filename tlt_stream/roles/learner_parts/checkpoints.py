@@ -15,66 +15,74 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.control import ControlPlane
-from tlt_stream.config import Config
-from tlt_stream.messages import PolicyVersion
-from tlt_stream.model.loader import CheckpointError
+from tlt_stream.model.loader import CheckpointError, resolve_dtype
 from tlt_stream.rl.checkpoint import CheckpointInfo, complete_checkpoints, latest_checkpoint
-from tlt_stream.rl.groups import GroupAssembler
 from tlt_stream.rl.learner import LearnerCore
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer
-from tlt_stream.roles.learner_parts import log
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 from tlt_stream.store.locations import announced_location
 
-if TYPE_CHECKING:
-    from tlt_stream.roles.learner import LearnerRunSettings
+__all__ = ["Checkpoints", "Resumed"]
 
-__all__ = ["Checkpointing"]
+log = logging.getLogger("tlt_stream.roles.learner")
 
 
-class Checkpointing:
+@dataclass(frozen=True)
+class Resumed:
+    """What the learner resumed from: the ledger of every sample id applied so far, and the checkpoint (None:
+    version 0 was just made from the initial policy) with its recorded metadata."""
+
+    ledger: set[str]
+    found: CheckpointInfo | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Checkpoints:
     """The learner's checkpoints: the resume, the policy built from one, each save and its announcement."""
 
-    config: Config
-    control: ControlPlane
-    run_dir: Path
-    init_policy: Path
-    settings: LearnerRunSettings
-    trainer: Trainer
-    core: LearnerCore | None
-    version: int
-    checkpoint: CheckpointInfo | None
-    assembler: GroupAssembler
-    _stop: asyncio.Event | None
-
-    def _init_checkpoints(self) -> None:
+    def __init__(
+        self, config: Config, control: ControlPlane, trainer: Trainer, *, run_dir: Path, init_policy: Path, device: str
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.trainer = trainer
+        """The policy's training and checkpoints: one process, or rank 0 of a sharded learner (`rl/sharded.py`)."""
+        self.init_policy = init_policy
+        self.root = run_dir / "checkpoints"
+        self.publish_dtype = resolve_dtype(config.rollout.dtype, device)
+        """The dtype of the weights workers load (rollout.dtype on this device); fp32 masters are kept beside."""
+        self.core: LearnerCore | None = None
+        """Built from the checkpoint resumed."""
+        self.version = -1
+        self.checkpoint: CheckpointInfo | None = None
+        """The newest checkpoint, the one `version` is published from."""
         self.tokenizer: Any = None
         self.vocab_size = 0
         self.max_positions: int | None = None
         self._resume_note: dict[str, float] = {}
         """Set when a resume took older optimizer moments (-1: none); reported in the next update's metrics."""
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    def _load(self) -> None:
+    def resume(self) -> Resumed:
         """Resume from the newest checkpoint that verifies, falling back past damaged ones (set aside as
         `corrupt-step-*`, and said so); with none at all, start version 0 from the initial policy."""
-        latest = latest_checkpoint(self.checkpoints, clean=True)
+        latest = latest_checkpoint(self.root, clean=True)
         if latest is None:
             self._build(self.init_policy)
             self.version = 0
-            self.checkpoint = self._save({"initial_policy": str(self.init_policy)})
+            self.checkpoint = self.save({"initial_policy": str(self.init_policy)}, set())
             log.info("version 0 from %s", self.init_policy)
-            return
-        candidates = [latest, *(c for c in reversed(complete_checkpoints(self.checkpoints)) if c.step != latest.step)]
+            return Resumed(set())
+        candidates = [latest, *(c for c in reversed(complete_checkpoints(self.root)) if c.step != latest.step)]
         from safetensors import SafetensorError
 
         for found in candidates:
@@ -96,16 +104,15 @@ class Checkpointing:
                     aside.name,
                 )
                 continue
-            self._recover_metrics_row(found, meta)
             if meta.get("optimizer_step", found.step) != found.step:  # said in the next update's metrics too
                 self._resume_note = {"optimizer_resumed_from_step": float(meta["optimizer_step"])}
-            self.assembler = GroupAssembler(self.settings.max_staleness, ledger)
             self.version, self.checkpoint = found.step, found
+            assert self.core is not None
             self.core.updates = found.step  # the learning-rate schedule continues where it stopped
             log.info("resumed from %s (version %d, %d samples in the ledger)", found.path, found.step, len(ledger))
-            return
+            return Resumed(set(ledger), found, meta)
         raise CheckpointError(
-            f"{self.checkpoints}: no checkpoint verifies (each was set aside as corrupt-step-*); starting over from "
+            f"{self.root}: no checkpoint verifies (each was set aside as corrupt-step-*); starting over from "
             "the initial policy would train every sample again, so restore one or use a new --run-dir"
         )
 
@@ -129,28 +136,28 @@ class Checkpointing:
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
 
-    def _save(self, extra: dict[str, Any]) -> CheckpointInfo:
+    def save(self, extra: dict[str, Any], ledger: set[str]) -> CheckpointInfo:
         return self.trainer.save(
-            self.checkpoints,
+            self.root,
             step=self.version,
-            ledger=self.assembler.ledger,
+            ledger=ledger,
             extra=extra,
             tokenizer=self.tokenizer,
-            keep=self.settings.keep_checkpoints,
-            publish_dtype=self.settings.publish_dtype,
+            keep=self.config.learner.keep_checkpoints,
+            publish_dtype=self.publish_dtype,
         )
 
-    async def _save_or_stop(self, extra: dict[str, Any]) -> CheckpointInfo:
-        """`_save` off the loop; ranks out of step (a rank died mid-save) stop the service, since no retry can
+    async def save_or_stop(self, extra: dict[str, Any], ledger: set[str], stop: asyncio.Event | None) -> CheckpointInfo:
+        """`save` off the loop; ranks out of step (a rank died mid-save) stop the service, since no retry can
         bring the dead rank back: the update's samples stay pending and a restart trains them."""
         try:
-            return await asyncio.to_thread(self._save, extra)
+            return await asyncio.to_thread(self.save, extra, ledger)
         except RanksOutOfStep:
-            if self._stop is not None:
-                self._stop.set()
+            if stop is not None:
+                stop.set()
             raise
 
-    async def _publish(self, info: CheckpointInfo) -> PolicyVersion:
+    async def publish(self, info: CheckpointInfo) -> PolicyVersion:
         bus = self.config.bus
         location = announced_location(info.policy_dir, bus.store_root, relative=bus.relative_locations)
         message = PolicyVersion(
@@ -164,7 +171,7 @@ class Checkpointing:
         await self.control.publish(message)
         return message
 
-    def _optimizer_write_figures(self) -> dict[str, float]:
+    def optimizer_write_figures(self) -> dict[str, float]:
         """The background optimizer writes (`Trainer.write_figures`: the newest one's seconds, the failures of
         every rank, the newest failure's rank and step) and, once after a resume that took older optimizer
         moments, the step they came from."""

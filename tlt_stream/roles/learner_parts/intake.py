@@ -9,27 +9,30 @@ payload still names its group and place in it (`_refused`). A group too stale fo
 recorded in Redis (`Keys.dropped`) for the policy service to send its task again, and its responses' lengths
 are remembered for the next update's metrics (whether streaming drops the long ones shows there). A sample
 whose group is incomplete or waits for an update keeps its entry pending until a checkpoint covers it
-(`update.py`): a crash before that loses nothing. Held entries that Redis lost are replaced by their next
+(`updates.py`): a crash before that loses nothing. Held entries that Redis lost are replaced by their next
 copies, and entries every consumer group has acked are trimmed.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import msgspec
 import redis.asyncio as aioredis
 
+from tlt_stream.basics.messages import Sample
 from tlt_stream.bus.consumer import Delivery, StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import trim_acked
 from tlt_stream.bus.streams import Keys
-from tlt_stream.messages import Sample
 from tlt_stream.rl.groups import GroupAssembler, ReadyGroup
 from tlt_stream.rl.validate import sample_problem
-from tlt_stream.roles.learner_parts import log
+from tlt_stream.roles.learner_parts.checkpoints import Checkpoints
 
 __all__ = ["SampleIntake"]
+
+log = logging.getLogger("tlt_stream.roles.learner")
 
 
 class _Member(msgspec.Struct):
@@ -49,17 +52,27 @@ _MEMBER = msgspec.msgpack.Decoder(_Member)
 class SampleIntake:
     """Deliveries into complete groups (`ready`), and the acks, dead letters and drops on the way."""
 
-    redis: aioredis.Redis
-    keys: Keys
-    control: ControlPlane
-    reader: StreamReader[Sample]
-    assembler: GroupAssembler
-    ready: list[ReadyGroup]
-    version: int
-    vocab_size: int
-    max_positions: int | None
-
-    def _init_intake(self) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        reader: StreamReader[Sample],
+        control: ControlPlane,
+        checkpoints: Checkpoints,
+        *,
+        max_staleness: int,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.reader = reader
+        self.control = control
+        self.checkpoints = checkpoints
+        """The version trained so far and the policy's limits (vocabulary, positions) samples must fit."""
+        self.max_staleness = max_staleness
+        self.assembler = GroupAssembler(max_staleness)
+        """Replaced, with the ledger it resumes from, by `resume`."""
+        self.ready: list[ReadyGroup] = []
+        """Complete groups within the window, in the order they completed, waiting for an update."""
         self._dropped_tasks: set[str] = set()
         self._dropped_lengths: list[int] = []
         """Groups dropped as too stale since the last update, and their samples' response lengths."""
@@ -67,18 +80,23 @@ class SampleIntake:
         self.trimmed = 0
         self.reader.on_refused = self._refused
 
-    async def _take(self, delivery: Delivery[Sample]) -> list[str]:
+    def resume(self, ledger: set[str]) -> None:
+        """Start from the ledger of the checkpoint resumed: its samples are recognised as trained."""
+        self.assembler = GroupAssembler(self.max_staleness, ledger)
+
+    async def take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
         sample = delivery.message
         # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
         # the update whose version the workers already generate with.
-        newest = max(self.version, self.control.version("policy"))
+        mine = self.checkpoints
+        newest = max(mine.version, self.control.version("policy"))
         problem = sample_problem(
-            sample, vocab_size=self.vocab_size, max_positions=self.max_positions, newest_version=newest
+            sample, vocab_size=mine.vocab_size, max_positions=mine.max_positions, newest_version=newest
         )
         offer = None
         if problem is None:
-            offer = self.assembler.offer(sample, delivery.entry_id, self.version)
+            offer = self.assembler.offer(sample, delivery.entry_id, mine.version)
             if offer.status == "invalid":
                 problem = offer.reason
         if problem is not None:  # poison: the same entry would fail the same way on every restart
@@ -94,7 +112,7 @@ class SampleIntake:
             assert offer.group is not None
             if offer.group.task_id not in self._dropped_tasks:
                 log.warning("dropped stale group %s", offer.group.task_id)
-            await self._note_dropped([offer.group])
+            await self.note_dropped([offer.group])
             return offer.group.entry_ids
         if offer.status == "ready":
             assert offer.group is not None
@@ -123,11 +141,11 @@ class SampleIntake:
             log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
             self.ready.append(offer.group)
 
-    async def _ack(self, entry_ids: list[str]) -> None:
+    async def ack(self, entry_ids: list[str]) -> None:
         await self.reader.ack(entry_ids)
         self.assembler.release(entry_ids)
 
-    def _entries_vanished(self) -> None:
+    def entries_vanished(self) -> None:
         """Held entries that are no longer ours in Redis (one learner per run: Redis lost them). The samples
         they carried exist only in memory until a checkpoint covers them; the assembler makes the next copy
         of each (a worker redoes the task whose ack Redis lost too) their entry, rather than a duplicate."""
@@ -142,14 +160,14 @@ class SampleIntake:
                 unbacked[0],
             )
 
-    async def _dead_group(self, group: ReadyGroup, reason: str) -> None:
+    async def dead_group(self, group: ReadyGroup, reason: str) -> None:
         """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised)."""
         for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
             await self.reader.give_up(Delivery(entry_id, sample, 0), reason)
         self.assembler.drop(group)
         self.assembler.release(group.entry_ids)
 
-    async def _note_dropped(self, groups: list[ReadyGroup]) -> None:
+    async def note_dropped(self, groups: list[ReadyGroup]) -> None:
         """Groups dropped as too stale (a group goes at its first stale member, its late members after it, or
         when an update leaves it behind), before their entries are acked. Recorded in Redis (`Keys.dropped`,
         once per task) for the policy service to send each task again: nothing else would replace it, and a
@@ -165,7 +183,7 @@ class SampleIntake:
                     pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)
             await pipe.execute()
 
-    def _dropped_since_last(self) -> dict[str, float]:
+    def dropped_since_last(self) -> dict[str, float]:
         """Groups dropped as too stale since the last update, and their responses' mean length (absent: none)."""
         tasks, lengths = self._dropped_tasks, self._dropped_lengths
         self._dropped_tasks, self._dropped_lengths = set(), []
@@ -174,7 +192,7 @@ class SampleIntake:
             out["stale_dropped_len_mean"] = sum(lengths) / len(lengths)
         return out
 
-    async def _ack_trained_leftovers(self) -> None:
+    async def ack_trained_leftovers(self) -> None:
         """Done: ack whatever is still pending for us and already in the ledger (duplicates, or entries whose
         ack a Redis restarted from a short append-only file lost and brought back). Entries whose samples are
         not in the ledger stay pending for the next learner of the run."""
@@ -184,7 +202,7 @@ class SampleIntake:
             log.info("acked %d leftover entries whose samples the ledger already holds", len(to_ack))
             await self.reader.ack(to_ack)
 
-    async def _trim(self) -> None:
+    async def trim(self) -> None:
         """Drop the `samples` entries every consumer group has acked: the checkpoint just written covers them
         (a reader that needs them later, an audit say, keeps them by having its own group)."""
         try:

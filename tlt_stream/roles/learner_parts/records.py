@@ -12,45 +12,44 @@ its figures, never the update.
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import LearnerStats, Sample
 from tlt_stream.bus.producer import StreamProducer
-from tlt_stream.config import Config
-from tlt_stream.messages import LearnerStats, Sample
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.tracking import Tracker, scalars, trackers_for
-from tlt_stream.roles.learner_parts import log
-
-if TYPE_CHECKING:
-    from tlt_stream.roles.learner import LearnerRunSettings
 
 __all__ = ["UpdateRecords"]
+
+log = logging.getLogger("tlt_stream.roles.learner")
 
 
 class UpdateRecords:
     """The learner's records of its updates: the stats stream, the run directory's files, the trackers."""
 
-    config: Config
-    run_dir: Path
-    settings: LearnerRunSettings
-    producer: StreamProducer
-    version: int
-    tokenizer: Any
-
-    def _init_records(self) -> None:
+    def __init__(self, config: Config, run_dir: Path, producer: StreamProducer, tokenizer: Callable[[], Any]) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.producer = producer
+        self.tokenizer = tokenizer
+        """The policy's tokenizer as the checkpoints have it now (None: samples are not decoded)."""
         self.trackers: list[Tracker] = []
-        """TensorBoard / W&B (learner.log_to), opened by `start`, closed by `close_trackers`."""
+        """TensorBoard / W&B (learner.log_to), opened by `open_trackers`, closed by `close_trackers`."""
 
-    def _open_trackers(self) -> None:
+    def open_trackers(self) -> None:
         if not self.trackers:
             self.trackers = trackers_for(self.config, self.run_dir)
 
-    async def _record_update(
+    async def record_update(
         self,
+        version: int,
         groups: list[ReadyGroup],
         samples: list[Sample],
         metrics: dict[str, float],
@@ -58,21 +57,11 @@ class UpdateRecords:
         histogram: dict[str, Any],
         wait: float,
     ) -> None:
-        """Version `self.version`, just made from `groups`, checkpointed and published: its figures to `stats`,
+        """Version `version`, just made from `groups`, checkpointed and published: its figures to `stats`,
         `metrics.jsonl` and the trackers, a few of its `samples` to read, and one log line."""
         trained = [g.task_id for g in groups]
-        await self.producer.send_one(
-            "stats",
-            LearnerStats(
-                step=self.version,
-                policy_version=self.version,
-                groups=len(groups),
-                samples=len(samples),
-                metrics=metrics,
-            ),
-        )
         line = {
-            "version": self.version,
+            "version": version,
             "time": time.time(),
             **metrics,
             "staleness_hist": histogram,
@@ -80,17 +69,28 @@ class UpdateRecords:
             "trained_groups": trained,
         }
         self._append_metrics(line)
-        rows = self._log_samples(samples)
+        # The line before the entry: whoever sees the entry (`tlt-stream run`'s progress) finds the line.
+        await self.producer.send_one(
+            "stats",
+            LearnerStats(
+                step=version,
+                policy_version=version,
+                groups=len(groups),
+                samples=len(samples),
+                metrics=metrics,
+            ),
+        )
+        rows = self._log_samples(version, samples)
         for tracker in self.trackers:  # a tracker that fails costs its figures, never the update
             try:
-                tracker.log(self.version, scalars(line))
-                tracker.log_samples(self.version, rows)
+                tracker.log(version, scalars(line))
+                tracker.log_samples(version, rows)
             except Exception:
-                log.exception("experiment tracker %s failed at version %d", type(tracker).__name__, self.version)
+                log.exception("experiment tracker %s failed at version %d", type(tracker).__name__, version)
         log.info(
             "version %d: reward %.3f over %d groups (%d degenerate), rollout %.1fs (tail %.1fs), learn %.1fs, "
             "waited %.1fs; rollout-vs-learner logprob |delta| %.2g (max %.2g)",
-            self.version,
+            version,
             metrics["reward_mean"],
             len(groups),
             int(metrics["degenerate_groups"]),
@@ -110,23 +110,23 @@ class UpdateRecords:
                 log.exception("could not close experiment tracker %s", type(tracker).__name__)
         self.trackers = []
 
-    def _log_samples(self, samples: list[Sample]) -> list[dict[str, Any]]:
+    def _log_samples(self, version: int, samples: list[Sample]) -> list[dict[str, Any]]:
         """A few of the step's samples, readable: RUN_DIR/samples.jsonl and one log line each; the rows."""
-        count = self.settings.log_samples
-        if count <= 0 or self.tokenizer is None:
+        count, tokenizer = self.config.learner.log_samples, self.tokenizer()
+        if count <= 0 or tokenizer is None:
             return []
         rows = []
         for sample in sorted(samples, key=lambda s: s.sample_id)[:count]:
             row = {
-                "version": self.version,
+                "version": version,
                 "sample_id": sample.sample_id,
-                "prompt": self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
-                "response": self.tokenizer.decode(sample.token_ids.to_torch().tolist(), skip_special_tokens=True),
+                "prompt": tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
+                "response": tokenizer.decode(sample.token_ids.to_torch().tolist(), skip_special_tokens=True),
                 "reward": sample.reward,
                 "finish_reason": sample.finish_reason,
             }
             rows.append(row)
-            log.info("version %d sample %s (reward %.3g): %r", self.version, sample.sample_id, sample.reward,
+            log.info("version %d sample %s (reward %.3g): %r", version, sample.sample_id, sample.reward,
                      row["response"][:200])  # fmt: skip
         with (self.run_dir / "samples.jsonl").open("a") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows)
@@ -144,7 +144,7 @@ class UpdateRecords:
                     out.write(b"\n")
             out.write(json.dumps(line).encode() + b"\n")
 
-    def _recover_metrics_row(self, found: CheckpointInfo, meta: dict[str, Any]) -> None:
+    def recover_row(self, found: CheckpointInfo, meta: dict[str, Any]) -> None:
         """A learner killed after its checkpoint but before its `metrics.jsonl` line left an update that counts
         (the weights have it) with no row: write the row from the checkpoint, which carries the same figures
         and groups, so the run's record of what was trained stays complete."""

@@ -1,88 +1,87 @@
-"""The drafter side of a rollout worker: hot swaps, a verdict on every swap, the SD table, idle training.
+"""The drafter side of a rollout worker: hot swaps, a verdict on every swap, the SD table.
 
 An EAGLE worker compares the announced `DrafterVersion` with its own before each engine hop and swaps a
 newer one into the engine in place (in-flight rows go on: speculative decoding is lossless whatever the
 drafter proposes), after checking its sha256. Every policy and drafter swap is judged by the acceptance
 after it (`rollout/collapse.py`): a collapse is logged, counted and shown to the monitor, and a collapsed
 drafter is answered by going back to the one before it and never swapping it in again. With adaptive SD
-the worker exploits the best-arm table the SD-config publisher announces (`roles/sd_config.py`). A worker
-with nothing to generate trains the drafter in its idle time (`roles/drafter_trainer.py`).
+the worker exploits the best-arm table the SD-config publisher announces (`roles/sd_config.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import DrafterVersion, SdConfigVersion
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
-from tlt_stream.config import Config
-from tlt_stream.messages import DrafterVersion, PromptGroup, SdConfigVersion, WorkerStatus
 from tlt_stream.model.loader import CheckpointError
 from tlt_stream.rl.validate import location_problem
-from tlt_stream.roles.worker import log
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.collapse import AcceptanceWatch
-from tlt_stream.rollout.tuner import Arm, bucket_of
+from tlt_stream.rollout.switch import bucket_of
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 
 if TYPE_CHECKING:
-    from tlt_stream.bus.consumer import Delivery
-    from tlt_stream.roles.drafter_trainer import IdleDrafterTrainer
-    from tlt_stream.roles.rollout_worker import RolloutSettings
     from tlt_stream.rollout.adaptive import AdaptiveSd
     from tlt_stream.rollout.protocol import RolloutEngine
 
 __all__ = ["DrafterSwaps"]
 
+log = logging.getLogger("tlt_stream.roles.rollout_worker")
+
 
 class DrafterSwaps:
     """The drafter in the worker's engine, the swaps that put it there, and the verdict on each swap."""
 
-    config: Config
-    control: ControlPlane
-    registry: WorkerRegistry
-    settings: RolloutSettings
-    worker_id: str
-    engine: RolloutEngine | None
-    adaptive: AdaptiveSd | None
-    idle_trainer: IdleDrafterTrainer | None
-    waiting: list[Delivery[PromptGroup]]
-
-    def _init_drafters(self) -> None:
+    def __init__(self, config: Config, control: ControlPlane, registry: WorkerRegistry, worker_id: str) -> None:
+        self.config = config
+        self.control = control
+        self.registry = registry
+        self.worker_id = worker_id
+        self.eagle = config.sd.drafter not in (None, "ngram")
         self.drafter: DrafterVersion | None = None
-        """The announced drafter version in use (None: the warm-up drafter given by `settings.drafter`)."""
-        self.drafter_swaps = 0
-        self._drafter_in_use: tuple[str | None, DrafterVersion | None] = (self.settings.drafter, None)
+        """The announced drafter version in use (None: the warm-up drafter given by `sd.drafter`)."""
+        self.swaps = 0
+        self.in_use: tuple[str | None, DrafterVersion | None] = (config.sd.drafter, None)
         """(location, announcement) of the drafter in the engine; the warm-up drafter has no announcement."""
-        self._drafter_before: tuple[str | None, DrafterVersion | None] | None = None
-        self.refused_drafters: set[int] = set()
+        self._before: tuple[str | None, DrafterVersion | None] | None = None
+        self.refused: set[int] = set()
         """Drafter versions gone back from after their acceptance collapsed (never swapped in again)."""
-        self.watch = AcceptanceWatch(min_drafted=self.settings.collapse_min_drafted)
+        self.watch = AcceptanceWatch(min_drafted=config.sd.collapse_min_drafted)
         """Judges every policy and drafter swap by the acceptance after it (no silent collapse)."""
         self.collapses = 0
         self.sd_config = -1
         """The `sd_config` version adopted."""
 
     @property
-    def drafter_version(self) -> int:
+    def version(self) -> int:
         """The drafter version samples report: an announced version, 0 for the warm-up drafter, -1 without."""
         if self.drafter is not None:
             return self.drafter.version
-        return 0 if self.settings.eagle else -1
+        return 0 if self.eagle else -1
 
-    async def _maybe_swap_drafter(self) -> None:
+    @property
+    def location(self) -> str | None:
+        """Where the drafter a new engine should start with lies (None: no draft source)."""
+        return self.drafter.location if self.drafter is not None else self.config.sd.drafter
+
+    async def maybe_swap(self, engine: RolloutEngine | None, adaptive: AdaptiveSd | None) -> None:
         """Swap a newly announced drafter into the engine between decode steps (in-flight rows go on)."""
         announced = self.control.current.get("drafter")
-        if not isinstance(announced, DrafterVersion) or not self.settings.eagle or self.engine is None:
+        if not isinstance(announced, DrafterVersion) or not self.eagle or engine is None:
             return
-        if announced.version <= self.drafter_version or announced.version in self.refused_drafters:
+        if announced.version <= self.version or announced.version in self.refused:
             return
 
         def load() -> None:
             if problem := location_problem(announced.location, self.config.bus.store_root):
                 raise CheckpointError(problem)
             verify_directory(announced.location, announced.sha256)
-            self.engine.load_drafter(announced.location)  # in place: in-flight requests go on
+            engine.load_drafter(announced.location)  # in place: in-flight requests go on
 
         try:
             await asyncio.to_thread(load)
@@ -92,23 +91,22 @@ class DrafterSwaps:
             self.drafter = announced  # do not retry the same version on every step
             return
         self.drafter = announced
-        self.drafter_swaps += 1
-        self._drafter_before, self._drafter_in_use = self._drafter_in_use, (announced.location, announced)
-        self._swapped("drafter", announced.version)
-        if self.adaptive is not None:
-            self.adaptive.on_new_drafter(announced.version)
+        self.swaps += 1
+        self._before, self.in_use = self.in_use, (announced.location, announced)
+        self.swapped("drafter", announced.version, engine)
+        if adaptive is not None:
+            adaptive.on_new_drafter(announced.version)
         self.registry.update_info(drafter_version=announced.version)
         log.info("%s: swapped in drafter version %d", self.worker_id, announced.version)
 
-    def _swapped(self, kind: str, version: int) -> None:
-        engine = self.engine
+    def swapped(self, kind: str, version: int, engine: RolloutEngine | None) -> None:
+        """A policy or drafter version just went into `engine`: the acceptance after it will be judged."""
         if engine is not None and hasattr(engine, "drafted_by"):
             self.watch.swapped(kind, version, engine.drafted_by, engine.accepted_by)
 
-    def _judge_swap(self) -> None:
+    def judge(self, engine: RolloutEngine) -> None:
         """After a swap's first rounds: say how acceptance moved; a collapse is logged, counted (stats, the
         monitor) and, for a drafter, answered by going back to the drafter before it."""
-        engine = self.engine
         verdict = self.watch.check(engine.drafted_by, engine.accepted_by) if hasattr(engine, "drafted_by") else None
         if verdict is None:
             return
@@ -121,27 +119,27 @@ class DrafterSwaps:
         reason = f"{verdict.kind} v{verdict.version}: acceptance {before} -> {verdict.after:.2f}"
         log.warning("%s: acceptance collapsed after %s", self.worker_id, reason)
         self.registry.update_info(acceptance_collapse=reason)
-        if verdict.kind != "drafter" or self._drafter_before is None or self._drafter_before[0] is None:
+        if verdict.kind != "drafter" or self._before is None or self._before[0] is None:
             return
-        location, announcement = self._drafter_before
+        location, announcement = self._before
         try:
             engine.load_drafter(location)
         except (CheckpointError, OSError, ValueError) as exc:
             log.error("could not go back to the drafter at %s (%s); keeping drafter v%d", location, exc,
                       verdict.version)  # fmt: skip
             return
-        self.refused_drafters.add(verdict.version)
+        self.refused.add(verdict.version)
         self.drafter = announcement
-        self._drafter_in_use, self._drafter_before = self._drafter_before, None
+        self.in_use, self._before = self._before, None
         back = "the warm-up one" if announcement is None else f"v{announcement.version}"
         log.warning("%s: went back to drafter %s after drafter v%d collapsed", self.worker_id, back, verdict.version)
 
-    def _maybe_adopt_sd_config(self) -> None:
+    def adopt_sd_config(self, adaptive: AdaptiveSd | None) -> None:
         """Exploit a newly published table of best arms per bucket (still exploring with epsilon)."""
         announced = self.control.current.get("sd_config")
-        if self.adaptive is None or not isinstance(announced, SdConfigVersion) or announced.version <= self.sd_config:
+        if adaptive is None or not isinstance(announced, SdConfigVersion) or announced.version <= self.sd_config:
             return
-        edges = self.adaptive.tuner.edges
+        edges = adaptive.tuner.edges
         best = {}
         for choice in announced.table:
             arm = (
@@ -150,22 +148,6 @@ class DrafterSwaps:
                 else Arm(choice.proposer, choice.depth, choice.topk, choice.verify, choice.group)
             )
             best[bucket_of(choice.max_batch, edges)] = arm
-        self.adaptive.adopt(best, announced.drafter_version)
+        adaptive.adopt(best, announced.drafter_version)
         self.sd_config = announced.version
         self.registry.update_info(sd_config_version=announced.version)
-
-    async def _train_while_idle(self, stop: asyncio.Event) -> None:
-        assert self.idle_trainer is not None
-        try:
-            await self.idle_trainer.run_idle(self.engine, self.version, self.waiting, stop)
-        except Exception:  # training is an extra: a failure there must never stop generation
-            log.exception("%s: drafter training failed; generating on", self.worker_id)
-            await asyncio.sleep(1.0)
-        trainer = self.idle_trainer
-        self.registry.update_info(
-            idle_s=round(trainer.idle_seconds, 1),
-            drafter_training_s=round(trainer.training_seconds, 1),
-            drafter_slices=trainer.slices,
-        )
-        if self.registry.state == WorkerStatus.TRAINING_DRAFTER:
-            await self.registry.set_state(WorkerStatus.IDLE)

@@ -12,76 +12,85 @@ twice. A group whose reward raised or hung goes to `dead` whole, never sent with
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import HiddenWindow, Sample
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import StreamProducer
-from tlt_stream.messages import HiddenWindow, Sample
 from tlt_stream.rl.reward_pool import RewardFailed, RewardPool
 from tlt_stream.rl.rewards import call_reward
 from tlt_stream.rl.samples import hidden_window, make_sample
-from tlt_stream.roles.worker import log
-from tlt_stream.roles.worker.intake import GroupTask
-
-if TYPE_CHECKING:
-    from tlt_stream.roles.rollout_worker import RolloutSettings
-    from tlt_stream.rollout.adaptive import AdaptiveSd
-    from tlt_stream.rollout.protocol import RolloutEngine
+from tlt_stream.roles.worker.drafters import DrafterSwaps
+from tlt_stream.roles.worker.intake import TaskIntake
+from tlt_stream.roles.worker.loading import PolicyLoader
+from tlt_stream.roles.worker.reports import RolloutReports
+from tlt_stream.roles.worker.tasks import GroupTask, InFlight
 
 __all__ = ["Generation"]
+
+log = logging.getLogger("tlt_stream.roles.rollout_worker")
 
 
 class Generation:
     """The worker's output side: engine hops, rewards, and each whole group sent, then acked."""
 
-    reader: StreamReader
-    producer: StreamProducer
-    settings: RolloutSettings
-    worker_id: str
-    engine: RolloutEngine | None
-    adaptive: AdaptiveSd | None
-    tasks: dict[str, GroupTask]
-    tokenizer: Any
-    reward: Callable[[str, str], float]
-    reward_pool: RewardPool | None
-    invalid_tasks: int
-
-    def _init_generation(self) -> None:
-        self.scoring: dict[str, asyncio.Future[list[float]]] = {}
+    def __init__(
+        self,
+        config: Config,
+        reader: StreamReader[Any],
+        producer: StreamProducer,
+        parts: tuple[InFlight, PolicyLoader, DrafterSwaps, TaskIntake, RolloutReports],
+        *,
+        worker_id: str,
+        reward: Callable[[str, str], float],
+        reward_pool: RewardPool | None,
+    ) -> None:
+        self.config = config
+        self.reader = reader
+        self.producer = producer
+        self.flight, self.loader, self.drafters, self.intake, self.reports = parts
+        self.worker_id = worker_id
+        self.reward = reward
+        self.reward_pool = reward_pool
+        """Scores whole groups in worker processes (slow rewards, with a timeout); None: `reward` inline."""
+        self.scoring: dict[str, asyncio.Task[list[float]]] = {}
         """Groups whose responses are all generated, being scored by the pool (task id -> their rewards)."""
         self.reward_failures = 0
         self.samples_sent = 0
         self.tasks_done = 0
 
-    async def _generate(self) -> None:
+    async def hop(self) -> None:
+        """Up to `steps_per_hop` engine steps, then what finished scored and, for whole groups, sent."""
         started = time.perf_counter()
         # Decode steps run on the event loop's own thread, one hop of at most `steps_per_hop` steps at a
-        # time, then the loop gets control back. Torch's OpenMP pool runs ~1.6-2x slower when driven from a
-        # secondary thread on CPU (measured: the same rollout 5.3 s from a worker thread, 3.3 s from the
-        # main one), and a hop (tens of ms) is far below any heartbeat or keepalive period.
+        # time, then the loop gets control back: torch's OpenMP pool runs markedly slower driven from a
+        # secondary thread on the CPU, and a hop (tens of ms) is far below any heartbeat or keepalive period.
         finished, tokens, forwards = self._steps()
         await asyncio.sleep(0)
         seconds = time.perf_counter() - started
+        version = self.loader.version
         complete = []
         windows: list[HiddenWindow] = []
         for result in finished:
             task_id, index = result.request_id
-            task = self.tasks[task_id]
-            group = task.delivery.message
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            task = self.flight.started[task_id]
+            group = task.group
+            text = self.loader.tokenizer.decode(result.token_ids, skip_special_tokens=True)
             since_start = time.perf_counter() - task.started
-            task.versions[index] = self.version  # every row out of step() was last verified under ours
+            task.versions[index] = version  # every row out of step() was last verified under ours
             if result.hidden is not None and result.token_ids:
                 sample_id = f"{task_id}/{index}"  # `make_sample`'s id
-                windows.append(hidden_window(result, sample_id, self.version, dtype=self.settings.hidden_dtype))
+                windows.append(hidden_window(result, sample_id, version, dtype=self.config.rollout.hidden_dtype))
             if self.reward_pool is not None:  # scored with its group, in the pool, once the group is whole
                 task.finished[index] = (result, text, since_start)
                 if len(task.finished) == group.group_size:
                     texts = [task.finished[i][1] for i in range(group.group_size)]
                     score = self.reward_pool.score(texts, group.answer, group.fields)
-                    self.scoring[task_id] = asyncio.ensure_future(score)
+                    self.scoring[task_id] = asyncio.create_task(score, name=f"score-{task_id}")
                 continue
             try:
                 reward = call_reward(self.reward, text, group.answer, group.fields)
@@ -95,34 +104,38 @@ class Generation:
                 complete.append(task)
         if windows:  # a lossy, bounded buffer: never waits on the drafter trainer
             await self.producer.send("hidden", windows)
-        self._count_hop(tokens, forwards, seconds)
+        self.reports.count_hop(tokens, forwards, seconds)
         for task in complete:
             await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
-            await self._send_reports()
+            await self.reports.send()
+
+    async def wait_for_scores(self) -> None:
+        """Nothing to decode but groups being scored: until one is (or half a second)."""
+        await asyncio.wait(list(self.scoring.values()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
 
     async def _send_task(self, task: GroupTask) -> None:
         """A whole group's samples to `samples`, then the task's ack; a group that cannot be scored goes to
         `dead` whole instead."""
+        group = task.group
         if task.failed is not None:
-            self.invalid_tasks += 1
+            self.intake.invalid_tasks += 1
             await self.reader.give_up(task.delivery, f"invalid task: {task.failed}")
-            del self.tasks[task.delivery.message.task_id]
+            del self.flight.started[group.task_id]
             return
-        samples = [task.samples[i] for i in range(task.delivery.message.group_size)]
+        samples = [task.samples[i] for i in range(group.group_size)]
         await self.producer.send("samples", samples)
         await self.reader.ack([task.delivery.entry_id])
-        del self.tasks[task.delivery.message.task_id]
+        del self.flight.started[group.task_id]
         self.samples_sent += len(samples)
         self.tasks_done += 1
 
-    async def _send_scored(self) -> None:
+    async def send_scored(self) -> None:
         """The groups the reward pool has scored: their samples out (or, for a reward that raised or hung, the
         whole group to `dead`, counted, its error logged once with the traceback)."""
         for task_id in [t for t, future in self.scoring.items() if future.done()]:
             future = self.scoring.pop(task_id)
-            task = self.tasks[task_id]
-            group = task.delivery.message
+            task = self.flight.started[task_id]
             try:
                 rewards = future.result()
             except RewardFailed as exc:
@@ -131,7 +144,7 @@ class Generation:
                 task.failed = exc.reason
                 await self._send_task(task)
                 continue
-            for index in range(group.group_size):
+            for index in range(task.group.group_size):
                 result, _, seconds = task.finished[index]
                 task.samples[index] = self._sample(task, index, result, rewards[index], seconds)
             await self._send_task(task)
@@ -139,28 +152,32 @@ class Generation:
     def _sample(self, task: GroupTask, index: int, result: Any, reward: float, seconds: float) -> Sample:
         return make_sample(
             result,
-            task.delivery.message,
+            task.group,
             index,
             reward=reward,
             policy_version=task.versions.get(index, task.policy_version),
-            drafter_version=self.drafter_version,
+            drafter_version=self.drafters.version,
             worker_id=self.worker_id,
             gen_seconds=seconds,
         )
 
-    def _running(self) -> int:
-        """Rows the engine is decoding now (vLLM: requests it holds, running or waiting)."""
-        return int(self.engine.num_running)
-
     def _steps(self) -> tuple[list[Any], int, int]:
         """Up to `steps_per_hop` engine steps (fewer once something finishes): finished, tokens, forwards."""
         finished: list[Any] = []
-        engine = self.engine
+        engine, adaptive = self.loader.engine, self.loader.adaptive
         tokens, forwards = engine.tokens_generated, engine.rounds + engine.plain_steps
-        for _ in range(self.settings.steps_per_hop):
+        for _ in range(self.config.rollout.steps_per_hop):
             if not engine.has_work:
                 break
-            finished += self.adaptive.step() if self.adaptive is not None else engine.step()
+            finished += adaptive.step() if adaptive is not None else engine.step()
             if finished:
                 break
         return finished, engine.tokens_generated - tokens, engine.rounds + engine.plain_steps - forwards
+
+    async def close(self) -> None:
+        """The worker's process ends: groups still being scored are dropped unacked (another worker, or this
+        one restarted, generates them again)."""
+        for task in self.scoring.values():
+            task.cancel()
+        await asyncio.gather(*self.scoring.values(), return_exceptions=True)
+        self.scoring.clear()

@@ -13,58 +13,59 @@ built at the first load and every later version is loaded into it in place.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tlt_stream.basics.aio import wait_until
+from tlt_stream.basics.config import Config
+from tlt_stream.basics.messages import PolicyVersion, WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
-from tlt_stream.config import Config
-from tlt_stream.messages import DrafterVersion, PolicyVersion, WorkerStatus
 from tlt_stream.model.loader import CheckpointError, stop_token_ids
 from tlt_stream.rl.validate import location_problem
-from tlt_stream.roles.worker import log
-from tlt_stream.rollout.build import EngineSpec, build_engine
+from tlt_stream.rollout.build import build_engine
 from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.versions import PolicyVersions
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 from tlt_stream.store.locations import local_location, unresolvable
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
-    from tlt_stream.roles.drafter_trainer import IdleDrafterTrainer
-    from tlt_stream.roles.rollout_worker import RolloutSettings
     from tlt_stream.rollout.adaptive import AdaptiveSd
     from tlt_stream.rollout.protocol import RolloutEngine
     from tlt_stream.store.weights import PolicyWeights
 
-__all__ = ["PolicyLoading"]
+__all__ = ["PolicyLoader"]
+
+log = logging.getLogger("tlt_stream.roles.rollout_worker")
 
 
-class PolicyLoading:
-    """The worker's policy: the version loaded, the announced one, and what it takes to go from one to the
-    other."""
+class PolicyLoader:
+    """The worker's policy and the engine it runs in: the version loaded, the announced one, and what it takes
+    to go from one to the other."""
 
-    config: Config
-    control: ControlPlane
-    registry: WorkerRegistry
-    settings: RolloutSettings
-    engine: RolloutEngine | None
-    adaptive: AdaptiveSd | None
-    drafter: DrafterVersion | None
-    idle_trainer: IdleDrafterTrainer | None
-    _load_latencies: dict[str, float]
-    _seconds: float
-    _send_reports: Callable[[], Awaitable[None]]
-
-    def _init_loading(self) -> None:
+    def __init__(
+        self, config: Config, control: ControlPlane, registry: WorkerRegistry, *, device: str, hidden: bool
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.registry = registry
+        self.device = device
+        self.hidden = hidden
+        """Whether the engine keeps hidden states (streamed, or trained on by this worker's idle trainer)."""
         self.policy: PolicyVersion | None = None
         self.versions = PolicyVersions()
         """Refused policy versions, and one that was not there when we tried to load it (tried again after
         a backoff unless a newer one comes first)."""
+        self.engine: RolloutEngine | None = None
+        """Built at the first load, then kept for the worker's life."""
+        self.built = asyncio.Event()
+        """Set once the engine exists."""
+        self.adaptive: AdaptiveSd | None = None
         self.tokenizer: Any = None
         self.stop_ids: list[int] = []
         """Every EOS id of the loaded policy (`model.stop_token_ids`)."""
@@ -77,24 +78,17 @@ class PolicyLoading:
     def version(self) -> int:
         return self.policy.version if self.policy is not None else -1
 
-    async def _maybe_load(self) -> None:
-        """Load the announced policy if it is newer than ours (only ever called with nothing in flight)."""
-        announced = self._loadable_policy()
-        if announced is None:
-            return
+    async def load(self, announced: PolicyVersion, drafter: str | None, drafter_version: int) -> float | None:
+        """Load `announced` (from `loadable`; with nothing in flight unless partial rollouts re-verify it), the
+        engine built around `drafter` at the first load. Returns the seconds from its announcement to loaded,
+        or None when it was refused or could not be read now (said in the log and the worker's state)."""
         await self.registry.set_state(WorkerStatus.LOADING, f"policy version {announced.version}")
         store_root = self.config.bus.store_root
         if problem := unresolvable(announced.location, store_root) or location_problem(announced.location, store_root):
-            self.versions.refuse(announced.version)
-            log.error("refused policy version %d: %s", announced.version, problem)
-            self.registry.update_info(refused_policy=f"{announced.version}: {problem}")
-            return
-        if self.engine is not None and self._seconds > 0:
-            # The hops so far ran under the version we hold: report them under it before it changes (a report
-            # spanning the load would file the seconds drafts ran ahead under the new version, one step late).
-            await self._send_reports()
+            self._refuse(announced, problem)
+            return None
         try:
-            await asyncio.to_thread(self._load, announced)
+            await asyncio.to_thread(self._load, announced, drafter, drafter_version)
         except (ChecksumMismatch, CheckpointError, OSError) as exc:
             if not isinstance(exc, ChecksumMismatch) and not await asyncio.to_thread(Path(announced.location).is_dir):
                 # Not there now: pruned by the learner for a newer version (which is announced next), or its
@@ -107,26 +101,29 @@ class PolicyLoading:
                     await self.registry.set_state(
                         WorkerStatus.IDLE, f"policy version {announced.version} unreadable, kept {self.version}: {exc}"
                     )
-                return
-            # Corrupt (its bytes do not match the announced sha256) or unusable: refused for good.
-            self.versions.refuse(announced.version)
-            log.error("refused policy version %d: %s", announced.version, exc)
-            self.registry.update_info(refused_policy=f"{announced.version}: {exc}")
+                return None
+            self._refuse(announced, exc)  # corrupt (its bytes do not match the announced sha256) or unusable
             if self.policy is not None:  # keep generating with the version we have, and say why
                 await self.registry.set_state(
                     WorkerStatus.IDLE, f"refused policy version {announced.version}, kept {self.version}: {exc}"
                 )
-            return
+            return None
         self.versions.loaded(announced.version)
+        self.built.set()
         self.registry.update_info(policy_version=announced.version)
-        if announced.published_at > 0:  # publisher's and our wall clocks: skew shifts it, never below 0
-            latency = max(0.0, time.time() - announced.published_at)
-            self._load_latencies[str(announced.version)] = latency
-            self.registry.update_info(load_latency_s=f"{latency:.3f}")
         log.info("loaded policy version %d", announced.version)
-        self._swapped("policy", announced.version)
+        if announced.published_at <= 0:
+            return 0.0
+        latency = max(0.0, time.time() - announced.published_at)  # two wall clocks: skew shifts it, never below 0
+        self.registry.update_info(load_latency_s=f"{latency:.3f}")
+        return latency
 
-    def _load(self, announced: PolicyVersion) -> None:
+    def _refuse(self, announced: PolicyVersion, why: object) -> None:
+        self.versions.refuse(announced.version)
+        log.error("refused policy version %d: %s", announced.version, why)
+        self.registry.update_info(refused_policy=f"{announced.version}: {why}")
+
+    def _load(self, announced: PolicyVersion, drafter: str | None, drafter_version: int) -> None:
         """Verify and load `announced`. On torch each file is read once: hashed, and its tensors parsed from
         those same bytes (`store/weights.py`), so nothing reaches the engine before the whole directory
         matched; vLLM's processes read the checkpoint themselves, so it is verified first (a second read)."""
@@ -134,15 +131,16 @@ class PolicyLoading:
 
         from tlt_stream.store.weights import read_weights
 
+        own = self.config.rollout
         weights = None
-        if self.settings.backend == "torch":
+        if own.backend == "torch":
             weights = read_weights(announced.location, announced.sha256, scheme=announced.digest)
         else:
             verify_directory(announced.location, announced.sha256, scheme=announced.digest)
         self.vocab_size, positions = _policy_limits(announced.location)
-        if positions is not None and self.settings.max_len > positions:  # every long sample would be poison
+        if positions is not None and own.max_len > positions:  # every long sample would be poison
             raise ValueError(
-                f"--max-len {self.settings.max_len} is longer than the policy's {positions} positions "
+                f"--max-len {own.max_len} is longer than the policy's {positions} positions "
                 f"(max_position_embeddings of {announced.location}): use --max-len {positions} or less"
             )
         if self.tokenizer is None:
@@ -150,39 +148,30 @@ class PolicyLoading:
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
             self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
-        if self.settings.stop and self.stop_rule is None:
-            self.stop_rule = StopStrings(self.tokenizer, self.settings.stop)
-        if self.engine is not None and self.settings.partial_rollouts and self.engine.has_unfinished:
+        if own.stop and self.stop_rule is None:
+            self.stop_rule = StopStrings(self.tokenizer, own.stop)
+        if self.engine is not None and self.config.policy.partial_rollouts and self.engine.has_unfinished:
             self.engine.load_policy(announced.location, reverify=True, weights=weights)  # rows in flight, losslessly
         elif self.engine is not None:  # one engine for the worker's life: each version is loaded into it in place
             self.engine.load_policy(announced.location, weights=weights)
         else:
-            self._build_engine(announced, weights)
+            self._build(announced, drafter, drafter_version, weights)
         self.policy = announced
 
-    def _build_engine(self, announced: PolicyVersion, weights: PolicyWeights | None = None) -> None:
-        drafter = self.drafter.location if self.drafter is not None else self.settings.drafter
-        spec = EngineSpec(
-            max_batch=self.settings.max_batch,
-            max_len=self.settings.max_len,
-            temperature=self.settings.temperature,
-            device=self.settings.device,
-            dtype=self.settings.dtype,
-            graphs=self.settings.graphs,
-            drafter=drafter,
-            group=self.settings.group and drafter is not None and self.settings.backend == "torch",
-            group_strong_match=self.settings.group_strong_match,
-            arm=self.settings.sd_arm,
-            adaptive=self.settings.adaptive,
-            backend=self.settings.backend,  # type: ignore[arg-type]
-            hidden=self.settings.stream_hidden or self.idle_trainer is not None,
-            draft_rows=self.settings.ahead_rows or None,
-        )
+    def _build(
+        self, announced: PolicyVersion, drafter: str | None, drafter_version: int, weights: PolicyWeights | None
+    ) -> None:
         self.engine, self.adaptive = build_engine(
-            announced.location, spec, drafter_version=self.drafter_version, weights=weights
+            announced.location,
+            self.config,
+            device=self.device,
+            drafter=drafter,
+            hidden=self.hidden,
+            drafter_version=drafter_version,
+            weights=weights,
         )
 
-    def _announced(self) -> PolicyVersion | None:
+    def announced(self) -> PolicyVersion | None:
         """The announced policy version, its location as a path on this node (`store/locations.py`)."""
         announced = self.control.current.get("policy")
         if not isinstance(announced, PolicyVersion):
@@ -190,40 +179,31 @@ class PolicyLoading:
         local = local_location(announced.location, self.config.bus.store_root)
         return announced if local == announced.location else msgspec.structs.replace(announced, location=local)
 
-    def _loadable_policy(self) -> PolicyVersion | None:
+    def loadable(self) -> PolicyVersion | None:
         """The announced policy version when it is newer than ours, not refused and past its backoff."""
-        announced = self._announced()
+        announced = self.announced()
         number = announced.version if announced is not None else None
         return announced if self.versions.loadable(number, self.version, time.monotonic()) else None
 
-    def _awaiting_retry(self) -> bool:
+    def awaiting_retry(self) -> bool:
         """Whether the newest announced policy is one we could not read and will try again."""
-        announced = self._announced()
+        announced = self.announced()
         return self.versions.awaiting_retry(announced.version if announced is not None else None, self.version)
 
-    async def _wait_to_retry(self, stop: asyncio.Event) -> None:
+    async def wait_to_retry(self, stop: asyncio.Event) -> None:
         """Until the unreadable version's next try, a newer announcement, or `stop`."""
-        assert self.versions.unavailable is not None
-        version, retry_at = self.versions.unavailable, self.versions.retry_at
-        waits = [
-            asyncio.ensure_future(self.control.wait_for("policy", version + 1)),
-            asyncio.ensure_future(stop.wait()),
-        ]
-        try:
-            await asyncio.wait(
-                waits, timeout=max(0.0, retry_at - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+        if self.versions.unavailable is not None:
+            remaining = max(0.0, self.versions.retry_at - time.monotonic())
+            await self.wait_for_newer(self.versions.unavailable, stop, timeout=remaining)
+
+    async def wait_for_newer(self, version: int, stop: asyncio.Event, timeout: float | None = None) -> None:
+        """Until a policy version newer than `version` is announced, `stop` is set, or `timeout` passes."""
+        await wait_until(self.control.wait_for("policy", version + 1), stop, timeout)
 
 
 def _policy_limits(location: str) -> tuple[int | None, int | None]:
     """(`vocab_size`, `max_position_embeddings`) from a Hugging Face checkpoint's config.json (None for what
     it does not say)."""
-    import json
-
     try:
         config = json.loads((Path(location) / "config.json").read_text())
     except (OSError, ValueError):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tlt_stream.errors import CheckpointError
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import StopRule

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tlt_stream.rollout.tuner import DEFAULT_EDGES, Arm
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.switch import DEFAULT_EDGES
 
 __all__ = [
     "GREEDY_EPS",

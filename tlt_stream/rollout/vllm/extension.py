@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tlt_stream.errors import CheckpointError
+from tlt_stream.basics.errors import CheckpointError
 
 __all__ = ["DRAFT_SHAPE_KEYS", "WORKER_EXTENSION", "TltWorkerExtension", "drafter_swap_tensors"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from tlt_stream.config import DEFAULTS
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.rollout.arms import Arm
-from tlt_stream.rollout.tuner import DEFAULT_EDGES
+from tlt_stream.rollout.switch import DEFAULT_EDGES
 from tlt_stream.rollout.vllm.config import SpecTranslation, UnsupportedSetting, as_arm, dynamic_schedule
 from tlt_stream.rollout.vllm.config import speculative_config as translate
 
@@ -170,7 +170,7 @@ SHAPE_KEYS = (
 def checkpoint_shape(policy: str | Path) -> dict[str, object]:
     """What fixes a checkpoint's tensor shapes, read from its config.json (any family vLLM runs, not only the
     ones this project's runtime loads); a `CheckpointError` naming the file when it cannot be read."""
-    from tlt_stream.errors import CheckpointError
+    from tlt_stream.basics.errors import CheckpointError
 
     path = Path(policy) / "config.json"
     try:

@@ -1,0 +1,74 @@
+"""Rules between sections of the configuration: what one section's value forbids or needs in another's.
+
+A field's own range is its `Meta` constraint and a section's own consistency its `__post_init__`; a rule that
+spans sections has its home here, and is checked once, on the whole tree, after every layer is applied
+(`load_config`, `override`). Each broken rule is a `ConfigError` naming the key to change, so a wrong setting
+stops a service at start-up with one line, never inside a running loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tlt_stream.basics.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tlt_stream.basics.config.tree import Config
+
+__all__ = ["check_rules", "problems", "trains_drafter"]
+
+
+def trains_drafter(config: Config) -> bool:
+    """Whether rollout workers train the drafter online: asked for, a state directory to train into, and an
+    EAGLE drafter to start from (prompt lookup has nothing to train)."""
+    own = config.drafter
+    return own.train and own.state_dir is not None and config.sd.drafter not in (None, "ngram")
+
+
+def problems(config: Config) -> list[tuple[str, str]]:
+    """(key, why) for every rule `config` breaks, in the order of the sections."""
+    found: list[tuple[str, str]] = []
+    rollout, sd, policy = config.rollout, config.sd, config.policy
+    if sd.drafter is not None and sd.arm == "plain":
+        found.append(("sd.arm", "is plain but sd.drafter is set: name a drafting arm, or leave sd.drafter unset"))
+    if sd.group and sd.drafter is None:
+        found.append(("sd.group", "drafts beside a draft source: set sd.drafter (a drafter, or ngram)"))
+    if rollout.backend == "vllm":
+        if sd.adaptive and sd.drafter is not None:
+            found.append(
+                (
+                    "sd.adaptive",
+                    "adaptive SD decides per decode step, which the vllm backend cannot: use a fixed sd.arm "
+                    "(--fixed-sd --sd-arm LABEL; docs/vllm.md)",
+                )
+            )
+        if sd.group:
+            found.append(("sd.group", "group/history drafts run on the torch backend only"))
+        if policy.partial_rollouts:
+            found.append(
+                (
+                    "policy.partial_rollouts",
+                    "re-verifies rows under each new policy version, which the vllm backend cannot (docs/vllm.md): "
+                    "use the torch backend or turn it off",
+                )
+            )
+        if rollout.graphs in ("cuda", "trace"):
+            found.append(("rollout.graphs", "is the torch engine's (vLLM captures its own CUDA graphs): use off"))
+    own = config.drafter
+    if own.train and own.state_dir is not None and sd.drafter in (None, "ngram"):
+        found.append(
+            (
+                "drafter.state_dir",
+                "online drafter training needs an EAGLE drafter to start from: set sd.drafter DIR, or "
+                "drafter.train false",
+            )
+        )
+    return found
+
+
+def check_rules(config: Config) -> Config:
+    """`config`, when it breaks no rule between sections; else a `ConfigError` naming every key to change."""
+    found = problems(config)
+    if found:
+        raise ConfigError("; ".join(f"{key}: {why}" for key, why in found))
+    return config

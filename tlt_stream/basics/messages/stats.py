@@ -1,0 +1,141 @@
+"""The `stats` stream's entries: worker states, rollout and learner figures, SD arm measurements, drafter
+training slices."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from msgspec import Meta
+
+if TYPE_CHECKING:
+    pass
+
+from tlt_stream.basics.messages.wire import Entry, NonNegInt, Version
+
+__all__ = [
+    "DrafterStats",
+    "LearnerStats",
+    "RolloutStats",
+    "SdArmReport",
+    "StatsEntry",
+    "WorkerState",
+    "WorkerStatus",
+]
+
+
+# ---------------------------------------------------------------------------------------------------- stats
+
+
+class WorkerStatus(enum.StrEnum):
+    GENERATING = "GENERATING"
+    IDLE = "IDLE"
+    TRAINING_DRAFTER = "TRAINING_DRAFTER"
+    LOADING = "LOADING"
+    STOPPED = "STOPPED"
+
+
+class WorkerState(Entry, tag="worker_state"):
+    """A worker changed state (the timeline of GENERATING / IDLE / TRAINING_DRAFTER / ...)."""
+
+    worker_id: str
+    state: WorkerStatus
+    previous: WorkerStatus | None = None
+    reason: str = ""
+
+
+class RolloutStats(Entry, tag="rollout"):
+    """A rollout worker's measurements over one reporting interval."""
+
+    worker_id: str
+    policy_version: NonNegInt
+    drafter_version: Version
+    batch_size: NonNegInt
+    tokens: NonNegInt
+    seconds: Annotated[float, Meta(ge=0)]
+    target_forwards: NonNegInt = 0
+    sd_on: bool = False
+    drafted: dict[str, NonNegInt] = {}
+    """Draft nodes verified in the interval, per source (eagle, group, ngram; a node two sources proposed
+    counts for both)."""
+    accepted: dict[str, NonNegInt] = {}
+    """Drafted tokens accepted and emitted in the interval, per source (as `drafted`)."""
+    collapses: NonNegInt = 0
+    """Swaps after which the worker's acceptance collapsed, since it started (`rollout.collapse`)."""
+    kept_tokens: NonNegInt = 0
+    """Partial rollouts: tokens of rows in flight (drafts generated ahead of their version, or rows running
+    at a version change) that a re-verification under the new version kept, in the interval."""
+    discarded_tokens: NonNegInt = 0
+    """Partial rollouts: such tokens a re-verification discarded (the first rejected one and all after it)."""
+    ahead_seconds: Annotated[float, Meta(ge=0)] = 0.0
+    """Partial rollouts: generation seconds in the interval with a draft group in flight, i.e. time the tail
+    of one step was filled with the next step's work."""
+    load_latency_s: dict[str, Annotated[float, Meta(ge=0)]] = {}
+    """Policy versions loaded since the last report (by version number, as a string): wall-clock seconds from
+    the version's `PolicyVersion.published_at` to this worker having it loaded (publisher and worker clocks:
+    skew shifts it; a negative difference is reported as 0)."""
+
+
+class SdArmReport(Entry, tag="sd_arm"):
+    """Measured throughput of one speculative-decoding arm in one batch-size bucket."""
+
+    worker_id: str
+    drafter_version: Version
+    bucket: NonNegInt
+    depth: NonNegInt
+    topk: NonNegInt
+    verify: NonNegInt
+    tokens: NonNegInt
+    seconds: Annotated[float, Meta(ge=0)]
+    proposer: Literal["plain", "ngram", "drafter", "group", "mixed", "either"] = "drafter"
+    """What drafted: no SD (depth 0), prompt lookup, the trained drafter, the group/history source, the
+    drafter and the group source in one tree, or either one's chain per row."""
+    steps: NonNegInt = 0
+    group: NonNegInt = 0
+    """Group-source nodes beside the drafter's (proposer mixed) or instead of them (either)."""
+
+
+class LearnerStats(Entry, tag="learner"):
+    """One learner update."""
+
+    step: NonNegInt
+    policy_version: NonNegInt
+    groups: NonNegInt
+    samples: NonNegInt
+    metrics: dict[str, float] = {}
+
+
+class DrafterStats(Entry, tag="drafter_train"):
+    """One drafter-training slice on an idle worker and, when it was judged, whether its drafter was adopted."""
+
+    worker_id: str
+    fence: NonNegInt
+    """The lease's fencing token the slice trained under."""
+    policy_version: Version
+    """The policy version whose embedding, LM head and hidden states the slice trained against."""
+    step: NonNegInt
+    """The trainer's step count after the slice (it survives preemption and changes of holder)."""
+    steps: NonNegInt
+    seconds: Annotated[float, Meta(ge=0)]
+    loss: float
+    end: str
+    """Why the slice ended: preempted, time, steps or no_data."""
+    windows: NonNegInt = 0
+    """Windows in the training buffer."""
+    preempt_latency_s: Annotated[float, Meta(ge=0)] = 0.0
+    """From new work arriving to the slice returning (0 when not preempted)."""
+    judged: bool = False
+    """Whether the slice's drafter was judged on the held-out windows (every `judge_every_steps` steps);
+    the four fields below are its verdict, and mean nothing when it was not."""
+    judge_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Seconds the judgement (two held-out measurements, and publishing) took."""
+    accept_new: float = 0.0
+    """Held-out acceptance (expected draft tokens accepted per verification) of the slice's drafter."""
+    accept_current: float = 0.0
+    """The same for the drafter in use when the slice ended."""
+    adopted: bool = False
+    drafter_version: Version = -1
+    """The version published for this slice's drafter (-1: not published)."""
+
+
+StatsEntry = WorkerState | RolloutStats | SdArmReport | LearnerStats | DrafterStats
