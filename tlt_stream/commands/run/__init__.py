@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from tlt_stream.basics.config.tree import DEFAULTS
-from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, load, setting
+from tlt_stream.commands.args import add_config_args, setting
 
 __all__ = ["handle", "register"]
 
@@ -85,186 +83,37 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def handle(args: argparse.Namespace) -> int:
-    import asyncio
-    import os
     import time
-    from pathlib import Path
 
-    import msgspec
     import torch
 
-    from tlt_stream.basics.aio import install_stop_signals
-    from tlt_stream.basics.config import redact_text
     from tlt_stream.basics.progress import PhaseProgress
-    from tlt_stream.commands.placement import describe
-    from tlt_stream.commands.report import write_report
-    from tlt_stream.commands.run.launch import (
-        TINY_WORLD,
-        RunPlan,
-        ensure_new_run,
-        evaluate_version,
-        placement,
-        run_plan,
+    from tlt_stream.commands.run.setup import (
+        RunRefused,
+        check_plan,
+        evaluate_before,
+        finish,
+        run_services,
+        settings_of,
+        world_ready,
     )
-    from tlt_stream.model import resolve_device
-    from tlt_stream.rl.datasets import DatasetError
-    from tlt_stream.rl.tracking import require_trackers
-    from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
 
-    resume = Path(args.resume) if args.resume else None
-    if resume is not None:  # the stopped run's own settings, as its services read them; flags still apply
-        if not (resume / "config.toml").is_file():
-            print(f"tlt-stream run: {resume} holds no config.toml: not a run directory to resume", file=sys.stderr)
-            return EXIT_CONFIG
-        args.config = args.config or str(resume / "config.toml")
-        args.out = str(resume)
-    config = load(args)
-    own = config.launch.policy is not None  # a policy of one's own: no world, no tiny-world recipe
-    if not own:
-        config = load(args, default_preset=TINY_WORLD)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    if resume is None and args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per new run
-        config = msgspec.structs.replace(config, run=f"{config.run}-{stamp}")
-    out = Path(args.out or f"runs/{config.run}")
-    world = Path(config.launch.world)
-    if resume is not None:
-        from tlt_stream.basics.config import override
-        from tlt_stream.rl.checkpoint import latest_checkpoint
-
-        newest = latest_checkpoint(out / "checkpoints")
-        at = newest.step if newest is not None else 0
-        config = override(config, {"policy.start_step": at})  # on fresh servers, dispatch continues from there
-        print(f"tlt-stream run: resuming {out} at policy version {at} (run {config.run})", file=sys.stderr)
-    elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
-        print(f"tlt-stream run: {out} already holds checkpoints; choose a new --out", file=sys.stderr)
-        return EXIT_CONFIG
-    if resume is None and config.bus.redis_url is not None:  # a configured server may hold this run's state
-        try:
-            asyncio.run(ensure_new_run(config))
-        except RuntimeError as exc:
-            print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
-            return 1
-    sd, evals, seed = config.launch.sd, config.launch.eval, config.policy.seed
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(cores)
-    with PhaseProgress() as progress:
-        if not own and (why := _world_to_build(world, sd)) is not None:
-            pending = unfinished(world) or {}
-            print(f"tlt-stream run: {why}; bootstrapping the tiny world (a few minutes)", file=sys.stderr)
-            size = pending.get("size") if pending.get("size") in SIZES else "default"
-            bootstrap(world, seed=pending.get("seed", 0), size=size, progress=progress)
-        try:
-            resolve_device(config.rollout.device)  # a bad --device fails here, not in every service after start-up
-            resolve_device(config.learner.device)
-            require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
-            plan = RunPlan(world=world, run_dir=out, config=config, cores=cores)
-            if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
-                from tlt_stream.commands.run.launch import service_config
-                from tlt_stream.roles.policy import task_source
-
-                pool = task_source(service_config(plan, config))
-                print(
-                    f"tlt-stream run: {config.data.dataset}: {len(pool)} prompts, {pool.skipped} over the prompt "
-                    "limit skipped (data.max_prompt_len)",
-                    file=sys.stderr,
-                )
-        except (FileNotFoundError, ValueError, DatasetError) as exc:
-            print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
-            return EXIT_CONFIG
-        print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
-        if placed := placement(plan, config):  # a ConfigError (too few GPUs) stops the run here, exit code 2
-            print(f"tlt-stream run: GPUs (CUDA_VISIBLE_DEVICES): {describe(placed)}", file=sys.stderr)
-        if own and plan.sd != sd:
-            print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
-        if evals and own and config.data.eval_dataset is None:
-            print("tlt-stream run: no --eval-dataset for this policy: no held-out evaluation", file=sys.stderr)
-            evals = 0
-        if evals and not (out / "eval.jsonl").exists():
-            row = evaluate_version(out, 0, plan.policy_dir, n=evals, seed=seed, threads=cores, config=config)
-            shown = row["prompts"]
-            print(f"held-out accuracy before training: {row['accuracy']:.3f} ({shown} prompts)", file=sys.stderr)
-        started = time.perf_counter()
-
-        def on_step(rows: list[dict]) -> None:
-            for row in rows:
-                figures = {
-                    "reward": row["reward_mean"],
-                    "len_p50": row.get("response_len_p50", 0.0),
-                    "rollout_tok/s": row.get("rollout_tokens_per_s", 0.0),
-                    "learn_s": row["learn_seconds"],
-                    "wait_s": row.get("wait_seconds", 0.0),
-                }
-                drafters = [int(k.rsplit("_", 1)[1]) for k in row if k.startswith("accept_length_drafter_")]
-                if sd != "off":  # tokens per target forward and the newest drafter version in the step
-                    figures["accept"] = row.get("accept_length_mean", 1.0)
-                    figures["drafter_v"] = float(max(drafters, default=-1))
-                progress("train", row["version"], plan.steps, figures)
-                every = config.launch.eval_every
-                if evals and every and row["version"] % every == 0 and row["version"] < plan.steps:
-                    _evaluate_during(out, row["version"], evals, seed, config)
-
-        async def main() -> int:
-            stop = asyncio.Event()
-            install_stop_signals(stop)
-            code = await run_plan(plan, on_step=on_step, stop=stop)
-            if code == 130:
-                print("tlt-stream run: stopped; every service was shut down, checkpoints are intact", file=sys.stderr)
-            return code
-
-        try:
-            code = asyncio.run(main())
-        except (RuntimeError, FileNotFoundError, ValueError) as exc:  # a service's log tail among them
-            print(f"tlt-stream run: {redact_text(str(exc))}", file=sys.stderr)
-            return 1
-    seconds = time.perf_counter() - started
-    if code == 0 and evals:
-        from tlt_stream.rl.checkpoint import latest_checkpoint
-
-        final = latest_checkpoint(out / "checkpoints")
-        assert final is not None
-        row = evaluate_version(out, final.step, final.policy_dir, n=evals, seed=seed, threads=cores, config=config)
-        print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
     try:
-        where = f"report: {write_report(out)}"
-    except FileNotFoundError:  # stopped before the first update
-        where = "no step finished, so no report"
-    print(f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; {where}", file=sys.stderr)
-    return code
+        config, out, own = settings_of(args)
+        torch.set_num_threads(cores := _cores())
+        with PhaseProgress() as progress:
+            world_ready(config, own, progress)
+            plan = check_plan(config, out, own, cores)
+            evals = evaluate_before(plan, config, own)
+            started = time.perf_counter()
+            code = run_services(plan, config, evals, progress)
+    except RunRefused as refused:
+        print(f"tlt-stream run: {refused}", file=sys.stderr)
+        return refused.code
+    return finish(plan, config, code, evals, time.perf_counter() - started)
 
 
-DEFAULT_WORLD = DEFAULTS.launch.world
+def _cores() -> int:
+    import os
 
-
-def _evaluate_during(out: Path, version: int, n: int, seed: int, config: Any) -> None:
-    """Held-out evaluation of the checkpoint of `version` while the run goes on (one thread: the services
-    have the cores); a checkpoint already pruned is skipped."""
-    from tlt_stream.basics.errors import CheckpointError
-    from tlt_stream.commands.run.launch import evaluate_version
-    from tlt_stream.rl.checkpoint import complete_checkpoints
-
-    found = next((c for c in complete_checkpoints(out / "checkpoints") if c.step == version), None)
-    if found is None:
-        return
-    try:
-        row = evaluate_version(out, version, found.policy_dir, n=n, seed=seed, threads=1, config=config)
-    except (OSError, ValueError, CheckpointError) as exc:  # pruned while read: the next evaluation will do
-        print(f"tlt-stream run: evaluation of version {version} skipped ({exc})", file=sys.stderr)
-        return
-    print(f"held-out accuracy at version {version}: {row['accuracy']:.3f}", file=sys.stderr)
-
-
-def _world_to_build(world: Path, sd: str) -> str | None:
-    """Why `tlt-stream run` must bootstrap `world` first (None: it holds what the run needs). The default world
-    is the command's own, built until it has a drafter; one given with --world is used as it is (a bootstrap
-    left unfinished in it is finished), so a world of one's own without a drafter is refused, not replaced."""
-    from pathlib import Path
-
-    from tlt_stream.tasks.bootstrap import unfinished
-
-    if unfinished(world) is not None:
-        return f"{world} holds an unfinished bootstrap"
-    if not (world / "policy").is_dir():
-        return f"no policy in {world}"
-    if sd == "eagle" and not (world / "drafter").is_dir() and world.resolve() == Path(DEFAULT_WORLD).resolve():
-        return f"no drafter in {world}"
-    return None
+    return len(os.sched_getaffinity(0))

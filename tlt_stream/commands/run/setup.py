@@ -1,0 +1,234 @@
+"""`tlt-stream run`'s phases, in order: the settings (a new run or a resumed one), the tiny world when the run
+needs it, the checks that stop a run before any service starts, the evaluation before training, the services
+with a progress bar per step, and the end (the evaluation after, the report).
+
+Anything a user can fix stops the run with one line (`RunRefused`, its exit code: 2 for a setting, 1 for
+a failure), before a service is started where it can be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from tlt_stream.basics.config import DEFAULTS, Config, override, redact_text
+from tlt_stream.commands.args import EXIT_CONFIG, load
+from tlt_stream.commands.run.launch import RunPlan
+
+__all__ = [
+    "RunRefused",
+    "check_plan",
+    "evaluate_before",
+    "finish",
+    "run_services",
+    "settings_of",
+    "world_ready",
+]
+
+DEFAULT_WORLD = DEFAULTS.launch.world
+
+
+class RunRefused(Exception):
+    """The run stops here, with one line and an exit code."""
+
+    def __init__(self, why: str, code: int = EXIT_CONFIG) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+def settings_of(args: argparse.Namespace) -> tuple[Config, Path, bool]:
+    """(the configuration, the run directory, whether the policy is one's own): a new run gets a fresh
+    namespace and directory; `--resume` takes the stopped run's own settings and goes on from its newest
+    checkpoint."""
+    from tlt_stream.commands.run.launch import TINY_WORLD, ensure_new_run
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:  # the stopped run's own settings, as its services read them; flags still apply
+        if not (resume / "config.toml").is_file():
+            raise RunRefused(f"{resume} holds no config.toml: not a run directory to resume")
+        args.config = args.config or str(resume / "config.toml")
+        args.out = str(resume)
+    config = load(args)
+    own = config.launch.policy is not None  # a policy of one's own: no world, no tiny-world recipe
+    if not own:
+        config = load(args, default_preset=TINY_WORLD)
+    if resume is None and args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per new run
+        config = msgspec.structs.replace(config, run=f"{config.run}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or f"runs/{config.run}")
+    if resume is not None:
+        newest = latest_checkpoint(out / "checkpoints")
+        at = newest.step if newest is not None else 0
+        config = override(config, {"policy.start_step": at})  # on fresh servers, dispatch continues from there
+        print(f"tlt-stream run: resuming {out} at policy version {at} (run {config.run})", file=sys.stderr)
+    elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+        raise RunRefused(f"{out} already holds checkpoints; choose a new --out")
+    if resume is None and config.bus.redis_url is not None:  # a configured server may hold this run's state
+        try:
+            asyncio.run(ensure_new_run(config))
+        except RuntimeError as exc:
+            raise RunRefused(redact_text(str(exc)), code=1) from None
+    return config, out, own
+
+
+def world_ready(config: Config, own: bool, progress: Any) -> None:
+    """Build or finish the tiny world the run needs (nothing for a policy of one's own)."""
+    from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
+
+    world = Path(config.launch.world)
+    if own or (why := world_to_build(world, config.launch.sd)) is None:
+        return
+    pending = unfinished(world) or {}
+    print(f"tlt-stream run: {why}; bootstrapping the tiny world (a few minutes)", file=sys.stderr)
+    size = pending.get("size") if pending.get("size") in SIZES else "default"
+    bootstrap(world, seed=pending.get("seed", 0), size=size, progress=progress)
+
+
+def world_to_build(world: Path, sd: str) -> str | None:
+    """Why `tlt-stream run` must bootstrap `world` first (None: it holds what the run needs). The default world
+    is the command's own, built until it has a drafter; one given with --world is used as it is (a bootstrap
+    left unfinished in it is finished), so a world of one's own without a drafter is refused, not replaced."""
+    from tlt_stream.tasks.bootstrap import unfinished
+
+    if unfinished(world) is not None:
+        return f"{world} holds an unfinished bootstrap"
+    if not (world / "policy").is_dir():
+        return f"no policy in {world}"
+    if sd == "eagle" and not (world / "drafter").is_dir() and world.resolve() == Path(DEFAULT_WORLD).resolve():
+        return f"no drafter in {world}"
+    return None
+
+
+def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
+    """The run's plan, once what would stop a service later is checked now: the devices, the trackers, the
+    dataset's rows, the GPUs' placement."""
+    from tlt_stream.commands.placement import describe
+    from tlt_stream.commands.run.launch import placement, service_config
+    from tlt_stream.model import resolve_device
+    from tlt_stream.rl.datasets import DatasetError
+    from tlt_stream.rl.tracking import require_trackers
+
+    try:
+        resolve_device(config.rollout.device)  # a bad --device fails here, not in every service after start-up
+        resolve_device(config.learner.device)
+        require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
+        plan = RunPlan(world=Path(config.launch.world), run_dir=out, config=config, cores=cores)
+        if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
+            from tlt_stream.roles.policy import task_source
+
+            pool = task_source(service_config(plan, config))
+            print(
+                f"tlt-stream run: {config.data.dataset}: {len(pool)} prompts, {pool.skipped} over the prompt "
+                "limit skipped (data.max_prompt_len)",
+                file=sys.stderr,
+            )
+    except (FileNotFoundError, ValueError, DatasetError) as exc:
+        raise RunRefused(redact_text(str(exc))) from None
+    print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
+    if placed := placement(plan, config):  # a ConfigError (too few GPUs) stops the run here, exit code 2
+        print(f"tlt-stream run: GPUs (CUDA_VISIBLE_DEVICES): {describe(placed)}", file=sys.stderr)
+    if own and plan.sd != config.launch.sd:
+        print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
+    return plan
+
+
+def evaluate_before(plan: RunPlan, config: Config, own: bool) -> int:
+    """Held-out accuracy of version 0 (once per run directory); the prompts evaluated per evaluation."""
+    from tlt_stream.commands.run.launch import evaluate_version
+
+    evals = config.launch.eval
+    if evals and own and config.data.eval_dataset is None:
+        print("tlt-stream run: no --eval-dataset for this policy: no held-out evaluation", file=sys.stderr)
+        return 0
+    if evals and not (plan.run_dir / "eval.jsonl").exists():
+        seed = config.policy.seed
+        row = evaluate_version(plan.run_dir, 0, plan.policy_dir, n=evals, seed=seed, threads=plan.cores, config=config)
+        shown = row["prompts"]
+        print(f"held-out accuracy before training: {row['accuracy']:.3f} ({shown} prompts)", file=sys.stderr)
+    return evals
+
+
+def run_services(plan: RunPlan, config: Config, evals: int, progress: Any) -> int:
+    """The services until the learner's last version (a bar per step), a stop (130), or a failure."""
+    from tlt_stream.basics.aio import install_stop_signals
+    from tlt_stream.commands.run.launch import run_plan
+
+    def on_step(rows: list[dict]) -> None:
+        for row in rows:
+            figures = {
+                "reward": row["reward_mean"],
+                "len_p50": row.get("response_len_p50", 0.0),
+                "rollout_tok/s": row.get("rollout_tokens_per_s", 0.0),
+                "learn_s": row["learn_seconds"],
+                "wait_s": row.get("wait_seconds", 0.0),
+            }
+            drafters = [int(k.rsplit("_", 1)[1]) for k in row if k.startswith("accept_length_drafter_")]
+            if config.launch.sd != "off":  # tokens per target forward and the newest drafter version in the step
+                figures["accept"] = row.get("accept_length_mean", 1.0)
+                figures["drafter_v"] = float(max(drafters, default=-1))
+            progress("train", row["version"], plan.steps, figures)
+            every = config.launch.eval_every
+            if evals and every and row["version"] % every == 0 and row["version"] < plan.steps:
+                _evaluate_during(plan.run_dir, row["version"], evals, config)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        code = await run_plan(plan, on_step=on_step, stop=stop)
+        if code == 130:
+            print("tlt-stream run: stopped; every service was shut down, checkpoints are intact", file=sys.stderr)
+        return code
+
+    try:
+        return asyncio.run(main())
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:  # a service's log tail among them
+        raise RunRefused(redact_text(str(exc)), code=1) from None
+
+
+def finish(plan: RunPlan, config: Config, code: int, evals: int, seconds: float) -> int:
+    """Held-out accuracy after the last version, the report, and the line that says how the run ended."""
+    from tlt_stream.commands.report import write_report
+    from tlt_stream.commands.run.launch import evaluate_version
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    out = plan.run_dir
+    if code == 0 and evals:
+        final = latest_checkpoint(out / "checkpoints")
+        if final is not None:
+            seed = config.policy.seed
+            row = evaluate_version(
+                out, final.step, final.policy_dir, n=evals, seed=seed, threads=plan.cores, config=config
+            )
+            print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
+    try:
+        where = f"report: {write_report(out)}"
+    except FileNotFoundError:  # stopped before the first update
+        where = "no step finished, so no report"
+    print(f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; {where}", file=sys.stderr)
+    return code
+
+
+def _evaluate_during(out: Path, version: int, n: int, config: Config) -> None:
+    """Held-out evaluation of the checkpoint of `version` while the run goes on (one thread: the services
+    have the cores); a checkpoint already pruned is skipped."""
+    from tlt_stream.basics.errors import CheckpointError
+    from tlt_stream.commands.run.launch import evaluate_version
+    from tlt_stream.rl.checkpoint import complete_checkpoints
+
+    found = next((c for c in complete_checkpoints(out / "checkpoints") if c.step == version), None)
+    if found is None:
+        return
+    seed = config.policy.seed
+    try:
+        row = evaluate_version(out, version, found.policy_dir, n=n, seed=seed, threads=1, config=config)
+    except (OSError, ValueError, CheckpointError) as exc:  # pruned while read: the next evaluation will do
+        print(f"tlt-stream run: evaluation of version {version} skipped ({exc})", file=sys.stderr)
+        return
+    print(f"held-out accuracy at version {version}: {row['accuracy']:.3f}", file=sys.stderr)
