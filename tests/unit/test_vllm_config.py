@@ -52,6 +52,11 @@ ENGINE_ARGS = {
     "speculative_config",
     "per_request_spec_decode_metrics",
     "worker_extension_cls",
+    "enable_chunked_prefill",
+    "max_num_batched_tokens",
+    "kv_cache_memory_bytes",
+    "distributed_executor_backend",
+    "scheduler_cls",
 }
 SAMPLING_FIELDS = {
     "n",

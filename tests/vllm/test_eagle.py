@@ -1,0 +1,199 @@
+"""One vLLM engine with this project's exported EAGLE drafter and the batch-size schedule (SD at running batch
+<= SWITCH): greedy identity, the sampled distribution (chi-square), log-probs, the schedule seen in each
+request's accept lengths, and drafter swaps with requests in flight, against transformers."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.stats import chi2_threshold, chi_square
+from tests.vllm.conftest import MAX_BATCH, SWITCH, Oracle, closing, prompt_ids, requires_vllm, settings
+
+pytestmark = requires_vllm
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path], engine_dir: Path) -> Iterator:
+    from tlt_stream.rollout.vllm.backend import VllmEngine
+
+    s = settings(engine_dir, arm="d4k1v4", switch_threshold=SWITCH)
+    yield from closing(VllmEngine(models["policy"], settings=s, drafter=models["drafter"]))
+
+
+@pytest.fixture(scope="module")
+def fitted(engine, drafter_fit: Path, models: dict[str, Path]) -> Iterator:
+    """The engine drafting with the fitted drafter; the random one again afterwards."""
+    assert engine.load_drafter(drafter_fit) > 0
+    yield engine
+    engine.load_drafter(models["drafter"])
+
+
+def mean_accept(results: list) -> float:
+    rounds = [n for r in results for n in r.accept_lengths]
+    return sum(rounds) / len(rounds)
+
+
+def waves(engine, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int) -> list:
+    """`prompts` in waves of SWITCH requests: the running batch never leaves SD's range."""
+    results = []
+    for start in range(0, len(prompts), SWITCH):
+        chunk = prompts[start : start + SWITCH]
+        results += engine.generate(chunk, new_tokens, temperature=temperature, seed=seed + start)
+    return results
+
+
+def test_greedy_output_with_eagle_is_transformers_greedy(fitted, oracle: Oracle) -> None:
+    prompts = prompt_ids(8, seed=21)
+    results = waves(fitted, prompts, 40, 0.0, 0)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == oracle.greedy(prompt, 40)
+        assert sum(result.accept_lengths) <= len(result.token_ids)
+    assert mean_accept(results) > 1.5  # the drafter's tokens were accepted: SD ran and paid
+
+
+def test_eagle_sampling_at_t1_follows_the_targets_distribution(fitted, oracle: Oracle) -> None:
+    """The first three tokens of 1,000 samples at T = 1 from one prompt: the joint of tokens 1-2 and the
+    marginal of token 3 against transformers' exact distribution (chi-square, false alarm 1e-4 each).
+    Tokens 2 and 3 come from vLLM's rejection sampler on this project's drafts."""
+    from tlt_stream.rollout.switch import DEFAULT_EDGES
+
+    (prompt,) = prompt_ids(1, seed=22)
+    n = 1000
+    fitted.set_schedule(dict.fromkeys(range(len(DEFAULT_EDGES) + 1), "d4k1v4"))  # SD at every batch size
+    try:
+        results = fitted.generate([prompt] * n, 3, temperature=1.0, seed=100)
+    finally:
+        fitted.set_schedule(dict.fromkeys(range(len(DEFAULT_EDGES) + 1), "d4k1v4"), switch_threshold=SWITCH)
+    assert all(len(r.token_ids) == 3 for r in results)
+    assert sum(len(r.accept_lengths) for r in results) >= n  # every sample went through a verify round
+    first = oracle.next_probs([prompt], 1.0)[0]  # [V]
+    second = oracle.next_probs([[*prompt, x] for x in range(first.numel())], 1.0)  # [V, V]
+    joint = first[:, None] * second  # p(x1, x2)
+    expected = {(a, b): float(joint[a, b]) for a in range(joint.shape[0]) for b in range(joint.shape[1])}
+    pairs = [(a, b) for (a, b), p in expected.items() if p > 1e-7]
+    third = oracle.next_probs([[*prompt, a, b] for a, b in pairs], 1.0)  # [pairs, V]
+    weights = torch.tensor([expected[pair] for pair in pairs])
+    marginal = (weights[:, None] * third).sum(0) / weights.sum()
+    observed = Counter((r.token_ids[0], r.token_ids[1]) for r in results)
+    stat, df = chi_square(observed, expected, n)
+    assert stat < chi2_threshold(df), f"tokens 1-2: chi-square {stat:.1f} on {df} df"
+    observed3 = Counter(r.token_ids[2] for r in results)
+    stat3, df3 = chi_square(observed3, {x: float(p) for x, p in enumerate(marginal)}, n)
+    assert stat3 < chi2_threshold(df3), f"token 3: chi-square {stat3:.1f} on {df3} df"
+    assert math.isclose(float(weights.sum()), 1.0, abs_tol=1e-4)  # the pairs left out hold no mass
+
+
+def test_logprobs_with_eagle_are_the_targets_at_the_rollout_temperature(fitted, oracle: Oracle) -> None:
+    results = waves(fitted, prompt_ids(4, seed=23), 32, 0.7, 7)
+    assert any(r.accept_lengths for r in results)
+    for result in results:
+        expected = oracle.logprobs(result.prompt_ids, result.token_ids, 0.7)
+        torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(expected), atol=2e-4, rtol=0)
+
+
+def test_the_schedule_drafts_only_at_small_batches(fitted, oracle: Oracle) -> None:
+    """MAX_BATCH requests at once, request i asking for 6 + 3i tokens: the batch drains. The batch only
+    shrinks, so a request that ends in a step of more than SWITCH running rows never ran at SWITCH or fewer
+    and must never have drafted; the last SWITCH ran their tail with SD."""
+    prompts = prompt_ids(MAX_BATCH, seed=24)
+    for i, p in enumerate(prompts):
+        fitted.add_request(p, 6 + 3 * i, 0.0, request_id=i)
+    batch_at_end, results = {}, {}
+    while fitted.has_unfinished:
+        running = fitted.num_running
+        for result in fitted.step():
+            batch_at_end[result.request_id] = running
+            results[result.request_id] = result
+    assert len(results) == MAX_BATCH
+    for rid, result in results.items():
+        assert result.token_ids == oracle.greedy(prompts[rid], 6 + 3 * rid)
+        if batch_at_end[rid] > SWITCH:
+            assert result.accept_lengths == [], f"request {rid} drafted at batch {batch_at_end[rid]}"
+    last = sorted(results, key=lambda rid: len(results[rid].token_ids))[-SWITCH:]
+    assert all(results[rid].accept_lengths for rid in last)
+    assert sum(batch_at_end[rid] > SWITCH for rid in results) >= MAX_BATCH - 2 * SWITCH
+
+
+def test_a_new_table_takes_effect_without_a_new_engine(fitted, oracle: Oracle) -> None:
+    """`set_schedule` with a published table: all plain, then EAGLE at every batch size (above SWITCH too),
+    then the engine's own schedule again; the same vLLM engine throughout."""
+    from tlt_stream.rollout.switch import DEFAULT_EDGES
+    from tlt_stream.rollout.vllm.config import UnsupportedSetting
+
+    buckets = range(len(DEFAULT_EDGES) + 1)
+    llm, prompts = fitted.llm, prompt_ids(MAX_BATCH, seed=27)
+    try:
+        assert fitted.set_schedule(dict.fromkeys(buckets, "plain")) == [[1, MAX_BATCH, 0]]
+        off = fitted.generate(prompts[:SWITCH], 32, temperature=0.0)
+        assert all(r.accept_lengths == [] for r in off)
+        fitted.set_schedule(dict.fromkeys(buckets, "d4k1v4"))
+        on = fitted.generate(prompts, 32, temperature=0.0)  # MAX_BATCH rows: above the built-in switch
+        assert all(r.accept_lengths for r in on)
+        for prompt, result in zip(prompts, on, strict=True):
+            assert result.token_ids == oracle.greedy(prompt, 32)
+        assert [r.token_ids for r in off] == [r.token_ids for r in on[:SWITCH]]
+        with pytest.raises(UnsupportedSetting, match="need a new engine"):
+            fitted.set_schedule(dict.fromkeys(buckets, "d6k1v6"))
+        with pytest.raises(UnsupportedSetting, match="need a new engine"):
+            fitted.set_schedule(dict.fromkeys(buckets, "ngram-d4"))
+    finally:
+        fitted.set_schedule(dict.fromkeys(buckets, "d4k1v4"), switch_threshold=SWITCH)
+    assert fitted.llm is llm
+
+
+def test_a_drafter_swap_with_requests_in_flight_keeps_outputs_exact_and_changes_acceptance(
+    fitted, models: dict[str, Path], drafter_fit: Path, oracle: Oracle
+) -> None:
+    prompts = prompt_ids(SWITCH, seed=25)
+    fitted.load_drafter(models["drafter"])  # the random drafter
+    try:
+        before = fitted.generate(prompts, 48, temperature=0.0)
+        ids = [fitted.add_request(p, 48, 0.0, request_id=i) for i, p in enumerate(prompts)]
+        results = {}
+        for _ in range(3):
+            results.update({r.request_id: r for r in fitted.step()})
+        assert fitted.load_drafter(drafter_fit) > 0  # in flight
+        while fitted.has_unfinished:
+            results.update({r.request_id: r for r in fitted.step()})
+        for rid in ids:
+            assert results[rid].token_ids == oracle.greedy(prompts[rid], 48)
+        after = fitted.generate(prompts, 48, temperature=0.0)
+        assert [r.token_ids for r in after] == [r.token_ids for r in before]
+        assert mean_accept(after) > mean_accept(before) + 0.5
+    finally:
+        fitted.load_drafter(drafter_fit)
+
+
+def test_a_drafter_that_does_not_fit_the_engine_is_refused_in_one_line(
+    engine, models: dict[str, Path], tmp_path: Path, oracle: Oracle
+) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tlt_stream.basics.errors import CheckpointError
+    from tlt_stream.drafter.model import Drafter, save_drafter
+    from tlt_stream.model import load_model
+
+    narrow = tmp_path / "narrow"
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(narrow)
+    save_drafter(Drafter(load_model(narrow).spec), tmp_path / "narrow-drafter")
+    with pytest.raises(CheckpointError, match="shape differs") as caught:
+        engine.load_drafter(tmp_path / "narrow-drafter")
+    assert "\n" not in str(caught.value)
+    damaged = tmp_path / "damaged"
+    save_drafter(Drafter(load_model(models["policy"]).spec), damaged)
+    for weights in damaged.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as caught:
+        engine.load_drafter(damaged)
+    assert "\n" not in str(caught.value)
+    (prompt,) = prompt_ids(1, seed=26)
+    (result,) = engine.generate([prompt], 24, temperature=0.0)  # the engine drafts on with its drafter
+    assert result.token_ids == oracle.greedy(prompt, 24) and result.accept_lengths

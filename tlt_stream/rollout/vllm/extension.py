@@ -1,0 +1,130 @@
+"""What runs inside vLLM's worker processes: in-place policy reloads and drafter swaps.
+
+`TltWorkerExtension` is mixed into vLLM's worker class by `worker_extension_cls` (named by import path:
+`WORKER_EXTENSION`), so `LLM.collective_rpc("tlt_...", args=(path,))` reaches its methods by name in every
+worker. A callable would have to be pickled across vLLM's process boundary, which vLLM allows only with
+VLLM_ALLOW_INSECURE_SERIALIZATION=1; a name and a path string need nothing of the kind.
+
+- `tlt_prepare()`: the CPU build's broken rejection-sampler kernel replaced (`kernels.py`);
+- `tlt_reload_policy(dir)`: the worker's `reload_weights(weights_path=dir)` (vLLM's in-place reload,
+  `model_loader/reload/inplace.py`), or `model.load_weights` over the checkpoint's safetensors on a vLLM
+  without it (what TRL and OpenRLHF do).
+- `tlt_swap_drafter(export)`: the export's fc and layer tensors into the draft model through vLLM's in-place
+  reload (`reload_weights` with the draft as the model: weights a platform repacked after loading, as the
+  CPU build does, are loaded in checkpoint format and processed again; a plain `load_weights` fails on
+  them), or the draft's own `load_weights` on a vLLM without it; never `embed_tokens`/`lm_head`, which the
+  draft shares with the target (loading an export's embedding would overwrite the live policy's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_stream.basics.errors import CheckpointError
+
+__all__ = ["DRAFT_SHAPE_KEYS", "WORKER_EXTENSION", "TltWorkerExtension", "drafter_swap_tensors"]
+
+DRAFT_SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "attention_bias",
+    "qkv_bias",
+    "mlp_bias",
+)
+"""Draft config keys that fix the draft model's parameter shapes (an in-place swap must keep them)."""
+
+
+def _safetensors_items(directory: Path, *, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no safetensors weights")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles have keys(), not __iter__)
+                if not name.startswith(skip):
+                    yield name, f.get_tensor(name)
+
+
+def drafter_swap_tensors(export: str | Path) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of an EAGLE export that an in-place drafter swap loads: the draft's own (fc and its layer),
+    never `embed_tokens`/`lm_head`. The draft shares those modules with the target, so loading an export's
+    embedding (written with `--policy`) would overwrite the live policy's."""
+    return list(_safetensors_items(Path(export), skip=("embed_tokens.", "lm_head.")))
+
+
+def _runner_model(runner: Any) -> Any:
+    get = getattr(runner, "get_model", None)
+    return get() if callable(get) else runner.model
+
+
+def _reload_policy_on_worker(worker: Any, path: str) -> None:
+    """Reload the target model's weights in place from checkpoint `path` (in a vLLM worker)."""
+    runner = worker.model_runner
+    reload = getattr(runner, "reload_weights", None)
+    if reload is not None and "weights_path" in inspect.signature(reload).parameters:
+        worker.reload_weights(weights_path=path, is_checkpoint_format=True)
+        return
+    with torch.no_grad():
+        _runner_model(runner).load_weights(_safetensors_items(Path(path)))
+
+
+def _swap_drafter_on_worker(worker: Any, path: str) -> int:
+    """Load an EAGLE export's own tensors into the draft model in place (in a vLLM worker); the embedding
+    and LM head stay the target's shared modules (loading them would overwrite the target's)."""
+    runner = worker.model_runner
+    get = getattr(runner, "get_draft_model", None)
+    draft = get() if callable(get) else getattr(getattr(runner, "drafter", None), "model", None)
+    if draft is None:
+        raise RuntimeError("this vLLM engine has no draft model (it was built without speculative decoding)")
+    weights = drafter_swap_tensors(path)
+    try:  # vLLM's in-place reload: weights a platform repacked after loading (the CPU build's) are re-processed
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    except ImportError:
+        reload_weights = None
+    try:
+        from vllm.config import set_current_vllm_config
+
+        context: Any = set_current_vllm_config(worker.vllm_config)
+    except (ImportError, AttributeError):
+        context = contextlib.nullcontext()
+    with context, torch.no_grad():
+        if reload_weights is None:
+            draft.load_weights(iter(weights))
+        else:  # the shared embedding and LM head load nothing: their own tensors are put back
+            reload_weights(worker.vllm_config, draft, iter(weights), None, is_checkpoint_format=True)
+    return len(weights)
+
+
+class TltWorkerExtension:
+    """Methods vLLM mixes into its worker class (`worker_extension_cls`, named by import path), so that
+    `LLM.collective_rpc("tlt_...", args=(path,))` reaches them by name: a callable would have to be pickled
+    across vLLM's process boundary, which vLLM allows only with VLLM_ALLOW_INSECURE_SERIALIZATION=1. No
+    `__init__` and only `tlt_`-prefixed names (vLLM refuses an extension that shadows a worker attribute)."""
+
+    def tlt_prepare(self) -> list[str]:
+        """Once, after the engine started: replace the kernels of vLLM's CPU build that sample wrongly
+        (`kernels.py`); the names replaced."""
+        from tlt_stream.rollout.vllm.kernels import fix_cpu_kernels
+
+        return fix_cpu_kernels()
+
+    def tlt_reload_policy(self, path: str) -> None:
+        _reload_policy_on_worker(self, path)
+
+    def tlt_swap_drafter(self, path: str) -> int:
+        return _swap_drafter_on_worker(self, path)
+
+
+WORKER_EXTENSION = f"{TltWorkerExtension.__module__}.{TltWorkerExtension.__qualname__}"
