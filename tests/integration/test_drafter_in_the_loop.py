@@ -224,7 +224,9 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
     k = 20
     keys = Keys(bus_config.run)
     redis = connect_redis(bus_config.bus.redis_url)
-    training = training_settings(tmp_path, judge_every_steps=k, slice_seconds=0.05)  # a few steps per slice
+    # A slice of 5 ms holds one step or a few, always fewer than k: a slow machine gives one step per slice
+    # (a slice runs at least one), a fast one a few. Slices of k or more steps would all be judged.
+    training = training_settings(tmp_path, judge_every_steps=k, slice_seconds=0.005)
     config = worker_config(bus_config, init_drafter, training, max_batch=2, max_len=64)
     async with planes(bus_config, {"w": ["drafter"]}) as control:
         worker = RolloutWorker(config, redis, control["w"], worker_id="w", reward=reward)
@@ -232,7 +234,7 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
         assert trainer is not None
         engine = sd_engine(init_policy, init_drafter)
         await StreamProducer(redis, keys, bus_config.bus).send("hidden", hidden_windows(engine))
-        await idle_until(trainer, engine, lambda: trainer.trainer is not None and trainer.trainer.step_count >= 3 * k)
+        await idle_until(trainer, engine, lambda: trainer.trainer is not None and trainer.trainer.step_count >= 3 * k and trainer.slices > 4)
         slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
         assert trainer.trainer is not None and sum(s.steps for s in slices) == trainer.trainer.step_count
         assert len(slices) == trainer.slices and len(slices) > 4, "one report per committed slice"
