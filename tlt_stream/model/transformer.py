@@ -18,7 +18,7 @@ from tlt_stream.model.spec import ModelSpec
 
 
 class Transformer(nn.Module):
-    """A Llama/Qwen2-family causal LM. Build with `loader.load_model`, or directly for random weights."""
+    """A Llama/Qwen/Mistral-family causal LM. Build with `loader.load_model`, or directly for random weights."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -46,7 +46,14 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
-        """A cache sized for this model; `dtype` defaults to the weights' dtype."""
+        """A cache sized for this model; `dtype` defaults to the weights' dtype. A sliding-window model
+        refuses a cache longer than its window (attention would have to slide, which this runtime does not)."""
+        window = self.spec.sliding_window
+        if window is not None and max_len > window:
+            raise ValueError(
+                f"this model's attention window is {window} tokens and max_len is {max_len}: a real sliding "
+                f"window is not supported by the torch runtime (use max_len <= {window}, or the vLLM backend)"
+            )
         return KVCache.for_model(self.spec, max_batch, max_len, dtype=dtype or self.dtype, device=self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -94,6 +101,7 @@ class Transformer(nn.Module):
             first_slot=first_slot,
             spec_offset=spec_offset,
             static_len=static_len,
+            rope_scale=self.spec.rope_attention_factor,
         )
         if input_ids.shape != positions.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ")
