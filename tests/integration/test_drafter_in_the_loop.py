@@ -234,7 +234,11 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
         assert trainer is not None
         engine = sd_engine(init_policy, init_drafter)
         await StreamProducer(redis, keys, bus_config.bus).send("hidden", hidden_windows(engine))
-        await idle_until(trainer, engine, lambda: trainer.trainer is not None and trainer.trainer.step_count >= 3 * k and trainer.slices > 4)
+        await idle_until(
+            trainer,
+            engine,
+            lambda: trainer.trainer is not None and trainer.trainer.step_count >= 3 * k and trainer.slices > 4,
+        )
         slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
         assert trainer.trainer is not None and sum(s.steps for s in slices) == trainer.trainer.step_count
         assert len(slices) == trainer.slices and len(slices) > 4, "one report per committed slice"

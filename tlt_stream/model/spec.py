@@ -82,6 +82,16 @@ class ModelSpec:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
+    def check_window(self, max_len: int) -> None:
+        """Raise ValueError unless sequences of `max_len` tokens stay inside the checkpoint's attention
+        window, if it has one (then the window never slides and full attention is exact)."""
+        if self.sliding_window is not None and max_len > self.sliding_window:
+            raise ValueError(
+                f"max_len {max_len} is longer than the checkpoint's {self.sliding_window}-token attention window: "
+                f"a sliding window is not supported by the torch runtime (use max_len <= {self.sliding_window}); "
+                'the vLLM backend (rollout.backend = "vllm") runs it'
+            )
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

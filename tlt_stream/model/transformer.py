@@ -46,14 +46,7 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
-        """A cache sized for this model; `dtype` defaults to the weights' dtype. A sliding-window model
-        refuses a cache longer than its window (attention would have to slide, which this runtime does not)."""
-        window = self.spec.sliding_window
-        if window is not None and max_len > window:
-            raise ValueError(
-                f"this model's attention window is {window} tokens and max_len is {max_len}: a real sliding "
-                f"window is not supported by the torch runtime (use max_len <= {window}, or the vLLM backend)"
-            )
+        """A cache sized for this model; `dtype` defaults to the weights' dtype."""
         return KVCache.for_model(self.spec, max_batch, max_len, dtype=dtype or self.dtype, device=self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
