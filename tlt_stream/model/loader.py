@@ -207,6 +207,15 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
+def checkpoint_positions(model_dir: str | Path) -> int | None:
+    """The `max_position_embeddings` of `model_dir/config.json` (None when unreadable or absent)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def stop_token_ids(model_dir: str | Path, tokenizer: Any = None) -> list[int]:
     """Every id a response of this checkpoint stops at: the `eos_token_id` of `generation_config.json` and
     of `config.json` (an int or a list: Qwen's chat models stop on `<|im_end|>` and `<|endoftext|>`) and the

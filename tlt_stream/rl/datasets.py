@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.common import stable_hex
+from tlt_stream.basics.config.rollout import prompt_limit
 
 __all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples", "pool_from_config"]
 
@@ -205,7 +206,8 @@ class PromptPool:
 
 def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_len: int | None = None) -> PromptPool:
     """The prompts of the dataset file `path` as the configuration reads them (`data.*`: fields, chat
-    template, prompt limit; the limit defaults to half of `max_len`, else of `rollout.max_len`)."""
+    template, prompt limit; the limit defaults to `PROMPT_LEN` tokens, at most half of the context `max_len`,
+    else of `rollout.max_len`)."""
     data = config.data
     examples = load_examples(
         path,
@@ -214,5 +216,5 @@ def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_l
         tokenizer=tokenizer,
         chat_template=data.chat_template,
     )
-    limit = data.max_prompt_len or (max_len or config.rollout.max_len) // 2
+    limit = prompt_limit(data.max_prompt_len, max_len or config.rollout.max_len)
     return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path)

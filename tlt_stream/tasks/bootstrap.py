@@ -30,13 +30,17 @@ from typing import Any
 
 import torch
 
-from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.tasks.repeated_add import RepeatedAddTask
 from tlt_stream.tasks.tokenizer import build_tokenizer
 
 __all__ = ["SIZES", "BootstrapSettings", "bootstrap", "unfinished"]
 
 BOOTSTRAP_VERSION = 3
+
+
+WORLD_LEN = 1408
+"""The tiny world's own length (prompt + response tokens): its policy's positions, so `rollout.max_len` left
+unset runs the world at this length whatever the default for other checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,8 @@ class BootstrapSettings:
     drafter_samples: int
     drafter_steps: int
     drafter_lr: float
-    max_len: int = DEFAULTS.rollout.max_len
-    """The world's sequences are as long as its rollouts (`rollout.max_len`)."""
+    max_len: int = WORLD_LEN
+    """The world's sequences and its policy's positions (`rollout.max_len` unset: the rollouts' length)."""
 
 
 SIZES: dict[str, BootstrapSettings] = {

@@ -188,7 +188,10 @@ class DataConfig(Section, frozen=True):
     ] = True
     max_prompt_len: Annotated[
         PositiveInt | None,
-        doc("Prompts longer than this (tokens) are skipped at load and counted. None: half of rollout.max_len."),
+        doc(
+            "Prompts longer than this (tokens) are skipped at load and counted. None: 1024, at most half of "
+            "rollout.max_len."
+        ),
     ] = None
     tokenizer: Annotated[
         str | None, doc("The tokenizer the prompts are encoded with. None: the policy's (learner.policy).")

@@ -23,6 +23,7 @@ import msgspec
 
 from tlt_stream.basics.aio import wait_until
 from tlt_stream.basics.config import Config
+from tlt_stream.basics.config.rollout import context_len
 from tlt_stream.basics.messages import PolicyVersion, WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
@@ -73,6 +74,8 @@ class PolicyLoader:
         """The stop strings, on the policy's tokenizer (None without any)."""
         self.vocab_size: int | None = None
         """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
+        self.max_len: int | None = None
+        """Prompt + response tokens per row: `rollout.max_len`, else the loaded policy's context."""
 
     @property
     def version(self) -> int:
@@ -138,11 +141,7 @@ class PolicyLoader:
         else:
             verify_directory(announced.location, announced.sha256, scheme=announced.digest)
         self.vocab_size, positions = _policy_limits(announced.location)
-        if positions is not None and own.max_len > positions:  # every long sample would be poison
-            raise ValueError(
-                f"--max-len {own.max_len} is longer than the policy's {positions} positions "
-                f"(max_position_embeddings of {announced.location}): use --max-len {positions} or less"
-            )
+        self.max_len = context_len(own.max_len, positions, announced.location)  # longer: every sample poison
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
@@ -161,9 +160,19 @@ class PolicyLoader:
     def _build(
         self, announced: PolicyVersion, drafter: str | None, drafter_version: int, weights: PolicyWeights | None
     ) -> None:
+        config = self.config
+        if config.rollout.max_len != self.max_len:  # the checkpoint's context
+            config = msgspec.structs.replace(
+                config, rollout=msgspec.structs.replace(config.rollout, max_len=self.max_len)
+            )
+        rollout = config.rollout
+        log.info(
+            "rows of %d tokens (prompt + response, at most %s response tokens), %d rows",
+            rollout.max_len, rollout.max_response_len or rollout.max_len, rollout.max_batch,
+        )  # fmt: skip
         self.engine, self.adaptive = build_engine(
             announced.location,
-            self.config,
+            config,
             device=self.device,
             drafter=drafter,
             hidden=self.hidden,

@@ -39,8 +39,8 @@ class VllmSettings:
 
     max_batch: int = DEFAULTS.rollout.max_batch
     """vLLM's `max_num_seqs`."""
-    max_len: int = DEFAULTS.rollout.max_len
-    """vLLM's `max_model_len`: prompt + response tokens per request."""
+    max_len: int | None = DEFAULTS.rollout.max_len
+    """vLLM's `max_model_len`: prompt + response tokens per request (None: the checkpoint's context)."""
     temperature: float = DEFAULTS.rollout.temperature
     """The rollout temperature; requests may still differ."""
     arm: str | None = None
