@@ -77,3 +77,64 @@ def as_rope_scaling(path: Path) -> None:
     rope_type = params.pop("rope_type", "default")
     cfg["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **params}
     (path / "config.json").write_text(json.dumps(cfg))
+
+
+QWEN3_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+"""Qwen3's chat structure: ChatML turns, and `enable_thinking=False` pre-filling an empty thinking block."""
+QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+QWEN3_EOS = ["<|im_end|>", "<|endoftext|>"]
+
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+"""Llama 3's chat structure: header ids around each role, `<|eot_id|>` ending each turn."""
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_EOS = ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+
+
+def chat_tokenizer(specials: list[str], eos: str, template: str):  # -> PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer trained here on a small arithmetic corpus, with `specials` as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"Question: what is {a} plus {b}? Answer: {a + b}." for a in range(40) for b in range(7)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos, pad_token=specials[0], chat_template=template)
+
+
+def chat_policy(family: str, out: Path, *, positions: int = 512, seed: int = 0) -> Path:
+    """A random `family` ("qwen3" or "llama3") checkpoint with its chat structure: the template, the special
+    tokens, and every EOS id its releases list in generation_config.json (config.json names the first). The
+    final norm's gain is small, so responses meet an EOS within a few dozen tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if family == "qwen3":
+        tokenizer = chat_tokenizer(QWEN3_SPECIALS, "<|im_end|>", QWEN3_TEMPLATE)
+        eos_tokens = QWEN3_EOS
+    else:
+        tokenizer = chat_tokenizer([*LLAMA3_SPECIALS, "<|eom_id|>"], "<|eot_id|>", LLAMA3_TEMPLATE)
+        eos_tokens = LLAMA3_EOS
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in eos_tokens]
+    config = family_config(family, vocab=len(tokenizer), max_position_embeddings=positions, eos_token_id=eos[0])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(0.01)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    return out

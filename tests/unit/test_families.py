@@ -215,7 +215,7 @@ def tiny_families(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "eagle-chain", "eagle-tree", "ngram", "group"])
+@pytest.mark.parametrize("mode", ["plain", "eagle-chain", "eagle-tree", "group"])
 @pytest.mark.parametrize("name", ["qwen3", "llama3"])
 def test_sampled_output_follows_the_target_distribution(tiny_families, name: str, mode: str) -> None:
     hf, model = tiny_families(name)
@@ -278,3 +278,42 @@ def test_what_the_runtime_does_not_run_is_refused_in_one_line_pointing_at_vllm(t
         GenerationEngine(model, 1, 64)
     _edit(tmp_path / "window", sliding_window=None)
     GenerationEngine(load_model(tmp_path / "window"), 1, 64)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_chat_structure_and_every_eos_id_of_each_family(tmp_path: Path, name: str) -> None:
+    """Prompts rendered with the family's template keep its special tokens whole (Qwen3's thinking tags
+    with `data.enable_thinking` false, Llama 3's header ids), and every EOS id generation_config.json lists
+    stops a response."""
+    from transformers import AutoTokenizer
+
+    from tests.families import LLAMA3_EOS, QWEN3_EOS, chat_policy
+    from tlt_stream.basics.config import Config, override
+    from tlt_stream.model import stop_token_ids
+    from tlt_stream.rl.datasets import pool_from_config
+
+    policy = chat_policy(name, tmp_path / name)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    ids = tokenizer.convert_tokens_to_ids
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "what is 1 plus 2?", "answer": "3"}) + "\n")
+    rendered = {}
+    for thinking in (None, False):
+        config = override(Config(), {"data.enable_thinking": thinking})
+        pool = pool_from_config(str(tmp_path / "d.jsonl"), config, tokenizer, seed=0, max_len=512)
+        rendered[thinking] = pool.rows[0][2]  # (prompt_id, text, ids, answer)
+    if name == "qwen3":
+        think = [ids("<think>"), ids("</think>")]
+        assert all(t in rendered[False] for t in think) and not any(t in rendered[None] for t in think)
+        assert rendered[False][-6:] == tokenizer("assistant\n<think>\n\n</think>\n\n")["input_ids"][-6:]
+        eos = [ids(t) for t in QWEN3_EOS]
+    else:
+        assert rendered[None][:2] == [ids("<|begin_of_text|>"), ids("<|start_header_id|>")]
+        assert rendered[None].count(ids("<|end_header_id|>")) == 2 and ids("<|eot_id|>") in rendered[None]
+        eos = [ids(t) for t in LLAMA3_EOS]
+    assert stop_token_ids(policy, tokenizer) == sorted(eos)
+    results = GenerationEngine(load_model(policy), 32, 128).generate(
+        [rendered[None]] * 96, 60, 1.0, seed=0, eos_ids=eos
+    )
+    ends = Counter(r.token_ids[-1] for r in results if r.finish_reason == "eos")
+    assert set(ends) == set(eos), ends  # each EOS id ends some response (near-uniform next tokens)
+    assert all(t not in eos for r in results for t in r.token_ids[:-1]), "no response runs past an EOS id"

@@ -186,6 +186,13 @@ class DataConfig(Section, frozen=True):
     chat_template: Annotated[
         bool, doc("Render prompts with the tokenizer's chat template when it has one (a string as one user turn).")
     ] = True
+    enable_thinking: Annotated[
+        bool | None,
+        doc(
+            "Passed to the chat template as enable_thinking (Qwen3: false renders an empty <think></think> "
+            "block after the assistant header, so responses answer at once). None: the template's own default."
+        ),
+    ] = None
     max_prompt_len: Annotated[
         PositiveInt | None,
         doc(
