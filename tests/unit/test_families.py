@@ -25,8 +25,6 @@ from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, NgramProposer, OracleProposer
 
-pytestmark = pytest.mark.xdist_group("test_families")
-
 MAX_NEW = 20
 
 
@@ -317,3 +315,64 @@ def test_chat_structure_and_every_eos_id_of_each_family(tmp_path: Path, name: st
     ends = Counter(r.token_ids[-1] for r in results if r.finish_reason == "eos")
     assert set(ends) == set(eos), ends  # each EOS id ends some response (near-uniform next tokens)
     assert all(t not in eos for r in results for t in r.token_ids[:-1]), "no response runs past an EOS id"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_drafter_init_trains_and_exports_for_each_family(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tlt-stream drafter init` on the family's checkpoint (no --max-len: the checkpoint's context), a few
+    online training steps on its own features, and `export-drafter` to vLLM's EAGLE layout, whose config
+    transformers parses with the target's RoPE; speculative decoding with the drafter stays the target's."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from tests.families import chat_policy
+    from tlt_stream.commands.cli import main
+    from tlt_stream.drafter.export import eagle_tensor_names, export_drafter
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.drafter.train import DrafterTrainer, Window, pack_windows
+
+    policy = chat_policy(name, tmp_path / "policy", positions=128)
+    train = tmp_path / "train.jsonl"
+    train.write_text(
+        "".join(json.dumps({"prompt": f"what is {i} plus 2?", "answer": str(i + 2)}) + "\n" for i in range(4))
+    )
+    out = tmp_path / "drafter"
+    code = main(["drafter", "init", "--policy", str(policy), "--dataset", str(train), "--out", str(out),
+                 "--samples", "4", "--steps", "3", "--threads", "1"])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == 4 and report["response_tokens"] > 0
+    target = load_model(policy)
+    drafter = load_drafter(out, target)
+    assert drafter.spec.rope_type == target.spec.rope_type and not drafter.spec.qk_norm
+
+    g = torch.Generator().manual_seed(0)
+    windows = []
+    for _ in range(4):
+        tokens = torch.randint(0, target.spec.vocab_size, (24,), generator=g)
+        with torch.inference_mode():
+            features = target(tokens[None], torch.arange(24)[None], target.new_cache(1, 24))[0]
+        windows.append(Window(tokens, features.clone(), prompt_len=3))
+    (batch,) = pack_windows(windows, row_tokens=96)
+    drafter.train()
+    trainer = DrafterTrainer(drafter.requires_grad_(True), lr=3e-3, total_steps=10, warmup=1, unroll=2)
+    losses = [trainer.step(batch)["loss"] for _ in range(6)]
+    assert losses[-1] < losses[0]
+
+    export_drafter(out, tmp_path / "eagle", format="eagle")
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    parsed = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    assert parsed.rope_parameters["rope_type"] == target.spec.rope_type
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "eagle" / "model.safetensors", framework="pt") as f:
+        assert sorted(f.keys()) == eagle_tensor_names(drafter.spec)
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "what is 3 plus 2?"}], tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    drafter = load_drafter(out, target)
+    plain = GenerationEngine(target, 1, 128).generate([prompt], 30)[0].token_ids
+    sd = GenerationEngine(target, 1, 128, proposer=EagleProposer(drafter), arm=Arm.drafter(3, 2, 5))
+    assert sd.generate([prompt], 30)[0].token_ids == plain

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,11 +166,6 @@ class PolicyLoader:
             config = msgspec.structs.replace(
                 config, rollout=msgspec.structs.replace(config.rollout, max_len=self.max_len)
             )
-        rollout = config.rollout
-        log.info(
-            "rows of %d tokens (prompt + response, at most %s response tokens), %d rows",
-            rollout.max_len, rollout.max_response_len or rollout.max_len, rollout.max_batch,
-        )  # fmt: skip
         self.engine, self.adaptive = build_engine(
             announced.location,
             config,
@@ -178,6 +174,13 @@ class PolicyLoader:
             hidden=self.hidden,
             drafter_version=drafter_version,
             weights=weights,
+        )
+        rollout, cache = config.rollout, getattr(self.engine, "cache", None)
+        kv = f", KV cache {2 * cache.k[:, 0].nbytes / 2**20:.1f} MiB a row" if cache is not None else ""
+        print(
+            f"{self.registry.worker_id}: rows of {rollout.max_len} tokens (prompt + response; responses up to "
+            f"{min(rollout.max_response_len or rollout.max_len, rollout.max_len)}){kv}, {rollout.max_batch} rows",
+            file=sys.stderr,
         )
 
     def announced(self) -> PolicyVersion | None:
