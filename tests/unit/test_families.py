@@ -376,3 +376,32 @@ def test_drafter_init_trains_and_exports_for_each_family(
     plain = GenerationEngine(target, 1, 128).generate([prompt], 30)[0].token_ids
     sd = GenerationEngine(target, 1, 128, proposer=EagleProposer(drafter), arm=Arm.drafter(3, 2, 5))
     assert sd.generate([prompt], 30)[0].token_ids == plain
+
+
+def test_rows_are_sized_from_the_checkpoint_and_the_kv_budget(tmp_path: Path) -> None:
+    """rollout.max_len unset is the checkpoint's context and a longer one is refused naming the key; the
+    KV cache costs rows, not length: the engine runs the rows its budget holds, and refuses with the numbers
+    when not one fits. Qwen3-0.6B at 40,960 tokens in fp32 takes ~9.4 GB a row."""
+    from tlt_stream.basics.config import Config, override
+    from tlt_stream.basics.config.rollout import context_len
+    from tlt_stream.basics.errors import ConfigError
+    from tlt_stream.model import ModelSpec
+    from tlt_stream.model.cache import kv_bytes_per_row
+    from tlt_stream.rollout.build import build_engine
+
+    qwen3_06b = ModelSpec("qwen3", 151_936, 1024, 3072, 28, 16, 8, 128, qk_norm=True)
+    assert kv_bytes_per_row(qwen3_06b, 40_960, torch.float32) == 2 * 28 * 8 * 128 * 40_960 * 4  # 9.4e9
+    assert context_len(None, 512) == 512 and context_len(300, 512) == 300
+    with pytest.raises(ConfigError, match=r"rollout\.max_len: 1408 is longer than the 512 positions"):
+        context_len(1408, 512)
+
+    build_family("qwen3", tmp_path / "p")  # 256 positions
+    per_row = 2 * 2 * 2 * 32 * 256 * 4  # layers, kv heads, head_dim, max_len, fp32
+    config = override(
+        Config(), {"rollout.max_len": 256, "rollout.max_batch": 8, "rollout.kv_cache_gib": 3.5 * per_row / 2**30}
+    )
+    engine, _ = build_engine(str(tmp_path / "p"), config)
+    assert engine.cache.max_batch == 3 and engine.cache.max_len == 256
+    small = override(config, {"rollout.kv_cache_gib": 0.5 * per_row / 2**30})
+    with pytest.raises(ConfigError, match=r"one row of 256 tokens needs .* GiB of KV cache"):
+        build_engine(str(tmp_path / "p"), small)

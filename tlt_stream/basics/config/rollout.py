@@ -61,6 +61,14 @@ class RolloutConfig(Section, frozen=True):
             "checkpoint's context (its max_position_embeddings); a longer value is refused at start."
         ),
     ] = None
+    kv_cache_gib: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        doc(
+            "Memory the torch engine's KV cache may take (GiB): it runs as many rows as fit, up to max_batch (a "
+            "row holds max_len tokens, so a long context costs rows, not length). None: half of the device's "
+            "free memory at start."
+        ),
+    ] = None
     max_response_len: Annotated[
         PositiveInt | None,
         doc(

@@ -176,10 +176,12 @@ class PolicyLoader:
             weights=weights,
         )
         rollout, cache = config.rollout, getattr(self.engine, "cache", None)
-        kv = f", KV cache {2 * cache.k[:, 0].nbytes / 2**20:.1f} MiB a row" if cache is not None else ""
+        rows = f"{rollout.max_batch} rows"
+        if cache is not None:  # torch: the rows that fit the KV budget
+            rows = f"KV cache {2 * cache.k[:, 0].nbytes / 2**20:.1f} MiB a row, {cache.max_batch} rows"
         print(
             f"{self.registry.worker_id}: rows of {rollout.max_len} tokens (prompt + response; responses up to "
-            f"{min(rollout.max_response_len or rollout.max_len, rollout.max_len)}){kv}, {rollout.max_batch} rows",
+            f"{min(rollout.max_response_len or rollout.max_len, rollout.max_len)}), {rows}",
             file=sys.stderr,
         )
 
