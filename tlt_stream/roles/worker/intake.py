@@ -55,7 +55,9 @@ class TaskIntake:
     def room(self) -> int:
         """How many tasks to read now: as many as fit at once (admitting one per engine hop would fill the
         batch over dozens of steps and stretch every rollout), 0 when the engine is full."""
-        free = self.config.rollout.max_batch * 2 - self.flight.rows_left()
+        cache = getattr(self.loader.engine, "cache", None)  # torch: the rows the KV budget allowed
+        rows = cache.max_batch if cache is not None else self.config.rollout.max_batch
+        free = rows * 2 - self.flight.rows_left()
         return max(1, min(self.config.bus.read_count, free // self._group_hint)) if free > 0 else 0
 
     async def read(self, count: int, block_ms: int | None) -> None:
