@@ -405,3 +405,46 @@ def test_rows_are_sized_from_the_checkpoint_and_the_kv_budget(tmp_path: Path) ->
     small = override(config, {"rollout.kv_cache_gib": 0.5 * per_row / 2**30})
     with pytest.raises(ConfigError, match=r"one row of 256 tokens needs .* GiB of KV cache"):
         build_engine(str(tmp_path / "p"), small)
+
+
+YARN_PARAMS = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIGINAL}
+VARIANTS = {
+    "qwen3-bias-untied-gqa4": ("qwen3", dict(attention_bias=True, tie_word_embeddings=False, num_key_value_heads=1)),
+    "qwen3-yarn": ("qwen3", dict(rope_parameters={**YARN_PARAMS, "rope_theta": 1e6})),
+    "llama3-biases-head-dim": ("llama3", dict(attention_bias=True, mlp_bias=True, head_dim=8)),
+    "llama-yarn-attention-factor": (
+        "llama",
+        dict(rope_parameters={**YARN_PARAMS, "attention_factor": 1.3, "beta_fast": 16.0, "rope_theta": 1e4}),
+    ),
+    "qwen2-yarn-mscale-untruncated": (
+        "qwen2",
+        dict(
+            rope_parameters={**YARN_PARAMS, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False, "rope_theta": 1e4}
+        ),
+    ),
+    "mistral-linear-window": (
+        "mistral",
+        dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}, sliding_window=512),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_other_shapes_of_the_families_match_transformers_logits(tmp_path: Path, variant: str) -> None:
+    """Biases, GQA, an explicit head_dim, YaRN's optional keys on other families: prefill and incremental
+    decode logits are transformers' (fp32) past the original context."""
+    family, overrides = VARIANTS[variant]
+    hf = build_family(family, tmp_path / variant, **overrides)
+    model = load_model(tmp_path / variant)
+    ids = torch.randint(1, VOCAB, (1, 2 * ORIGINAL + 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = hf(ids).logits[0]
+        cache = model.new_cache(1, ids.shape[1])
+        n = ids.shape[1] - 4
+        prefill = model.logits(model(ids[:, :n], torch.arange(n)[None], cache))[0]
+        cache.advance(torch.tensor([n]))
+        steps = []
+        for i in range(n, ids.shape[1]):
+            steps.append(model.logits(model(ids[:, i : i + 1], torch.tensor([[i]]), cache))[0, 0])
+            cache.advance(torch.tensor([1]))
+    torch.testing.assert_close(torch.cat([prefill, torch.stack(steps)]), reference, atol=1e-4, rtol=0)
