@@ -6,7 +6,7 @@ Three figures, each family a random checkpoint built from its transformers confi
   `min_new_tokens` forced) at batch 1 and 32, on a tiny model and a ~100M-parameter one; the two are
   interleaved per repetition so background load hits both alike, and the ratio is measured in one run;
 - the cost of long contexts: decode tokens/s at batch 1 after 1k, 4k and 8k tokens of context, ours and
-  transformers', for one model per RoPE type;
+  transformers', for one model per RoPE type (the prefill timed apart: a run of one token is subtracted);
 - long generations: greedy output to `--long-tokens` new tokens (8k by default) for one model per RoPE type
   (default, llama3, YaRN, linear), plain and with n-gram drafts, compared token for token with transformers.
 
@@ -52,9 +52,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "100m"])
     p.add_argument("--long-tokens", type=int, help="new tokens of the long generations (default 8192, quick 2048)")
     p.add_argument("--skip", nargs="*", choices=["decode", "context", "long"], default=[])
+    p.add_argument("--new-tokens", type=int, help="tokens decoded per timed run (default 32, quick 16)")
+    p.add_argument("--reps", type=int, help="timed repetitions per figure (default 3, quick 2)")
     args = p.parse_args()
-    args.new_tokens = 16 if args.quick else 32
-    args.reps = 2 if args.quick else 3
+    args.new_tokens = args.new_tokens or (16 if args.quick else 32)
+    args.reps = args.reps or (2 if args.quick else 3)
     args.contexts = [1024, 4096] if args.quick else [1024, 4096, 8192]
     args.long_tokens = args.long_tokens or (2048 if args.quick else 8192)
     return args
@@ -112,6 +114,8 @@ def race(torch, hf, ours, prompts, n: int, reps: int) -> dict[str, Any]:
     tps = {k: b * n / statistics.median(v) for k, v in times.items()}
     same = sum(r.token_ids == out["hf"][i, p:].tolist() for i, r in enumerate(out["ours"]))
     return {
+        "ours_s": statistics.median(times["ours"]),
+        "hf_s": statistics.median(times["hf"]),
         "ours_tok_s": round(tps["ours"], 1),
         "hf_tok_s": round(tps["hf"], 1),
         "ratio": round(tps["ours"] / tps["hf"], 3),
@@ -141,7 +145,18 @@ def bench_context(torch, root: Path, args) -> list[dict[str, Any]]:
         for context in args.contexts:
             prompt = torch.randint(1, ours.spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(7))
             row = {"rope": rope, "family": family, "context": context, "batch": 1}
-            row |= race(torch, hf, ours, prompt, args.new_tokens, args.reps)
+            full = race(torch, hf, ours, prompt, args.new_tokens, args.reps)
+            first = race(torch, hf, ours, prompt, 1, args.reps)  # the prefill (and one token) alone
+            n = args.new_tokens - 1
+            ours_tps, hf_tps = n / (full["ours_s"] - first["ours_s"]), n / (full["hf_s"] - first["hf_s"])
+            row |= {
+                "decode_ours_tok_s": round(ours_tps, 1),
+                "decode_hf_tok_s": round(hf_tps, 1),
+                "decode_ratio": round(ours_tps / hf_tps, 3),
+                "prefill_ours_s": round(first["ours_s"], 3),
+                "prefill_hf_s": round(first["hf_s"], 3),
+                "greedy_rows_identical": full["greedy_rows_identical"],
+            }
             log(json.dumps(row))
             rows.append(row)
     return rows
