@@ -212,12 +212,12 @@ def main() -> None:
     result["settings"] = {k: v for k, v in vars(args).items() if k != "skip"}
     with tempfile.TemporaryDirectory(prefix="tlt-families-") as tmp:
         root = Path(tmp)
+        if "long" not in args.skip:
+            result["long"] = bench_long(torch, root, args)
         if "decode" not in args.skip:
             result["decode"] = bench_decode(torch, root, args)
         if "context" not in args.skip:
             result["context"] = bench_context(torch, root, args)
-        if "long" not in args.skip:
-            result["long"] = bench_long(torch, root, args)
     print(json.dumps(result, indent=1))
 
 
