@@ -9,6 +9,7 @@ arm it cannot draft) is refused here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -108,7 +109,10 @@ def build_engine(
     if arm is not None and arm.kind not in arm_kinds(proposer):
         raise ValueError(f"arm {arm.label} drafts with a source this engine does not have ({type(proposer).__name__})")
     nodes = _max_nodes(sd, adaptive, arm)
-    per_row = kv_bytes_per_row(model.spec, own.max_len + (nodes + 1 if proposer is not None else 0), model.dtype)
+    length = own.max_len + (nodes + 1 if proposer is not None else 0)
+    per_row = kv_bytes_per_row(model.spec, length, model.dtype)
+    if source not in (None, "ngram"):  # the EAGLE drafter's one layer keeps its own cache
+        per_row += kv_bytes_per_row(dataclasses.replace(model.spec, num_layers=1), length, model.dtype)
     budget = int(own.kv_cache_gib * 2**30) if own.kv_cache_gib is not None else free_memory(model.device) // 2
     engine = GenerationEngine(
         model,
