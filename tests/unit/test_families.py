@@ -213,7 +213,7 @@ def tiny_families(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "eagle-chain", "eagle-tree", "group"])
+@pytest.mark.parametrize("mode", ["plain", "eagle-chain", "eagle-tree", "ngram", "group"])
 @pytest.mark.parametrize("name", ["qwen3", "llama3"])
 def test_sampled_output_follows_the_target_distribution(tiny_families, name: str, mode: str) -> None:
     hf, model = tiny_families(name)
@@ -228,7 +228,7 @@ def test_sampled_output_follows_the_target_distribution(tiny_families, name: str
         proposer, arm = NgramProposer(), Arm.drafter(3, 1, 3)
     elif mode == "group":  # the rows are one prompt's siblings: what they write drafts for the others
         proposer, arm = GroupProposer(), Arm.group_source(3, 4)
-    engine = GenerationEngine(model, 64, 16, proposer=proposer, arm=arm)
+    engine = GenerationEngine(model, 256, 16, proposer=proposer, arm=arm)
     results = engine.generate([prompt] * n, length, temperature, seed=1000)
     if proposer is not None:
         assert engine.rounds > 0
