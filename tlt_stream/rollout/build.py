@@ -57,6 +57,8 @@ def build_engine(
     this policy's embedding and LM head."""
     own, sd = config.rollout, config.sd
     source = drafter or sd.drafter
+    if sd.group and source is None:
+        raise ValueError("sd.group drafts beside a draft source: set sd.drafter (a drafter, or ngram)")
     adaptive = sd.adaptive and source is not None
     arm = fixed_arm(sd, source) if source is not None and not adaptive else None
     if own.backend == "vllm":
