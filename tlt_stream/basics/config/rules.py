@@ -65,7 +65,7 @@ def problems(config: Config) -> list[tuple[str, str]]:
         if rollout.graphs in ("cuda", "trace"):
             found.append(("rollout.graphs", "is the torch engine's (vLLM captures its own CUDA graphs): use off"))
     own = config.drafter
-    if own.train and own.state_dir is not None and source in (None, "ngram"):
+    if own.train and own.state_dir is not None and sd.drafter in (None, "ngram"):
         found.append(
             (
                 "drafter.state_dir",
