@@ -207,6 +207,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
 
     from tlt_stream.basics.config import Config
     from tlt_stream.roles.policy import RepeatedAddSource
+    from tlt_stream.tasks.bootstrap import WORLD_LEN
     from tlt_stream.tasks.repeated_add import reward
 
     plan = tiny_world(Config(), steps=steps, prompts=prompts, seed=seed)  # the same recipe as (a)-(c)
@@ -236,7 +237,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
         gradient_accumulation_steps=prompts * plan.policy.group_size // micro,
         num_generations=plan.policy.group_size,
         num_iterations=1,
-        max_completion_length=plan.rollout.max_len - prompt_len,
+        max_completion_length=(plan.rollout.max_len or WORLD_LEN) - prompt_len,
         temperature=1.0,
         beta=0.0,
         epsilon=0.2,

@@ -557,7 +557,7 @@ async def inject_poison(run: FaultRun, servers: PrivateServers) -> float:
     long = PromptGroup(
         task_id="poison-long",
         prompt_id="poison-long",
-        prompt_ids=[3] * run.config.rollout.max_len,
+        prompt_ids=[3] * (run.config.rollout.max_len or 256),  # the tests' policy has 256 positions
         answer="0",
         group_size=2,
     )
