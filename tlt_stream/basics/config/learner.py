@@ -93,6 +93,15 @@ class LearnerConfig(Section, frozen=True):
             "after the step's last group."
         ),
     ] = False
+    accumulate_threads: Annotated[
+        int,
+        doc(
+            "With learner.accumulate: torch threads of a group added while its step still waits for more groups "
+            "(on-policy, the rollout generates the step's tail beside it on the same cores); the group that "
+            "completes the step and the optimizer step use learner.threads. 0: learner.threads throughout.",
+            ge=0,
+        ),
+    ] = 1
     activation_checkpointing: Annotated[
         bool,
         doc(

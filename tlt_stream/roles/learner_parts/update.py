@@ -13,16 +13,23 @@ left outside the window are dropped, and the update's records are written (`reco
 With learner.accumulate the step is built while its groups arrive (`rl/accumulate.py`): `next_step` hands
 each group complete at the front of the ready queue to the `StepAccumulator` at once (its forward and
 backward, on the loop's thread, the lease renewed first as for an update), and the update applies the
-accumulated step once it has `groups_per_step` groups. Nothing else changes: a step that raises voids all
-its groups, which go back first as a failed batch update's do, and nothing of a step is acked before its
-checkpoint, so a learner stopped or killed mid-step loses only memory.
+accumulated step once it has `groups_per_step` groups. A group added while the step still waits for others
+shares the cores with the rollout generating the step's tail, so it runs on learner.accumulate_threads
+(one by default); the group that completes the step, and the step itself, on all of the learner's.
+Nothing else changes: a step that raises voids all its groups, which go back first as a failed batch
+update's do, and nothing of a step is acked before its checkpoint, so a learner stopped or killed mid-step
+loses only memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
+
+import torch
 
 from tlt_stream.basics.aio import retry, sleep_or_stop
 from tlt_stream.basics.config import Config
@@ -39,6 +46,20 @@ from tlt_stream.roles.learner_parts.records import UpdateRecords
 __all__ = ["UpdateFailed", "Updates"]
 
 log = logging.getLogger("tlt_stream.roles.learner")
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Torch's CPU threads at most `count` inside (None: unchanged)."""
+    before = torch.get_num_threads()
+    if count is None or count >= before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class UpdateFailed(Exception):
@@ -98,9 +119,12 @@ class Updates:
             return groups
         if ready:
             await self.lease.renew()  # adding groups blocks the loop, as an update does
-        if not self.accumulator.take(ready):
-            return None
-        return self.accumulator.groups
+        accumulator, tail = self.accumulator, self.config.learner.accumulate_threads
+        while ready and not accumulator.full:
+            completes = len(accumulator.groups) == per_step - 1
+            with _threads(None if completes else tail or None):  # the step's tail runs beside it until its last group
+                accumulator.add(ready.pop(0))
+        return accumulator.groups if accumulator.full else None
 
     def put_back(self) -> None:
         """A stop mid-step: the groups accumulated so far go back to the front of the queue, their gradients
