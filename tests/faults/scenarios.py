@@ -678,7 +678,8 @@ task taken over (tests/integration/test_reclaim.py, and kill9_rollout_training),
 (tests/integration/test_rl_loop.py), the broker away (tests/integration/test_control.py), the SIGTERM
 restart of a learner holding samples (test_learner_service.py, and slow_tail_kill9_learner), a failed save
 retried (checkpoint_unwritable), a silent peer (test_partition.py, and the regression tests of what the
-partition found)."""
+partition found), a learner killed with a step accumulated (tests/integration/test_accumulated_learner.py's stop
+mid-step, and kill9_learner_writing_optimizer's kill, restart and resume)."""
 
 SCENARIOS = [
     Scenario(
@@ -738,6 +739,7 @@ SCENARIOS = [
         {"learner.accumulate": True, "policy.prompts_per_step": 3},
         _accumulated_evidence,
         prepare=_failpoint("learner.accumulated"),
+        extended=True,  # CI time (see EXTENDED_WHY): 41-48 s here, most of it the dead learner's lease expiring
     ),
     Scenario(
         "kill9_policy",
