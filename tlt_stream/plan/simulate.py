@@ -82,6 +82,9 @@ class Setup:
     train_drafter: bool = True
     colocated: bool = False
     kv_capacity_tokens: int | None = None
+    macro_steps: int = 1
+    """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
+    responses, and delays what another event would have changed by at most that many steps)."""
     seed: int | None = 0
 
 
@@ -104,6 +107,7 @@ class _Worker:
     parked: list[_Row] = field(default_factory=list)
     step: tuple[str, float] | None = None  # (arm label, seconds) of the step in progress
     arm: Arm | None = None
+    repeat: int = 1  # engine steps the event stands for
     busy: bool = False
     pending: int = -1  # the sequence number of the event that ends the step in progress
     training_since: float | None = None
@@ -338,11 +342,16 @@ class _Sim:
         b = len(w.running)
         ctx = s.prompt_len + statistics.fmean(r.done for r in w.running)
         arm = self.choose(w, b, ctx)
-        seconds = costs.round_s(b, arm, ctx) + costs.prefill_s(admitted * s.prompt_len)
+        repeat = 1
+        if arm.kind == "plain" and s.macro_steps > 1:
+            left = min(r.length - r.done for r in w.running)
+            drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
+            repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
+        seconds = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2) + costs.prefill_s(admitted * s.prompt_len)
         w.busy = True
         seconds *= self.busy_procs()
-        w.arm, w.step = arm, (arm.label, seconds + extra)
-        self.rounds[arm.label] = self.rounds.get(arm.label, 0) + 1
+        w.arm, w.step, w.repeat = arm, (arm.label, seconds + extra), repeat
+        self.rounds[arm.label] = self.rounds.get(arm.label, 0) + repeat
         self.step_until(w, t + seconds + extra)
 
     def room(self, w: _Worker, group: list[_Row]) -> bool:
@@ -382,7 +391,7 @@ class _Sim:
         bucket = bucket_of(b, self.setup.edges)
         keep = []
         for r in w.running:
-            e = min(self.acc.draw(arm, bucket, self.rng), r.length - r.done)
+            e = min(self.acc.draw(arm, bucket, self.rng) * w.repeat, r.length - r.done)
             if r.draft_of > w.version:
                 e = min(e, self.setup.ahead_tokens - r.done)
             r.done += e
