@@ -203,13 +203,23 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
 
 
 def _run_acceptance(run_dir: str) -> float | None:
+    """Tokens per target forward of the run's SD samples (every step but the first): per sample where the
+    learner recorded them (weighted by length, as forwards are), else each step's mean."""
     from pathlib import Path
 
     from tlt_stream.rl.records import load_metrics
 
-    values = [r["accept_length_mean"] for r in load_metrics(Path(run_dir))[1:] if r.get("accept_length_mean")]
-    sd = [v for v in values if v > 1.0]
-    return sorted(sd)[len(sd) // 2] if sd else None
+    rows = load_metrics(Path(run_dir))
+    rows = rows[1:] if len(rows) > 1 else rows
+    tokens = forwards = 0.0
+    for r in rows:
+        for n, a in zip(r.get("response_lens", []), r.get("accept_lengths", []), strict=False):
+            if a > 1.0:
+                tokens, forwards = tokens + n, forwards + n / a
+    if forwards:
+        return tokens / forwards
+    sd = sorted(r["accept_length_mean"] for r in rows if r.get("accept_length_mean", 1.0) > 1.0)
+    return sd[len(sd) // 2] if sd else None
 
 
 def render(result: dict[str, Any]) -> str:
