@@ -20,8 +20,8 @@ system's own rules.
   new version is announced `publish_s` later. Overlapped (on-policy): each group's forward and backward runs
   as soon as it is complete and the learner is free; the step ends one optimizer step after its last group.
   Colocated (verl, TLT): the learner's devices are the engines', so no engine step runs during an update.
-- Cores: where processes share `costs.cores`, each step or update started while more single-threaded
-  processes are busy than there are cores takes proportionally longer.
+- Cores: where processes share `costs.cores`, each step or update started while more threads are busy than
+  there are cores takes proportionally longer.
 
 With `seed` set, a round's emitted tokens are drawn from the chain model (`acceptance.Acceptance.draw`) and
 lengths from the distribution; with `seed=None` every round emits its mean and lengths are used in order,
@@ -82,6 +82,10 @@ class Setup:
     train_drafter: bool = True
     colocated: bool = False
     kv_capacity_tokens: int | None = None
+    worker_threads: int = 1
+    learner_threads: int = 1
+    """Threads each rollout worker and the learner run with (where `costs.cores` is finite, more busy threads
+    than cores slow every step and update proportionally)."""
     macro_steps: int = 1
     """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
     responses, and delays what another event would have changed by at most that many steps)."""
@@ -200,8 +204,13 @@ class _Sim:
         w.pending = self.at(t, "worker", w.wid)
 
     def busy_procs(self) -> float:
-        busy = sum(w.busy for w in self.workers) + (self.lease is not None) + self.learner_busy
-        return max(1.0, busy / self.costs.cores) if self.costs.cores != float("inf") else 1.0
+        """How much slower work started now runs: busy threads over cores, at least 1 (drafter training runs
+        at the lowest priority and is not counted)."""
+        if self.costs.cores == float("inf"):
+            return 1.0
+        s = self.setup
+        busy = sum(w.busy for w in self.workers) * s.worker_threads + self.learner_busy * s.learner_threads
+        return max(1.0, busy / self.costs.cores)
 
     def run(self) -> Result:
         self.dispatch(0.0)
