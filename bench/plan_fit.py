@@ -12,8 +12,10 @@ streaming: fit both), wall clock, median of `--repeats`:
   optimizer_s;
 - publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s).
 
-    flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 --out artifacts/plan/cpu-t2.json
-    flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 1 --out artifacts/plan/cpu-t1.json
+    flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
+        --out artifacts/plan/cpu-t2.json
+    flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 1 \
+        --out artifacts/plan/cpu-t1.json
 
 Prints one JSON object (the model and every measurement) and writes the model to --out.
 """
@@ -186,7 +188,7 @@ def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
                         reward=float(i % 2),
                         finish_reason="eos",
                         worker_id="bench",
-                    )  # fmt: skip
+                    )
                 )
             out.append(ReadyGroup(f"g{g}", samples, []))
         return out
