@@ -180,3 +180,22 @@ def test_plan_command_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["kind"].startswith("PROJECTION")
     assert set(out["modes"]) == {"a_sync_plain", "b_sync_tlt"} and out["modes"]["a_sync_plain"]["speedup_over_a"] == 1
+
+
+def test_plan_from_run_reads_lengths_and_acceptance(tmp_path, capsys):
+    """A run's per-sample lengths, and its SD samples' tokens per forward weighted by length (a sample that
+    ran without speculating, 1 token per forward, is left out), every step but the first."""
+    from tlt_stream.commands.cli import main
+    from tlt_stream.commands.plan import _run_acceptance
+
+    rows = [
+        {"version": 1, "response_lens": [5, 5], "accept_lengths": [9.0, 9.0]},  # the first step: left out
+        {"version": 2, "response_lens": [300, 100, 50], "accept_lengths": [3.0, 1.0, 1.0]},
+        {"version": 3, "response_lens": [100], "accept_lengths": [1.0]},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert _run_acceptance(str(tmp_path)) == pytest.approx(3.0)  # only rows with SD: 300 tokens / 100 forwards
+    argv = ["plan", "--from-run", str(tmp_path), "--gpu", "a100", "--steps", "2", "--seeds", "1", "--json", "-q"]
+    assert main([*argv, "--no-recommend", "--modes", "a_sync_plain"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["lengths"]["max"] == 300 and out["inputs"]["acceptance"]["tokens_per_round"] == 3.0
