@@ -94,6 +94,12 @@ def engine_steps(policy, batch: int, *, proposer=None, arm=None, skip: int, step
     return seconds, first, context, drafting[0] / steps
 
 
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+ROUND_BATCHES = (1, 4, 16, 64)
+LATE = 240
+"""Steps into the responses of the long-context decode measurement."""
+
+
 def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     from tlt_stream.drafter.model import load_drafter
     from tlt_stream.model import load_model
@@ -103,8 +109,8 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     policy = load_model(world / "policy")
     drafter = load_drafter(world / "drafter", policy)
     plain_rows, plain_y, prefill_rows, prefill_y, measured = [], [], [], [], {"decode": [], "rounds": []}
-    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
-        for skip in (4, 240):
+    for batch in BATCHES:
+        for skip in (4, LATE):
             runs = [engine_steps(policy, batch, skip=skip, steps=24) for _ in range(repeats)]
             sec = statistics.median(r[0] for r in runs)
             first = statistics.median(r[1] for r in runs)
@@ -122,7 +128,7 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
     for label in ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8"):
         arm = Arm.from_label(label)
-        for batch in (1, 4, 16, 64):
+        for batch in ROUND_BATCHES:
             runs = [
                 engine_steps(policy, batch, proposer=EagleProposer(drafter), arm=arm, skip=4, steps=16)
                 for _ in range(repeats)
@@ -253,7 +259,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cores", type=float, default=None, help="cores the run shares (default: this machine's)")
     p.add_argument("--out", default=str(ROOT / "artifacts" / "plan" / "cpu.json"))
+    p.add_argument("--quick", action="store_true", help="fewer batches and steps: a smoke check, not a fit")
     args = p.parse_args()
+    if args.quick:
+        global BATCHES, ROUND_BATCHES, LATE
+        BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
     import torch
 
     from tlt_stream.plan.costs import CpuCosts
