@@ -199,7 +199,7 @@ def paper_setup(
         above_crossover="plain",
         colocated=True,
         kv_capacity_tokens=costs.kv_capacity_tokens,
-        slice_s=10.0,
+        preempt_s=1.0,
         macro_steps=32,
     )
     acc = Acceptance.published(acceptance, Arm.from_label("d8k4v48"), "fastrl#13 (6.36-6.57 at batch 1)")

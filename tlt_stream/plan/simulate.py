@@ -13,8 +13,8 @@ system's own rules.
   tuner's converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost),
   explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
   beats plain (`above_crossover = "measure"`) or never (`"plain"`).
-- Drafter training: a worker with nothing to generate holds the training lease (one holder at a time) and
-  trains in slices of `slice_s`; work that arrives waits for the current slice to end.
+- Drafter training: a worker with nothing to generate holds the training lease (one holder at a time); work
+  that arrives preempts it within one training step and the slice's commit (`preempt_s`).
 - Learner: groups join its queue in order of completion; an update takes the first `prompts` groups inside
   the staleness window (older ones are dropped), costs `learn_s` of their tokens plus `optimizer_s`, and the
   new version is announced `publish_s` later. Overlapped (on-policy): each group's forward and backward runs
@@ -78,7 +78,9 @@ class Setup:
     ahead_tokens: int = 64
     ahead_rows: int = 0
     kept_share: float = 0.99
-    slice_s: float = 3.0
+    preempt_s: float = 0.2
+    """Work arriving at a worker training the drafter waits this long: the training step in progress and the
+    slice's commit (an assumption: the trainer checks for work before every step)."""
     train_drafter: bool = True
     colocated: bool = False
     kv_capacity_tokens: int | None = None
@@ -284,8 +286,7 @@ class _Sim:
             self.finish_step(w, t)
         if w.training_since is not None:  # preempted: the slice in progress ends first
             if self.has_work(w):
-                slices = math.ceil((t - w.training_since) / self.setup.slice_s - 1e-9)
-                end = w.training_since + slices * self.setup.slice_s
+                end = t + self.setup.preempt_s
                 self.train_s += end - w.training_since
                 w.training_since, self.lease = None, None
                 w.step = ("train", 0.0)
