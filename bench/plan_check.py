@@ -106,25 +106,38 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             worker_threads=worker_threads,
             learner_threads=learner_threads,
         )
-        times = [
-            simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs).step_time
-            for s in range(args.seeds)
+        results = [
+            simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs) for s in range(args.seeds)
         ]
-        out["configs"][name] = {"step_time_s": round(statistics.median(times), 3), "threads": worker_threads}
+        summaries = [r.summary() for r in results]
+        out["configs"][name] = {
+            "step_time_s": round(statistics.median(r.step_time for r in results), 3),
+            "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
+            "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
+            "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
+            "threads": worker_threads,
+        }
     a = out["configs"]["a_sync_plain"]["step_time_s"]
     out["ratios"] = {k: round(a / out["configs"][v]["step_time_s"], 3) for k, v in RATIOS.items()}
     return out
 
 
 def measured(runs: list[dict]) -> dict:
+    from tlt_stream.rl.records import load_metrics
+
     out: dict = {"configs": {}, "ratios": {}}
     for name in CONFIGS:
         values = [r["configs"][name]["step_time_s_median"] for r in runs if name in r["configs"]]
         med = statistics.median(values)
+        rows = [
+            row for r in runs if name in r["configs"] for row in load_metrics(Path(r["configs"][name]["run_dir"]))[1:]
+        ]
         out["configs"][name] = {
             "step_time_s": round(med, 3),
             "runs": values,
             "spread": round((max(values) - min(values)) / med, 3),
+            "rollout_s": round(statistics.median(x["rollout_seconds"] for x in rows), 3) if rows else None,
+            "update_s": round(statistics.median(x.get("update_seconds", 0.0) for x in rows), 3) if rows else None,
         }
     for key, name in RATIOS.items():
         values = [
@@ -162,6 +175,8 @@ def main() -> None:
             "error": round(pred / meas - 1, 3),
             "within_15pct": abs(pred / meas - 1) <= TOLERANCE,
             "measured_spread": want["configs"][name]["spread"],
+            "rollout_s": [got["configs"][name]["rollout_s"], want["configs"][name]["rollout_s"]],
+            "update_s": [got["configs"][name]["update_s"], want["configs"][name]["update_s"]],
         }
     for key in RATIOS:
         pred, meas = got["ratios"][key], want["ratios"][key]["median"]
