@@ -78,7 +78,10 @@ def prompt_len() -> float:
     from tlt_stream.tasks.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
-    prompts = [tokenizer(q.prompt, add_special_tokens=False)["input_ids"] for q in RepeatedAddTask().problems(64, 0)]
+    prompts = [
+        tokenizer(q.prompt, add_special_tokens=False)["input_ids"]
+        for q in RepeatedAddTask().problems(64, 0, heldout=False)
+    ]
     return statistics.fmean(len(p) for p in prompts)
 
 
