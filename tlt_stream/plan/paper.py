@@ -110,7 +110,12 @@ def compare(
             }
         if vary:
             sweeps: dict[str, Any] = {}
-            for law in ("lognormal:3000:0.8:32768", "lognormal:3000:1.2:32768", "lognormal:6000:1.0:32768"):
+            for law in (
+                "lognormal:3000:0.8:32768",
+                "lognormal:3000:1.2:32768",
+                "lognormal:6000:1.0:32768",
+                "lognormal:1500:1.4:32768",
+            ):
                 if progress:
                     progress(f"{size}: lengths {law}")
                 r = project(setup, named(law).capped(32768), acc, costs, modes, seeds=1)
