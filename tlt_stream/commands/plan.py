@@ -149,7 +149,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         )
         setup = Setup(
             workers=args.rollout_gpus // tp,
-            max_batch=4096,
+            max_batch=-(-(args.prompts or 16) * args.group_size // (args.rollout_gpus // tp)),  # an even split
             prompt_len=args.prompt_len or 512,
             colocated=colocated,
             kv_capacity_tokens=costs.kv_capacity_tokens,

@@ -189,7 +189,7 @@ def paper_setup(
         group_size=8,
         steps=4,
         workers=shape["gpus"] // shape["tp"],
-        max_batch=4096,
+        max_batch=shape["prompts"] * 8 * shape["tp"] // shape["gpus"],  # verl splits the batch evenly
         prompt_len=shape["prompt_len"],
         max_response=32768,
         arms=PAPER_ARMS,
