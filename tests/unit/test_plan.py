@@ -199,3 +199,17 @@ def test_plan_from_run_reads_lengths_and_acceptance(tmp_path, capsys):
     assert main([*argv, "--no-recommend", "--modes", "a_sync_plain"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["lengths"]["max"] == 300 and out["inputs"]["acceptance"]["tokens_per_round"] == 3.0
+
+
+def test_acceptance_table_per_arm_and_bucket(tmp_path):
+    from tlt_stream.commands.plan import PlanInputError, _table
+
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"d4k1v4": {"0": 3.5, "*": 2.0}, "*": {"2": 1.5}}))
+    table = _table(str(path), Acceptance.uniform(1.2))
+    d4, d6 = Arm.from_label("d4k1v4"), Arm.from_label("d6k1v6")
+    assert table.mean(d4, 0) == 3.5 and table.mean(d4, 5) == 2.0
+    assert table.mean(d6, 2) == 1.5 and table.mean(d6, 3) == 1.2  # the fallback for the rest
+    path.write_text(json.dumps({"d4k1v4": 3}))
+    with pytest.raises(PlanInputError):
+        _table(str(path), Acceptance.uniform(1.2))

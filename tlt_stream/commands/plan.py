@@ -39,6 +39,12 @@ def register(commands: Any) -> None:
     p.add_argument(
         "--acceptance", type=float, help="tokens per speculative round for every SD arm (default: the run's)"
     )
+    p.add_argument(
+        "--acceptance-table",
+        metavar="JSON",
+        help='tokens per round per arm and bucket, e.g. {"d4k1v4": {"0": 3.4, "*": 3.0}, "*": {"*": 2.5}} '
+        "(bucket indices of the SD edges; * for any); arms it omits use --acceptance",
+    )
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16; the paper's 64)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 on CPU, 512 on GPUs)")
@@ -133,6 +139,8 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     if tokens is None:
         raise PlanInputError("--acceptance TOKENS is needed without --from-run (tokens per speculative round)")
     acceptance = Acceptance.uniform(tokens, "given" if args.acceptance else f"{args.from_run} (accept_length_mean)")
+    if args.acceptance_table:
+        acceptance = _table(args.acceptance_table, acceptance)
     if args.cpu_model and args.gpu:
         raise PlanInputError("choose --gpu or --cpu-model, not both")
     if args.gpu:
@@ -200,6 +208,26 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
 
         out["varied"] = vary_assumptions(setup, dist, acceptance, costs, modes, progress=say)
     return out
+
+
+def _table(path: str, fallback):
+    """An acceptance table file: {arm label or *: {bucket index or *: tokens per round}}."""
+    from pathlib import Path
+
+    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.rollout.arms import Arm
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        table = {}
+        for arm, buckets in raw.items():
+            if arm != "*":
+                Arm.from_label(arm)
+            for bucket, value in buckets.items():
+                table[arm, None if bucket == "*" else int(bucket)] = float(value)
+    except (json.JSONDecodeError, AttributeError, TypeError) as exc:
+        raise PlanInputError(f"--acceptance-table {path}: not {{arm: {{bucket: tokens}}}} ({exc})") from None
+    return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=path)
 
 
 def _run_acceptance(run_dir: str) -> float | None:
