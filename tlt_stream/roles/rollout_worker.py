@@ -133,7 +133,7 @@ class RolloutWorker:
                 await self.load_announced()
             engine = self.loader.engine
             await self.drafters.maybe_swap(engine, self.loader.adaptive)
-            self.drafters.adopt_sd_config(self.loader.adaptive)
+            self.drafters.adopt_sd_config(engine, self.loader.adaptive)
             await self.intake.admit()
             await self.generation.send_scored()
             if engine.has_work:
