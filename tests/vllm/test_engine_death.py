@@ -41,7 +41,8 @@ PLAN = {
     "rollout.max_len": 128,
     "rollout.max_batch": 4,
 }
-"""Four groups of four a step, four rows a worker: each worker holds one group at a time, so both take part."""
+"""Four groups of four a step, four rows a worker: the vLLM worker holds one group at a time, so the others
+wait in the stream for the worker that takes over."""
 FAST_HEARTBEAT = {"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"}
 """The dead worker's registry entry expires in 2 s: its groups are taken over within the test."""
 
@@ -86,15 +87,20 @@ async def test_a_vllm_worker_whose_engine_dies_exits_in_one_line_and_its_groups_
     async with PrivateServers(tmp_path / "servers") as servers:
         run = FaultRun(servers, world, tmp_path / "run", run="vllm-engine-death", env=FAST_HEARTBEAT, **PLAN)
         run.commands[OTHER] += ["--backend", "torch"]  # the worker that takes the groups over
-        await run.start_all()
+        async with run.redis() as redis:  # the audit's own groups first, as `FaultRun.start_all` makes them
+            for stream in ("prompts", "samples"):
+                await redis.xgroup_create(run.keys.stream(stream), "audit", id="0", mkstream=True)
+        for name in run.commands:  # the torch worker joins later: started now it would run the steps alone
+            if name != OTHER:
+                await run.start(name)
         try:
-            await run.wait_version(1, 600)  # the vLLM engine started (or the torch worker ran step 0 alone)
-            await wait_generating(run, VICTIM, 300)
+            await wait_generating(run, VICTIM, 600)  # its engine started and it holds a group
             worker = run.processes[VICTIM].pid
             cores = [pid for pid, line in children(worker).items() if "EngineCore" in line]
             assert len(cores) == 1, children(worker)
             os.kill(cores[0], signal.SIGKILL)
             run.exit_codes[VICTIM] = ENGINE_DIED
+            await run.start(OTHER)
             assert await run.wait_exit(VICTIM, 120) == ENGINE_DIED
             line = run.expect_log(VICTIM, r"vLLM's engine died \(EngineCore\S* exited with code -9\)")
             assert line.startswith(f"tlt-stream rollout-worker {VICTIM}: ") and "another worker" in line, line
