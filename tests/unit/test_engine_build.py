@@ -121,8 +121,11 @@ def test_group_drafts_sit_beside_the_drafter_or_replace_prompt_lookup(init_polic
     lookup = {"sd.drafter": "ngram", "sd.adaptive": False, "sd.arm": "group-d6v6"}  # no group source beside it
     with pytest.raises(ValueError, match="does not have"):
         build_engine(str(init_policy), config(**lookup))
-    with pytest.raises(ConfigError, match=re.escape("sd.group: group/history drafts run on the torch backend only")):
-        config(**fixed, **{"sd.arm": "ngram-d4", "rollout.backend": "vllm"})
+    on_vllm = config(**fixed, **{"sd.arm": "ngram-d4", "rollout.backend": "vllm"})  # vLLM's custom proposer
+    assert vllm_settings(on_vllm, fixed_arm(on_vllm.sd, "ngram"), hidden=False).arm == "group-d4v4"
+    eagle = {**fixed, "sd.drafter": str(drafter), "sd.arm": "d4k1v4", "rollout.backend": "vllm"}
+    with pytest.raises(ConfigError, match=re.escape("sd.group: the vllm backend runs one draft source per engine")):
+        config(**eagle)
     with pytest.raises(ConfigError, match=r"sd\.group: drafts beside a draft source"):
         config(**{"sd.group": True, "launch.sd": "off"})
     # A run's configuration leaves sd.drafter to `tlt-stream run` (launch.sd gives the workers their source); a

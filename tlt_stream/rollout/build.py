@@ -137,5 +137,6 @@ def vllm_settings(config: Config, arm: Arm | None, *, hidden: bool) -> Any:
         temperature=own.temperature,
         dtype=own.dtype,
         arm=arm.label if arm is not None else None,
+        edges=config.sd.edges,
         hidden="recompute" if hidden else "none",
     )

@@ -52,8 +52,14 @@ def problems(config: Config) -> list[tuple[str, str]]:
                     "(--fixed-sd --sd-arm LABEL; docs/vllm.md)",
                 )
             )
-        if sd.group:
-            found.append(("sd.group", "group/history drafts run on the torch backend only"))
+        if sd.group and sd.drafter not in (None, "ngram"):
+            found.append(
+                (
+                    "sd.group",
+                    "the vllm backend runs one draft source per engine, so group drafts do not merge with an EAGLE "
+                    "drafter: use --drafter ngram with group drafts (group/history drafts alone), or the torch backend",
+                )
+            )
         if policy.partial_rollouts:
             found.append(
                 (
