@@ -164,7 +164,7 @@ async def idle_until(trainer: IdleDrafterTrainer, engine: Any, done: Callable[[]
     """Let `trainer` spend idle time until `done()`, then stop it as a worker stopping would."""
     stop = asyncio.Event()
     task = asyncio.create_task(trainer.run_idle(engine, 0, [], stop))
-    async with asyncio.timeout(60):
+    async with asyncio.timeout(300):  # a hang guard: a slow machine commits and judges slices slowly
         while not done():
             assert not task.done(), task.exception()
             await asyncio.sleep(0.05)
@@ -221,7 +221,7 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
 ) -> None:
     """With judge_every_steps = k, every committed slice is reported once, and a drafter is judged (and
     published) only once k steps have passed since the last judgement; the others report no verdict."""
-    k = 20
+    k = 5
     keys = Keys(bus_config.run)
     redis = connect_redis(bus_config.bus.redis_url)
     # A slice of 5 ms holds one step or a few, always fewer than k: a slow machine gives one step per slice
@@ -234,11 +234,8 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
         assert trainer is not None
         engine = sd_engine(init_policy, init_drafter)
         await StreamProducer(redis, keys, bus_config.bus).send("hidden", hidden_windows(engine))
-        await idle_until(
-            trainer,
-            engine,
-            lambda: trainer.trainer is not None and trainer.trainer.step_count >= 3 * k and trainer.slices > 4,
-        )
+        steps = lambda: trainer.trainer.step_count if trainer.trainer is not None else 0  # noqa: E731
+        await idle_until(trainer, engine, lambda: steps() >= 3 * k and trainer.slices > 4)
         slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
         assert trainer.trainer is not None and sum(s.steps for s in slices) == trainer.trainer.step_count
         assert len(slices) == trainer.slices and len(slices) > 4, "one report per committed slice"

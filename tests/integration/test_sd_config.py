@@ -93,7 +93,7 @@ async def test_two_workers_reports_become_one_table_that_a_late_worker_adopts(
         model = load_model(init_policy)
         engine = GenerationEngine(model, 2, 32, proposer=EagleProposer(Drafter(model.spec).bind(model)))
         worker.loader.adaptive = AdaptiveSd(engine, SdConfig(epsilon=0.0), drafter_version=0)
-        worker.drafters.adopt_sd_config(worker.loader.adaptive)
+        worker.drafters.adopt_sd_config(engine, worker.loader.adaptive)
         assert worker.drafters.sd_config == 2
         assert worker.loader.adaptive.tuner.greedy(64) == Arm.plain()
         assert worker.loader.adaptive.tuner.greedy(2) == Arm.plain(), "bucket 1 now favours plain"

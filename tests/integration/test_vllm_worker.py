@@ -35,3 +35,26 @@ def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tlt-stream") and needle in err and "\n" not in err
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_worker_whose_engine_died_exits_non_zero_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], grouped: bool
+) -> None:
+    """What the worker does with `EngineDied` from its engine (the real engine raising it when its process is
+    killed: tests/vllm/test_ngram.py; the whole run around it: tests/vllm/test_engine_death.py)."""
+    from tlt_stream.roles import rollout_worker, serve
+    from tlt_stream.rollout.vllm import backend
+    from tlt_stream.rollout.vllm.lifecycle import EngineDied
+
+    died = EngineDied("vLLM's engine died (EngineCore_DP0 exited with code -9): EngineDeadError: gone")
+
+    def dying(*_: object) -> int:
+        raise ExceptionGroup("hop", [died]) if grouped else died
+
+    monkeypatch.setattr(backend, "require_vllm", lambda: None)
+    monkeypatch.setattr(serve, "serve", dying)
+    config = override(DEFAULTS, {"rollout.backend": "vllm", "rollout.worker_id": "w7"})
+    assert rollout_worker.serve_rollout_worker(config) == rollout_worker.ENGINE_DIED != 0
+    err = capsys.readouterr().err.strip()
+    assert err == f"tlt-stream rollout-worker w7: {died}; its unfinished groups go to another worker"

@@ -192,3 +192,54 @@ def test_importing_tlt_stream_never_imports_vllm(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+class _ScheduledEngine:
+    """`VllmEngine`'s schedule state without vLLM: an engine built to draft with d4k1v4, up to 16 rows, with
+    the buckets the worker's configuration gives it (`rollout.build.vllm_settings`)."""
+
+    def __init__(self) -> None:
+        from tlt_stream.rollout.arms import Arm
+        from tlt_stream.rollout.vllm.backend import VllmSettings
+
+        self.arm, self.settings, self._schedule = (
+            Arm.from_label("d4k1v4"),
+            VllmSettings(max_batch=16, edges=(4, 8)),
+            None,
+        )
+
+    set_schedule = VllmEngine.set_schedule
+
+
+def test_a_published_sd_config_becomes_a_vllm_engines_schedule_or_is_refused_once() -> None:
+    from types import SimpleNamespace
+
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.basics.messages import SdArmChoice, SdConfigVersion
+    from tlt_stream.roles.worker.drafters import DrafterSwaps
+
+    config = override(DEFAULTS, {"sd.drafter": "d", "sd.adaptive": False, "sd.edges": [4, 8]})
+    plane, info = SimpleNamespace(current={}), {}
+    swaps = DrafterSwaps(config, plane, SimpleNamespace(update_info=info.update), "w")  # type: ignore[arg-type]
+    engine = _ScheduledEngine()
+
+    def announce(version: int, drafter: int, *rows: tuple[int, int]) -> None:  # (max_batch, depth; 0: plain)
+        table = [SdArmChoice(max_batch=b, depth=d, topk=1, verify=d, enabled=d > 0) for b, d in rows]
+        plane.current["sd_config"] = SdConfigVersion(version=version, drafter_version=drafter, table=table)
+        swaps.adopt_sd_config(engine, None)
+
+    announce(1, 0, (4, 4), (8, 2), (9, 0))  # buckets: <= 4, 5-8, above 8
+    assert engine._schedule == [[1, 4, 4], [5, 8, 2], [9, 16, 0]] and info["sd_config_version"] == 1
+    announce(1, 0, (4, 0))  # the same version again: nothing changes
+    assert engine._schedule == [[1, 4, 4], [5, 8, 2], [9, 16, 0]]
+    announce(2, 0, (4, 6))  # deeper than the engine's chains: refused in one line, the schedule stays
+    assert (
+        swaps.sd_config == 2 and info["refused_sd_config"].startswith("2: ") and "\n" not in info["refused_sd_config"]
+    )
+    assert engine._schedule == [[1, 4, 4], [5, 8, 2], [9, 16, 0]]
+    swaps.drafter = SimpleNamespace(version=3)  # a newer drafter is in use: a table measured on v0 is stale
+    announce(3, 0, (4, 1))
+    assert swaps.sd_config == 3 and engine._schedule == [[1, 4, 4], [5, 8, 2], [9, 16, 0]]
+    announce(4, 3, (9, 1))
+    assert engine._schedule == [[1, 8, 0], [9, 16, 1]]
+    swaps.adopt_sd_config(object(), None)  # the torch engine without adaptive SD has no schedule to take

@@ -132,15 +132,26 @@ def test_plain_is_no_speculation_and_ngram_maps_to_prompt_lookup() -> None:
         ("d4k2v8", "no EAGLE tree drafting"),
         ("d6k4v16", "use a chain such as d6k1v6"),
         ("d4k1v2", "use d2k1v2"),
-        ("group-d8v8", "no group/history draft source"),
-        ("d4k2v8+g8", "no group/history draft source"),
-        ("d6k1v6|g12", "no group/history draft source"),
+        ("group-d4v8", "verify must equal depth: group-d4v4"),
+        ("d4k2v8+g8", "group drafts do not merge"),
+        ("d6k1v6|g12", "group drafts do not merge"),
     ],
 )
 def test_arms_vllm_cannot_run_are_refused_with_what_to_use(arm: str, needle: str) -> None:
     assert needle in (expressible(arm) or "")
     with pytest.raises(UnsupportedSetting, match=needle):
         speculative_config(arm, drafter="d", temperature=1.0)
+
+
+def test_group_drafts_are_vllms_custom_proposer_at_one_depth() -> None:
+    from tlt_stream.rollout.vllm.config import dynamic_schedule
+    from tlt_stream.rollout.vllm.group import GROUP_PROPOSER
+
+    t = speculative_config("group-d6v6", temperature=1.0)
+    assert t is not None
+    assert t.config == {"method": "custom_class", "model": GROUP_PROPOSER, "num_speculative_tokens": 6}
+    with pytest.raises(UnsupportedSetting, match="not told the step's chain length"):
+        dynamic_schedule({0: "group-d6v6", 1: "plain"}, max_num_seqs=8)
 
 
 def test_an_eagle_arm_needs_the_export() -> None:

@@ -197,3 +197,76 @@ def test_a_drafter_that_does_not_fit_the_engine_is_refused_in_one_line(
     (prompt,) = prompt_ids(1, seed=26)
     (result,) = engine.generate([prompt], 24, temperature=0.0)  # the engine drafts on with its drafter
     assert result.token_ids == oracle.greedy(prompt, 24) and result.accept_lengths
+
+
+class _Plane:
+    """The control plane as the worker reads it: the retained version of each kind."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, object] = {}
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.info: dict[str, object] = {}
+
+    def update_info(self, **fields: object) -> None:
+        self.info.update(fields)
+
+
+def test_the_worker_applies_a_published_sd_config_to_its_engine_in_place(
+    fitted, models: dict[str, Path], oracle: Oracle
+) -> None:
+    """The rollout worker's `DrafterSwaps.adopt_sd_config` on the running engine: each newly announced
+    `sd_config` (built as the publisher builds it) becomes the schedule of the next requests, seen in their
+    accept lengths at MAX_BATCH rows (the engine's own schedule is plain there); a table the engine cannot run
+    is refused once and the schedule in use stays; the same vLLM engine throughout."""
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.basics.messages import SdArmChoice, SdConfigVersion
+    from tlt_stream.roles.worker.drafters import DrafterSwaps
+    from tlt_stream.rollout.arms import Arm
+
+    config = override(DEFAULTS, {"sd.drafter": str(models["drafter"]), "sd.adaptive": False})
+    edges = config.sd.edges
+
+    def table(version: int, label: str) -> SdConfigVersion:
+        arm = Arm.from_label(label)
+        choices = [
+            SdArmChoice(
+                max_batch=edges[b] if b < len(edges) else edges[-1] + 1,
+                depth=arm.depth,
+                topk=arm.topk,
+                verify=arm.verify,
+                enabled=arm.kind != "plain",
+                proposer=arm.kind,
+            )
+            for b in range(len(edges) + 1)
+        ]
+        return SdConfigVersion(version=version, drafter_version=0, table=choices)
+
+    plane, registry = _Plane(), _Registry()
+    swaps = DrafterSwaps(config, plane, registry, "w")  # type: ignore[arg-type]
+    llm, prompts = fitted.llm, prompt_ids(MAX_BATCH, seed=28)
+    try:
+        plane.current["sd_config"] = table(1, "d4k1v4")
+        swaps.adopt_sd_config(fitted, None)
+        assert (swaps.sd_config, registry.info["sd_config_version"]) == (1, 1)
+        on = fitted.generate(prompts, 32, temperature=0.0)  # MAX_BATCH rows: above the built-in switch
+        assert all(r.accept_lengths for r in on)
+        assert [r.token_ids for r in on] == [oracle.greedy(p, 32) for p in prompts]
+
+        plane.current["sd_config"] = table(2, "plain")
+        swaps.adopt_sd_config(fitted, None)
+        off = fitted.generate(prompts[:SWITCH], 32, temperature=0.0)  # within the built-in switch
+        assert all(r.accept_lengths == [] for r in off)
+
+        plane.current["sd_config"] = table(3, "d6k1v6")  # deeper than the engine's chains
+        swaps.adopt_sd_config(fitted, None)
+        assert swaps.sd_config == 3 and str(registry.info["refused_sd_config"]).startswith("3: ")
+        assert "\n" not in str(registry.info["refused_sd_config"])
+        kept = fitted.generate(prompts[:SWITCH], 32, temperature=0.0)
+        assert all(r.accept_lengths == [] for r in kept), "a refused table left the schedule in use"
+        assert [r.token_ids for r in kept] == [r.token_ids for r in on[:SWITCH]]
+    finally:
+        fitted.set_schedule(dict.fromkeys(range(len(edges) + 1), "d4k1v4"), switch_threshold=SWITCH)
+    assert fitted.llm is llm

@@ -98,7 +98,7 @@ class EmbeddedServers:
 
 
 async def _start_broker(host: str, port: int) -> object:
-    from amqtt.broker import Broker
+    from tlt_stream.bus.amqtt_broker import GuardedBroker
 
     for name in ("amqtt", "transitions"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -106,7 +106,7 @@ async def _start_broker(host: str, port: int) -> object:
         "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
         "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
     }
-    broker = Broker(config)
+    broker = GuardedBroker(config)
     await broker.start()
     return broker
 

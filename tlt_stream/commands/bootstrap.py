@@ -16,12 +16,15 @@ def register(commands: Any) -> None:
         help="build the tiny world: a warmed-up policy (DIR/policy) and drafter (DIR/drafter)",
         description="Supervised warm-up of a small policy on the repeated-addition task, then an offline warm-up of "
         "the drafter on the policy's own generations. Deterministic for a seed; skipped when DIR already "
-        "holds a matching result.",
+        "holds a matching result; the defaults' world ships with the package and is copied (--rebuild trains it).",
     )
     boot.add_argument("--out", required=True, help="directory to build in")
     boot.add_argument("--seed", type=int, default=0)
     boot.add_argument("--size", choices=["small", "default"], default="default")
     boot.add_argument("--threads", type=positive, default=2, help="torch threads")
+    boot.add_argument(
+        "--rebuild", action="store_true", help="train even when the world shipped with the package is the one asked for"
+    )
     boot.add_argument("-v", "--verbose", action="count", default=0)
     boot.set_defaults(handler=handle)
 
@@ -36,6 +39,6 @@ def handle(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     with PhaseProgress() as progress:
-        record = bootstrap(args.out, seed=args.seed, size=args.size, progress=progress)
+        record = bootstrap(args.out, seed=args.seed, size=args.size, progress=progress, rebuild=args.rebuild)
     print(json.dumps(record, indent=2))
     return 0

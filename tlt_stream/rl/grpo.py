@@ -70,13 +70,12 @@ def group_advantages(
 
 @dataclass(frozen=True)
 class GrpoLossConfig:
+    """The loss's parameters for a loss run without a configuration: the configuration's `learner.clip_low`,
+    `learner.clip_high` (DAPO's clip-higher) and `learner.kl_coef` (k3 KL to the reference; 0: none)."""
+
     clip_low: float = _D.learner.clip_low
-    """The ratio is clipped below at 1 - clip_low (limits how fast a token with A < 0 is pushed down); < 1."""
     clip_high: float = _D.learner.clip_high
-    """The ratio is clipped above at 1 + clip_high; DAPO's clip-higher sets it above clip_low (e.g. 0.28)
-    so that unlikely tokens with A > 0 can grow, which keeps entropy from collapsing (the default, 0.28)."""
     kl_coef: float = _D.learner.kl_coef
-    """Weight of the per-token k3 KL penalty to the reference policy; 0 disables it (no reference needed)."""
 
     def __post_init__(self) -> None:
         for name in ("clip_low", "clip_high", "kl_coef"):

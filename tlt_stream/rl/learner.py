@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,44 +53,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LearnerSettings:
-    lr: float = _D.learner.lr
-    """AdamW learning rate."""
-    weight_decay: float = _D.learner.weight_decay
-    """AdamW weight decay."""
-    max_grad_norm: float = _D.learner.max_grad_norm
-    """Gradients are clipped to this global norm before each step (0 disables clipping)."""
-    micro_batch_tokens: int = _D.learner.micro_batch_tokens
-    """Padded tokens per forward/backward; the update does not depend on it, only memory and speed do."""
-    clip_low: float = _D.learner.clip_low
-    """PPO ratio lower clip: 1 - clip_low."""
-    clip_high: float = _D.learner.clip_high
-    """PPO ratio upper clip: 1 + clip_high (DAPO clip-higher)."""
-    kl_coef: float = _D.learner.kl_coef
-    """Weight of the k3 KL penalty to the frozen reference (0: no reference is kept)."""
-    tis_cap: float | None = _D.learner.tis_cap
-    """Truncated importance sampling's cap C (None: off); see the configuration's learner.tis_cap."""
-    overlong: str = _D.learner.overlong
-    """"keep" trains on responses cut off at the length limit; "mask" leaves them out of the loss (DAPO)."""
-    compute_dtype: str = _D.learner.compute_dtype
-    """Autocast dtype of forward and backward ("auto": bfloat16 on a CUDA device that has it, else float32);
-    the weights and optimizer state are fp32 masters whatever it is."""
-    temperature: float = _D.rollout.temperature
-    """The rollout sampling temperature; logits are divided by it so ratios compare like with like."""
-    scale_advantages: bool = _D.learner.scale_advantages
-    """Divide group-centred rewards by the group's std (GRPO); False keeps only the centring (Dr. GRPO)."""
-    final_norm_lr_scale: float = _D.learner.final_norm_lr_scale
-    """The final norm's gain (the RMSNorm just before the LM head) trains at `lr` times this. That gain
-    scales every logit, so it is the policy's own inverse temperature, and RL's most consistent signal on a
-    sampled policy is to sharpen it; but Adam moves every parameter by about `lr` per step whatever its
-    size, and a gain of ~1 moves 20-50x less, relatively, than a weight matrix of ~0.05. Measured on the
-    tiny world, a scale of 50 to 800 learns far faster than 1."""
-    warmup_steps: int = _D.learner.warmup_steps
-    """The learning rate ramps linearly from lr / warmup_steps to lr over the first updates. A fresh Adam
-    makes sign-like steps of size lr on every parameter until its second moments have seen a few noisy
-    gradients; on a small policy those first steps alone can undo what supervised training taught."""
+    """The learner core's parameters, for a core run without a configuration (tests, benchmarks): each field
+    is the configuration's `learner.<name>` (`temperature` is `rollout.temperature`, so the recomputed
+    log-probabilities are those the samples were drawn with), with its default and its meaning there."""
 
+    lr: float = _D.learner.lr
+    weight_decay: float = _D.learner.weight_decay
+    max_grad_norm: float = _D.learner.max_grad_norm
+    micro_batch_tokens: int = _D.learner.micro_batch_tokens
+    clip_low: float = _D.learner.clip_low
+    clip_high: float = _D.learner.clip_high
+    kl_coef: float = _D.learner.kl_coef
+    tis_cap: float | None = _D.learner.tis_cap
+    overlong: str = _D.learner.overlong
+    compute_dtype: str = _D.learner.compute_dtype
+    temperature: float = _D.rollout.temperature
+    scale_advantages: bool = _D.learner.scale_advantages
+    final_norm_lr_scale: float = _D.learner.final_norm_lr_scale
+    warmup_steps: int = _D.learner.warmup_steps
     activation_checkpointing: bool = _D.learner.activation_checkpointing
-    """Recompute each decoder layer's activations in the backward pass (less memory, the same update)."""
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and self.micro_batch_tokens > 0 and self.temperature > 0 and self.max_grad_norm >= 0):
@@ -104,26 +85,9 @@ class LearnerSettings:
 
     @classmethod
     def from_config(cls, config: Config) -> LearnerSettings:
-        """The learner's settings from the configuration tree (section learner; the temperature is the
-        rollout's, so the recomputed logprobs are those the samples were drawn with)."""
-        own = config.learner
-        return cls(
-            lr=own.lr,
-            weight_decay=own.weight_decay,
-            max_grad_norm=own.max_grad_norm,
-            micro_batch_tokens=own.micro_batch_tokens,
-            clip_low=own.clip_low,
-            clip_high=own.clip_high,
-            kl_coef=own.kl_coef,
-            tis_cap=own.tis_cap,
-            overlong=own.overlong,
-            temperature=config.rollout.temperature,
-            scale_advantages=own.scale_advantages,
-            final_norm_lr_scale=own.final_norm_lr_scale,
-            warmup_steps=own.warmup_steps,
-            compute_dtype=own.compute_dtype,
-            activation_checkpointing=own.activation_checkpointing,
-        )
+        """The parameters of the configuration's `learner` section, with the rollout's temperature."""
+        own = {f.name: getattr(config.learner, f.name) for f in fields(cls) if f.name != "temperature"}
+        return cls(**own, temperature=config.rollout.temperature)
 
     def lr_at(self, update: int) -> float:
         """The learning rate of update number `update` (0-based), a pure function so a resumed learner

@@ -133,7 +133,7 @@ class RolloutWorker:
                 await self.load_announced()
             engine = self.loader.engine
             await self.drafters.maybe_swap(engine, self.loader.adaptive)
-            self.drafters.adopt_sd_config(self.loader.adaptive)
+            self.drafters.adopt_sd_config(engine, self.loader.adaptive)
             await self.intake.admit()
             await self.generation.send_scored()
             if engine.has_work:
@@ -246,4 +246,30 @@ def serve_rollout_worker(config: Config) -> int:
         done, sent = worker.generation.tasks_done, worker.generation.samples_sent
         print(f"{worker_id}: stopped after {done} tasks ({sent} samples)", file=sys.stderr)
 
-    return serve(config, "rollout", ["drafter"] if trains_drafter(config) else [], body)
+    try:
+        return serve(config, "rollout", ["drafter"] if trains_drafter(config) else [], body)
+    except Exception as exc:
+        died = _engine_died(exc)
+        if died is None:
+            raise
+        # One line and a non-zero exit for the supervisor: the groups this worker held stay pending in Redis
+        # and another worker takes them over once its heartbeat has expired (bus/consumer.py).
+        print(f"{command} {worker_id}: {died}; its unfinished groups go to another worker", file=sys.stderr)
+        return ENGINE_DIED
+
+
+ENGINE_DIED = 4
+"""The exit code of a worker whose rollout engine died (vLLM's engine process, `EngineDied`)."""
+
+
+def _engine_died(exc: BaseException) -> BaseException | None:
+    """The `EngineDied` inside `exc` (itself, or one inside an exception group), or None."""
+    from tlt_stream.rollout.vllm.lifecycle import EngineDied
+
+    if isinstance(exc, EngineDied):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _engine_died(inner)) is not None:
+                return found
+    return None

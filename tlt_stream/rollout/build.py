@@ -81,6 +81,8 @@ def build_engine(
     this policy's embedding and LM head."""
     own, sd = config.rollout, config.sd
     source = drafter or sd.drafter
+    if sd.group and source is None:
+        raise ValueError("sd.group drafts beside a draft source: set sd.drafter (a drafter, or ngram)")
     adaptive = sd.adaptive and source is not None
     arm = fixed_arm(sd, source) if source is not None and not adaptive else None
     if own.backend == "vllm":
@@ -139,5 +141,6 @@ def vllm_settings(config: Config, arm: Arm | None, *, hidden: bool) -> Any:
         temperature=own.temperature,
         dtype=own.dtype,
         arm=arm.label if arm is not None else None,
+        edges=config.sd.edges,
         hidden="recompute" if hidden else "none",
     )

@@ -80,15 +80,17 @@ def settings_of(args: argparse.Namespace) -> tuple[Config, Path, bool]:
 
 def world_ready(config: Config, own: bool, progress: Any) -> None:
     """Build or finish the tiny world the run needs (nothing for a policy of one's own)."""
-    from tlt_stream.tasks.bootstrap import SIZES, bootstrap, unfinished
+    from tlt_stream.tasks.bootstrap import SIZES, bootstrap, ships, unfinished
 
     world = Path(config.launch.world)
     if own or (why := world_to_build(world, config.launch.sd)) is None:
         return
     pending = unfinished(world) or {}
-    print(f"tlt-stream run: {why}; bootstrapping the tiny world (a few minutes)", file=sys.stderr)
     size = pending.get("size") if pending.get("size") in SIZES else "default"
-    bootstrap(world, seed=pending.get("seed", 0), size=size, progress=progress)
+    seed = pending.get("seed", 0)
+    how = "copying the tiny world shipped with the package" if ships(seed, size) else "bootstrapping the tiny world"
+    print(f"tlt-stream run: {why}; {how}", file=sys.stderr)
+    bootstrap(world, seed=seed, size=size, progress=progress)
 
 
 def world_to_build(world: Path, sd: str) -> str | None:

@@ -5,7 +5,8 @@ newer one into the engine in place (in-flight rows go on: speculative decoding i
 drafter proposes), after checking its sha256. Every policy and drafter swap is judged by the acceptance
 after it (`rollout/collapse.py`): a collapse is logged, counted and shown to the monitor, and a collapsed
 drafter is answered by going back to the one before it and never swapping it in again. With adaptive SD
-the worker exploits the best-arm table the SD-config publisher announces (`roles/sd_config.py`).
+the worker exploits the best-arm table the SD-config publisher announces (`roles/sd_config.py`); a vLLM
+engine takes that table as its batch-size schedule in place (`VllmEngine.set_schedule`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from tlt_stream.basics.config import Config
-from tlt_stream.basics.messages import DrafterVersion, SdConfigVersion
+from tlt_stream.basics.messages import DrafterVersion, SdArmChoice, SdConfigVersion
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.model.loader import CheckpointError
@@ -23,6 +24,7 @@ from tlt_stream.rl.validate import location_problem
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.collapse import AcceptanceWatch
 from tlt_stream.rollout.switch import bucket_of
+from tlt_stream.rollout.vllm.config import UnsupportedSetting
 from tlt_stream.store.digest import ChecksumMismatch, verify_directory
 
 if TYPE_CHECKING:
@@ -134,20 +136,40 @@ class DrafterSwaps:
         back = "the warm-up one" if announcement is None else f"v{announcement.version}"
         log.warning("%s: went back to drafter %s after drafter v%d collapsed", self.worker_id, back, verdict.version)
 
-    def adopt_sd_config(self, adaptive: AdaptiveSd | None) -> None:
-        """Exploit a newly published table of best arms per bucket (still exploring with epsilon)."""
+    def adopt_sd_config(self, engine: RolloutEngine | None, adaptive: AdaptiveSd | None) -> None:
+        """A newly published table of best arms per bucket: the torch engine's tuner exploits it (still
+        exploring with epsilon); a vLLM engine takes it as its batch-size schedule in place (`set_schedule`,
+        from the next request it admits). A table the engine cannot run (a deeper chain or another method than
+        it was built with, a tree arm) is refused once, logged and shown in the worker's info; the schedule in
+        use stays."""
         announced = self.control.current.get("sd_config")
-        if adaptive is None or not isinstance(announced, SdConfigVersion) or announced.version <= self.sd_config:
+        if not isinstance(announced, SdConfigVersion) or announced.version <= self.sd_config:
             return
-        edges = adaptive.tuner.edges
-        best = {}
-        for choice in announced.table:
-            arm = (
-                Arm.plain()
-                if not choice.enabled
-                else Arm(choice.proposer, choice.depth, choice.topk, choice.verify, choice.group)
-            )
-            best[bucket_of(choice.max_batch, edges)] = arm
-        adaptive.adopt(best, announced.drafter_version)
+        schedules = engine is not None and hasattr(engine, "set_schedule")
+        if adaptive is None and not schedules:
+            return
+        edges = adaptive.tuner.edges if adaptive is not None else self.config.sd.edges
+        best = {bucket_of(choice.max_batch, edges): _arm(choice) for choice in announced.table}
         self.sd_config = announced.version
         self.registry.update_info(sd_config_version=announced.version)
+        if adaptive is not None:
+            adaptive.adopt(best, announced.drafter_version)
+            return
+        drafted = any(arm.uses_drafter for arm in best.values())
+        if drafted and announced.drafter_version < self.version:
+            why = f"measured with drafter v{announced.drafter_version}, older than ours (v{self.version})"
+            log.info("%s: sd_config version %d %s: kept the schedule in use", self.worker_id, announced.version, why)
+            return
+        try:
+            schedule = engine.set_schedule({bucket: arm.label for bucket, arm in best.items()})  # type: ignore[union-attr]
+        except UnsupportedSetting as exc:
+            log.warning("%s: refused sd_config version %d: %s", self.worker_id, announced.version, exc)
+            self.registry.update_info(refused_sd_config=f"{announced.version}: {exc}")
+            return
+        log.info("%s: sd_config version %d as the engine's schedule %s", self.worker_id, announced.version, schedule)
+
+
+def _arm(choice: SdArmChoice) -> Arm:
+    if not choice.enabled:
+        return Arm.plain()
+    return Arm(choice.proposer, choice.depth, choice.topk, choice.verify, choice.group)

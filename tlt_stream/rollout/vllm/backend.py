@@ -13,7 +13,8 @@ tested against the running engine on the CPU build (tests/vllm/).
 - **Versions in place.** `load_policy` and `load_drafter` go through `extension.TltWorkerExtension` in every
   vLLM worker: no engine restart. A policy only between requests (every sample from one version); a
   drafter with requests in flight (SD is lossless whatever the drafter proposes).
-- **Speculative decoding**: EAGLE chains or n-gram lookup, a static arm or the batch-size schedule of an
+- **Speculative decoding**: EAGLE chains, n-gram lookup or group/history drafts (`group.py`, vLLM's custom
+  proposer), a static arm or the batch-size schedule of an
   `sd_config` table (`config.dynamic_schedule`). docs/vllm.md lists what vLLM cannot do.
 - **Hidden states** for drafter training are recomputed (`hidden.recompute_hidden`).
 - **No partial rollouts**: `load_policy(..., reverify=True)` and `add_request(..., ahead_limit=...)` raise
@@ -149,6 +150,8 @@ class VllmEngine:
         try:
             for fixed in self._rpc("tlt_prepare")[0]:
                 log.info("vllm backend: replaced %s (vLLM's CPU build writes a copy of its output)", fixed)
+            if self.arm is not None and self.arm.kind == "group" and not all(self._rpc("tlt_bind_group")):
+                raise UnsupportedSetting("vLLM did not build the group proposer it was given (custom_class)")
         except BaseException:
             self.close()
             raise

