@@ -383,10 +383,9 @@ def test_rows_are_sized_from_the_checkpoint_and_the_kv_budget(tmp_path: Path) ->
     KV cache costs rows, not length: the engine runs the rows its budget holds, and refuses with the numbers
     when not one fits. Qwen3-0.6B at 40,960 tokens in fp32 takes ~9.4 GB a row."""
     from tlt_stream.basics.config import Config, override
-    from tlt_stream.basics.config.rollout import context_len
     from tlt_stream.basics.errors import ConfigError
     from tlt_stream.model import ModelSpec
-    from tlt_stream.model.cache import kv_bytes_per_row
+    from tlt_stream.model.sizing import context_len, kv_bytes_per_row
     from tlt_stream.rollout.build import build_engine
 
     qwen3_06b = ModelSpec("qwen3", 151_936, 1024, 3072, 28, 16, 8, 128, qk_norm=True)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.common import stable_hex
-from tlt_stream.basics.config.rollout import prompt_limit
 
 __all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples", "pool_from_config"]
 
@@ -221,5 +220,7 @@ def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_l
         chat_template=data.chat_template,
         enable_thinking=data.enable_thinking,
     )
+    from tlt_stream.model.sizing import prompt_limit
+
     limit = prompt_limit(data.max_prompt_len, max_len or config.rollout.max_len)
     return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path)

@@ -343,8 +343,8 @@ def task_source(config: Config) -> TaskSource:
         return RepeatedAddSource(build_tokenizer(), seed=config.policy.seed)
     from transformers import AutoTokenizer
 
-    from tlt_stream.basics.config.rollout import context_len
     from tlt_stream.model.loader import checkpoint_positions
+    from tlt_stream.model.sizing import context_len
     from tlt_stream.rl.datasets import pool_from_config
 
     where = config.data.tokenizer or config.learner.policy

@@ -10,15 +10,13 @@ arm it cannot draft) is refused here.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from tlt_stream.basics.config import Config, SdConfig
-from tlt_stream.basics.errors import ConfigError
 from tlt_stream.rollout.adaptive import AdaptiveSd
 from tlt_stream.rollout.arms import Arm
 
-__all__ = ["build_engine", "fitting_rows", "fixed_arm", "vllm_settings"]
+__all__ = ["build_engine", "fixed_arm", "vllm_settings"]
 
 PLAIN_NODES = 64
 """Draft-tree nodes the torch engine's buffers hold at least (room for any arm a table may name)."""
@@ -33,27 +31,6 @@ def fixed_arm(sd: SdConfig, drafter: str | None) -> Arm:
     if drafter == "ngram" and sd.group and arm.kind == "ngram":
         arm = Arm.group_source(arm.depth, arm.depth)
     return arm
-
-
-def free_memory(device: Any) -> int:
-    """Bytes free on `device` now: the CUDA allocator's view, else the host's available memory."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def fitting_rows(per_row: int, max_batch: int, budget: int, max_len: int) -> int:
-    """Rows of `per_row` KV bytes that fit `budget`, at most `max_batch`; a `ConfigError` with the numbers
-    when not even one does."""
-    rows = min(max_batch, budget // per_row)
-    if rows < 1:
-        raise ConfigError(
-            f"rollout.kv_cache_gib: one row of {max_len} tokens needs {per_row / 2**30:.2f} GiB of KV cache and "
-            f"the budget is {budget / 2**30:.2f} GiB: set a shorter rollout.max_len or a larger budget"
-        )
-    return rows
 
 
 def _max_nodes(sd: SdConfig, adaptive: bool, arm: Arm | None) -> int:
@@ -94,8 +71,8 @@ def build_engine(
         return VllmEngine(policy, settings=vllm_settings(config, arm, hidden=hidden), drafter=eagle), None
 
     from tlt_stream.model import load_model, resolve_dtype
-    from tlt_stream.model.cache import kv_bytes_per_row
     from tlt_stream.model.graphs import resolve_backend
+    from tlt_stream.model.sizing import fitting_rows, free_memory, kv_bytes_per_row
     from tlt_stream.rollout.adaptive import arm_kinds
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import GroupProposer, MixedProposer, build_proposer

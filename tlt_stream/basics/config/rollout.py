@@ -14,35 +14,8 @@ from tlt_stream.basics.config.fields import (
     check_device,
     doc,
 )
-from tlt_stream.basics.errors import ConfigError
 
-__all__ = ["DrafterConfig", "RolloutConfig", "SdConfig", "context_len", "prompt_limit"]
-
-PROMPT_LEN = 1024
-"""Prompt tokens kept by default (`data.max_prompt_len` None): about what a reasoning prompt needs, and never
-more than half the context."""
-
-
-def context_len(max_len: int | None, positions: int | None, where: str = "the policy") -> int:
-    """`rollout.max_len` against a checkpoint of `positions` positions (None: it does not say): the setting
-    when it fits, the checkpoint's context when unset; a `ConfigError` naming the key otherwise."""
-    if max_len is None:
-        if positions is None:
-            raise ConfigError(f"rollout.max_len: {where} does not say its context (max_position_embeddings); set it")
-        return positions
-    if positions is not None and max_len > positions:
-        raise ConfigError(
-            f"rollout.max_len: {max_len} is longer than the {positions} positions of {where} "
-            f"(max_position_embeddings): set {positions} or less, or leave it unset to use the checkpoint's context"
-        )
-    return max_len
-
-
-def prompt_limit(max_prompt_len: int | None, max_len: int | None) -> int:
-    """Prompt tokens kept: `data.max_prompt_len`, else `PROMPT_LEN` capped at half of the context `max_len`."""
-    if max_prompt_len is not None:
-        return max_prompt_len
-    return PROMPT_LEN if max_len is None else min(PROMPT_LEN, max_len // 2)
+__all__ = ["DrafterConfig", "RolloutConfig", "SdConfig"]
 
 
 class RolloutConfig(Section, frozen=True):

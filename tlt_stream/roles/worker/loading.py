@@ -24,11 +24,11 @@ import msgspec
 
 from tlt_stream.basics.aio import wait_until
 from tlt_stream.basics.config import Config
-from tlt_stream.basics.config.rollout import context_len
 from tlt_stream.basics.messages import PolicyVersion, WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.model.loader import CheckpointError, stop_token_ids
+from tlt_stream.model.sizing import context_len
 from tlt_stream.rl.validate import location_problem
 from tlt_stream.rollout.build import build_engine
 from tlt_stream.rollout.stops import StopStrings

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from tlt_stream.basics.config.rollout import context_len
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.loader import checkpoint_positions
+from tlt_stream.model.sizing import context_len
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import StopRule
