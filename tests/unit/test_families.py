@@ -447,3 +447,20 @@ def test_other_shapes_of_the_families_match_transformers_logits(tmp_path: Path, 
             steps.append(model.logits(model(ids[:, i : i + 1], torch.tensor([[i]]), cache))[0, 0])
             cache.advance(torch.tensor([1]))
     torch.testing.assert_close(torch.cat([prefill, torch.stack(steps)]), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "yarn", "ministral"])
+def test_replayed_forwards_keep_each_family_identical_to_transformers(families, name: str) -> None:
+    """The captured-forward path (the "trace" stand-in for CUDA graphs) with each family's extra operators
+    (q/k norm, scaled RoPE tables, the attention factor): greedy output, plain and with EAGLE trees, is
+    transformers'."""
+    family = families(name)
+    torch.manual_seed(1)
+    for proposer, arm in (
+        (None, None),
+        (EagleProposer(Drafter(family.model.spec).bind(family.model)), Arm.drafter(3, 3, 12)),
+    ):
+        engine = GenerationEngine(family.model, 3, 128, proposer=proposer, arm=arm, graphs="trace")
+        results = engine.generate(family.prompts, MAX_NEW, eos_ids=[family.eos])
+        assert [r.token_ids for r in results] == family.reference, name
+        assert engine.graphs is not None and engine.graphs.replays > 0
