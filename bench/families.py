@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip", nargs="*", choices=["decode", "context", "long"], default=[])
     p.add_argument("--new-tokens", type=int, help="tokens decoded per timed run (default 32, quick 16)")
     p.add_argument("--reps", type=int, help="timed repetitions per figure (default 3, quick 2)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights of both engines")
     args = p.parse_args()
     args.new_tokens = args.new_tokens or (16 if args.quick else 32)
     args.reps = args.reps or (2 if args.quick else 3)
@@ -66,7 +68,7 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def build(root: Path, family: str, size: str, positions: int) -> tuple[Any, Any]:
+def build(root: Path, family: str, size: str, positions: int, args: Any) -> tuple[Any, Any]:
     import torch
 
     from tlt_stream.model import load_model
@@ -82,7 +84,8 @@ def build(root: Path, family: str, size: str, positions: int) -> tuple[Any, Any]
     with torch.no_grad():
         hf.model.norm.weight.fill_(12.0)  # peaked next-token distributions: greedy ties are rare
     hf.save_pretrained(path)
-    return hf.eval(), load_model(path)
+    dtype = getattr(torch, args.dtype)
+    return hf.to(args.device, dtype).eval(), load_model(path, dtype=dtype, device=args.device)
 
 
 def race(torch, hf, ours, prompts, n: int, reps: int) -> dict[str, Any]:
@@ -107,6 +110,8 @@ def race(torch, hf, ours, prompts, n: int, reps: int) -> dict[str, Any]:
         t1 = time.perf_counter()
         with torch.inference_mode():
             out["hf"] = hf.generate(prompts, **kwargs)
+        if prompts.is_cuda:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         if rep:
             times["ours"].append(t1 - t0)
@@ -127,10 +132,10 @@ def bench_decode(torch, root: Path, args) -> list[dict[str, Any]]:
     rows = []
     for size in args.sizes:
         for family in args.families:
-            hf, ours = build(root, family, size, 256)
+            hf, ours = build(root, family, size, 256, args)
             vocab = ours.spec.vocab_size
             for b in (1, 32):
-                prompts = torch.randint(1, vocab, (b, 16), generator=torch.Generator().manual_seed(b))
+                prompts = torch.randint(1, vocab, (b, 16), generator=torch.Generator().manual_seed(b)).to(args.device)
                 row = {"family": family, "size": size, "params": ours.spec.num_parameters(), "batch": b}
                 row |= race(torch, hf, ours, prompts, args.new_tokens, args.reps)
                 log(json.dumps(row))
@@ -141,9 +146,10 @@ def bench_decode(torch, root: Path, args) -> list[dict[str, Any]]:
 def bench_context(torch, root: Path, args) -> list[dict[str, Any]]:
     rows = []
     for rope, family in ROPE_FAMILIES.items():
-        hf, ours = build(root, family, "tiny", max(args.contexts) + 64)
+        hf, ours = build(root, family, "tiny", max(args.contexts) + 64, args)
         for context in args.contexts:
             prompt = torch.randint(1, ours.spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(7))
+            prompt = prompt.to(args.device)
             row = {"rope": rope, "family": family, "context": context, "batch": 1}
             full = race(torch, hf, ours, prompt, args.new_tokens, args.reps)
             first = race(torch, hf, ours, prompt, 1, args.reps)  # the prefill (and one token) alone
@@ -169,8 +175,9 @@ def bench_long(torch, root: Path, args) -> list[dict[str, Any]]:
 
     n, rows = args.long_tokens, []
     for rope, family in ROPE_FAMILIES.items():
-        hf, ours = build(root, family, "tiny", n + 64)
+        hf, ours = build(root, family, "tiny", n + 64, args)
         prompt = torch.randint(1, ours.spec.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+        prompt = prompt.to(args.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             reference = hf.generate(
