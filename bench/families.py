@@ -54,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip", nargs="*", choices=["decode", "context", "long"], default=[])
     p.add_argument("--new-tokens", type=int, help="tokens decoded per timed run (default 32, quick 16)")
     p.add_argument("--reps", type=int, help="timed repetitions per figure (default 3, quick 2)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 32], help="decode batch sizes (default 1 32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights of both engines")
     args = p.parse_args()
@@ -134,7 +135,7 @@ def bench_decode(torch, root: Path, args) -> list[dict[str, Any]]:
         for family in args.families:
             hf, ours = build(root, family, size, 256, args)
             vocab = ours.spec.vocab_size
-            for b in (1, 32):
+            for b in args.batches:
                 prompts = torch.randint(1, vocab, (b, 16), generator=torch.Generator().manual_seed(b)).to(args.device)
                 row = {"family": family, "size": size, "params": ours.spec.num_parameters(), "batch": b}
                 row |= race(torch, hf, ours, prompts, args.new_tokens, args.reps)
