@@ -338,6 +338,20 @@ def test_drafter_init_trains_and_exports_for_each_family(
         "".join(json.dumps({"prompt": f"what is {i} plus 2?", "answer": str(i + 2)}) + "\n" for i in range(4))
     )
     out = tmp_path / "drafter"
+    too_long = [
+        "drafter",
+        "init",
+        "--policy",
+        str(policy),
+        "--dataset",
+        str(train),
+        "--out",
+        str(out),
+        "--max-len",
+        "4096",
+    ]
+    assert main(too_long) == 2
+    assert "rollout.max_len: 4096 is longer than the 128 positions" in capsys.readouterr().err
     code = main(["drafter", "init", "--policy", str(policy), "--dataset", str(train), "--out", str(out),
                  "--samples", "4", "--steps", "3", "--threads", "1"])  # fmt: skip
     assert code == 0

@@ -24,6 +24,7 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     from transformers import AutoTokenizer
 
     from tlt_stream.model import load_model, stop_token_ids
+    from tlt_stream.model.sizing import context_len
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.stops import StopStrings
 
@@ -31,7 +32,7 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     assert data.eval_dataset is not None
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     model = load_model(policy_dir)
-    max_len = min(config.rollout.max_len or model.spec.max_position_embeddings, model.spec.max_position_embeddings)
+    max_len = context_len(config.rollout.max_len, model.spec.max_position_embeddings, policy_dir)
     pool = pool_from_config(data.eval_dataset, config, tokenizer, seed=0, max_len=max_len)
     rows = pool.rows[:n]
     reward = resolve_reward(config.rollout.reward)
