@@ -478,3 +478,26 @@ def test_replayed_forwards_keep_each_family_identical_to_transformers(families, 
         results = engine.generate(family.prompts, MAX_NEW, eos_ids=[family.eos])
         assert [r.token_ids for r in results] == family.reference, name
         assert engine.graphs is not None and engine.graphs.replays > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "yarn", "linear"])
+def test_a_long_generation_of_each_rope_type_is_transformers(tmp_path: Path, name: str) -> None:
+    """256 new tokens (8 times the scaled families' original context), plain and with n-gram drafts: the
+    greedy tokens are transformers' (peaked next-token distributions keep ties rare over so many steps)."""
+    n = 256
+    hf = build_family(name, tmp_path / name, max_position_embeddings=n + 64)
+    with torch.no_grad():
+        hf.model.norm.weight.fill_(12.0)
+    hf.save_pretrained(tmp_path / name)
+    model = load_model(tmp_path / name)
+    prompt = torch.randint(1, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        reference = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, 16:].tolist()  # fmt: skip
+    plain = GenerationEngine(model, 1, 16 + n).generate(prompt.tolist(), n)[0].token_ids
+    ngram = GenerationEngine(model, 1, 16 + n, proposer=NgramProposer(), arm=Arm.ngram(4))
+    assert plain == reference
+    assert ngram.generate(prompt.tolist(), n)[0].token_ids == reference and ngram.rounds > 0
