@@ -52,24 +52,26 @@ def run_e2e(args: argparse.Namespace, i: int) -> dict:
 
 
 def workload(runs: list[dict]):
-    """Lengths of every measured step after the first (all configs: the same task and policy) and the SD
-    configs' tokens per target forward, weighted by length."""
+    """Lengths of every measured step after the first (all configs: the same task and policy), and the SD
+    configs' tokens per target forward over their longest quarter of samples, weighted by length: a sample's
+    figure mixes its plain steps (while the batch was wide) with its SD rounds, and the longest samples ran
+    mostly in the tail, where SD is on."""
     from tlt_stream.plan.lengths import from_lengths
     from tlt_stream.rl.records import load_metrics
 
     lengths: list[int] = []
-    tokens = forwards = 0.0
+    pairs: list[tuple[float, float]] = []
     for run in runs:
         for name, figures in run["configs"].items():
-            rows = load_metrics(Path(figures["run_dir"]))[1:]
-            for r in rows:
+            for r in load_metrics(Path(figures["run_dir"]))[1:]:
                 lengths += [int(x) for x in r.get("response_lens", [])]
-                if name != "a_sync_plain":
-                    for n, a in zip(r.get("response_lens", []), r.get("accept_lengths", []), strict=False):
-                        tokens, forwards = tokens + n, forwards + n / max(a, 1.0)
-                    if "accept_lengths" not in r and r.get("accept_length_mean"):
-                        n = r["rollout_tokens"]
-                        tokens, forwards = tokens + n, forwards + n / r["accept_length_mean"]
+                if name == "a_sync_plain":
+                    continue
+                accepts = r.get("accept_lengths") or [r.get("accept_length_mean", 1.0)] * len(r["response_lens"])
+                pairs += [(float(n), max(float(a), 1.0)) for n, a in zip(r["response_lens"], accepts, strict=False)]
+    pairs.sort()
+    tail = pairs[3 * len(pairs) // 4 :]
+    tokens, forwards = sum(n for n, _ in tail), sum(n / a for n, a in tail)
     return from_lengths(lengths, "the measured runs' responses"), (tokens / forwards if forwards else 1.0)
 
 

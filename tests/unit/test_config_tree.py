@@ -24,6 +24,7 @@ NOT_SETTINGS = {
     "GenerateOptions": "`tlt-stream generate`'s own options (an offline tool, greedy by default), not a role's",
     "Sequence.temperature": "one request's state in the scheduler",
     "ArmMeasurement.steps": "a counter",
+    "Mode": "the planner's mode names a bench/e2e.py configuration, not a role's settings",
 }
 """What shares a configuration key's name without being that setting, and why."""
 

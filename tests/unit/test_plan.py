@@ -199,6 +199,7 @@ def test_plan_from_run_reads_lengths_and_acceptance(tmp_path, capsys):
     assert main([*argv, "--no-recommend", "--modes", "a_sync_plain"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["lengths"]["max"] == 300 and out["inputs"]["acceptance"]["tokens_per_round"] == 3.0
+    assert (tmp_path / "plan.png").stat().st_size > 0  # the plot, drawn beside the run by default
 
 
 def test_acceptance_table_per_arm_and_bucket(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from tlt_stream.commands.args import EXIT_CONFIG
@@ -63,7 +64,11 @@ def register(commands: Any) -> None:
     p.add_argument("--paper", action="store_true", help="TLT's published setup (Qwen2.5-7B/32B on H100) vs 1.7x")
     p.add_argument("--no-recommend", action="store_true", help="skip the recommended settings (faster)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--plot", metavar="PNG", help="draw each mode's projected step time to this file")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw each mode's projected step time to this file (default with --from-run: RUN/plan.png)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(handler=handle)
 
@@ -89,8 +94,10 @@ def handle(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(render(result))
-    if args.plot:
-        plot(result, args.plot)
+    path = args.plot or (str(Path(args.from_run) / "plan.png") if args.from_run and not args.paper else None)
+    if path and result.get("modes"):
+        plot(result, path)
+        print(f"[plan] plot: {path}", file=sys.stderr)
     return 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.rollout.arms import Arm
 
 __all__ = ["GPUS", "MODELS", "Gpu", "GpuCosts", "ModelShape"]
@@ -97,7 +98,7 @@ class GpuCosts:
     gpu: Gpu
     model: ModelShape
     tp: int = 1
-    learner_gpus: int = 1
+    learner_gpus: int = DEFAULTS.launch.learner_gpus or 1
     bw_frac: float = 0.8
     """Achieved share of HBM bandwidth in decode (assumption)."""
     flop_frac: float = 0.6

@@ -38,13 +38,17 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.plan.acceptance import Acceptance
 from tlt_stream.plan.costs import EngineCosts
 from tlt_stream.plan.lengths import LengthDist
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.switch import DEFAULT_EDGES, SdSwitch, bucket_of
 
-__all__ = ["Mode", "Result", "Setup", "simulate"]
+__all__ = ["EAGLE_ARMS", "Mode", "Result", "Setup", "simulate"]
+
+EAGLE_ARMS: tuple[str, ...] = tuple(a for a in DEFAULTS.sd.arms if Arm.from_label(a).kind in ("plain", "drafter"))
+"""The configured arms an EAGLE-only worker runs (`rollout.adaptive`: those of its proposer's kinds)."""
 
 
 @dataclass(frozen=True)
@@ -62,21 +66,21 @@ class Mode:
 class Setup:
     """The workload and the system's settings a simulation runs with (defaults: the configuration tree's)."""
 
-    prompts: int = 16
-    group_size: int = 8
-    steps: int = 8
-    workers: int = 1
-    max_batch: int = 128
+    prompts: int = DEFAULTS.policy.prompts_per_step
+    group_size: int = DEFAULTS.policy.group_size
+    steps: int = DEFAULTS.policy.steps
+    workers: int = DEFAULTS.launch.workers
+    max_batch: int = DEFAULTS.rollout.max_batch
     prompt_len: int = 32
     max_response: int = 1_000_000
-    arms: tuple[str, ...] = ("plain", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8")
-    crossover: int = 16
-    margin: int = 2
+    arms: tuple[str, ...] = EAGLE_ARMS
+    crossover: int = DEFAULTS.sd.crossover
+    margin: int = DEFAULTS.sd.margin
     edges: tuple[int, ...] = DEFAULT_EDGES
-    epsilon: float = 0.1
-    above_crossover: str = "measure"
-    ahead_tokens: int = 64
-    ahead_rows: int = 0
+    epsilon: float = DEFAULTS.sd.epsilon
+    above_crossover: str = DEFAULTS.sd.above_crossover
+    ahead_tokens: int = DEFAULTS.policy.ahead_tokens
+    ahead_rows: int = DEFAULTS.policy.ahead_rows
     kept_share: float = 0.99
     preempt_s: float = 0.2
     """Work arriving at a worker training the drafter waits this long: the training step in progress and the
@@ -91,7 +95,7 @@ class Setup:
     macro_steps: int = 1
     """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
     responses, and delays what another event would have changed by at most that many steps)."""
-    seed: int | None = 0
+    seed: int | None = DEFAULTS.policy.seed
 
 
 @dataclass
