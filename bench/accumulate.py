@@ -94,6 +94,7 @@ def main() -> None:
     from tlt_stream.basics.config import DEFAULTS
     from tlt_stream.rl.accumulate import StepAccumulator
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+    from tlt_stream.tasks.bootstrap import WORLD_LEN
     from tlt_stream.tasks.tokenizer import vocab
 
     torch.set_num_threads(args.threads)
@@ -108,7 +109,7 @@ def main() -> None:
             num_attention_heads=m["heads"],
             num_key_value_heads=m["kv"],
             tie_word_embeddings=True,
-            max_position_embeddings=DEFAULTS.rollout.max_len,
+            max_position_embeddings=WORLD_LEN,
         )
     )
     groups = workload(args, vocab_size)

@@ -15,6 +15,9 @@ Same tiny task, model, seed, prompts per step, group size and number of steps, i
     (g16) g16_sync_partial (g) with drafts started only while fewer than 16 rows run (`policy.ahead_rows`;
                      default 0: any free slot); both stop 64 tokens ahead (`policy.ahead_tokens`)
     (g512) g512_sync_partial (g16) with drafts that may run 512 tokens ahead (whole responses here)
+    (a+), (b+), (g+) a_plus, b_plus, g_plus: (a), (b), (g) with the learner accumulating each group's forward
+                     and backward as the group completes (`learner.accumulate`); a_plus_shared is (a+) with those
+                     groups on all the learner's threads while the tail runs beside them (the default: one)
 
 (a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults
 (`tlt_stream.commands.run.launch.RunPlan`), every service a separate process, every sample through
@@ -53,13 +56,29 @@ from tlt_stream.basics.config import override  # noqa: E402  (light: msgspec)
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "a_sync_plain": {"launch.sd": "off", "policy.max_staleness": 0},
+    # (a+), (b+), (g+): the learner accumulates each group as it completes (`learner.accumulate`)
+    "a_plus": {"launch.sd": "off", "policy.max_staleness": 0, "learner.accumulate": True},
+    # (a+) with the groups added during the tail on all the learner's threads, not one (the CPU split)
+    "a_plus_shared": {
+        "launch.sd": "off",
+        "policy.max_staleness": 0,
+        "learner.accumulate": True,
+        "learner.accumulate_threads": 0,
+    },
     "b_sync_tlt": {"launch.sd": "eagle", "policy.max_staleness": 0},
+    "b_plus": {"launch.sd": "eagle", "policy.max_staleness": 0, "learner.accumulate": True},
     "c_stream_tlt": {"launch.sd": "eagle", "policy.max_staleness": 1},
     # (e), (f): (b), (c) with group/history drafts beside EAGLE (issue 23)
     "e_sync_group": {"launch.sd": "eagle", "policy.max_staleness": 0, "sd.group": True},
     "f_stream_group": {"launch.sd": "eagle", "policy.max_staleness": 1, "sd.group": True},
     # (g), (h): (b), (c) with lossless partial rollouts (issue 24)
     "g_sync_partial": {"launch.sd": "eagle", "policy.max_staleness": 0, "policy.partial_rollouts": True},
+    "g_plus": {
+        "launch.sd": "eagle",
+        "policy.max_staleness": 0,
+        "policy.partial_rollouts": True,
+        "learner.accumulate": True,
+    },
     "h_stream_partial": {"launch.sd": "eagle", "policy.max_staleness": 1, "policy.partial_rollouts": True},
     # (g) with drafts started only while fewer than 16 rows run, and those drafts running 512 tokens ahead
     "g16_sync_partial": {
@@ -84,6 +103,9 @@ GOALS = {
     "f_over_a": 2.5,
     "g_over_a": 2.2,
     "g_over_c": 0.9,  # within 10% of streaming (c), on-policy
+    "a_plus_over_a": 1.25,
+    "b_plus_over_a": 1.7,
+    "g_plus_over_a": 2.0,
 }
 
 
@@ -175,6 +197,11 @@ def run_tlt(
     figures["run_dir"] = str(run_dir)
     rows = load_metrics(run_dir)
     figures["staleness_max"] = max((r.get("staleness_max", 0) for r in rows), default=None)
+    # From the step's last sample to its version published: the update's serial share (steps after the first)
+    figures["last_sample_to_publish_s_median"] = median(
+        [r["last_sample_to_publish_s"] for r in rows[1:] if "last_sample_to_publish_s" in r]
+    )
+    figures["learn_s_median"] = median([r["learn_seconds"] for r in rows[1:]])
     figures["dropped_groups"] = rows[-1].get("dropped_groups") if rows else None
     dropped = [(r["stale_dropped_groups"], r.get("stale_dropped_len_mean")) for r in rows]
     dropped = [(n, m) for n, m in dropped if n]
@@ -207,6 +234,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
 
     from tlt_stream.basics.config import Config
     from tlt_stream.roles.policy import RepeatedAddSource
+    from tlt_stream.tasks.bootstrap import WORLD_LEN
     from tlt_stream.tasks.repeated_add import reward
 
     plan = tiny_world(Config(), steps=steps, prompts=prompts, seed=seed)  # the same recipe as (a)-(c)
@@ -236,7 +264,7 @@ def run_trl(world: Path, run_dir: Path, *, steps: int, prompts: int, seed: int) 
         gradient_accumulation_steps=prompts * plan.policy.group_size // micro,
         num_generations=plan.policy.group_size,
         num_iterations=1,
-        max_completion_length=plan.rollout.max_len - prompt_len,
+        max_completion_length=(plan.rollout.max_len or WORLD_LEN) - prompt_len,
         temperature=1.0,
         beta=0.0,
         epsilon=0.2,
@@ -381,6 +409,12 @@ def main() -> None:
         "h_over_a": speedup("a_sync_plain", "h_stream_partial"),
         "g16_over_a": speedup("a_sync_plain", "g16_sync_partial"),
         "g512_over_a": speedup("a_sync_plain", "g512_sync_partial"),
+        "a_plus_over_a": speedup("a_sync_plain", "a_plus"),
+        "a_plus_over_shared": speedup("a_plus_shared", "a_plus"),
+        "b_plus_over_a": speedup("a_sync_plain", "b_plus"),
+        "b_plus_over_b": speedup("b_sync_tlt", "b_plus"),
+        "g_plus_over_a": speedup("a_sync_plain", "g_plus"),
+        "g_plus_over_g": speedup("g_sync_partial", "g_plus"),
     }
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "e2e.png")

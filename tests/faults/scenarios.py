@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from tests.faults.audit import AuditResult
+from tests.faults.audit import AuditResult, read_checkpoints
 from tests.faults.harness import FaultRun, PrivateServers
 from tests.faults.partition import PARTITION_SCENARIOS
 from tests.faults.redis_faults import REDIS_FAULTS_SCENARIOS
@@ -239,6 +239,37 @@ async def kill_learner_writing_optimizer(run: FaultRun, servers: PrivateServers)
     started = time.monotonic()
     await _restart_killed_learner(run)
     return await _next_version_after(run, started)
+
+
+async def kill_learner_accumulating(run: FaultRun, servers: PrivateServers) -> float:
+    """learner.accumulate: the learner killed -9 right after a group's forward and backward were added to the
+    step (a failpoint), before the step was applied. Nothing of the step was checkpointed or acked, so its
+    groups' samples are still pending; the restarted learner accumulates them again, each trained once."""
+    from tlt_stream.basics.messages import codec_for
+
+    await _killed_at(run, "learner.accumulated", ["learner"])
+    held = {e for e, (owner, _) in (await run.held()).items() if owner == "learner"}
+    async with run.redis() as redis:
+        entries = await redis.xrange(run.keys.stream("samples"))
+    decode = codec_for("samples").decode
+    held_ids = {
+        decode(fields[b"m"]).sample_id
+        for entry, fields in entries
+        if (entry.decode() if isinstance(entry, bytes) else entry) in held
+    }
+    newest = read_checkpoints(run.plan.run_dir / "checkpoints")[0][-1]
+    run.notes["untrained_held"] = held_ids - newest.ledger  # the step's accumulated groups, at least
+    started = time.monotonic()
+    await _restart_killed_learner(run)
+    return await _next_version_after(run, started)
+
+
+def _accumulated_evidence(run: FaultRun, result: AuditResult) -> None:
+    """The kill came with a step's groups accumulated and their samples still pending (none acked before the
+    step's checkpoint); the restarted learner resumed and accumulated steps again."""
+    _restarted_learner(after_kill=True)(run, result)
+    assert run.notes["untrained_held"], "the learner died accumulating, yet held no sample its checkpoints lack"
+    run.expect_log("learner", r"failpoint learner\.accumulated: kill")
 
 
 def _older_moments_evidence(run: FaultRun, result: AuditResult) -> None:
@@ -557,7 +588,7 @@ async def inject_poison(run: FaultRun, servers: PrivateServers) -> float:
     long = PromptGroup(
         task_id="poison-long",
         prompt_id="poison-long",
-        prompt_ids=[3] * run.config.rollout.max_len,
+        prompt_ids=[3] * (run.config.rollout.max_len or 256),  # the tests' policy has 256 positions
         answer="0",
         group_size=2,
     )
@@ -647,7 +678,8 @@ task taken over (tests/integration/test_reclaim.py, and kill9_rollout_training),
 (tests/integration/test_rl_loop.py), the broker away (tests/integration/test_control.py), the SIGTERM
 restart of a learner holding samples (test_learner_service.py, and slow_tail_kill9_learner), a failed save
 retried (checkpoint_unwritable), a silent peer (test_partition.py, and the regression tests of what the
-partition found)."""
+partition found), a learner killed with a step accumulated (tests/integration/test_accumulated_learner.py's stop
+mid-step, and kill9_learner_writing_optimizer's kill, restart and resume)."""
 
 SCENARIOS = [
     Scenario(
@@ -699,6 +731,15 @@ SCENARIOS = [
         "kill -9 the learner mid-update (inside its checkpoint save), restart it",
         kill_learner,
         evidence=_restarted_learner(after_kill=True),
+    ),
+    Scenario(
+        "kill9_learner_accumulating",
+        "learner.accumulate: the learner killed -9 with a step's groups accumulated, not applied (a failpoint)",
+        kill_learner_accumulating,
+        {"learner.accumulate": True, "policy.prompts_per_step": 3},
+        _accumulated_evidence,
+        prepare=_failpoint("learner.accumulated"),
+        extended=True,  # CI time (see EXTENDED_WHY): 41-48 s here, most of it the dead learner's lease expiring
     ),
     Scenario(
         "kill9_policy",

@@ -218,3 +218,27 @@ async def test_a_bf16_qwen_checkpoint_with_a_bpe_tokenizer_and_a_verl_parquet_tr
     assert [e["version"] for e in evals] == [0, 2]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["logprob_mismatch_max"] < 0.1 for m in metrics), "the rollout's numbers are the learner's"
+
+
+async def test_a_qwen3_checkpoint_of_512_positions_trains_with_nothing_but_policy_dataset_and_reward(
+    one_backend: str, bus_config: Config, tmp_path: Path
+) -> None:
+    """No --max-len: rows are as long as the checkpoint's context (512 positions, shorter than the tiny
+    world's length), and the run trains."""
+    from tests.families import chat_policy
+
+    policy = chat_policy("qwen3", tmp_path / "qwen3", positions=512)
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": f"what is {a} plus 2?", "answer": str(a + 2)} for a in range(4)]
+    )
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    out = tmp_path / "run"
+    code, log = await run(
+        bus_config,
+        *("--policy", str(policy), "--dataset", str(train), "--reward", f"{tmp_path / 'my_reward.py'}:score"),
+        *("--steps", "1", "--out", str(out)),
+    )
+    assert code == 0, log[-3000:]
+    assert "rows of 512 tokens" in (out / "logs" / "rollout-0.log").read_text()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import aiomqtt
@@ -152,3 +153,24 @@ async def test_a_new_session_receives_retained_messages_only_for_its_own_filters
         assert foreign == (kind is Broker), got
     finally:
         await broker.shutdown()
+
+
+def test_late_pubacks_are_not_reported_as_failures_and_other_errors_still_are() -> None:
+    """amqtt waits 5 s for a QoS 1 PUBACK; a subscriber busy in a CPU-bound step acks later. Those reports are
+    dropped; any other warning or error of the broker still reaches the log."""
+    from tlt_stream.bus.amqtt_broker import QuietAckTimeouts
+
+    def record(message: str, exc: BaseException | None = None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord("amqtt.broker", logging.ERROR, __file__, 1, message, None, info)
+
+    quiet = QuietAckTimeouts()
+    assert not quiet.filter(record("Timeout waiting for PUBACK for packet ID 3"))
+    assert not quiet.filter(record("Received PUBACK for unknown pending message Id: '3'"))
+    assert not quiet.filter(
+        record("Task failed and will be skipped", TimeoutError("Timeout waiting for PUBACK for packet ID 3"))
+    )
+    assert quiet.filter(
+        record("Task failed and will be skipped", RuntimeError("dictionary changed size during iteration"))
+    )
+    assert quiet.filter(record("Invalid packet received"))

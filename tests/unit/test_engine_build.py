@@ -126,8 +126,29 @@ def test_group_drafts_sit_beside_the_drafter_or_replace_prompt_lookup(init_polic
     eagle = {**fixed, "sd.drafter": str(drafter), "sd.arm": "d4k1v4", "rollout.backend": "vllm"}
     with pytest.raises(ConfigError, match=re.escape("sd.group: the vllm backend runs one draft source per engine")):
         config(**eagle)
-    with pytest.raises(ConfigError, match=r"set sd\.drafter"):
-        config(**{"sd.group": True})
+    with pytest.raises(ConfigError, match=r"sd\.group: drafts beside a draft source"):
+        config(**{"sd.group": True, "launch.sd": "off"})
+    # A run's configuration leaves sd.drafter to `tlt-stream run` (launch.sd gives the workers their source); a
+    # worker's own configuration without a source is refused where its engine is built.
+    assert config(**{"sd.group": True}).sd.group
+    with pytest.raises(ValueError, match=r"set sd\.drafter"):
+        build_engine(str(init_policy), config(**{"sd.group": True}))
+
+
+def test_a_run_with_group_drafts_gives_its_workers_a_source_and_refuses_none(tmp_path: Path) -> None:
+    from tlt_stream.commands.args import load
+    from tlt_stream.commands.cli import build_parser
+    from tlt_stream.commands.run.launch import RunPlan, service_config
+    from tlt_stream.tasks.shipped import SHIPPED
+
+    for sd, expected in (("eagle", "drafter"), ("ngram", "ngram")):
+        args = build_parser().parse_args(["run", "--group-drafts", "--sd", sd])
+        run = load(args)
+        plan = RunPlan(world=SHIPPED, run_dir=tmp_path / "run", config=run, cores=2)
+        worker = service_config(plan, run)
+        assert worker.sd.group and worker.sd.drafter is not None and worker.sd.drafter.endswith(expected)
+    with pytest.raises(ConfigError, match=r"sd\.group"):
+        load(build_parser().parse_args(["run", "--group-drafts", "--sd", "off"]))
 
 
 def test_the_workers_graphs_setting_reaches_the_engine(init_policy: Path) -> None:

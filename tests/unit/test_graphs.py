@@ -312,3 +312,16 @@ def test_backend_settings() -> None:
         resolve_backend("cuda", cpu)
     with pytest.raises(ValueError, match="off, auto"):
         resolve_backend("always", cpu)
+
+
+def test_span_buckets_stay_few_at_long_contexts() -> None:
+    """At a 40,960-token context (Qwen3's) the captured forwards use 11 spans per batch shape, each at
+    least what is needed and under twice it past the first few steps."""
+    from tlt_stream.model.graphs import attention_span
+
+    max_len = 40_960
+    spans = {attention_span(n, 128, max_len) for n in range(1, max_len + 1)}
+    assert len(spans) == 11, sorted(spans)  # 128..512 by steps, 1024..32768 doubling, the cache
+    for n in range(1, max_len + 1, 97):
+        span = attention_span(n, 128, max_len)
+        assert n <= span and (span < 2 * n or span <= 4 * 128)

@@ -276,10 +276,10 @@ def test_checkpoint_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="unsupported architectures"):
         load_spec(path)
     _edit_config(path, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(CheckpointError, match="RoPE type 'llama3'"):
+    with pytest.raises(CheckpointError, match="no 'low_freq_factor'"):
         load_spec(path)
-    _edit_config(path, rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0})
-    with pytest.raises(CheckpointError, match="RoPE type 'linear'"):
+    _edit_config(path, rope_parameters=None, rope_scaling={"type": "su", "factor": 2.0})
+    with pytest.raises(CheckpointError, match="RoPE type 'su'"):
         load_spec(path)
     _edit_config(path, rope_scaling=None, rope_theta=1e6)
     assert load_spec(path).rope_theta == 1e6
@@ -295,8 +295,7 @@ def test_checkpoint_errors_are_clear(tmp_path: Path) -> None:
 
     _, qwen = make_checkpoint(tmp_path, "qwen2-mha-untied")
     _edit_config(qwen, use_sliding_window=True, sliding_window=4)
-    with pytest.raises(CheckpointError, match="sliding-window"):
-        load_spec(qwen)
+    assert load_spec(qwen).sliding_window == 4  # refused by an engine whose rows outgrow it
 
 
 def test_forward_rejects_overflowing_the_cache() -> None:

@@ -15,6 +15,7 @@ subclass reaches without copying the broker's code: the dict's type and the reta
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from amqtt.broker import Broker
@@ -51,3 +52,26 @@ class GuardedBroker(Broker):
         if not any(held.client_id == session.client_id for held, _qos in holders):
             return  # another client's filter, walked by the connect loop: not this session's to receive
         await super()._publish_retained_messages_for_subscription(subscription, session)
+
+
+class QuietAckTimeouts(logging.Filter):
+    """Drops amqtt's reports of a QoS 1 PUBACK that came after its fixed 5 s wait. The message was written to
+    the subscriber's socket; a service whose event loop runs a CPU-bound step (a learner update, a decode
+    step) reads it and acks it once the step ends, and amqtt only stops waiting (nothing is resent or lost).
+    amqtt logs each as a warning and then as an error with a traceback, which a user of the demo would take
+    for a failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "Timeout waiting for PUBACK" in text or "PUBACK for unknown pending message" in text:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "Timeout waiting for PUBACK" in str(exc))
+
+
+def quiet_ack_timeouts() -> None:
+    """Install `QuietAckTimeouts` on the amqtt loggers that report them (idempotent)."""
+    for name in ("amqtt.broker", "amqtt.mqtt.protocol.handler"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietAckTimeouts) for f in logger.filters):
+            logger.addFilter(QuietAckTimeouts())

@@ -98,10 +98,11 @@ class EmbeddedServers:
 
 
 async def _start_broker(host: str, port: int) -> object:
-    from tlt_stream.bus.amqtt_broker import GuardedBroker
+    from tlt_stream.bus.amqtt_broker import GuardedBroker, quiet_ack_timeouts
 
     for name in ("amqtt", "transitions"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_ack_timeouts()
     config = {
         "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
         "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},

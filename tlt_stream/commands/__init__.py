@@ -13,6 +13,7 @@ COMMANDS = (
     "drafter",
     "run",
     "report",
+    "plan",
     "learner",
     "rollout_worker",
     "policy",

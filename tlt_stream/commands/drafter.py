@@ -55,7 +55,8 @@ def handle(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.learner.policy)
-        max_len = min(config.rollout.max_len, load_spec(config.learner.policy).max_position_embeddings)
+        positions = load_spec(config.learner.policy).max_position_embeddings
+        max_len = min(config.rollout.max_len or positions, positions)
         pool = pool_from_config(data.dataset, config, tokenizer, seed=args.seed, max_len=max_len)
     except (DatasetError, OSError, ValueError) as exc:
         print(f"tlt-stream drafter init: {redact_text(str(exc))}", file=sys.stderr)

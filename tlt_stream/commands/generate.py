@@ -212,7 +212,9 @@ def register(commands: Any) -> None:
         description='Rows {"prompt_ids": [...]} or {"prompt": "..."} in; rows {token_ids, logprobs, '
         "finish_reason, accept_lengths} out, in input order.",
     )
-    gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory (Llama/Qwen2)")
+    gen.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Mistral, Ministral)"
+    )
     gen.add_argument("--drafter", help="drafter checkpoint directory, or 'ngram' for prompt lookup")
     gen.add_argument("--sd", choices=["off", "on"], help="speculative decoding (default: on with --drafter)")
     gen.add_argument("--depth", type=positive, default=4, help="draft depth (levels)")

@@ -77,6 +77,7 @@ from torch import nn
 
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, read_drafter
+from tlt_stream.model.families import hf_rope_parameters
 from tlt_stream.model.loader import layer_tensor_names
 from tlt_stream.model.spec import ModelSpec
 
@@ -138,7 +139,7 @@ def eagle_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_parameters": hf_rope_parameters(spec),
         "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
         "attention_bias": spec.o_bias,

@@ -26,11 +26,19 @@ from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
-__all__ = ["DRAFTER_ARCHITECTURE", "Drafter", "load_drafter", "read_drafter", "save_drafter"]
+__all__ = ["DRAFTER_ARCHITECTURE", "Drafter", "drafter_layer_spec", "load_drafter", "read_drafter", "save_drafter"]
 
 DRAFTER_ARCHITECTURE = "TltEagleDrafter"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+
+
+def drafter_layer_spec(spec: ModelSpec) -> ModelSpec:
+    """The drafter's one layer for a target of shape `spec`: the target's sizes, biases and RoPE (positions
+    as long as the target's), in the Llama layout vLLM's EAGLE loader reads (Qwen2 keeps its q/k/v bias;
+    no q/k norm, no attention window: the drafter's own choices, which bind to no target weight)."""
+    arch = "qwen2" if spec.architecture == "qwen2" else "llama"
+    return dataclasses.replace(spec, architecture=arch, num_layers=1, qk_norm=False, sliding_window=None)
 
 
 class Drafter(nn.Module):
@@ -38,7 +46,7 @@ class Drafter(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        layer_spec = dataclasses.replace(spec, num_layers=1)
+        layer_spec = drafter_layer_spec(spec)
         self.spec = layer_spec
         h = spec.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -100,6 +108,7 @@ class Drafter(nn.Module):
             tree_mask=tree_mask,
             first_slot=first_slot,
             spec_offset=spec_offset,
+            rope_scale=self.spec.rope_attention_factor,
         )
         return self.layer(x, cache.k[0], cache.v[0], ctx)
 
@@ -110,7 +119,7 @@ class Drafter(nn.Module):
         `mask [B, 1, T, T]` bool (block-diagonal causal for packed windows). Returns `[B, T, H]`."""
         embed, _ = self._require_bound()
         x = self.fc(torch.cat([F.embedding(tokens, embed), features.to(embed.dtype)], dim=-1))
-        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype, self.spec.rope_attention_factor)
         return self.layer.dense(x, cos, sin, mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

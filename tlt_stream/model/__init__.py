@@ -1,4 +1,5 @@
-"""The torch runtime: a Llama/Qwen2-family decoder, its slot-addressed KV cache, and checkpoint loading."""
+"""The torch runtime: a Llama/Qwen/Mistral-family decoder, its slot-addressed KV cache, and checkpoint loading
+(`families.py` says which checkpoints run)."""
 
 from tlt_stream.model.cache import KVCache
 from tlt_stream.model.loader import (

@@ -14,6 +14,12 @@ import torch
 from tlt_stream.model.spec import ModelSpec
 
 
+def kv_bytes_per_row(spec: ModelSpec, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one row of `max_len` entries takes: 2 * layers * kv_heads * head_dim * max_len * size."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * max_len * size
+
+
 class KVCache:
     """K and V of shape `[layers, max_batch, kv_heads, max_len, head_dim]` and `lengths: LongTensor[max_batch]`."""
 

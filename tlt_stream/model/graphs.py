@@ -52,6 +52,16 @@ BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Batch sizes captured (a batch runs at the smallest that holds it); vLLM's default capture list is similar."""
 
 
+def attention_span(needed: int, len_step: int, max_len: int) -> int:
+    """Cache entries a captured forward reads when it needs `needed`: whole `len_step`s up to 4 of them,
+    then the next power of two of them, capped at the cache; so a context of n tokens runs in at most
+    4 + log2(n / (4 len_step)) shapes, and reads under twice what it needs."""
+    steps = math.ceil(needed / len_step)
+    if steps > 4:
+        steps = 1 << (steps - 1).bit_length()
+    return min(max_len, steps * len_step)
+
+
 def _aten(*names: str) -> frozenset[Any]:
     """aten overloads by name ("op" for its default overload, "op.overload")."""
     found = []
@@ -305,10 +315,7 @@ class ForwardGraphs:
         hi = int(self.cache.lengths[:b].max())  # the one host read, outside the graph
         if hi + t > self.cache.max_len:
             raise ValueError(f"{t} new tokens after {hi} cached ones exceed the cache ({self.cache.max_len} entries)")
-        steps = math.ceil((hi + t) / self.len_step)
-        if steps > 4:
-            steps = 1 << (steps - 1).bit_length()
-        span = min(self.cache.max_len, steps * self.len_step)
+        span = attention_span(hi + t, self.len_step, self.cache.max_len)
         key = (padded, t, span, tree_mask is not None)
         if key in self._refused:
             return self._eager(ids, positions, tree_mask)

@@ -1,4 +1,4 @@
-"""Building blocks of a Llama/Qwen2 decoder layer, written for few, large operators.
+"""Building blocks of a Llama/Qwen/Mistral decoder layer, written for few, large operators.
 
 On CPU a small model's decode step is largely per-operator overhead, so q/k/v are one Linear, gate/up are
 one Linear, RoPE is applied to q and k together in three kernels, the MLP works in place (large fresh
@@ -9,6 +9,7 @@ reference implementations so their logits are a tight oracle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,10 @@ def attention_context(
     first_slot: int = 0,
     spec_offset: int = 0,
     static_len: int | None = None,
+    rope_scale: float = 1.0,
 ) -> AttentionContext:
-    """Build one forward's `AttentionContext`; the semantics are `Transformer.forward`'s."""
+    """Build one forward's `AttentionContext`; the semantics are `Transformer.forward`'s. `rope_scale`
+    multiplies cos and sin (YaRN's attention factor)."""
     b, t = positions.shape
     device = positions.device
     u = spec_offset + t  # uncommitted entries visible to this call
@@ -73,7 +76,7 @@ def attention_context(
             f"forward over slots {first_slot}..{first_slot + b - 1} with {u} uncommitted tokens after up to "
             f"{hi} cached ones exceeds the cache ({cache.max_batch} slots x {cache.max_len} entries)"
         )
-    cos, sin = rope_tables(positions, inv_freq, dtype)
+    cos, sin = rope_tables(positions, inv_freq, dtype, rope_scale)
     query = spec_offset + torch.arange(t, device=device)  # [T] uncommitted index of each new token
     write_slot = torch.arange(first_slot, first_slot + b, device=device)[:, None].expand(b, t)
     write_pos = lengths[:, None] + query  # [B, T]
@@ -96,17 +99,61 @@ def attention_context(
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """theta_i = base^(-2i/D) for i < D/2, in fp32 as in the reference implementation."""
+    """theta_i = base^(-2i/D) for i < D/2, in fp32, then scaled as `spec.rope_type` says; each formula is
+    transformers' (`modeling_rope_utils`), so its cos/sin tables are reproduced to the bit."""
     d = spec.head_dim
-    return 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))  # [D/2]
+    exponents = torch.arange(0, d, 2, dtype=torch.float) / d  # [D/2]
+    if spec.rope_type == "yarn":
+        return _yarn_inv_freq(spec, spec.rope_theta**exponents)
+    inv_freq = 1.0 / (spec.rope_theta**exponents)  # [D/2]
+    if spec.rope_type == "linear":
+        return inv_freq / spec.rope_factor
+    if spec.rope_type == "llama3":
+        return _llama3_inv_freq(spec, inv_freq)
+    return inv_freq
+
+
+def _llama3_inv_freq(spec: ModelSpec, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by the factor, short ones kept, a smooth blend between."""
+    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    old_context = spec.rope_original_max_positions
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(spec: ModelSpec, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN: dimensions that rotate fewer than `beta_slow` times over the original context are interpolated
+    (divided by the factor), those above `beta_fast` extrapolated, a linear ramp between."""
+    d, base, factor = spec.head_dim, spec.rope_theta, spec.rope_factor
+    original = spec.rope_original_max_positions
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(spec.rope_beta_fast), correction_dim(spec.rope_beta_slow)
+    if spec.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin for `positions [B, T]`, each `[B, T, 1, D]`."""
+    """cos and sign-folded sin for `positions [B, T]`, each `[B, T, 1, D]`, times `scale` (YaRN)."""
     freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
     cos_half, sin_half = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos_half, sin_half = cos_half * scale, sin_half * scale
     cos = torch.cat((cos_half, cos_half), dim=-1)
     sin = torch.cat((-sin_half, sin_half), dim=-1)
     return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
@@ -147,6 +194,20 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+
+    def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`qkv [B, T, h + 2hk, D]` -> q and k with RoPE applied, `[B, T, h + hk, D]` (Qwen3: each head
+        RMS-normalised first)."""
+        h = self.num_heads
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qkv[:, :, :h]), self.k_norm(qkv[:, :, h : h + self.num_kv_heads])), dim=2)
+        else:
+            qk = qkv[:, :, : h + self.num_kv_heads]
+        return apply_rope(qk, cos, sin)
 
     def forward(
         self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
@@ -155,7 +216,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, hk = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * hk, self.head_dim)  # [B, T, h + 2hk, D]
-        qk = apply_rope(qkv[:, :, : h + hk], ctx.cos, ctx.sin).to(k_cache.dtype)  # [B, T, h + hk, D]
+        qk = self._rotated_qk(qkv, ctx.cos, ctx.sin).to(k_cache.dtype)  # [B, T, h + hk, D]
         q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + hk :].to(k_cache.dtype)
         k_cache.transpose(1, 2).index_put_((ctx.write_slot, ctx.write_pos), k)
         v_cache.transpose(1, 2).index_put_((ctx.write_slot, ctx.write_pos), v)
@@ -184,7 +245,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, hk = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * hk, self.head_dim)
-        qk = apply_rope(qkv[:, :, : h + hk], cos, sin)
+        qk = self._rotated_qk(qkv, cos, sin)
         q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + hk :]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),

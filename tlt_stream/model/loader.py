@@ -1,7 +1,7 @@
-"""Load a Hugging Face Llama/Qwen2 checkpoint directory into the runtime, or refuse it in one clear line.
+"""Load a Hugging Face Llama/Qwen/Mistral checkpoint directory into the runtime, or refuse it in one clear line.
 
-A checkpoint this runtime would silently mis-run (scaled RoPE, sliding windows, another architecture) is
-rejected at load time with `CheckpointError`, never half-supported. Weights come only from safetensors
+A checkpoint this runtime would silently mis-run (`families.py` says which run) is rejected at load time
+with `CheckpointError`, never half-supported. Weights come only from safetensors
 (single file or sharded with an index), or from tensors a caller already read and verified
 (`store/weights.py`, what a rollout worker loads), and q/k/v and gate/up are fused here, once.
 """
@@ -17,36 +17,13 @@ import torch
 from safetensors import safe_open
 
 from tlt_stream.basics.errors import CheckpointError
+from tlt_stream.model.families import spec_from_hf_config
 from tlt_stream.model.layers import rope_inv_freq
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from tlt_stream.store.weights import PolicyWeights
-
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-
-
-def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
-    if key not in cfg:
-        raise CheckpointError(f"{path}: config.json has no {key!r}")
-    return cfg[key]
-
-
-def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
-    """Accept only default RoPE, from either `rope_parameters` (transformers 5) or `rope_scaling` (4)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-    theta = cfg.get("rope_theta", 10_000.0)
-    if params:
-        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-            raise CheckpointError(f"{path}: per-layer RoPE parameters are not supported")
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"{path}: RoPE type {rope_type!r} is not supported (only 'default')")
-        theta = params.get("rope_theta", theta)
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{path}: partial rotary embeddings are not supported")
-    return float(theta)
 
 
 def layer_tensor_names(p: str, spec: ModelSpec, *, input_layernorm: bool = True) -> list[str]:
@@ -62,46 +39,9 @@ def layer_tensor_names(p: str, spec: ModelSpec, *, input_layernorm: bool = True)
         names.append(f"{p}self_attn.o_proj.bias")
     if spec.mlp_bias:
         names += [f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")]
+    if spec.qk_norm:
+        names += [f"{p}self_attn.{x}_norm.weight" for x in "qk"]
     return names
-
-
-def spec_from_hf_config(cfg: dict[str, Any], path: Path | str = "<config>") -> ModelSpec:
-    """Translate a Hugging Face `config.json` dict into a `ModelSpec`, or raise `CheckpointError`."""
-    path = Path(path)
-    archs = cfg.get("architectures") or []
-    known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
-    if not known:
-        raise CheckpointError(
-            f"{path}: unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    arch = known[0]
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
-    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
-        raise CheckpointError(f"{path}: sliding-window attention is not supported")
-    hidden = int(_require(cfg, "hidden_size", path))
-    heads = int(_require(cfg, "num_attention_heads", path))
-    attention_bias = bool(cfg.get("attention_bias", False))
-    try:
-        return ModelSpec(
-            architecture=arch,
-            vocab_size=int(_require(cfg, "vocab_size", path)),
-            hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", path)),
-            num_layers=int(_require(cfg, "num_hidden_layers", path)),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg, path),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32_768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch == "llama" and attention_bias,
-            mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias", False)),
-        )
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from e
 
 
 def load_spec(path: Path | str) -> ModelSpec:
@@ -187,6 +127,9 @@ def _fused_state_dict(spec: ModelSpec, read: Callable[[list[str]], dict[str, tor
             sd[f"{q}self_attn.qkv_proj.bias"] = torch.cat([hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"])
         if spec.o_bias:
             sd[f"{q}self_attn.o_proj.bias"] = hf[f"{p}self_attn.o_proj.bias"]
+        if spec.qk_norm:
+            for x in "qk":
+                sd[f"{q}self_attn.{x}_norm.weight"] = hf[f"{p}self_attn.{x}_norm.weight"]
         if spec.mlp_bias:
             sd[f"{q}mlp.gate_up_proj.bias"] = torch.cat([hf[f"{p}mlp.{x}_proj.bias"] for x in ("gate", "up")])
             sd[f"{q}mlp.down_proj.bias"] = hf[f"{p}mlp.down_proj.bias"]
@@ -262,6 +205,15 @@ def load_model(
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, assign=True)
     model.inv_freq = rope_inv_freq(spec).to(device)
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_positions(model_dir: str | Path) -> int | None:
+    """The `max_position_embeddings` of `model_dir/config.json` (None when unreadable or absent)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def stop_token_ids(model_dir: str | Path, tokenizer: Any = None) -> list[int]:

@@ -18,7 +18,7 @@ from tlt_stream.model.spec import ModelSpec
 
 
 class Transformer(nn.Module):
-    """A Llama/Qwen2-family causal LM. Build with `loader.load_model`, or directly for random weights."""
+    """A Llama/Qwen/Mistral-family causal LM. Build with `loader.load_model`, or directly for random weights."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -94,6 +94,7 @@ class Transformer(nn.Module):
             first_slot=first_slot,
             spec_offset=spec_offset,
             static_len=static_len,
+            rope_scale=self.spec.rope_attention_factor,
         )
         if input_ids.shape != positions.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ")

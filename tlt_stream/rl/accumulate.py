@@ -113,8 +113,9 @@ class StepAccumulator:
             self.core.optimizer.zero_grad(set_to_none=True)  # a backward cut short may have added part of itself
         finally:
             self._seconds += time.perf_counter() - started
-        if self._started:  # fault tests: die with part of a step accumulated, nothing of it applied or acked
-            failpoint("learner.accumulated")
+        # Fault tests: die with part of a step taken and accumulated, nothing of it applied or acked (a degenerate
+        # group too: the fault runs' random policy makes every group degenerate).
+        failpoint("learner.accumulated")
 
     def finish(self) -> dict[str, Any]:
         """Apply the step, once it has all its groups: the metrics `LearnerCore.step` returns over the same

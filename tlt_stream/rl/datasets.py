@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.common import stable_hex
+from tlt_stream.basics.config.rollout import prompt_limit
 
 __all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples", "pool_from_config"]
 
@@ -81,14 +82,17 @@ def _has(row: Any, dotted: str) -> bool:
     return True
 
 
-def _render(prompt: Any, tokenizer: Any, where: str, chat_template: bool = True) -> str:
+def _render(
+    prompt: Any, tokenizer: Any, where: str, chat_template: bool = True, enable_thinking: bool | None = None
+) -> str:
     templated = chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}  # Qwen3's switch
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt is empty")
         if templated:
             return tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, **extra
             )
         return prompt
     if (
@@ -99,7 +103,7 @@ def _render(prompt: Any, tokenizer: Any, where: str, chat_template: bool = True)
         )
     ):
         if templated:
-            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
         return "\n".join(f"{m['role']}: {m['content']}" for m in prompt) + "\nassistant:"
     raise DatasetError(f"{where}: the prompt must be a string or a list of {{role, content}} messages")
 
@@ -111,11 +115,12 @@ def load_examples(
     answer_field: str | None = None,
     tokenizer: Any = None,
     chat_template: bool = True,
+    enable_thinking: bool | None = None,
 ) -> list[Example]:
     """Every row of a JSONL or Parquet file as an `Example`. `answer_field` None: the first of
     `ANSWER_FIELDS` the first row has (verl-style parquet keeps it in `reward_model.ground_truth`). String
     prompts are rendered as one user turn with the tokenizer's chat template when `chat_template` and the
-    tokenizer has one; message lists always are."""
+    tokenizer has one; message lists always are. `enable_thinking` goes to the template when not None."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file does not exist")
@@ -138,7 +143,7 @@ def load_examples(
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():
             raise DatasetError(f"{where}: field {answer_field!r} must be a non-empty string or number")
-        text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}", chat_template)
+        text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}", chat_template, enable_thinking)
         prompt_id = stable_hex(f"{text}\x00{answer}", 16)
         used = {prompt_field.split(".")[0], answer_field.split(".")[0]}
         examples.append(Example(prompt_id, text, answer, {k: v for k, v in row.items() if k not in used}))
@@ -205,7 +210,8 @@ class PromptPool:
 
 def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_len: int | None = None) -> PromptPool:
     """The prompts of the dataset file `path` as the configuration reads them (`data.*`: fields, chat
-    template, prompt limit; the limit defaults to half of `max_len`, else of `rollout.max_len`)."""
+    template, prompt limit; the limit defaults to `PROMPT_LEN` tokens, at most half of the context `max_len`,
+    else of `rollout.max_len`)."""
     data = config.data
     examples = load_examples(
         path,
@@ -213,6 +219,7 @@ def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_l
         answer_field=data.answer_field,
         tokenizer=tokenizer,
         chat_template=data.chat_template,
+        enable_thinking=data.enable_thinking,
     )
-    limit = data.max_prompt_len or (max_len or config.rollout.max_len) // 2
+    limit = prompt_limit(data.max_prompt_len, max_len or config.rollout.max_len)
     return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path)

@@ -30,11 +30,11 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     data = config.data
     assert data.eval_dataset is not None
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    pool = pool_from_config(data.eval_dataset, config, tokenizer, seed=0)
+    model = load_model(policy_dir)
+    max_len = min(config.rollout.max_len or model.spec.max_position_embeddings, model.spec.max_position_embeddings)
+    pool = pool_from_config(data.eval_dataset, config, tokenizer, seed=0, max_len=max_len)
     rows = pool.rows[:n]
     reward = resolve_reward(config.rollout.reward)
-    model = load_model(policy_dir)
-    max_len = min(config.rollout.max_len, model.spec.max_position_embeddings)
     engine = GenerationEngine(model, batch_size, max_len)
     stops = stop_token_ids(policy_dir, tokenizer)
     stop = StopStrings(tokenizer, config.rollout.stop) if config.rollout.stop else None

@@ -2,8 +2,9 @@
 
 The loop reads `samples` through the `learner` consumer group, assembles complete groups (`rl/groups.py`),
 and every `groups_per_step` usable groups runs one update (`rl/learner.py`, on the loop's thread: torch's
-CPU pool is slower driven from another, and the lease is renewed first to cover the pause), then, in this
-order:
+CPU pool is slower driven from another, and the lease is renewed first to cover the pause; with
+learner.accumulate each group's share is computed as the group completes, `rl/accumulate.py`), then, in
+this order:
 
 1. saves a checkpoint (weights, RNG and the ledger of every sample id applied so far, durable; the optimizer
    state is written in the background while the next update runs, `rl/checkpoint.py`);
@@ -40,6 +41,7 @@ import torch
 
 from tlt_stream.basics.aio import one_error
 from tlt_stream.basics.config import Config
+from tlt_stream.basics.errors import ConfigError
 from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
@@ -107,6 +109,11 @@ class LearnerService:
             await asyncio.wait([loading], timeout=self.lease.lease.ttl_ms / 3000)
             await self.lease.renew()
         resumed = await loading
+        try:  # around the policy resumed (a fallback past a damaged checkpoint built it again)
+            self.updates.attach()
+        except ConfigError:
+            await self.lease.release()
+            raise
         self.intake.resume(resumed.ledger)
         if resumed.found is not None:
             self.records.recover_row(resumed.found, resumed.meta)
@@ -129,6 +136,7 @@ class LearnerService:
                     keeper = tasks.create_task(self.lease.keep(stop), name="learner-lease")
                     try:
                         finished = await self._consume(stop, max_updates)
+                        self.updates.put_back()  # a step stopped half accumulated: its groups wait in front
                         if finished and self.updates.last_entries:  # done: nothing to redo, whatever the disk
                             await self.intake.ack(self.updates.last_entries)
                             self.updates.last_entries = []
@@ -147,7 +155,7 @@ class LearnerService:
         """Read, assemble and update until `stop` or `max_updates`; True when the updates asked for are done
         (a stop leaves the newest update's entries pending: a restart finds them in the ledger, or, past a
         damaged checkpoint, trains them again)."""
-        applied, per_step, intake = 0, self.config.groups_per_step, self.intake
+        applied, intake = 0, self.intake
         while not stop.is_set() and (max_updates is None or applied < max_updates):
             deliveries = await self.reader.read()
             if self.reader.lost:
@@ -156,9 +164,10 @@ class LearnerService:
             for delivery in deliveries:
                 to_ack += await intake.take(delivery)
             await intake.ack(to_ack)
-            while len(intake.ready) >= per_step and (max_updates is None or applied < max_updates):
-                groups = intake.ready[:per_step]
-                del intake.ready[:per_step]
+            while max_updates is None or applied < max_updates:
+                groups = await self.updates.next_step()
+                if groups is None:
+                    break
                 if await self.updates.try_update(groups):
                     applied += 1
                 elif stop.is_set():

@@ -343,13 +343,17 @@ def task_source(config: Config) -> TaskSource:
         return RepeatedAddSource(build_tokenizer(), seed=config.policy.seed)
     from transformers import AutoTokenizer
 
+    from tlt_stream.basics.config.rollout import context_len
+    from tlt_stream.model.loader import checkpoint_positions
     from tlt_stream.rl.datasets import pool_from_config
 
     where = config.data.tokenizer or config.learner.policy
     if where is None:
         raise ValueError("data.dataset needs a tokenizer: set data.tokenizer or learner.policy (--policy)")
     tokenizer = AutoTokenizer.from_pretrained(where)
-    pool = pool_from_config(config.data.dataset, config, tokenizer, seed=config.policy.seed)
+    policy = config.learner.policy
+    max_len = context_len(config.rollout.max_len, checkpoint_positions(policy), policy) if policy else None
+    pool = pool_from_config(config.data.dataset, config, tokenizer, seed=config.policy.seed, max_len=max_len)
     log.info(
         "%s: %d prompts (%d longer than %d tokens skipped), %d per step: an epoch every %.1f steps",
         config.data.dataset, len(pool), pool.skipped, pool.max_prompt_len, config.policy.prompts_per_step,

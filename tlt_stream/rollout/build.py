@@ -9,13 +9,15 @@ arm it cannot draft) is refused here.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tlt_stream.basics.config import Config, SdConfig
+from tlt_stream.basics.errors import ConfigError
 from tlt_stream.rollout.adaptive import AdaptiveSd
 from tlt_stream.rollout.arms import Arm
 
-__all__ = ["build_engine", "fixed_arm", "vllm_settings"]
+__all__ = ["build_engine", "fitting_rows", "fixed_arm", "vllm_settings"]
 
 PLAIN_NODES = 64
 """Draft-tree nodes the torch engine's buffers hold at least (room for any arm a table may name)."""
@@ -30,6 +32,27 @@ def fixed_arm(sd: SdConfig, drafter: str | None) -> Arm:
     if drafter == "ngram" and sd.group and arm.kind == "ngram":
         arm = Arm.group_source(arm.depth, arm.depth)
     return arm
+
+
+def free_memory(device: Any) -> int:
+    """Bytes free on `device` now: the CUDA allocator's view, else the host's available memory."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fitting_rows(per_row: int, max_batch: int, budget: int, max_len: int) -> int:
+    """Rows of `per_row` KV bytes that fit `budget`, at most `max_batch`; a `ConfigError` with the numbers
+    when not even one does."""
+    rows = min(max_batch, budget // per_row)
+    if rows < 1:
+        raise ConfigError(
+            f"rollout.kv_cache_gib: one row of {max_len} tokens needs {per_row / 2**30:.2f} GiB of KV cache and "
+            f"the budget is {budget / 2**30:.2f} GiB: set a shorter rollout.max_len or a larger budget"
+        )
+    return rows
 
 
 def _max_nodes(sd: SdConfig, adaptive: bool, arm: Arm | None) -> int:
@@ -57,6 +80,8 @@ def build_engine(
     this policy's embedding and LM head."""
     own, sd = config.rollout, config.sd
     source = drafter or sd.drafter
+    if sd.group and source is None:
+        raise ValueError("sd.group drafts beside a draft source: set sd.drafter (a drafter, or ngram)")
     adaptive = sd.adaptive and source is not None
     arm = fixed_arm(sd, source) if source is not None and not adaptive else None
     if own.backend == "vllm":
@@ -68,6 +93,7 @@ def build_engine(
         return VllmEngine(policy, settings=vllm_settings(config, arm, hidden=hidden), drafter=eagle), None
 
     from tlt_stream.model import load_model, resolve_dtype
+    from tlt_stream.model.cache import kv_bytes_per_row
     from tlt_stream.model.graphs import resolve_backend
     from tlt_stream.rollout.adaptive import arm_kinds
     from tlt_stream.rollout.engine import GenerationEngine
@@ -83,13 +109,16 @@ def build_engine(
             proposer = MixedProposer(proposer, GroupProposer(strong_match=sd.group_strong_match))
     if arm is not None and arm.kind not in arm_kinds(proposer):
         raise ValueError(f"arm {arm.label} drafts with a source this engine does not have ({type(proposer).__name__})")
+    nodes = _max_nodes(sd, adaptive, arm)
+    per_row = kv_bytes_per_row(model.spec, own.max_len + (nodes + 1 if proposer is not None else 0), model.dtype)
+    budget = int(own.kv_cache_gib * 2**30) if own.kv_cache_gib is not None else free_memory(model.device) // 2
     engine = GenerationEngine(
         model,
-        own.max_batch,
+        fitting_rows(per_row, own.max_batch, budget, own.max_len),
         own.max_len,
         proposer=proposer,
         arm=arm,
-        max_draft_nodes=_max_nodes(sd, adaptive, arm),
+        max_draft_nodes=nodes,
         draft_rows=config.policy.ahead_rows or None,
         graphs=resolve_backend(own.graphs, model.device),
     )

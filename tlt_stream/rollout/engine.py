@@ -74,6 +74,7 @@ class GenerationEngine:
         (`model.graphs.ForwardGraphs`: "cuda" graphs, or the "trace" replay that stands in for them on a CPU);
         prefills and re-verifications run eagerly.
         """
+        model.spec.check_window(max_len)
         self.model = model
         self.max_len = max_len
         self.scheduler = Scheduler(max_batch, max_prefill_tokens, draft_rows)

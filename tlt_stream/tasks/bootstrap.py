@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.tasks import shipped
 from tlt_stream.tasks.repeated_add import RepeatedAddTask
 from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -38,6 +37,11 @@ from tlt_stream.tasks.tokenizer import build_tokenizer
 __all__ = ["SIZES", "BootstrapSettings", "bootstrap", "unfinished"]
 
 BOOTSTRAP_VERSION = 3
+
+
+WORLD_LEN = 1408
+"""The tiny world's own length (prompt + response tokens): its policy's positions, so `rollout.max_len` left
+unset runs the world at this length whatever the default for other checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class BootstrapSettings:
     drafter_samples: int
     drafter_steps: int
     drafter_lr: float
-    max_len: int = DEFAULTS.rollout.max_len
+    max_len: int = WORLD_LEN
 
 
 SIZES: dict[str, BootstrapSettings] = {

@@ -83,6 +83,25 @@ class LearnerConfig(Section, frozen=True):
             gt=0,
         ),
     ] = 1.0
+    accumulate: Annotated[
+        bool,
+        doc(
+            "Each update runs a group's forward and backward as soon as the group is complete, unnormalised, and "
+            "applies the step once its last group is in: the batch update up "
+            "to floating-point summation order, ending one optimizer step (plus the last group's backward) after "
+            "the step's last sample. A policy with dropout is refused. False: every forward and backward runs "
+            "after the step's last group."
+        ),
+    ] = False
+    accumulate_threads: Annotated[
+        int,
+        doc(
+            "With learner.accumulate: torch threads of a group added while its step still waits for more groups "
+            "(on-policy, the rollout generates the step's tail beside it on the same cores); the group that "
+            "completes the step and the optimizer step use learner.threads. 0: learner.threads throughout.",
+            ge=0,
+        ),
+    ] = 1
     activation_checkpointing: Annotated[
         bool,
         doc(

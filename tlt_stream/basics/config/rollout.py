@@ -14,8 +14,35 @@ from tlt_stream.basics.config.fields import (
     check_device,
     doc,
 )
+from tlt_stream.basics.errors import ConfigError
 
-__all__ = ["DrafterConfig", "RolloutConfig", "SdConfig"]
+__all__ = ["DrafterConfig", "RolloutConfig", "SdConfig", "context_len", "prompt_limit"]
+
+PROMPT_LEN = 1024
+"""Prompt tokens kept by default (`data.max_prompt_len` None): about what a reasoning prompt needs, and never
+more than half the context."""
+
+
+def context_len(max_len: int | None, positions: int | None, where: str = "the policy") -> int:
+    """`rollout.max_len` against a checkpoint of `positions` positions (None: it does not say): the setting
+    when it fits, the checkpoint's context when unset; a `ConfigError` naming the key otherwise."""
+    if max_len is None:
+        if positions is None:
+            raise ConfigError(f"rollout.max_len: {where} does not say its context (max_position_embeddings); set it")
+        return positions
+    if positions is not None and max_len > positions:
+        raise ConfigError(
+            f"rollout.max_len: {max_len} is longer than the {positions} positions of {where} "
+            f"(max_position_embeddings): set {positions} or less, or leave it unset to use the checkpoint's context"
+        )
+    return max_len
+
+
+def prompt_limit(max_prompt_len: int | None, max_len: int | None) -> int:
+    """Prompt tokens kept: `data.max_prompt_len`, else `PROMPT_LEN` capped at half of the context `max_len`."""
+    if max_prompt_len is not None:
+        return max_prompt_len
+    return PROMPT_LEN if max_len is None else min(PROMPT_LEN, max_len // 2)
 
 
 class RolloutConfig(Section, frozen=True):
@@ -28,12 +55,27 @@ class RolloutConfig(Section, frozen=True):
         int, doc("Rows the engine decodes together (requests of several groups share them).", ge=1)
     ] = 128
     max_len: Annotated[
-        int, doc("Prompt + response tokens per row; responses stop at EOS or when they reach it.", ge=2)
-    ] = 1408
+        Annotated[int, Meta(ge=2)] | None,
+        doc(
+            "Prompt + response tokens per row; responses stop at EOS or when they reach it. None: the policy "
+            "checkpoint's context (its max_position_embeddings); a longer value is refused at start."
+        ),
+    ] = None
+    kv_cache_gib: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        doc(
+            "Memory the torch engine's KV cache may take (GiB): it runs as many rows as fit, up to max_batch (a "
+            "row holds max_len tokens, so a long context costs rows, not length). None: half of the device's "
+            "free memory at start."
+        ),
+    ] = None
     max_response_len: Annotated[
         PositiveInt | None,
-        doc("Response tokens per row at most (a response that reaches it is truncated). None: up to max_len."),
-    ] = None
+        doc(
+            "Response tokens per row at most (a response that reaches it is truncated): a long reasoning trace "
+            "by default, and never more than max_len leaves after the prompt. None: up to max_len."
+        ),
+    ] = 16_384
     stop: Annotated[
         tuple[str, ...],
         doc(

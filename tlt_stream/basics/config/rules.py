@@ -15,7 +15,7 @@ from tlt_stream.basics.errors import ConfigError
 if TYPE_CHECKING:
     from tlt_stream.basics.config.tree import Config
 
-__all__ = ["check_rules", "problems", "trains_drafter"]
+__all__ = ["check_rules", "draft_source", "problems", "trains_drafter"]
 
 
 def trains_drafter(config: Config) -> bool:
@@ -25,13 +25,23 @@ def trains_drafter(config: Config) -> bool:
     return own.train and own.state_dir is not None and config.sd.drafter not in (None, "ngram")
 
 
+def draft_source(config: Config) -> str | None:
+    """The rollout workers' draft source: `sd.drafter` when set; otherwise the one `tlt-stream run` fills in
+    from `launch.sd` ("eagle": the world's or launch.drafter's drafter, "ngram", or None for off). A service
+    started on its own with no `sd.drafter` has none; its engine build refuses group drafts without one."""
+    if config.sd.drafter is not None:
+        return config.sd.drafter
+    return None if config.launch.sd == "off" else config.launch.sd
+
+
 def problems(config: Config) -> list[tuple[str, str]]:
     """(key, why) for every rule `config` breaks, in the order of the sections."""
     found: list[tuple[str, str]] = []
     rollout, sd, policy = config.rollout, config.sd, config.policy
+    source = draft_source(config)
     if sd.drafter is not None and sd.arm == "plain":
         found.append(("sd.arm", "is plain but sd.drafter is set: name a drafting arm, or leave sd.drafter unset"))
-    if sd.group and sd.drafter is None:
+    if sd.group and source is None:
         found.append(("sd.group", "drafts beside a draft source: set sd.drafter (a drafter, or ngram)"))
     if rollout.backend == "vllm":
         if sd.adaptive and sd.drafter is not None:

@@ -186,9 +186,19 @@ class DataConfig(Section, frozen=True):
     chat_template: Annotated[
         bool, doc("Render prompts with the tokenizer's chat template when it has one (a string as one user turn).")
     ] = True
+    enable_thinking: Annotated[
+        bool | None,
+        doc(
+            "Passed to the chat template as enable_thinking (Qwen3: false renders an empty <think></think> "
+            "block after the assistant header, so responses answer at once). None: the template's own default."
+        ),
+    ] = None
     max_prompt_len: Annotated[
         PositiveInt | None,
-        doc("Prompts longer than this (tokens) are skipped at load and counted. None: half of rollout.max_len."),
+        doc(
+            "Prompts longer than this (tokens) are skipped at load and counted. None: 1024, at most half of "
+            "rollout.max_len."
+        ),
     ] = None
     tokenizer: Annotated[
         str | None, doc("The tokenizer the prompts are encoded with. None: the policy's (learner.policy).")

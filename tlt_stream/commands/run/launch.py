@@ -9,7 +9,10 @@ GPUs: each service sees only its own (`CUDA_VISIBLE_DEVICES`, decided by `placem
 first `launch.learner_gpus` (under torchrun, one rank per GPU, when more than one), each rollout worker one of
 the rest. Torch threads: the machine's cores are shared out deliberately. With `max_staleness = 0` rollout and
 learning alternate (each waits for the other), so every process may use all cores; with asynchrony they
-run at once and the cores are split between the workers and the learner.
+run at once and the cores are split between the workers and the learner. An on-policy learner that
+accumulates (`learner.accumulate`) overlaps only the step's tail, when the rollout has few rows left: it
+adds those groups on `learner.accumulate_threads` (one) and keeps all its threads for the step's last group
+and the optimizer step, when the rollout waits for it.
 """
 
 from __future__ import annotations

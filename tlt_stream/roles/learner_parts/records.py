@@ -66,6 +66,7 @@ class UpdateRecords:
             **metrics,
             "staleness_hist": histogram,
             "response_lens": [s.response_len for s in samples],
+            "accept_lengths": [round(s.accept_length or 1.0, 3) for s in samples],
             "trained_groups": trained,
         }
         self._append_metrics(line)

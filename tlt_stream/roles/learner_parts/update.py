@@ -9,16 +9,32 @@ restart. An applied update is checkpointed (retried until the disk takes it, or 
 previous update's entries are acked (this one's after the next checkpoint, so a damaged newest checkpoint
 can be fallen back from and its samples trained again), the version is published, groups the new version
 left outside the window are dropped, and the update's records are written (`records.py`).
+
+With learner.accumulate the step is built while its groups arrive (`rl/accumulate.py`): `next_step` hands
+each group complete at the front of the ready queue to the `StepAccumulator` at once (its forward and
+backward, on the loop's thread, the lease renewed first as for an update), and the update applies the
+accumulated step once it has `groups_per_step` groups. A group added while the step still waits for others
+shares the cores with the rollout generating the step's tail, so it runs on learner.accumulate_threads
+(one by default); the group that completes the step, and the step itself, on all of the learner's.
+Nothing else changes: a step that raises voids all its groups, which go back first as a failed batch
+update's do, and nothing of a step is acked before its checkpoint, so a learner stopped or killed mid-step
+loses only memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
+
+import torch
 
 from tlt_stream.basics.aio import retry, sleep_or_stop
 from tlt_stream.basics.config import Config
+from tlt_stream.basics.errors import ConfigError
+from tlt_stream.rl.accumulate import StepAccumulator
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.ranks import RanksOutOfStep
@@ -30,6 +46,20 @@ from tlt_stream.roles.learner_parts.records import UpdateRecords
 __all__ = ["UpdateFailed", "Updates"]
 
 log = logging.getLogger("tlt_stream.roles.learner")
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Torch's CPU threads at most `count` inside (None: unchanged)."""
+    before = torch.get_num_threads()
+    if count is None or count >= before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class UpdateFailed(Exception):
@@ -61,6 +91,46 @@ class Updates:
         self.failed_updates = 0
         self.last_entries: list[str] = []
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
+        self.accumulator: StepAccumulator | None = None
+        """learner.accumulate: the step being built group by group (`attach`, once the policy is final)."""
+
+    def attach(self) -> None:
+        """Build the step accumulator around the policy the checkpoints resumed (learner.accumulate); a policy
+        with dropout is refused, naming the setting."""
+        core = self.checkpoints.core
+        if not self.config.learner.accumulate or core is None:
+            self.accumulator = None
+            return
+        try:
+            self.accumulator = StepAccumulator(core, self.config.groups_per_step)
+        except ValueError as exc:
+            raise ConfigError(f"learner.accumulate: {exc}; set learner.accumulate = false") from exc
+
+    async def next_step(self) -> list[ReadyGroup] | None:
+        """The next update's groups, taken from the front of the ready queue in their order of completion, or
+        None while it holds fewer than the step needs. Accumulating, each group taken is computed now and the
+        step's groups are returned once it has them all."""
+        ready, per_step = self.intake.ready, self.config.groups_per_step
+        if self.accumulator is None:
+            if len(ready) < per_step:
+                return None
+            groups = ready[:per_step]
+            del ready[:per_step]
+            return groups
+        if ready:
+            await self.lease.renew()  # adding groups blocks the loop, as an update does
+        accumulator, tail = self.accumulator, self.config.learner.accumulate_threads
+        while ready and not accumulator.full:
+            completes = len(accumulator.groups) == per_step - 1
+            with _threads(None if completes else tail or None):  # the step's tail runs beside it until its last group
+                accumulator.add(ready.pop(0))
+        return accumulator.groups if accumulator.full else None
+
+    def put_back(self) -> None:
+        """A stop mid-step: the groups accumulated so far go back to the front of the queue, their gradients
+        cleared (nothing of them was acked: a restart or the next run computes them again)."""
+        if self.accumulator is not None and self.accumulator.groups:
+            self.intake.ready[:0] = self.accumulator.discard()
 
     async def try_update(self, groups: list[ReadyGroup]) -> bool:
         """One update over `groups`; an update that raises is not applied: its groups go back to the front of
@@ -94,18 +164,19 @@ class Updates:
         mine, intake = self.checkpoints, self.intake
         assert mine.core is not None
         started = time.perf_counter()
-        wait = started - self.idle_since  # since the last update (or start): waiting for complete groups
         staleness = [g.staleness(mine.version) for g in groups]
         samples = [s for g in groups for s in g.samples]
         await self.lease.renew()  # the update blocks the loop: the renewed ttl covers the longest one yet
         # On the loop's thread, as the rollout worker's decode steps: torch's CPU thread pool is markedly
         # slower driven from a secondary thread. Heartbeats and MQTT keepalives tolerate an update's pause.
         try:
-            metrics = mine.core.step(groups)
+            metrics = self.accumulator.finish() if self.accumulator is not None else mine.core.step(groups)
         except RanksOutOfStep:  # a rank died or disagrees: no retry can help; a restart resumes
             raise
         except Exception as exc:  # nothing was applied: LearnerCore.step fails before its optimizer step
             raise UpdateFailed(str(exc)) from exc
+        # Since the last update (or start): waiting for complete groups, not adding them to the step.
+        wait = started - self.idle_since - metrics.get("accumulate_seconds", 0.0)
         await asyncio.sleep(0)
         for group in groups:
             intake.assembler.consume(group)
@@ -147,7 +218,8 @@ class Updates:
         await intake.ack(self.last_entries)
         self.last_entries = [entry for g in groups for entry in g.entry_ids]
         await intake.trim()
-        await mine.publish(mine.checkpoint)
+        published = await mine.publish(mine.checkpoint)
+        metrics["last_sample_to_publish_s"] = published.published_at - max(s.created_at for s in samples)
         await self._drop_left_behind()
         metrics["update_seconds"] = time.perf_counter() - started
         self.lease.longest_update_s = max(self.lease.longest_update_s, metrics["update_seconds"])

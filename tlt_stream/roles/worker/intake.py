@@ -55,7 +55,9 @@ class TaskIntake:
     def room(self) -> int:
         """How many tasks to read now: as many as fit at once (admitting one per engine hop would fill the
         batch over dozens of steps and stretch every rollout), 0 when the engine is full."""
-        free = self.config.rollout.max_batch * 2 - self.flight.rows_left()
+        cache = getattr(self.loader.engine, "cache", None)  # torch: the rows the KV budget allowed
+        rows = cache.max_batch if cache is not None else self.config.rollout.max_batch
+        free = rows * 2 - self.flight.rows_left()
         return max(1, min(self.config.bus.read_count, free // self._group_hint)) if free > 0 else 0
 
     async def read(self, count: int, block_ms: int | None) -> None:
@@ -78,7 +80,7 @@ class TaskIntake:
             return prompt_problem(
                 task,
                 vocab_size=self.loader.vocab_size or 2**31,
-                max_len=self.config.rollout.max_len,
+                max_len=self.loader.max_len or self.config.rollout.max_len or 2**31,
                 newest_version=self.control.version("policy"),
             )
 
@@ -116,11 +118,25 @@ class TaskIntake:
             await self.read(count, 0)
         if self.loader.loadable() is not None:  # announced while we read: load it before starting anything
             return
+        await self._drop_too_long()
         waiting = self.flight.waiting
         self.flight.waiting = [d for d in waiting if not self.startable(d.message)]
         for delivery in waiting:
             if self.startable(delivery.message):
                 self._start(delivery)
+
+    async def _drop_too_long(self) -> None:
+        """Dead-letter waiting tasks read before the first load whose prompt leaves no room in the loaded
+        policy's context (the read-time check knew no length yet)."""
+        limit = self.loader.max_len
+        if limit is None:
+            return
+        for delivery in [d for d in self.flight.waiting if len(d.message.prompt_ids) >= limit]:
+            self.flight.waiting.remove(delivery)
+            self.invalid_tasks += 1
+            await self.reader.give_up(
+                delivery, f"invalid task: prompt of {len(delivery.message.prompt_ids)} tokens within max_len={limit}"
+            )
 
     def startable(self, task: PromptGroup) -> bool:
         """Whether the task may start under our policy: its version, or the version before as a draft."""
@@ -135,7 +151,7 @@ class TaskIntake:
         if group.task_id in self.flight.started:  # the same task redelivered while we still work on it
             return
         own, loader = self.config.rollout, self.loader
-        budget = own.max_len - len(group.prompt_ids)  # >= 1: `read` dead-letters the rest
+        budget = (loader.max_len or 0) - len(group.prompt_ids)  # >= 1: `read` dead-letters the rest
         if own.max_response_len is not None:
             budget = min(budget, own.max_response_len)
         draft = group.min_policy_version > loader.version  # started ahead: parks at ahead_tokens until verified

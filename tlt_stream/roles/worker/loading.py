@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ import msgspec
 
 from tlt_stream.basics.aio import wait_until
 from tlt_stream.basics.config import Config
+from tlt_stream.basics.config.rollout import context_len
 from tlt_stream.basics.messages import PolicyVersion, WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
@@ -73,6 +75,8 @@ class PolicyLoader:
         """The stop strings, on the policy's tokenizer (None without any)."""
         self.vocab_size: int | None = None
         """The loaded policy's vocabulary (from its config.json): prompts outside it are dead-lettered."""
+        self.max_len: int | None = None
+        """Prompt + response tokens per row: `rollout.max_len`, else the loaded policy's context."""
 
     @property
     def version(self) -> int:
@@ -138,11 +142,7 @@ class PolicyLoader:
         else:
             verify_directory(announced.location, announced.sha256, scheme=announced.digest)
         self.vocab_size, positions = _policy_limits(announced.location)
-        if positions is not None and own.max_len > positions:  # every long sample would be poison
-            raise ValueError(
-                f"--max-len {own.max_len} is longer than the policy's {positions} positions "
-                f"(max_position_embeddings of {announced.location}): use --max-len {positions} or less"
-            )
+        self.max_len = context_len(own.max_len, positions, announced.location)  # longer: every sample poison
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
@@ -161,14 +161,28 @@ class PolicyLoader:
     def _build(
         self, announced: PolicyVersion, drafter: str | None, drafter_version: int, weights: PolicyWeights | None
     ) -> None:
+        config = self.config
+        if config.rollout.max_len != self.max_len:  # the checkpoint's context
+            config = msgspec.structs.replace(
+                config, rollout=msgspec.structs.replace(config.rollout, max_len=self.max_len)
+            )
         self.engine, self.adaptive = build_engine(
             announced.location,
-            self.config,
+            config,
             device=self.device,
             drafter=drafter,
             hidden=self.hidden,
             drafter_version=drafter_version,
             weights=weights,
+        )
+        rollout, cache = config.rollout, getattr(self.engine, "cache", None)
+        rows = f"{rollout.max_batch} rows"
+        if cache is not None:  # torch: the rows that fit the KV budget
+            rows = f"KV cache {2 * cache.k[:, 0].nbytes / 2**20:.1f} MiB a row, {cache.max_batch} rows"
+        print(
+            f"{self.registry.worker_id}: rows of {rollout.max_len} tokens (prompt + response; responses up to "
+            f"{min(rollout.max_response_len or rollout.max_len, rollout.max_len)}), {rows}",
+            file=sys.stderr,
         )
 
     def announced(self) -> PolicyVersion | None:

@@ -24,6 +24,7 @@ tested against the running engine on the CPU build (tests/vllm/).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -36,7 +37,9 @@ from typing import Any
 
 import torch
 
+from tlt_stream.basics.config.rollout import context_len
 from tlt_stream.basics.errors import CheckpointError
+from tlt_stream.model.loader import checkpoint_positions
 from tlt_stream.model.transformer import Transformer
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import StopRule
@@ -111,6 +114,9 @@ class VllmEngine:
         vllm = require_vllm()
         build = vllm_build()
         settings = for_build(settings or VllmSettings(), build[0] if build else None)
+        if settings.max_len is None:  # the checkpoint's context
+            positions = checkpoint_positions(policy)
+            settings = dataclasses.replace(settings, max_len=context_len(None, positions, str(policy)))
         from vllm.config import SpeculativeConfig
         from vllm.engine.arg_utils import EngineArgs
 

@@ -37,12 +37,13 @@ GIB = 1 << 30
 class VllmSettings:
     """How to build the vLLM engine (`config.py` translates each). Fields named as the configuration's
     `rollout.<name>` take its default and meaning: `max_batch` is vLLM's `max_num_seqs`, `max_len` its
-    `max_model_len`; `arm` is one chain arm label (`d4k1v4`) or `ngram-dN` drafted at every batch size (None:
-    off). vLLM's `dtype` "auto" runs a float32 checkpoint in the platform's half type; on the CPU build the
-    backend resolves it to float32, as the torch engine does on a CPU (`for_build`)."""
+    `max_model_len` (None: the checkpoint's context); `arm` is one chain arm label (`d4k1v4`) or `ngram-dN`
+    drafted at every batch size (None: off). vLLM's `dtype` "auto" runs a float32 checkpoint in the platform's
+    half type; on the CPU build the backend resolves it to float32, as the torch engine does on a CPU
+    (`for_build`)."""
 
     max_batch: int = DEFAULTS.rollout.max_batch
-    max_len: int = DEFAULTS.rollout.max_len
+    max_len: int | None = DEFAULTS.rollout.max_len
     temperature: float = DEFAULTS.rollout.temperature
     arm: str | None = None
     switch_threshold: int | None = None

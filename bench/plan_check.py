@@ -1,0 +1,201 @@
+"""Check the planner against this machine: predicted beside measured step times and ratios of `bench/e2e.py`'s
+(a) sync_plain, (b) sync_tlt, (c) stream_tlt and (g) sync_partial.
+
+The cost model comes from `bench/plan_fit.py` (microbenchmarks only; one fit per thread count, since
+`tlt-stream run` gives each process all cores when synchronous and splits them when streaming). The
+workload comes from the measured runs themselves (their recorded response lengths and tokens per target
+forward): the inputs of runs the model was not fitted on. Measured: the median over `--runs` e2e runs
+(each run's own figure is the median step time of its steps after the first), with the runs' spread
+(min-max over median) beside it. A prediction within 15% of the measured median passes.
+
+    flock /tmp/tlt-heavy.lock python bench/plan_check.py --world artifacts/world --runs 3 --steps 8 \\
+        --costs-sync artifacts/plan/cpu-t2.json --costs-stream artifacts/plan/cpu-t1.json
+    python bench/plan_check.py --e2e-json a.json b.json c.json ...   # runs already made
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = ("a_sync_plain", "b_sync_tlt", "c_stream_tlt", "g_sync_partial")
+RATIOS = {"b_over_a": "b_sync_tlt", "c_over_a": "c_stream_tlt", "g_over_a": "g_sync_partial"}
+TOLERANCE = 0.15
+
+
+def log(text: str) -> None:
+    print(f"[plan_check] {text}", file=sys.stderr, flush=True)
+
+
+def run_e2e(args: argparse.Namespace, i: int) -> dict:
+    out = Path(args.out) / f"run{i}"
+    command = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--world", args.world, "--out", str(out)]
+    command += ["--only", ",".join(CONFIGS), "--steps", str(args.steps), "--eval", "0"]
+    command += ["--prompts-per-step", str(args.prompts)]
+    log(f"e2e run {i + 1}/{args.runs}: {' '.join(command)}")
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
+    result = json.loads(done.stdout)
+    (out / "e2e.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def workload(runs: list[dict]):
+    """Lengths of every measured step after the first (all configs: the same task and policy) and the SD
+    configs' tokens per target forward, weighted by length."""
+    from tlt_stream.plan.lengths import from_lengths
+    from tlt_stream.rl.records import load_metrics
+
+    lengths: list[int] = []
+    tokens = forwards = 0.0
+    for run in runs:
+        for name, figures in run["configs"].items():
+            rows = load_metrics(Path(figures["run_dir"]))[1:]
+            for r in rows:
+                lengths += [int(x) for x in r.get("response_lens", [])]
+                if name != "a_sync_plain":
+                    for n, a in zip(r.get("response_lens", []), r.get("accept_lengths", []), strict=False):
+                        tokens, forwards = tokens + n, forwards + n / max(a, 1.0)
+                    if "accept_lengths" not in r and r.get("accept_length_mean"):
+                        n = r["rollout_tokens"]
+                        tokens, forwards = tokens + n, forwards + n / r["accept_length_mean"]
+    return from_lengths(lengths, "the measured runs' responses"), (tokens / forwards if forwards else 1.0)
+
+
+def prompt_len() -> float:
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompts = [
+        tokenizer(q.prompt, add_special_tokens=False)["input_ids"]
+        for q in RepeatedAddTask().problems(64, 0, heldout=False)
+    ]
+    return statistics.fmean(len(p) for p in prompts)
+
+
+def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
+    import dataclasses
+
+    from tlt_stream.commands.run.launch import thread_split
+    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.plan.costs import CpuCosts
+    from tlt_stream.plan.project import MODES
+    from tlt_stream.plan.simulate import Setup, simulate
+
+    lengths, accept = workload(runs)
+    acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
+    cores = len(os.sched_getaffinity(0))
+    out = {"inputs": {"lengths": lengths.summary(), "tokens_per_round": round(accept, 3)}, "configs": {}}
+    for name in CONFIGS:
+        mode = MODES[name]
+        worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
+        costs = CpuCosts.load(args.costs_sync if mode.max_staleness == 0 else args.costs_stream)
+        setup = Setup(
+            prompts=args.prompts,
+            steps=args.steps,
+            prompt_len=round(prompt_len()),
+            worker_threads=worker_threads,
+            learner_threads=learner_threads,
+        )
+        results = [
+            simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs) for s in range(args.seeds)
+        ]
+        summaries = [r.summary() for r in results]
+        out["configs"][name] = {
+            "step_time_s": round(statistics.median(r.step_time for r in results), 3),
+            "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
+            "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
+            "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
+            "threads": worker_threads,
+        }
+    a = out["configs"]["a_sync_plain"]["step_time_s"]
+    out["ratios"] = {k: round(a / out["configs"][v]["step_time_s"], 3) for k, v in RATIOS.items()}
+    return out
+
+
+def measured(runs: list[dict]) -> dict:
+    from tlt_stream.rl.records import load_metrics
+
+    out: dict = {"configs": {}, "ratios": {}}
+    for name in CONFIGS:
+        values = [r["configs"][name]["step_time_s_median"] for r in runs if name in r["configs"]]
+        med = statistics.median(values)
+        rows = [
+            row for r in runs if name in r["configs"] for row in load_metrics(Path(r["configs"][name]["run_dir"]))[1:]
+        ]
+        out["configs"][name] = {
+            "step_time_s": round(med, 3),
+            "runs": values,
+            "spread": round((max(values) - min(values)) / med, 3),
+            "rollout_s": round(statistics.median(x["rollout_seconds"] for x in rows), 3) if rows else None,
+            "update_s": round(statistics.median(x.get("update_seconds", 0.0) for x in rows), 3) if rows else None,
+        }
+    for key, name in RATIOS.items():
+        values = [
+            r["configs"]["a_sync_plain"]["step_time_s_median"] / r["configs"][name]["step_time_s_median"] for r in runs
+        ]
+        out["ratios"][key] = {"median": round(statistics.median(values), 3), "runs": [round(v, 3) for v in values]}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--out", default=str(ROOT / "artifacts" / "plan-check" / time.strftime("%Y%m%d-%H%M%S")))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--seeds", type=int, default=5, help="simulations per config (the median is the prediction)")
+    p.add_argument("--costs-sync", default=str(ROOT / "artifacts" / "plan" / "cpu-t2.json"))
+    p.add_argument("--costs-stream", default=str(ROOT / "artifacts" / "plan" / "cpu-t1.json"))
+    p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
+    args = p.parse_args()
+    if args.e2e_json:
+        runs = [json.loads(Path(f).read_text()) for f in args.e2e_json]
+        args.steps = runs[0]["steps"]
+        args.prompts = runs[0]["prompts_per_step"]
+    else:
+        runs = [run_e2e(args, i) for i in range(args.runs)]
+    got, want = predict(args, runs), measured(runs)
+    table = {}
+    for name in CONFIGS:
+        pred, meas = got["configs"][name]["step_time_s"], want["configs"][name]["step_time_s"]
+        table[name] = {
+            "predicted_s": pred,
+            "measured_s": meas,
+            "error": round(pred / meas - 1, 3),
+            "within_15pct": abs(pred / meas - 1) <= TOLERANCE,
+            "measured_spread": want["configs"][name]["spread"],
+            "rollout_s": [got["configs"][name]["rollout_s"], want["configs"][name]["rollout_s"]],
+            "update_s": [got["configs"][name]["update_s"], want["configs"][name]["update_s"]],
+        }
+    for key in RATIOS:
+        pred, meas = got["ratios"][key], want["ratios"][key]["median"]
+        table[key] = {
+            "predicted": pred,
+            "measured": meas,
+            "measured_runs": want["ratios"][key]["runs"],
+            "error": round(pred / meas - 1, 3),
+            "within_15pct": abs(pred / meas - 1) <= TOLERANCE,
+        }
+    print(
+        json.dumps(
+            {"bench": "plan_check", "runs": len(runs), "table": table, "predicted": got, "measured": want}, indent=2
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

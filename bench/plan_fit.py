@@ -1,0 +1,310 @@
+"""Fit the planner's CPU cost model (`tlt_stream/plan/costs.py`, `CpuCosts`) on microbenchmarks alone.
+
+Never on the end-to-end runs it is checked against (`bench/plan_check.py`). On the tiny world's policy and
+drafter, with `--threads` torch threads (the e2e runs give each process 2 threads when synchronous, 1 when
+streaming: fit both), wall clock, median of `--repeats`:
+
+- decode curve: plain decode steps of b rows (b = 1 .. 128) at two context lengths -> step_s, row_s, ctx_s;
+- prefill: the first step's extra time over a decode step, b prompts -> prefill_step_s, prefill_token_s;
+- round costs: speculative rounds of the drafter arms at b = 1, 4, 16, 64, the drafter's proposals timed
+  apart -> the verify-cost curve (round_s_fixed, node_frac) and draft_step_s, draft_row_s;
+- learner: `LearnerCore.step` over 4 and 16 synthetic groups of the world's lengths -> learn_tokens_per_s,
+  optimizer_s;
+- publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s).
+
+    flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
+        --out artifacts/plan/cpu-t2.json
+    flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 1 \
+        --out artifacts/plan/cpu-t1.json
+
+Prints one JSON object (the model and every measurement) and writes the model to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+CLOCK = time.perf_counter
+"""Wall clock, or the thread's CPU time with `--clock cpu` (one torch thread: a shared machine's neighbours
+then cost nothing, as they cost nothing on a machine of one's own)."""
+
+
+def log(text: str) -> None:
+    print(f"[plan_fit] {text}", file=sys.stderr, flush=True)
+
+
+def lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    import numpy as np
+
+    solution, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(y, dtype=float), rcond=None)
+    return [float(x) for x in solution]
+
+
+def prompts_of(n: int) -> list[list[int]]:
+    from tlt_stream.tasks.repeated_add import RepeatedAddTask
+    from tlt_stream.tasks.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    problems = RepeatedAddTask().problems(max(n, 8), 3, heldout=True)
+    ids = [tokenizer(q.prompt, add_special_tokens=False)["input_ids"] for q in problems]
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def engine_steps(policy, batch: int, *, proposer=None, arm=None, skip: int, steps: int, new: int = 420):
+    """(seconds per step over `steps` steps after `skip`, the first step's seconds, mean context, draft seconds
+    per step)."""
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    prompts = prompts_of(batch)
+    longest = max(len(p) for p in prompts)
+    engine = GenerationEngine(policy, batch, longest + new + 70, proposer=proposer, arm=arm, max_draft_nodes=64)
+    drafting = [0.0]
+    if proposer is not None:
+        propose = proposer.propose
+
+        def timed(*a, **k):
+            started = CLOCK()
+            try:
+                return propose(*a, **k)
+            finally:
+                drafting[0] += CLOCK() - started
+
+        proposer.propose = timed
+    for i, p in enumerate(prompts):
+        engine.add_request(p, new, 1.0, seed=i, eos_ids=())
+    started = CLOCK()
+    engine.step()
+    first = CLOCK() - started
+    for _ in range(skip):
+        engine.step()
+    drafting[0] = 0.0
+    started = CLOCK()
+    for _ in range(steps):
+        engine.step()
+    seconds = (CLOCK() - started) / steps
+    context = statistics.fmean(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
+    return seconds, first, context, drafting[0] / steps
+
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+ROUND_BATCHES = (1, 4, 16, 64)
+LATE = 240
+"""Steps into the responses of the long-context decode measurement."""
+
+
+def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.model import load_model
+    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.proposers import EagleProposer
+
+    policy = load_model(world / "policy")
+    drafter = load_drafter(world / "drafter", policy)
+    plain_rows, plain_y, prefill_rows, prefill_y, measured = [], [], [], [], {"decode": [], "rounds": []}
+    for batch in BATCHES:
+        for skip in (4, LATE):
+            runs = [engine_steps(policy, batch, skip=skip, steps=24) for _ in range(repeats)]
+            sec = statistics.median(r[0] for r in runs)
+            first = statistics.median(r[1] for r in runs)
+            ctx = runs[0][2]
+            plain_rows.append([1.0, batch, batch * ctx])
+            plain_y.append(sec)
+            if skip == 4:
+                tokens = sum(len(p) for p in prompts_of(batch))
+                prefill_rows.append([1.0, tokens])
+                prefill_y.append(max(0.0, first - sec))
+            measured["decode"].append({"batch": batch, "context": round(ctx, 1), "ms": round(1e3 * sec, 3)})
+            log(f"decode b={batch} ctx={ctx:.0f}: {1e3 * sec:.2f} ms")
+    step_s, row_s, ctx_s = lstsq(plain_rows, plain_y)
+    prefill_step_s, prefill_token_s = lstsq(prefill_rows, prefill_y)
+    verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
+    for label in ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8"):
+        arm = Arm.from_label(label)
+        for batch in ROUND_BATCHES:
+            runs = [
+                engine_steps(policy, batch, proposer=EagleProposer(drafter), arm=arm, skip=4, steps=16)
+                for _ in range(repeats)
+            ]
+            sec = statistics.median(r[0] for r in runs)
+            draft = statistics.median(r[3] for r in runs)
+            ctx = runs[0][2]
+            base = step_s + row_s * batch + ctx_s * batch * ctx
+            verify_rows.append([1.0, row_s * batch * arm.nodes])
+            verify_y.append(sec - draft - base)
+            draft_rows.append([arm.depth, arm.depth * batch * arm.topk])
+            draft_y.append(draft)
+            measured["rounds"].append(
+                {"arm": label, "batch": batch, "ms": round(1e3 * sec, 3), "draft_ms": round(1e3 * draft, 3)}
+            )
+            log(f"round {label} b={batch}: {1e3 * sec:.2f} ms (drafting {1e3 * draft:.2f})")
+    round_fixed, node_frac = lstsq(verify_rows, verify_y)
+    draft_step_s, draft_row_s = lstsq(draft_rows, draft_y)
+    fitted = {
+        "step_s": step_s,
+        "row_s": row_s,
+        "ctx_s": ctx_s,
+        "node_frac": node_frac,
+        "round_s_fixed": round_fixed,
+        "draft_step_s": draft_step_s,
+        "draft_row_s": draft_row_s,
+        "prefill_step_s": max(0.0, prefill_step_s),
+        "prefill_token_s": max(0.0, prefill_token_s),
+    }
+    return fitted, measured
+
+
+def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
+    from transformers import AutoModelForCausalLM
+
+    from tlt_stream.basics.messages import Sample, Tensor
+    from tlt_stream.rl.groups import ReadyGroup
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+
+    model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    rng = random.Random(0)
+
+    def groups(n: int) -> list:
+        out = []
+        for g in range(n):
+            prompt = [rng.randrange(vocab) for _ in range(40)]
+            samples = []
+            for i in range(8):
+                length = max(8, int(rng.lognormvariate(5.0, 0.6)))
+                samples.append(
+                    Sample(
+                        sample_id=f"g{g}/{i}",
+                        task_id=f"g{g}",
+                        prompt_id=f"g{g}",
+                        index=i,
+                        group_size=8,
+                        prompt_ids=prompt,
+                        token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(length)], "int32"),
+                        logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(length)], "float32"),
+                        policy_version=0,
+                        drafter_version=-1,
+                        reward=float(i % 2),
+                        finish_reason="eos",
+                        worker_id="bench",
+                    )
+                )
+            out.append(ReadyGroup(f"g{g}", samples, []))
+        return out
+
+    core = LearnerCore(model, LearnerSettings(lr=1e-6))
+    rows, y, measured = [], [], []
+    for n in (4, 16):
+        batch = groups(n)
+        tokens = sum(s.response_len for g in batch for s in g.samples)
+        core.step(batch)  # warm-up
+        times = []
+        for _ in range(repeats):
+            started = CLOCK()
+            core.step(batch)
+            times.append(CLOCK() - started)
+        sec = statistics.median(times)
+        rows.append([1.0, tokens])
+        y.append(sec)
+        measured.append({"groups": n, "tokens": tokens, "s": round(sec, 4)})
+        log(f"learner {n} groups, {tokens} tokens: {sec:.3f} s")
+    optimizer_s, per_token = lstsq(rows, y)
+    return {"learn_tokens_per_s": 1.0 / per_token, "optimizer_s": max(0.0, optimizer_s)}, {"learner": measured}
+
+
+def fit_publish(world: Path, repeats: int) -> tuple[dict, dict]:
+    import torch
+
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.rl.learner import LearnerSettings
+    from tlt_stream.rl.sharded import Trainer
+    from tlt_stream.rollout.build import build_engine
+    from tlt_stream.store.weights import read_weights
+
+    trainer = Trainer(LearnerSettings(lr=1e-6), "cpu")
+    trainer.build(world / "policy")
+    saves, loads = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "ckpt"
+        common = {"extra": {}, "tokenizer": None, "keep": 3, "publish_dtype": torch.float32}
+        first = trainer.save(root, step=0, ledger=set(), **common)
+        trainer.wait_for_writes()
+        config = override(DEFAULTS, {"rollout.max_batch": 1, "rollout.max_len": 64, "rollout.temperature": 1.0})
+        engine, _ = build_engine(str(first.policy_dir), config)
+        for step in range(1, repeats + 1):
+            started = CLOCK()
+            info = trainer.save(root, step=step, ledger=set(), **common)
+            saves.append(CLOCK() - started)
+            trainer.wait_for_writes()
+            started = CLOCK()
+            weights = read_weights(info.policy_dir, info.policy_sha256, scheme=info.digest)
+            engine.load_policy(str(info.policy_dir), weights=weights)
+            loads.append(CLOCK() - started)
+    publish_s, load_s = statistics.median(saves), statistics.median(loads)
+    log(f"publish {publish_s * 1e3:.1f} ms, load {load_s * 1e3:.1f} ms")
+    return {"publish_s": publish_s, "load_s": load_s}, {"publish_ms": [round(1e3 * x, 2) for x in saves]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the process's share of the cores)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cores", type=float, default=None, help="cores the run shares (default: this machine's)")
+    p.add_argument("--out", default=str(ROOT / "artifacts" / "plan" / "cpu.json"))
+    p.add_argument("--quick", action="store_true", help="fewer batches and steps: a smoke check, not a fit")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the thread's CPU time (1 thread)")
+    args = p.parse_args()
+    if args.clock == "cpu":
+        if args.threads != 1:
+            sys.exit("--clock cpu times the calling thread: use it with --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
+    if args.quick:
+        global BATCHES, ROUND_BATCHES, LATE
+        BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
+    import torch
+
+    from tlt_stream.plan.costs import CpuCosts
+
+    torch.set_num_threads(args.threads)
+    world = Path(args.world)
+    if not (world / "policy").is_dir() or not (world / "drafter").is_dir():
+        sys.exit(f"{world}: no policy/drafter; run `tlt-stream bootstrap --out {world}` first")
+    started = time.time()
+    engine, measured = fit_engine(world, args.repeats)
+    learner, measured_l = fit_learner(world, args.repeats)
+    publish, measured_p = fit_publish(world, args.repeats)
+    cores = args.cores or len(os.sched_getaffinity(0))
+    model = CpuCosts(**engine, **learner, **publish, cores=cores, source=f"bench/plan_fit.py --threads {args.threads}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out)
+    print(
+        json.dumps(
+            {
+                "bench": "plan_fit",
+                "model": model.describe(),
+                "measured": {**measured, **measured_l, **measured_p},
+                "out": args.out,
+                "seconds": round(time.time() - started, 1),
+                "machine": {"cpus": os.cpu_count(), "threads": args.threads, "platform": platform.platform()},
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The planner's simulator against closed forms, its token conservation and determinism, and its inputs.
+
+No timing is asserted: every expected figure is computed by hand from the costs the test hands in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from tlt_stream.plan.acceptance import Acceptance, chain_alpha, chain_mean
+from tlt_stream.plan.costs import CpuCosts, FixedCosts
+from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named
+from tlt_stream.plan.project import MODES
+from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
+from tlt_stream.plan.simulate import Mode, Setup, simulate
+from tlt_stream.rollout.arms import Arm
+
+PLAIN, SD = Mode("a"), Mode("b", sd=True)
+
+
+def one(length: int, **setup) -> Setup:
+    return Setup(prompts=1, group_size=1, steps=1, seed=None, **setup)
+
+
+def test_one_row_without_sd_takes_length_decode_steps_then_update_and_publish():
+    costs = FixedCosts(decode=0.01, learn_per_token=0.002, optimizer_s=0.5, publish_s=0.25)
+    r = simulate(PLAIN, one(100), from_lengths([100]), Acceptance(), costs)
+    assert r.version_times[1] == pytest.approx(100 * 0.01 + 100 * 0.002 + 0.5 + 0.25)
+    assert r.rounds == {"plain": 100}
+
+
+def test_equal_rows_in_one_batch_cost_length_times_the_batch_step():
+    costs = CpuCosts(step_s=0.003, row_s=0.0005, learn_tokens_per_s=1e12)
+    setup = Setup(prompts=4, group_size=8, steps=1, seed=None)
+    r = simulate(PLAIN, setup, from_lengths([50]), Acceptance(), costs)
+    assert r.version_times[1] == pytest.approx(50 * (0.003 + 0.0005 * 32))
+    assert r.emitted == 32 * 50
+
+
+@pytest.mark.parametrize("length,tokens", [(100, 4.0), (101, 4.0), (7, 3.0)])
+def test_sd_with_constant_acceptance_takes_ceil_length_over_tokens_rounds(length, tokens):
+    costs = FixedCosts(decode=1.0, round=1.5)
+    setup = one(length, arms=("d4k1v4",), crossover=2, margin=0)
+    r = simulate(SD, setup, from_lengths([length]), Acceptance.uniform(tokens), costs)
+    rounds = math.ceil(length / tokens)
+    assert r.rounds == {"d4k1v4": rounds}
+    assert r.version_times[1] == pytest.approx(1.5 * rounds)
+
+
+def test_sd_rounds_with_drawn_acceptance_match_the_renewal_mean():
+    """Rounds to emit L tokens at mean mu per round: L / mu, variance ~ L sigma^2 / mu^3; z = 4 (false alarm
+    ~6e-5 per check)."""
+    arm, mean, length = Arm.from_label("d4k1v4"), 2.5, 4000
+    acceptance = Acceptance.uniform(mean)
+    alpha = chain_alpha(mean, arm.depth)
+    probs = [alpha**k * (1 - alpha) for k in range(arm.depth)] + [alpha**arm.depth]
+    var = sum(p * (k + 1) ** 2 for k, p in enumerate(probs)) - mean**2
+    setup = Setup(prompts=1, group_size=1, steps=1, seed=7, arms=("d4k1v4",), crossover=2, margin=0, epsilon=0.0)
+    r = simulate(SD, setup, from_lengths([length]), acceptance, FixedCosts())
+    expected, sd = length / mean, math.sqrt(length * var / mean**3)
+    assert abs(r.rounds["d4k1v4"] - expected) < 4 * sd + 1
+
+
+def test_drawn_acceptance_has_the_chain_mean():
+    """Mean of 20,000 draws within 4 standard errors (false alarm ~6e-5)."""
+    arm, acceptance, rng = Arm.from_label("d6k1v6"), Acceptance.uniform(3.2), random.Random(1)
+    draws = [acceptance.draw(arm, 0, rng) for _ in range(20_000)]
+    mean = sum(draws) / len(draws)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in draws) / len(draws))
+    assert abs(mean - 3.2) < 4 * sd / math.sqrt(len(draws))
+    assert min(draws) == 1 and max(draws) <= arm.depth + 1
+
+
+def test_chain_alpha_inverts_chain_mean():
+    for depth in (1, 4, 8):
+        for alpha in (0.1, 0.5, 0.9):
+            assert chain_alpha(chain_mean(alpha, depth), depth) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_switch_off_above_threshold_keeps_plain_decoding():
+    """Crossover 1 means threshold 0: SD never turns on, and with above_crossover plain no arm runs."""
+    setup = Setup(prompts=2, group_size=4, steps=2, seed=3, arms=("plain", "d4k1v4"), crossover=1, margin=0)
+    setup = Setup(**{**setup.__dict__, "above_crossover": "plain"})
+    r = simulate(SD, setup, named("uniform:10:60"), Acceptance.uniform(4.0), FixedCosts(round=0.1))
+    assert set(r.rounds) == {"plain"}
+
+
+def test_overlapped_learner_ends_one_optimizer_step_after_the_last_group():
+    """Two one-row groups of 10 and 100 tokens, 1 s per decode step, 0.1 s per learned token, 5 s optimizer:
+    batch update 100 + 11 + 5 = 116 s; overlapped: the first group learned by t = 11, the last 100 + 10 + 5."""
+    costs = FixedCosts(decode=1.0, learn_per_token=0.1, optimizer_s=5.0)
+    setup = Setup(prompts=2, group_size=1, steps=1, seed=None)
+    lengths = from_lengths([10, 100])
+    batch = simulate(PLAIN, setup, lengths, Acceptance(), costs)
+    overlapped = simulate(Mode("o", overlapped=True), setup, lengths, Acceptance(), costs)
+    assert batch.version_times[1] == pytest.approx(116.0)
+    assert overlapped.version_times[1] == pytest.approx(115.0)
+
+
+def test_colocated_learner_stops_generation_during_the_update():
+    """Streaming with staleness 1 overlaps step 1's rollout with update 0 unless the devices are shared."""
+    costs = FixedCosts(decode=1.0, learn_per_token=1.0)
+    stream = Mode("c", max_staleness=1)
+    setup = Setup(prompts=1, group_size=1, steps=2, seed=None, max_batch=1)
+    apart = simulate(stream, setup, from_lengths([10]), Acceptance(), costs)
+    shared = simulate(stream, Setup(**{**setup.__dict__, "colocated": True}), from_lengths([10]), Acceptance(), costs)
+    assert apart.version_times == [0.0, 20.0, 30.0]  # row 1 generated 10..20 while update 0 ran
+    assert shared.version_times == [0.0, 20.0, 40.0]  # row 1 waited for update 0: 20..30, then update 1
+
+
+CPU = CpuCosts(
+    step_s=0.004, row_s=0.0004, node_frac=0.5, round_s_fixed=0.002, draft_step_s=0.001, draft_row_s=0.0001,
+    learn_tokens_per_s=20_000, publish_s=0.3, load_s=0.2,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_every_simulated_token_is_generated_exactly_once(name):
+    setup = Setup(prompts=6, group_size=4, steps=4, seed=11, max_batch=16)
+    r = simulate(MODES[name], setup, named("lognormal:80:0.8:600"), Acceptance.uniform(2.5), CPU)
+    assert r.emitted == pytest.approx(r.finished_tokens + r.in_flight_tokens + r.discarded_tokens)
+    assert len(r.version_times) == setup.steps + 1 or r.dropped_groups > 0
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another():
+    setup = Setup(prompts=6, group_size=4, steps=3, seed=5)
+    run = lambda s: simulate(MODES["b_sync_tlt"], s, named("lognormal:80:0.8:600"), Acceptance.uniform(2.5), CPU)  # noqa: E731
+    assert run(setup).summary() == run(setup).summary()
+    assert run(setup).summary() != run(Setup(**{**setup.__dict__, "seed": 6})).summary()
+
+
+def test_length_laws_and_run_directories(tmp_path):
+    assert named("const:7").lengths == (7,) * 4096
+    law = named("lognormal:100:1.0:500")
+    assert max(law.lengths) == 500 and law.summary()["p50"] == pytest.approx(100, rel=0.02)
+    with pytest.raises(LengthError):
+        named("zipf:1")
+    with pytest.raises(LengthError):
+        from_run(tmp_path)
+    rows = [{"version": v, "response_lens": [v, 2 * v]} for v in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert sorted(from_run(tmp_path).lengths) == [2, 3, 4, 6]  # the first step left out
+    rows = [{"response_len_p50": 100, "response_len_p90": 200, "response_len_max": 300}] * 2
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    fitted = from_run(tmp_path)
+    assert max(fitted.lengths) <= 300 and fitted.summary()["p50"] == pytest.approx(100, rel=0.05)
+
+
+def test_roofline_decode_at_batch_one_is_the_weights_over_bandwidth():
+    costs = GpuCosts(GPUS["h100"], MODELS["7B"], bw_frac=0.8, step_overhead_s=0.002)
+    weights = 2 * MODELS["7B"].params
+    assert costs.decode_s(1, 0) == pytest.approx(weights / (3.35e12 * 0.8) + 0.002)
+    assert MODELS["7B"].total_params == pytest.approx(7.62e9, rel=0.01)  # the published 7.61B
+    assert MODELS["32B"].total_params == pytest.approx(32.8e9, rel=0.01)  # the published 32.5B + its head
+
+
+def test_plan_command_refuses_bad_input_in_one_line(capsys, tmp_path):
+    from tlt_stream.commands.cli import main
+
+    for argv in (
+        ["plan", "--gpu", "h900", "--lengths", "const:5", "--acceptance", "2"],
+        ["plan", "--from-run", str(tmp_path), "--gpu", "h100"],
+        ["plan", "--lengths", "const:5", "--acceptance", "2", "--gpu", "h100", "--model-size=-7B"],
+        ["plan", "--lengths", "const:5", "--acceptance", "2", "--gpu", "h100", "--prompts", "-1"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tlt-stream plan:") and "\n" not in err
+
+
+def test_plan_command_json(capsys):
+    from tlt_stream.commands.cli import main
+
+    argv = ["plan", "--lengths", "uniform:20:200", "--acceptance", "3", "--gpu", "h100", "--steps", "2"]
+    assert main([*argv, "--seeds", "1", "--json", "-q", "--no-recommend", "--modes", "a_sync_plain,b_sync_tlt"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"].startswith("PROJECTION")
+    assert set(out["modes"]) == {"a_sync_plain", "b_sync_tlt"} and out["modes"]["a_sync_plain"]["speedup_over_a"] == 1
+
+
+def test_plan_from_run_reads_lengths_and_acceptance(tmp_path, capsys):
+    """A run's per-sample lengths, and its SD samples' tokens per forward weighted by length (a sample that
+    ran without speculating, 1 token per forward, is left out), every step but the first."""
+    from tlt_stream.commands.cli import main
+    from tlt_stream.commands.plan import _run_acceptance
+
+    rows = [
+        {"version": 1, "response_lens": [5, 5], "accept_lengths": [9.0, 9.0]},  # the first step: left out
+        {"version": 2, "response_lens": [300, 100, 50], "accept_lengths": [3.0, 1.0, 1.0]},
+        {"version": 3, "response_lens": [100], "accept_lengths": [1.0]},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert _run_acceptance(str(tmp_path)) == pytest.approx(3.0)  # only rows with SD: 300 tokens / 100 forwards
+    argv = ["plan", "--from-run", str(tmp_path), "--gpu", "a100", "--steps", "2", "--seeds", "1", "--json", "-q"]
+    assert main([*argv, "--no-recommend", "--modes", "a_sync_plain"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["lengths"]["max"] == 300 and out["inputs"]["acceptance"]["tokens_per_round"] == 3.0
+
+
+def test_acceptance_table_per_arm_and_bucket(tmp_path):
+    from tlt_stream.commands.plan import PlanInputError, _table
+
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"d4k1v4": {"0": 3.5, "*": 2.0}, "*": {"2": 1.5}}))
+    table = _table(str(path), Acceptance.uniform(1.2))
+    d4, d6 = Arm.from_label("d4k1v4"), Arm.from_label("d6k1v6")
+    assert table.mean(d4, 0) == 3.5 and table.mean(d4, 5) == 2.0
+    assert table.mean(d6, 2) == 1.5 and table.mean(d6, 3) == 1.2  # the fallback for the rest
+    path.write_text(json.dumps({"d4k1v4": 3}))
+    with pytest.raises(PlanInputError):
+        _table(str(path), Acceptance.uniform(1.2))

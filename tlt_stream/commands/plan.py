@@ -1,0 +1,284 @@
+"""`tlt-stream plan`: project an RL step's time in each mode on a workload and hardware, before running it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tlt_stream.commands.args import EXIT_CONFIG
+
+__all__ = ["handle", "register"]
+
+_MODE_NAMES = "a_sync_plain,b_sync_tlt,c_stream_tlt,g_sync_partial,h_stream_partial,o_sync_overlap"
+
+
+def register(commands: Any) -> None:
+    p = commands.add_parser(
+        "plan",
+        help="project each mode's RL step time and speedup on your workload and hardware (a simulation)",
+        description="Simulate RL steps (rollout workers, SD switch and arms, drafter training in idle time, the "
+        "learner and weight publication) under an engine cost model and print each mode's projected step time "
+        "and speedup over synchronous plain decoding, with the settings the model favours. Every figure is a "
+        "PROJECTION from the inputs printed beside it, never a measurement.\n\n"
+        "  tlt-stream plan --from-run runs/NAME --model-size 7B --gpu h100 --rollout-gpus 6 --learner-gpus 2\n"
+        "  tlt-stream plan --lengths lognormal:3000:1.0:32768 --acceptance 5 --model-size 32B --gpu h200\n"
+        "  tlt-stream plan --cpu-model artifacts/plan/cpu.json --from-run runs/NAME   # this machine\n"
+        "  tlt-stream plan --paper                       # TLT's published setup against its 1.7x claim",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("workload (one of)")
+    src.add_argument("--from-run", metavar="DIR", help="a run directory: response lengths and acceptance from it")
+    src.add_argument(
+        "--lengths",
+        metavar="LAW",
+        help="a long-tailed law: lognormal:MEDIAN:SIGMA[:CAP], pareto:MIN:ALPHA[:CAP], uniform:LO:HI, const:N",
+    )
+    src.add_argument("--lengths-file", metavar="FILE", help="a JSON list of response lengths (a short rollout)")
+    p.add_argument(
+        "--acceptance", type=float, help="tokens per speculative round for every SD arm (default: the run's)"
+    )
+    p.add_argument(
+        "--acceptance-table",
+        metavar="JSON",
+        help='tokens per round per arm and bucket, e.g. {"d4k1v4": {"0": 3.4, "*": 3.0}, "*": {"*": 2.5}} '
+        "(bucket indices of the SD edges; * for any); arms it omits use --acceptance",
+    )
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16; the paper's 64)")
+    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 on CPU, 512 on GPUs)")
+    p.add_argument("--max-response", type=int, default=None, help="response tokens at most")
+    p.add_argument("--steps", type=int, default=6, help="RL steps simulated per mode (default 6)")
+    p.add_argument("--seeds", type=int, default=3, help="simulations per mode; the median is shown (default 3)")
+    p.add_argument("--modes", default=_MODE_NAMES, help=f"comma-separated (default {_MODE_NAMES})")
+    hw = p.add_argument_group("hardware (a GPU roofline, or this machine's fitted CPU model)")
+    hw.add_argument("--gpu", help="GPU type: h100, h200 or a100 (datasheet figures)")
+    hw.add_argument("--model-size", default="7B", help="7B, 14B or 32B (Qwen2.5 shapes; default 7B)")
+    hw.add_argument("--rollout-gpus", type=int, default=8, help="GPUs generating (default 8)")
+    hw.add_argument("--learner-gpus", type=int, default=None, help="GPUs training; none: colocated with rollout")
+    hw.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per engine (default: by size)")
+    hw.add_argument("--cpu-model", metavar="FILE", help="a CPU cost model fitted by bench/plan_fit.py")
+    p.add_argument("--vary", action="store_true", help="also project with each GPU assumption at its low and high")
+    p.add_argument("--paper", action="store_true", help="TLT's published setup (Qwen2.5-7B/32B on H100) vs 1.7x")
+    p.add_argument("--no-recommend", action="store_true", help="skip the recommended settings (faster)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", metavar="PNG", help="draw each mode's projected step time to this file")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(handler=handle)
+
+
+class PlanInputError(ValueError):
+    """Bad input: one line for the user."""
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise PlanInputError(f"{name} must be positive, got {value}")
+
+
+def handle(args: argparse.Namespace) -> int:
+    from tlt_stream.plan.lengths import LengthError
+
+    try:
+        result = run(args)
+    except (PlanInputError, LengthError, ValueError, OSError) as exc:
+        print(f"tlt-stream plan: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render(result))
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tlt_stream.plan.project import MODES
+
+    for name in ("prompts", "group_size", "prompt_len", "max_response", "steps", "seeds", "rollout_gpus", "tp"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    _positive("--learner-gpus", args.learner_gpus)
+    _positive("--acceptance", args.acceptance)
+    if args.acceptance is not None and args.acceptance < 1:
+        raise PlanInputError(f"--acceptance is tokens per round (>= 1), got {args.acceptance}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := [m for m in modes if m not in MODES]:
+        raise PlanInputError(f"unknown modes {unknown}; choose from {_MODE_NAMES}")
+    say = (lambda text: None) if args.quiet else (lambda text: print(f"[plan] {text}", file=sys.stderr, flush=True))
+    if args.paper:
+        from tlt_stream.plan.paper import compare
+
+        return compare(gpu=args.gpu or "h100", seeds=args.seeds, progress=say, vary=args.vary)
+    return _workload(args, modes, say)
+
+
+def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]:
+    import dataclasses
+
+    from tlt_stream.plan import lengths as L
+    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.plan.costs import CpuCosts
+    from tlt_stream.plan.project import project, recommend, split_devices
+    from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
+    from tlt_stream.plan.simulate import Setup
+
+    given = [x for x in (args.from_run, args.lengths, args.lengths_file) if x]
+    if len(given) != 1:
+        raise PlanInputError("give the workload once: --from-run DIR, --lengths LAW or --lengths-file FILE")
+    if args.from_run:
+        dist = L.from_run(args.from_run)
+    elif args.lengths:
+        dist = L.named(args.lengths)
+    else:
+        from pathlib import Path
+
+        dist = L.from_lengths(json.loads(Path(args.lengths_file).read_text()), args.lengths_file)
+    tokens = args.acceptance or (_run_acceptance(args.from_run) if args.from_run else None)
+    if tokens is None:
+        raise PlanInputError("--acceptance TOKENS is needed without --from-run (tokens per speculative round)")
+    acceptance = Acceptance.uniform(tokens, "given" if args.acceptance else f"{args.from_run} (accept_length_mean)")
+    if args.acceptance_table:
+        acceptance = _table(args.acceptance_table, acceptance)
+    if args.cpu_model and args.gpu:
+        raise PlanInputError("choose --gpu or --cpu-model, not both")
+    if args.gpu:
+        if args.gpu not in GPUS:
+            raise PlanInputError(f"unknown --gpu {args.gpu!r}; choose from {', '.join(GPUS)}")
+        if args.model_size not in MODELS:
+            raise PlanInputError(f"unknown --model-size {args.model_size!r}; choose from {', '.join(MODELS)}")
+        tp = args.tp or (8 if args.model_size == "32B" else 4 if args.model_size == "14B" else 1)
+        if args.rollout_gpus % tp:
+            raise PlanInputError(f"--rollout-gpus {args.rollout_gpus} is not a multiple of --tp {tp}")
+        colocated = args.learner_gpus is None
+        costs = GpuCosts(
+            GPUS[args.gpu], MODELS[args.model_size], tp=tp, learner_gpus=args.learner_gpus or args.rollout_gpus
+        )
+        setup = Setup(
+            workers=args.rollout_gpus // tp,
+            max_batch=-(-(args.prompts or 16) * args.group_size // (args.rollout_gpus // tp)),  # an even split
+            prompt_len=args.prompt_len or 512,
+            colocated=colocated,
+            kv_capacity_tokens=costs.kv_capacity_tokens,
+            macro_steps=32,
+            crossover=1 + 32,
+        )
+    elif args.cpu_model:
+        costs = CpuCosts.load(args.cpu_model)
+        setup = Setup(prompt_len=args.prompt_len or 32)
+    else:
+        raise PlanInputError("give the hardware: --gpu h100|h200|a100, or --cpu-model FILE from bench/plan_fit.py")
+    setup = dataclasses.replace(
+        setup,
+        prompts=args.prompts or 16,
+        group_size=args.group_size,
+        steps=args.steps,
+        max_response=args.max_response or setup.max_response,
+    )
+    if setup.group_size > setup.max_batch:
+        raise PlanInputError(f"--group-size {setup.group_size} exceeds the engine's {setup.max_batch} rows")
+    if args.gpu:  # the recommended switch, then the projection with it
+        rec = recommend(setup, dist, acceptance, costs, progress=say) if not args.no_recommend else None
+        if rec:
+            setup = dataclasses.replace(setup, crossover=rec["sd_crossover"], margin=0)
+    else:
+        rec = None
+    rows = project(setup, dist, acceptance, costs, modes, seeds=args.seeds, progress=say)
+    if rec is None and not args.no_recommend:
+        rec = recommend(setup, dist, acceptance, costs, progress=say)
+    out: dict[str, Any] = {
+        "kind": "PROJECTION (simulated, not measured)",
+        "inputs": {
+            "lengths": {"source": dist.source, **dist.summary()},
+            "acceptance": {"tokens_per_round": tokens, "source": acceptance.source},
+            "costs": costs.describe(),
+            "setup": {k: v for k, v in dataclasses.asdict(setup).items() if k != "seed"},
+            "seeds": args.seeds,
+        },
+        "modes": rows,
+        "recommended": rec,
+    }
+    if args.gpu and not args.no_recommend:
+        out["device_split"] = split_devices(
+            setup, dist, acceptance, costs, args.rollout_gpus + (args.learner_gpus or 0), progress=say
+        )
+    if args.vary and args.gpu:
+        from tlt_stream.plan.paper import vary_assumptions
+
+        out["varied"] = vary_assumptions(setup, dist, acceptance, costs, modes, progress=say)
+    return out
+
+
+def _table(path: str, fallback):
+    """An acceptance table file: {arm label or *: {bucket index or *: tokens per round}}."""
+    from pathlib import Path
+
+    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.rollout.arms import Arm
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        table = {}
+        for arm, buckets in raw.items():
+            if arm != "*":
+                Arm.from_label(arm)
+            for bucket, value in buckets.items():
+                table[arm, None if bucket == "*" else int(bucket)] = float(value)
+    except (json.JSONDecodeError, AttributeError, TypeError) as exc:
+        raise PlanInputError(f"--acceptance-table {path}: not {{arm: {{bucket: tokens}}}} ({exc})") from None
+    return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=path)
+
+
+def _run_acceptance(run_dir: str) -> float | None:
+    """Tokens per target forward of the run's SD samples (every step but the first): per sample where the
+    learner recorded them (weighted by length, as forwards are), else each step's mean."""
+    from pathlib import Path
+
+    from tlt_stream.rl.records import load_metrics
+
+    rows = load_metrics(Path(run_dir))
+    rows = rows[1:] if len(rows) > 1 else rows
+    tokens = forwards = 0.0
+    for r in rows:
+        for n, a in zip(r.get("response_lens", []), r.get("accept_lengths", []), strict=False):
+            if a > 1.0:
+                tokens, forwards = tokens + n, forwards + n / a
+    if forwards:
+        return tokens / forwards
+    sd = sorted(r["accept_length_mean"] for r in rows if r.get("accept_length_mean", 1.0) > 1.0)
+    return sd[len(sd) // 2] if sd else None
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"== {result.get('kind', 'PROJECTION')} =="]
+    inputs = result.get("inputs", {})
+    for key, value in inputs.items():
+        lines.append(f"  {key}: {json.dumps(value, default=str)[:300]}")
+    lines.append("")
+    lines.append(f"  {'mode':<18} {'step s':>10} {'vs (a)':>8} {'rollout s':>10} {'learner s':>10} {'SD steps':>9}")
+    for name, row in result.get("modes", {}).items():
+        lines.append(
+            f"  {name:<18} {row['step_time_s']:>10.3f} {row.get('speedup_over_a', float('nan')):>7.2f}x "
+            f"{row['rollout_span_s'] or 0:>10.3f} {row['learner_s'] or 0:>10.3f} {row['sd_step_share']:>9.1%}"
+        )
+    for key in ("recommended", "device_split", "varied", "paper", "verdict"):
+        if result.get(key):
+            lines.append(f"\n  {key}: {json.dumps(result[key], indent=2, default=str)}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("modes", {})
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(list(rows), [r["step_time_s"] for r in rows.values()])
+    ax.set(ylabel="projected step time (s)", title="PROJECTION: step time per mode")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""Tokens a speculative round emits (accepted draft tokens + the bonus token), per arm and batch bucket.
+
+An input the simulator does not derive: it comes from a run (the samples' tokens per target forward), from a
+table the user gives, or from a published figure plus a stated law for the arms it does not cover.
+
+- `Acceptance.mean(arm, bucket)`: the table's entry for (arm, bucket), else (arm, any bucket), else ("*", any
+  bucket), else the budget law: tau(arm) = 1 + (tau_ref - 1) * log2(1 + nodes) / log2(1 + nodes_ref), at most
+  depth + 1 (more verified nodes help with diminishing returns; an assumption, varied in the output);
+- `Acceptance.draw(arm, bucket, rng)`: one round's emitted tokens, 1 .. depth + 1, from the chain model whose
+  per-token acceptance `a` gives that mean: P(k accepted) = a^k (1 - a) for k < depth, a^depth at depth,
+  so the mean is (1 - a^(depth + 1)) / (1 - a).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from tlt_stream.rollout.arms import Arm
+
+__all__ = ["Acceptance", "chain_alpha", "chain_mean"]
+
+
+def chain_mean(alpha: float, depth: int) -> float:
+    """Expected tokens a chain round of `depth` drafts emits when each draft is accepted with `alpha`."""
+    if alpha >= 1.0:
+        return depth + 1.0
+    return (1.0 - alpha ** (depth + 1)) / (1.0 - alpha)
+
+
+@lru_cache(maxsize=4096)
+def chain_alpha(mean: float, depth: int) -> float:
+    """The per-token acceptance whose chain of `depth` emits `mean` tokens per round (bisection)."""
+    if mean <= 1.0:
+        return 0.0
+    if mean >= depth + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chain_mean(mid, depth) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Mean tokens per round per (arm label or "*", bucket or None), with a budget law for the rest."""
+
+    table: Mapping[tuple[str, int | None], float] = field(default_factory=dict)
+    ref_nodes: int = 48
+    """Verified nodes of the arm the reference acceptance was measured with."""
+    ref_tokens: float = 1.0
+    """Tokens per round of that arm (1: no reference, unlisted arms gain nothing)."""
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        for key, value in self.table.items():
+            if not (value >= 1.0 and math.isfinite(value)):
+                raise ValueError(f"acceptance {key}: tokens per round must be >= 1, got {value}")
+
+    def mean(self, arm: Arm, bucket: int) -> float:
+        if arm.kind == "plain":
+            return 1.0
+        for key in ((arm.label, bucket), (arm.label, None), ("*", bucket), ("*", None)):
+            if key in self.table:
+                return min(self.table[key], arm.depth + 1.0)
+        scale = math.log2(1 + arm.nodes) / math.log2(1 + self.ref_nodes)
+        return min(1.0 + (self.ref_tokens - 1.0) * scale, arm.depth + 1.0)
+
+    def draw(self, arm: Arm, bucket: int, rng: random.Random | None) -> float:
+        """One round's emitted tokens; with no `rng`, the mean itself (the expected-value simulation)."""
+        mean = self.mean(arm, bucket)
+        if rng is None or arm.kind == "plain":
+            return mean
+        alpha = chain_alpha(round(mean, 6), arm.depth)
+        k = 0
+        while k < arm.depth and rng.random() < alpha:
+            k += 1
+        return float(k + 1)
+
+    @classmethod
+    def published(cls, tokens: float, ref: Arm, source: str) -> Acceptance:
+        """Only a published figure for `ref` (every bucket); other arms by the budget law."""
+        return cls({(ref.label, None): tokens}, ref_nodes=ref.nodes, ref_tokens=tokens, source=source)
+
+    @classmethod
+    def uniform(cls, tokens: float, source: str = "given") -> Acceptance:
+        """Every SD arm emits `tokens` per round (capped at its depth + 1) in every bucket."""
+        return cls({("*", None): tokens}, ref_tokens=tokens, source=source)

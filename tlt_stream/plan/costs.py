@@ -1,0 +1,143 @@
+"""The engine cost model's surface, and the CPU model: formulas with named constants fitted on
+microbenchmarks (`bench/plan_fit.py`), never on the end-to-end runs they are checked against.
+
+Every model answers, in seconds:
+
+- `decode_s(b, ctx)`: one plain decode step of `b` rows whose mean context is `ctx` tokens;
+- `round_s(b, arm, ctx)`: one speculative round of `b` rows: the arm's drafting plus the verify forward of
+  its nodes (and the round's own bookkeeping);
+- `prefill_s(tokens)`: prefilling that many prompt (or re-verified) tokens;
+- `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
+- `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it).
+
+CPU formulas (b rows, n verified nodes, ctx tokens of context, depth d, top-k w):
+
+    decode_s  = step_s + row_s * b + ctx_s * b * ctx
+    round_s   = step_s + round_s_fixed + row_s * b * (1 + node_frac * n) + ctx_s * b * ctx
+                + d * (draft_step_s + draft_row_s * b * w)
+    prefill_s = prefill_step_s + prefill_token_s * tokens
+    learn_s   = tokens / learn_tokens_per_s
+
+`cores` shares the machine: when more single-threaded processes run than there are cores, each runs
+proportionally slower (the simulator applies it at each step's start).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Protocol
+
+from tlt_stream.rollout.arms import Arm
+
+__all__ = ["CpuCosts", "EngineCosts", "FixedCosts"]
+
+
+class EngineCosts(Protocol):
+    optimizer_s: float
+    publish_s: float
+    load_s: float
+    cores: float
+    """Cores the processes share (inf: each process has its own device)."""
+
+    def decode_s(self, batch: int, context: float) -> float: ...
+    def round_s(self, batch: int, arm: Arm, context: float) -> float: ...
+    def prefill_s(self, tokens: int) -> float: ...
+    def learn_s(self, tokens: int, context: float) -> float: ...
+    def describe(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """Hand-computable costs for tests and what-ifs: a decode step costs `decode` whatever the batch, a round
+    `round`, and everything else what its field says."""
+
+    decode: float = 1.0
+    round: float = 1.0
+    prefill: float = 0.0
+    learn_per_token: float = 0.0
+    optimizer_s: float = 0.0
+    publish_s: float = 0.0
+    load_s: float = 0.0
+    cores: float = float("inf")
+
+    def decode_s(self, batch: int, context: float) -> float:
+        return self.decode
+
+    def round_s(self, batch: int, arm: Arm, context: float) -> float:
+        return self.decode if arm.kind == "plain" else self.round
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill if tokens else 0.0
+
+    def learn_s(self, tokens: int, context: float) -> float:
+        return self.learn_per_token * tokens
+
+    def describe(self) -> dict[str, object]:
+        return {"model": "fixed", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    """This machine's engine, the formulas of the module docstring; every constant named, in seconds."""
+
+    step_s: float
+    """Fixed cost of one target forward (Python and operator overhead), whatever the batch."""
+    row_s: float
+    """Cost per row and query token of a target forward (the part that grows with the batch)."""
+    ctx_s: float = 0.0
+    """Attention's cost per row per context token."""
+    node_frac: float = 1.0
+    """A verified draft node's cost relative to the row's one decode token (the verify-cost curve's slope)."""
+    round_s_fixed: float = 0.0
+    """A speculative round's own bookkeeping beyond its forwards (tree mask, acceptance, KV commit)."""
+    draft_step_s: float = 0.0
+    """Fixed cost of one drafter forward (one tree level)."""
+    draft_row_s: float = 0.0
+    """Cost per row and drafted candidate of one drafter forward."""
+    prefill_step_s: float = 0.0
+    prefill_token_s: float = 0.0
+    learn_tokens_per_s: float = 1e9
+    """The learner's response tokens per second (forward + backward, its own process)."""
+    optimizer_s: float = 0.0
+    publish_s: float = 0.0
+    """From the update's end to the new version announced (checkpoint written, hashed)."""
+    load_s: float = 0.0
+    """From announced to generating with it on a worker (read, verified, loaded)."""
+    cores: float = 2.0
+    source: str = "given"
+
+    def decode_s(self, batch: int, context: float) -> float:
+        return self.step_s + self.row_s * batch + self.ctx_s * batch * context
+
+    def round_s(self, batch: int, arm: Arm, context: float) -> float:
+        if arm.kind == "plain":
+            return self.decode_s(batch, context)
+        verify = self.step_s + self.round_s_fixed + self.row_s * batch * (1 + self.node_frac * arm.nodes)
+        verify += self.ctx_s * batch * context
+        width = max(arm.topk, 1)
+        drafts = 0 if arm.kind in ("ngram", "group") else arm.depth
+        return verify + drafts * (self.draft_step_s + self.draft_row_s * batch * width)
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_step_s + self.prefill_token_s * tokens if tokens else 0.0
+
+    def learn_s(self, tokens: int, context: float) -> float:
+        return tokens / self.learn_tokens_per_s
+
+    def describe(self) -> dict[str, object]:
+        return {"model": "cpu", **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.describe(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CpuCosts:
+        """A fitted model written by `bench/plan_fit.py` (`save`)."""
+        raw = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known - {"model", "fit"}
+        if raw.get("model") != "cpu" or unknown:
+            raise ValueError(f"{path}: not a CPU cost model (unknown keys {sorted(unknown)})")
+        return cls(**{k: v for k, v in raw.items() if k in known})

@@ -1,0 +1,136 @@
+"""Response-length distributions the simulator draws a step's rows from.
+
+Three sources, one type (`LengthDist`, a sorted sample of lengths drawn from with replacement):
+
+- a run directory: `metrics.jsonl`'s per-sample `response_lens` where the learner recorded them, else a
+  log-normal fitted to each step's p50 and p90 and capped at the step's longest response;
+- a short rollout: the lengths themselves (`from_lengths`);
+- a named long-tailed law (`named`): `lognormal:MEDIAN:SIGMA[:CAP]`, `pareto:MIN:ALPHA[:CAP]`,
+  `uniform:LOW:HIGH`, `const:N`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LengthDist", "from_lengths", "from_run", "named"]
+
+_Z90 = 1.2815515655446004
+"""The standard normal's 0.9 quantile: a log-normal's p90 / p50 = exp(sigma * z90)."""
+
+
+class LengthError(ValueError):
+    """A length input the planner cannot use (one line for the user)."""
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A finite sample of response lengths (tokens, >= 1) and where it came from."""
+
+    lengths: tuple[int, ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 1:
+            raise LengthError(f"{self.source}: lengths must be a non-empty list of positive token counts")
+
+    def draw(self, n: int, rng: random.Random) -> list[int]:
+        """`n` lengths drawn with replacement."""
+        return [self.lengths[rng.randrange(len(self.lengths))] for _ in range(n)]
+
+    def capped(self, cap: int) -> LengthDist:
+        return LengthDist(tuple(min(x, cap) for x in self.lengths), f"{self.source}, capped at {cap}")
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.lengths)
+        q = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 9
+        return {
+            "mean": round(statistics.fmean(ordered), 1),
+            "p50": round(q[4], 1),
+            "p90": round(q[8], 1),
+            "max": ordered[-1],
+            "max_over_median": round(ordered[-1] / max(q[4], 1.0), 2),
+        }
+
+
+def from_lengths(lengths: Sequence[int], source: str = "given lengths") -> LengthDist:
+    return LengthDist(tuple(int(x) for x in lengths), source)
+
+
+def _lognormal_quantiles(p50: float, p90: float, cap: float, n: int) -> list[int]:
+    """`n` evenly spaced quantiles of a log-normal with this p50 and p90, capped at `cap`."""
+    sigma = max(math.log(max(p90, p50 + 1e-9) / max(p50, 1.0)) / _Z90, 1e-6)
+    mu = math.log(max(p50, 1.0))
+    out = []
+    for i in range(n):
+        z = statistics.NormalDist().inv_cdf((i + 0.5) / n)
+        out.append(max(1, min(int(cap), round(math.exp(mu + sigma * z)))))
+    return out
+
+
+def from_run(run_dir: str | Path, *, skip_first: bool = True) -> LengthDist:
+    """The response lengths a run's learner recorded in `metrics.jsonl` (every step but the first, which
+    ran under the untrained policy, unless it is the only one)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise LengthError(f"{run_dir}: no metrics.jsonl (not a run directory, or no step finished)")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    rows = [r for r in rows if "response_len_p50" in r or "response_lens" in r]
+    if not rows:
+        raise LengthError(f"{path}: no step records response lengths")
+    if skip_first and len(rows) > 1:
+        rows = rows[1:]
+    lengths: list[int] = []
+    exact = all("response_lens" in r for r in rows)
+    for r in rows:
+        if exact:
+            lengths += [int(x) for x in r["response_lens"]]
+        else:
+            n = int(r.get("samples", r.get("rollout_samples", 128)) or 128)
+            lengths += _lognormal_quantiles(r["response_len_p50"], r["response_len_p90"], r["response_len_max"], n)
+    how = "per-sample lengths" if exact else "log-normal fitted to each step's p50/p90, capped at its max"
+    return LengthDist(tuple(lengths), f"{run_dir} ({len(rows)} steps, {how})")
+
+
+def named(spec: str, *, samples: int = 4096) -> LengthDist:
+    """A named law as `NAME:ARG:...`, tabulated at `samples` evenly spaced quantiles (no randomness)."""
+    name, *raw = spec.split(":")
+    try:
+        args = [float(x) for x in raw]
+    except ValueError:
+        raise LengthError(f"length law {spec!r}: arguments must be numbers") from None
+    if any(a <= 0 for a in args):
+        raise LengthError(f"length law {spec!r}: arguments must be positive")
+    qs = [(i + 0.5) / samples for i in range(samples)]
+    if name == "lognormal" and len(args) in (2, 3):
+        median, sigma, *cap = args
+        norm = statistics.NormalDist()
+        values = [median * math.exp(sigma * norm.inv_cdf(q)) for q in qs]
+    elif name == "pareto" and len(args) in (2, 3):
+        low, alpha, *cap = args
+        values = [low / (1 - q) ** (1 / alpha) for q in qs]
+    elif name == "uniform" and len(args) == 2:
+        low, high = args
+        cap = []
+        values = [low + (high - low) * q for q in qs]
+    elif name == "const" and len(args) == 1:
+        cap = []
+        values = [args[0]] * samples
+    else:
+        raise LengthError(
+            f"unknown length law {spec!r}: lognormal:MEDIAN:SIGMA[:CAP], pareto:MIN:ALPHA[:CAP], uniform:LOW:HIGH, "
+            "const:N"
+        )
+    top = cap[0] if cap else math.inf
+    return LengthDist(tuple(max(1, round(min(v, top))) for v in values), f"law {spec}")

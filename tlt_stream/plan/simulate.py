@@ -1,0 +1,487 @@
+"""The step simulator: rollout workers, the policy service and the learner as discrete events, with the
+system's own rules.
+
+- Policy service: step s is dispatched once version s - max_staleness (- 1 with partial rollouts at staleness
+  0: the next step goes out one version early, as drafts) has been announced; its prompt groups queue in
+  order and workers take whole groups while they have room (`max_batch` rows, or the KV cache's tokens).
+- Rollout worker (one engine): it loads an announced version once its rows in flight have finished and
+  starts nothing new meanwhile; with partial rollouts it loads at once and re-verifies every row holding
+  tokens (one prefill of them; `kept_share` of the tokens survive). A draft row (a group of the version after
+  the worker's) runs at most `ahead_tokens` tokens, then parks without its slot; with `ahead_rows` drafts start
+  only while fewer rows run. Each engine step is a plain decode or a speculative round of the arm chosen:
+  the SD switch (`rollout.switch.SdSwitch`, the configured crossover and margin) and, per batch bucket, the
+  tuner's converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost),
+  explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
+  beats plain (`above_crossover = "measure"`) or never (`"plain"`).
+- Drafter training: a worker with nothing to generate holds the training lease (one holder at a time); work
+  that arrives preempts it within one training step and the slice's commit (`preempt_s`).
+- Learner: groups join its queue in order of completion; an update takes the first `prompts` groups inside
+  the staleness window (older ones are dropped), costs `learn_s` of their tokens plus `optimizer_s`, and the
+  new version is announced `publish_s` later. Overlapped (on-policy): each group's forward and backward runs
+  as soon as it is complete and the learner is free; the step ends one optimizer step after its last group.
+  Colocated (verl, TLT): the learner's devices are the engines', so no engine step runs during an update.
+- Cores: where processes share `costs.cores`, each step or update started while more threads are busy than
+  there are cores takes proportionally longer.
+
+With `seed` set, a round's emitted tokens are drawn from the chain model (`acceptance.Acceptance.draw`) and
+lengths from the distribution; with `seed=None` every round emits its mean and lengths are used in order,
+for closed-form checks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from tlt_stream.plan.acceptance import Acceptance
+from tlt_stream.plan.costs import EngineCosts
+from tlt_stream.plan.lengths import LengthDist
+from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.switch import DEFAULT_EDGES, SdSwitch, bucket_of
+
+__all__ = ["Mode", "Result", "Setup", "simulate"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One of `bench/e2e.py`'s configurations (or the overlapped learner)."""
+
+    name: str
+    sd: bool = False
+    max_staleness: int = 0
+    partial: bool = False
+    overlapped: bool = False
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The workload and the system's settings a simulation runs with (defaults: the configuration tree's)."""
+
+    prompts: int = 16
+    group_size: int = 8
+    steps: int = 8
+    workers: int = 1
+    max_batch: int = 128
+    prompt_len: int = 32
+    max_response: int = 1_000_000
+    arms: tuple[str, ...] = ("plain", "d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8")
+    crossover: int = 16
+    margin: int = 2
+    edges: tuple[int, ...] = DEFAULT_EDGES
+    epsilon: float = 0.1
+    above_crossover: str = "measure"
+    ahead_tokens: int = 64
+    ahead_rows: int = 0
+    kept_share: float = 0.99
+    preempt_s: float = 0.2
+    """Work arriving at a worker training the drafter waits this long: the training step in progress and the
+    slice's commit (an assumption: the trainer checks for work before every step)."""
+    train_drafter: bool = True
+    colocated: bool = False
+    kv_capacity_tokens: int | None = None
+    worker_threads: int = 1
+    learner_threads: int = 1
+    """Threads each rollout worker and the learner run with (where `costs.cores` is finite, more busy threads
+    than cores slow every step and update proportionally)."""
+    macro_steps: int = 1
+    """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
+    responses, and delays what another event would have changed by at most that many steps)."""
+    seed: int | None = 0
+
+
+@dataclass
+class _Row:
+    step: int
+    group: int
+    length: int
+    draft_of: int  # the version the row needs; it is a draft while the worker's is older
+    done: float = 0.0
+    version: int = -1
+
+
+@dataclass
+class _Worker:
+    wid: int
+    switch: SdSwitch
+    version: int = 0
+    running: list[_Row] = field(default_factory=list)
+    parked: list[_Row] = field(default_factory=list)
+    step: tuple[str, float] | None = None  # (arm label, seconds) of the step in progress
+    arm: Arm | None = None
+    repeat: int = 1  # engine steps the event stands for
+    busy: bool = False
+    pending: int = -1  # the sequence number of the event that ends the step in progress
+    training_since: float | None = None
+    idle_s: float = 0.0
+    idle_since: float | None = 0.0
+
+
+@dataclass
+class Result:
+    mode: str
+    step_times: list[float]
+    version_times: list[float]
+    rollout_spans: list[float]
+    learner_s: list[float]
+    emitted: float
+    finished_tokens: float
+    in_flight_tokens: float
+    discarded_tokens: float
+    dropped_groups: int
+    drafter_train_s: float
+    rounds: dict[str, int]
+    sd_share: float
+
+    @property
+    def step_time(self) -> float:
+        steady = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        return statistics.median(steady)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "mode": self.mode,
+            "step_time_s": round(self.step_time, 4),
+            "step_times_s": [round(x, 4) for x in self.step_times],
+            "rollout_span_s": round(statistics.median(self.rollout_spans), 4) if self.rollout_spans else None,
+            "learner_s": round(statistics.median(self.learner_s), 4) if self.learner_s else None,
+            "sd_step_share": round(self.sd_share, 3),
+            "drafter_train_s_per_step": round(self.drafter_train_s / max(len(self.step_times), 1), 3),
+            "dropped_groups": self.dropped_groups,
+            "discarded_tokens": round(self.discarded_tokens, 1),
+        }
+
+
+class _Sim:
+    def __init__(self, mode: Mode, setup: Setup, lengths: LengthDist, acceptance: Acceptance, costs: EngineCosts):
+        self.mode, self.setup, self.acc, self.costs = mode, setup, acceptance, costs
+        self.rng = random.Random(setup.seed) if setup.seed is not None else None
+        self.length_rng = random.Random(setup.seed if setup.seed is not None else 0)
+        self.lengths = lengths
+        self._in_order = itertools.cycle(lengths.lengths)
+        arms = [Arm.from_label(a) for a in setup.arms] if mode.sd else [Arm.plain()]
+        self.arms = [a for a in arms if a.kind != "plain"]
+        self.plain = Arm.plain()
+        self.events: list[tuple[float, int, str, int]] = []
+        self.seq = itertools.count()
+        self.workers = [
+            _Worker(w, SdSwitch.from_crossover(setup.crossover, setup.margin)) for w in range(setup.workers)
+        ]
+        self.queue: deque[list[_Row]] = deque()
+        self.dispatched = 0
+        self.announced = 0
+        self.version_times = [0.0]
+        self.learner_version = 0
+        self.learner_busy = False
+        self.ready: deque[tuple[int, int, float]] = deque()  # (step, version, tokens) of complete groups
+        self.group_left: dict[int, int] = {}
+        self.group_tokens: dict[int, float] = {}
+        self.group_version: dict[int, int] = {}
+        self.accumulated = 0  # overlapped: groups of the current update already computed
+        self.acc_tokens = 0.0
+        self.lease: int | None = None
+        self.first_start: dict[int, float] = {}
+        self.last_finish: dict[int, float] = {}
+        self.learner_s: list[float] = []
+        self.update_s = 0.0
+        self.emitted = self.finished = self.discarded = 0.0
+        self.dropped = 0
+        self.train_s = 0.0
+        self.rounds: dict[str, int] = {}
+        self.done = False
+
+    # ------------------------------------------------------------------------------------------ scheduling
+
+    def at(self, t: float, kind: str, who: int = 0) -> int:
+        seq = next(self.seq)
+        heapq.heappush(self.events, (t, seq, kind, who))
+        return seq
+
+    def step_until(self, w: _Worker, t: float) -> None:
+        w.busy = True
+        w.pending = self.at(t, "worker", w.wid)
+
+    def busy_procs(self) -> float:
+        """How much slower work started now runs: busy threads over cores, at least 1 (drafter training runs
+        at the lowest priority and is not counted)."""
+        if self.costs.cores == float("inf"):
+            return 1.0
+        s = self.setup
+        busy = sum(w.busy for w in self.workers) * s.worker_threads + self.learner_busy * s.learner_threads
+        return max(1.0, busy / self.costs.cores)
+
+    def run(self) -> Result:
+        self.dispatch(0.0)
+        for w in self.workers:
+            self.at(0.0, "worker", w.wid)
+        while self.events and not self.done:
+            t, seq, kind, who = heapq.heappop(self.events)
+            if kind == "worker":
+                w = self.workers[who]
+                if not w.busy or seq == w.pending:  # a wake-up for a busy worker waits for its step's end
+                    self.worker_event(w, t)
+            elif kind == "learner":
+                self.learner_done(t)
+            elif kind == "announce":
+                self.announce(t)
+        times = self.version_times
+        spans = [self.last_finish[s] - self.first_start[s] for s in sorted(self.last_finish) if s in self.first_start]
+        sd_rounds = sum(n for label, n in self.rounds.items() if label != "plain")
+        return Result(
+            mode=self.mode.name,
+            step_times=[b - a for a, b in itertools.pairwise(times)],
+            version_times=times,
+            rollout_spans=spans,
+            learner_s=self.learner_s,
+            emitted=self.emitted,
+            finished_tokens=self.finished,
+            in_flight_tokens=sum(r.done for w in self.workers for r in w.running + w.parked),
+            discarded_tokens=self.discarded,
+            dropped_groups=self.dropped,
+            drafter_train_s=self.train_s,
+            rounds=self.rounds,
+            sd_share=sd_rounds / max(sum(self.rounds.values()), 1),
+        )
+
+    # ------------------------------------------------------------------------------------------ policy service
+
+    def dispatch(self, t: float) -> None:
+        s = self.setup
+        ahead = 1 if self.mode.partial and self.mode.max_staleness == 0 else 0
+        while self.dispatched < s.steps and self.announced >= self.dispatched - self.mode.max_staleness - ahead:
+            step = self.dispatched
+            for g in range(s.prompts):
+                gid = step * s.prompts + g
+                if self.rng is not None:
+                    lens = self.lengths.draw(s.group_size, self.length_rng)
+                else:
+                    lens = [next(self._in_order) for _ in range(s.group_size)]
+                need = max(0, step - self.mode.max_staleness)
+                self.queue.append([_Row(step, gid, min(x, s.max_response), need) for x in lens])
+                self.group_left[gid] = s.group_size
+                self.group_tokens[gid] = 0.0
+            self.dispatched += 1
+        for w in self.workers:
+            if not w.busy:
+                self.at(t, "worker", w.wid)
+
+    def announce(self, t: float) -> None:
+        self.learner_busy = False
+        self.announced += 1
+        self.version_times.append(t)
+        if self.announced >= self.setup.steps:
+            self.done = True
+            return
+        self.dispatch(t)
+        self.try_learn(t)
+
+    # ------------------------------------------------------------------------------------------ workers
+
+    def worker_event(self, w: _Worker, t: float) -> None:
+        if w.step is not None:
+            self.finish_step(w, t)
+        if w.training_since is not None:  # preempted: the slice in progress ends first
+            if self.has_work(w):
+                end = t + self.setup.preempt_s
+                self.train_s += end - w.training_since
+                w.training_since, self.lease = None, None
+                w.step = ("train", 0.0)
+                self.step_until(w, end)
+            return
+        self.act(w, t)
+
+    def has_work(self, w: _Worker) -> bool:
+        return (
+            bool(w.running)
+            or self.announced > w.version
+            or any(self.startable(w, g) for g in list(self.queue)[:1])
+            or bool(w.parked and self.announced > w.version)
+        )
+
+    def startable(self, w: _Worker, group: list[_Row]) -> bool:
+        need = group[0].draft_of
+        return need <= w.version or (self.mode.partial and need - 1 <= w.version)
+
+    def act(self, w: _Worker, t: float) -> None:
+        s, costs = self.setup, self.costs
+        extra = 0.0
+        if self.announced > w.version and (self.mode.partial or not w.running):
+            extra += costs.load_s
+            if self.mode.partial:
+                rows = w.running + w.parked
+                held = sum(r.done for r in rows if r.done)
+                extra += costs.prefill_s(int(held))
+                for r in rows:
+                    r.version = self.announced
+                    kept = float(int(r.done * s.kept_share)) if self.rng is not None else r.done * s.kept_share
+                    self.discarded += r.done - kept
+                    r.done = kept
+                w.running += w.parked
+                w.parked = []
+                complete = [r for r in w.running if r.done >= r.length - 1e-9]
+                w.running = [r for r in w.running if r.done < r.length - 1e-9]
+                for r in complete:
+                    self.row_finished(r, t + extra)
+            w.version = self.announced
+        if self.setup.colocated and self.learner_busy:
+            self.go_idle(w, t)
+            return
+        admitted = 0
+        if not (self.announced > w.version and not self.mode.partial):
+            while self.queue and self.startable(w, self.queue[0]) and self.room(w, self.queue[0]):
+                group = self.queue.popleft()
+                for r in group:
+                    r.version = w.version
+                    self.first_start.setdefault(r.step, t)
+                w.running += group
+                admitted += len(group)
+        if not w.running:
+            if extra:
+                w.step = ("load", extra)
+                self.step_until(w, t + extra)
+            else:
+                self.go_idle(w, t)
+            return
+        if w.idle_since is not None:
+            w.idle_s += t - w.idle_since
+            w.idle_since = None
+        b = len(w.running)
+        ctx = s.prompt_len + statistics.fmean(r.done for r in w.running)
+        arm = self.choose(w, b, ctx)
+        repeat = 1
+        if arm.kind == "plain" and s.macro_steps > 1:
+            left = min(r.length - r.done for r in w.running)
+            drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
+            repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
+        seconds = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2) + costs.prefill_s(admitted * s.prompt_len)
+        w.busy = True
+        seconds *= self.busy_procs()
+        w.arm, w.step, w.repeat = arm, (arm.label, seconds + extra), repeat
+        self.rounds[arm.label] = self.rounds.get(arm.label, 0) + repeat
+        self.step_until(w, t + seconds + extra)
+
+    def room(self, w: _Worker, group: list[_Row]) -> bool:
+        s = self.setup
+        drafting = group[0].draft_of > w.version
+        if drafting and s.ahead_rows and len(w.running) >= s.ahead_rows:
+            return False
+        if len(w.running) + len(group) > s.max_batch:
+            return False
+        if s.kv_capacity_tokens is not None:
+            held = sum(s.prompt_len + r.done for r in w.running)
+            if w.running and held + len(group) * s.prompt_len > s.kv_capacity_tokens:
+                return False
+        return True
+
+    def choose(self, w: _Worker, b: int, ctx: float) -> Arm:
+        if not self.arms:
+            return self.plain
+        on = w.switch.update(b)
+        bucket = bucket_of(b, self.setup.edges)
+        rate = {a: b * self.acc.mean(a, bucket) / self.costs.round_s(b, a, ctx) for a in [self.plain, *self.arms]}
+        candidates = [self.plain, *self.arms] if on or self.setup.above_crossover == "measure" else [self.plain]
+        best = max(sorted(candidates, key=lambda a: a.simplicity), key=rate.__getitem__)
+        if self.rng is not None and len(candidates) > 1 and self.rng.random() < self.setup.epsilon:
+            others = [a for a in candidates if a != best]
+            weights = [max(0.1, (rate[a] / rate[best]) ** 4) for a in others]
+            return self.rng.choices(others, weights)[0]
+        return best
+
+    def finish_step(self, w: _Worker, t: float) -> None:
+        label, _ = w.step
+        w.step, w.busy = None, False
+        if label in ("train", "load"):
+            return
+        arm = w.arm or self.plain
+        b = len(w.running)
+        bucket = bucket_of(b, self.setup.edges)
+        keep = []
+        for r in w.running:
+            e = min(self.acc.draw(arm, bucket, self.rng) * w.repeat, r.length - r.done)
+            if r.draft_of > w.version:
+                e = min(e, self.setup.ahead_tokens - r.done)
+            r.done += e
+            self.emitted += e
+            drafting = r.draft_of > w.version
+            if drafting and (r.done >= r.length - 1e-9 or r.done >= self.setup.ahead_tokens - 1e-9):
+                w.parked.append(r)  # a draft is sent only once re-verified
+            elif r.done >= r.length - 1e-9:
+                self.row_finished(r, t)
+            else:
+                keep.append(r)
+        w.running = keep
+
+    def row_finished(self, r: _Row, t: float) -> None:
+        self.finished += r.done
+        self.last_finish[r.step] = t
+        self.group_tokens[r.group] += r.done
+        self.group_version[r.group] = min(self.group_version.get(r.group, r.version), r.version)
+        self.group_left[r.group] -= 1
+        if self.group_left[r.group] == 0:
+            self.ready.append((r.step, self.group_version[r.group], self.group_tokens[r.group]))
+            self.try_learn(t)
+
+    def go_idle(self, w: _Worker, t: float) -> None:
+        if w.idle_since is None:
+            w.idle_since = t
+        trains = self.mode.sd and self.setup.train_drafter and not (self.setup.colocated and self.learner_busy)
+        if trains and self.lease is None and w.training_since is None:
+            self.lease, w.training_since = w.wid, t
+
+    # ------------------------------------------------------------------------------------------ learner
+
+    def try_learn(self, t: float) -> None:
+        if self.learner_busy:
+            return
+        window = self.mode.max_staleness
+        while self.ready and self.learner_version - self.ready[0][1] > window:
+            self.ready.popleft()
+            self.dropped += 1
+        n = self.setup.prompts
+        if self.mode.overlapped:
+            if not self.ready or self.accumulated >= n:
+                return
+            _, _, tokens = self.ready.popleft()
+            self.accumulated += 1
+            self.acc_tokens += tokens
+            seconds = self.costs.learn_s(int(tokens), self.setup.prompt_len + tokens / self.setup.group_size)
+            if self.accumulated == n:
+                seconds += self.costs.optimizer_s
+        else:
+            if len(self.ready) < n:
+                return
+            taken = [self.ready.popleft() for _ in range(n)]
+            tokens = sum(g[2] for g in taken)
+            ctx = self.setup.prompt_len + tokens / (n * self.setup.group_size)
+            seconds = self.costs.learn_s(int(tokens), ctx) + self.costs.optimizer_s
+            self.accumulated = n
+        self.learner_busy = True
+        seconds *= self.busy_procs()
+        self.update_s += seconds
+        self.at(t + seconds, "learner")
+
+    def learner_done(self, t: float) -> None:
+        """A group's (overlapped) or a whole update's work is done; a finished update is published, the learner
+        busy until its version is announced (the checkpoint is written on its critical path)."""
+        if self.accumulated >= self.setup.prompts:
+            self.accumulated, self.acc_tokens = 0, 0.0
+            self.learner_version += 1
+            self.learner_s.append(self.update_s)
+            self.update_s = 0.0
+            self.at(t + self.costs.publish_s, "announce")
+        else:
+            self.learner_busy = False
+            self.try_learn(t)
+
+
+def simulate(mode: Mode, setup: Setup, lengths: LengthDist, acceptance: Acceptance, costs: EngineCosts) -> Result:
+    """One simulated run of `setup.steps` RL steps in `mode`; deterministic for a seed."""
+    if setup.prompts < 1 or setup.group_size < 1 or setup.steps < 1 or setup.workers < 1 or setup.max_batch < 1:
+        raise ValueError("prompts, group size, steps, workers and max batch must be positive")
+    if setup.group_size > setup.max_batch:
+        raise ValueError(f"a group of {setup.group_size} rows does not fit a batch of {setup.max_batch}")
+    return _Sim(mode, setup, lengths, acceptance, costs).run()
