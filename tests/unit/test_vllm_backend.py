@@ -243,3 +243,17 @@ def test_a_published_sd_config_becomes_a_vllm_engines_schedule_or_is_refused_onc
     announce(4, 3, (9, 1))
     assert engine._schedule == [[1, 8, 0], [9, 16, 1]]
     swaps.adopt_sd_config(object(), None)  # the torch engine without adaptive SD has no schedule to take
+
+
+def test_the_follower_feeds_a_vllm_engines_group_history() -> None:
+    """A vLLM engine drafting group arms has no torch proposer; the rollout worker's follower finds its
+    `group_history` (which forwards to vLLM's worker), and nothing on an engine without one."""
+    from types import SimpleNamespace
+
+    from tlt_stream.roles.worker.follow import SampleFollower
+
+    history = SimpleNamespace(remember=lambda prompt, response: None)
+    group = SimpleNamespace(engine=SimpleNamespace(proposer=None, group_history=history))
+    eagle = SimpleNamespace(engine=SimpleNamespace(proposer=SimpleNamespace(drafter=object()), group_history=None))
+    assert SampleFollower(None, None, "w", group)._group_source() is history  # type: ignore[arg-type]
+    assert SampleFollower(None, None, "w", eagle)._group_source() is None  # type: ignore[arg-type]

@@ -76,3 +76,10 @@ def test_an_unbound_proposer_says_what_is_missing() -> None:
     )
     with pytest.raises(RuntimeError, match="tlt_bind_group"):
         GroupDrafts(config).propose([[1]], np.array([3]), np.zeros((1, 8), dtype=np.int64))
+
+
+def test_a_remembered_response_is_history_for_the_prompts_first_request() -> None:
+    drafts, batch = proposer()
+    drafts.remember([1, 2, 3], [10, 11, 12, 13, 14, 15])  # another worker's response
+    assert step(drafts, batch, [("a", [1, 2, 3], [10])]) == [[11, 12, 13, 14]]
+    assert step(drafts, batch, [("b", [3, 2, 1], [10])]) == [[]], "another prompt's history is not drafted from"

@@ -54,3 +54,14 @@ def test_logprobs_with_group_drafts_are_the_targets_at_the_rollout_temperature(e
     for result in results:
         expected = oracle.logprobs(result.prompt_ids, result.token_ids, 0.7)
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(expected), atol=2e-4, rtol=0)
+
+
+def test_a_response_remembered_from_another_worker_is_drafted_from(engine, oracle: Oracle) -> None:
+    """`group_history.remember` (what the rollout worker's follower calls with other workers' samples): the
+    first request of a prompt this engine never ran drafts from the remembered response."""
+    (prompt,) = prompt_ids(1, seed=43)
+    response = oracle.greedy(prompt, 48)  # what another worker's greedy request returned
+    engine.group_history.remember(prompt, response)
+    (result,) = engine.generate([prompt], 48, temperature=0.0)
+    assert result.token_ids == response
+    assert mean_accept([result]) > 2.0, result.accept_lengths

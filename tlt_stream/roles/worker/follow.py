@@ -37,6 +37,8 @@ class SampleFollower:
         """The engine's group/history draft source (`GroupProposer`), or None."""
         proposer = getattr(self.loader.engine, "proposer", None)
         source = getattr(proposer, "group", proposer)
+        if not hasattr(source, "remember"):  # a vLLM engine's group proposer lives in vLLM's worker
+            source = getattr(self.loader.engine, "group_history", None)
         return source if hasattr(source, "remember") else None
 
     async def run(self, stop: asyncio.Event) -> None:

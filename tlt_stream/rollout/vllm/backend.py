@@ -84,6 +84,18 @@ _NO_PARTIAL_ROLLOUTS = (
 )
 
 
+class GroupHistory:
+    """A group-drafting engine's history: other workers' finished responses, indexed by its proposer in
+    vLLM's worker (`group.GroupDrafts.remember`); what the rollout worker's follower feeds
+    (`roles/worker/follow.py`)."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self._engine = engine
+
+    def remember(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        self._engine._rpc("tlt_group_remember", [int(t) for t in prompt], [int(t) for t in response])
+
+
 @dataclass
 class DraftHolder:
     """Where `GenerationEngine` has its proposer: the drafter the engine drafts with, as a torch module
@@ -156,6 +168,8 @@ class VllmEngine:
             self.close()
             raise
         self._requests = Requests()
+        self.group_history = GroupHistory(self) if self.arm is not None and self.arm.kind == "group" else None
+        """Where other workers' responses go as group-draft history (None: this engine drafts otherwise)."""
         self._schedule: list[list[int]] | None = None
         """The batch-size schedule attached to new requests (`set_schedule`); None: the one built in."""
         self._keys = itertools.count()

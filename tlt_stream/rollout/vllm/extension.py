@@ -138,6 +138,17 @@ class TltWorkerExtension:
         drafter.bind(runner)
         return True
 
+    def tlt_group_remember(self, prompt: list[int], response: list[int]) -> bool:
+        """Index a finished response produced elsewhere as history for `prompt` (False without a group
+        proposer)."""
+        from tlt_stream.rollout.vllm.group import GroupDrafts
+
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        if not isinstance(drafter, GroupDrafts):
+            return False
+        drafter.remember(prompt, response)
+        return True
+
     def tlt_group_drafted(self) -> int:
         """Rows the group proposer gave a non-empty chain so far (0 without one)."""
         return int(getattr(getattr(self.model_runner, "drafter", None), "drafted", 0))  # type: ignore[attr-defined]
