@@ -16,7 +16,7 @@
 # empty Redis and Mosquitto volumes and no run directory. Heavy phases hold TLT_CHECK_LOCK (/tmp/tlt-heavy.lock).
 # The audit table and the phases' durations go to stdout and $TLT_CHECK_STATE/ (default /var/tmp/tlt-compose-check).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "${TLT_CHECK_ROOT:-$(dirname "$0")/..}" # the clone (TLT_CHECK_ROOT: when running a copy of this script)
 state=${TLT_CHECK_STATE:-/var/tmp/tlt-compose-check}
 lock=${TLT_CHECK_LOCK:-/tmp/tlt-heavy.lock}
 mkdir -p "$state"
