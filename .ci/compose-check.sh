@@ -159,6 +159,10 @@ phase redis-outage
 code=0
 tdc 900 wait learner >/dev/null || code=$?
 phase run-end
+# The rollout workers train the drafter in their idle time, which goes on after the learner's end: wait for the
+# first published drafter (the audit then reads it as a new subscriber would).
+tdc 300 run --rm --no-deps -T audit wait-version 1 drafter || log "no drafter published in 300 s"
+phase drafter
 restarts=$(for id in $(dc ps -a -q); do docker inspect -f '{{.Name}}={{.RestartCount}}' "$id"; done | sed 's|^/tlt-check-||' | sort)
 crashed=$(echo "$restarts" | grep -c -v '=0$' || true)
 

@@ -4,7 +4,7 @@ what the services did not write for themselves where it can: Redis's own count o
 stream, the checkpoints' ledgers on the data volume, the control plane as a subscriber sees it, the servers'
 refusals of what a role's ACL forbids.
 
-    python compose_audit.py wait-version N      blocks until the retained policy version is at least N
+    python compose_audit.py wait-version N [KIND]  blocks until the retained KIND (policy) version is >= N
     python compose_audit.py watch               prints every control message (JSON lines) until SIGTERM
     python compose_audit.py audit < watch.jsonl  the audit: a table, exit 1 when a row failed
 
@@ -111,13 +111,13 @@ def publish_as(user: str, topic: str, body: bytes, retain: bool = False) -> None
         client.disconnect()
 
 
-def wait_version(target: int) -> None:
-    sub = Subscriber([f"tlt/{RUN}/policy"])
+def wait_version(target: int, kind: str) -> None:
+    sub = Subscriber([f"tlt/{RUN}/{kind}"])
     try:
         while True:
             message = sub.next(5)
             if message is not None and version_of(message[2]) >= target:
-                print(f"policy version {version_of(message[2])}", flush=True)
+                print(f"{kind} version {version_of(message[2])}", flush=True)
                 return
     finally:
         sub.close()
@@ -275,7 +275,7 @@ def audit_prometheus() -> None:
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "audit"
     if what == "wait-version":
-        wait_version(int(sys.argv[2]))
+        wait_version(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "policy")
         return
     if what == "watch":
         watch()
