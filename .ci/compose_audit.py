@@ -138,9 +138,10 @@ def watch() -> None:
 
 def audit_ledgers(steps: int, prompts: int, group: int) -> None:
     monitor = redis_as("monitor")
-    added = {
-        name: int(monitor.xinfo_stream(f"tlt:{RUN}:stream:{name}")["entries-added"]) for name in ("prompts", "samples")
-    }
+    added = {}
+    for name in ("prompts", "samples"):
+        info = monitor.xinfo_stream(f"tlt:{RUN}:stream:{name}")
+        added[name] = int({(k.decode() if isinstance(k, bytes) else k): v for k, v in info.items()}["entries-added"])
     row(
         "every task dispatched once",
         added["prompts"] == steps * prompts,
