@@ -150,26 +150,28 @@ def audit_ledgers(steps: int, prompts: int, group: int) -> None:
     root = Path(f"/data/runs/{RUN}/checkpoints")
     found = sorted(root.glob("step-*"))
     names = [p.name for p in found]
-    want = [f"step-{s:08d}" for s in range(1, steps + 1)]
+    want = [f"step-{s:08d}" for s in range(steps + 1)]  # step 0: the initial policy, an empty ledger
     row("a checkpoint per step", names == want, f"{len(names)} checkpoints on the volume: {names[0]}..{names[-1]}")
     ledgers = [set(json.loads((p / "ledger.json").read_text())) for p in found]
     grows = all(a <= b for a, b in itertools.pairwise(ledgers))
     row("no ledger lost a sample", grows, "each checkpoint's ledger holds the previous one's")
-    trained = [ledgers[0], *(b - a for a, b in itertools.pairwise(ledgers))]
+    trained = [b - a for a, b in itertools.pairwise(ledgers)]  # trained[k - 1]: what update k added
     total = sum(len(update) for update in trained)
-    dispatched = {f"s{s:06d}-{i}" for s in range(steps) for i in range(prompts)}
+    dispatched = {f"s{s:06d}-{i:04d}" for s in range(steps) for i in range(prompts)}
     groups = Counter(sample_id.split("/")[0] for sample_id in ledgers[-1])
     row(
         "every dispatched task trained exactly once",
         grows
+        and not ledgers[0]
         and total == len(ledgers[-1]) == steps * prompts * group
         and set(groups) == dispatched
         and set(groups.values()) == {group},
         f"{len(ledgers[-1])} sample ids in the last ledger, {total} over the updates, {len(groups)} tasks of "
-        f"{sorted(set(groups.values()))} samples; samples stream: {added['samples']} entries ever added",
+        f"{sorted(set(groups.values()))} samples, the {len(dispatched)} dispatched; samples stream: "
+        f"{added['samples']} entries ever added (a regenerated sample has the same id)",
     )
-    on_policy = all(
-        {s.split("/")[0] for s in update} == {f"s{k - 1:06d}-{i}" for i in range(prompts)}
+    on_policy = len(trained) == steps and all(
+        {s.split("/")[0] for s in update} == {f"s{k - 1:06d}-{i:04d}" for i in range(prompts)}
         for k, update in enumerate(trained, start=1)
     )
     row("update k trains step k-1's tasks", on_policy, "the task ids of each update's new sample ids")
@@ -261,15 +263,20 @@ def audit_acl() -> None:
     )
 
 
-def audit_prometheus() -> None:
+def audit_prometheus(steps: int) -> None:
     with urllib.request.urlopen("http://monitor:9100/metrics", timeout=10) as response:
-        text = response.read().decode()
-    up = [line for line in text.splitlines() if line.startswith("tlt_up ")]
-    streams = [line for line in text.splitlines() if line.startswith("tlt_stream_length{")]
+        lines = response.read().decode().splitlines()
+    label = f'{{run="{RUN}"}}'
+    up = [line for line in lines if line.startswith(f"tlt_up{label} ")]
+    version = [line for line in lines if line.startswith(f"tlt_learner_policy_version{label} ")]
+    streams = [line for line in lines if line.startswith("tlt_stream_length{")]
     row(
         "the Prometheus endpoint answers",
-        up == ["tlt_up 1.0"] and bool(streams),
-        f"{up[0] if up else 'no tlt_up'}; {len(streams)} tlt_stream_length series",
+        up == [f"tlt_up{label} 1.0"]
+        and version == [f"tlt_learner_policy_version{label} {float(steps)}"]
+        and bool(streams),
+        f"{up[0] if up else 'no tlt_up'}; {version[0] if version else 'no learner version'}; "
+        f"{len(streams)} tlt_stream_length series",
     )
 
 
@@ -289,7 +296,7 @@ def main() -> None:
         lambda: audit_control(steps, watched),
         audit_forged_publish,
         audit_acl,
-        audit_prometheus,
+        lambda: audit_prometheus(steps),
     ):
         try:
             part()
