@@ -183,8 +183,10 @@ row "$ok" "\`monitor --once\` answers" "exit $ok, $(echo "$once" | grep -c .) li
 docker stop -t 20 tlt-check-watch >/dev/null # SIGTERM: the watcher exits 0
 wait "$watch_pid" || true
 watch_pid=""
-dc run --rm --no-deps -T audit audit <"$state/watch.jsonl" 2>>"$state/audit.err" | tee -a "$table"
-[ "${PIPESTATUS[0]}" = 0 ] || failed=1
+audited=0
+dc run --rm --no-deps -T audit audit <"$state/watch.jsonl" 2>>"$state/audit.err" >"$state/audit.out" || audited=$?
+tee -a "$table" <"$state/audit.out"
+[ "$audited" = 0 ] || failed=1
 phase audit
 
 # The end as a person types it: `docker compose wait --down-project learner` (the learner has exited: it stops
