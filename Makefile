@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # share one worker (xdist_group "faults"); `make test XDIST=` runs everything in one process.
 XDIST ?= -n 2 --dist loadgroup
 
-.PHONY: demo test test-vllm vllm-cpu-env lint bench-quick clean
+.PHONY: demo test test-vllm vllm-cpu-env lint bench-quick clean wheelhouse compose-check
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,22 @@ vllm-cpu-env:
 VLLM_TESTS ?= tests/vllm
 test-vllm:
 	env="$$(bash deploy/vllm-cpu-env.sh)" && PYTHONPATH="$(CURDIR)" "$$env/bin/python" -m pytest -q $(VLLM_TESTS) $(PYTEST_ARGS)
+
+# An offline image build's wheels, from the host's pip (its index, find-links and cache): torch (TORCH_SPEC), every
+# dependency of the project and its build backend, for the host's Python, which must be the image's (3.11 for
+# python:3.11-slim). Then: docker build --build-arg WHEELHOUSE=wheelhouse ., or TLT_WHEELHOUSE=wheelhouse in .env
+# for compose.cpu.yaml. WHEEL_PIP_ARGS: more pip options (e.g. --extra-index-url https://download.pytorch.org/whl/cpu).
+WHEELHOUSE ?= wheelhouse
+WHEEL_PYTHON ?= python3
+WHEEL_PIP_ARGS ?=
+wheelhouse:
+	bash deploy/wheelhouse.sh "$(WHEELHOUSE)" "$(WHEEL_PYTHON)" "$(TORCH_SPEC)" $(WHEEL_PIP_ARGS)
+
+# The compose stack for real (needs root on a Debian host): installs Docker's engine and compose v2, makes the
+# base images from Debian's packages when Docker Hub is out of reach, builds the image offline, runs the stack
+# with two rollout replicas and audits it from outside (.ci/compose-check.sh says what).
+compose-check:
+	bash .ci/compose-check.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -267,3 +267,26 @@ def test_the_compose_interpolation_of_the_tests_follows_the_spec() -> None:
     assert {text: interpolate(text, env) for text in cases} == cases
     with pytest.raises(ValueError, match="B"):
         interpolate("${B:?set B}", env)
+
+
+def test_offline_builds_name_a_wheelhouse_and_a_base_image_and_keep_neither_in_the_image(tmp_path: Path) -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = dockerfile.split("\nFROM ")
+    assert "ARG BASE_IMAGE=python:3.11-slim" in stages[0], "the base is an argument declared before any FROM"
+    assert [s.split()[0] for s in stages[1:]] == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    assert "ARG WHEELHOUSE" in stages[1] and "PIP_NO_INDEX=1" in stages[1]
+    assert "wheelhouse" not in stages[2].lower(), "the image's own stage copies only the built environment"
+    command = compose_command()
+    if command is None:
+        pytest.skip("no Compose v2 binary")
+    dotenv = tmp_path / ".env"
+    make_env(dotenv)
+    args = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], SHELL, dotenv)["services"]["bootstrap"]["build"]
+    assert args["args"]["WHEELHOUSE"] == "" and args["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    offline = {**SHELL, "TLT_WHEELHOUSE": "wheelhouse", "TLT_BASE_IMAGE": "mirror.local/python:3.11-slim"}
+    args = compose_config(command, [COMPOSE_FILE, CPU_OVERRIDE], offline, dotenv)["services"]["bootstrap"]["build"]
+    assert args["args"]["WHEELHOUSE"] == "wheelhouse"
+    assert args["args"]["BASE_IMAGE"] == "mirror.local/python:3.11-slim"
+    assert set(args["args"]) <= {
+        line.split()[1].split("=")[0] for line in dockerfile.splitlines() if line.startswith("ARG ")
+    }
