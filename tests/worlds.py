@@ -57,21 +57,11 @@ def qwen_like_policy(out: Path) -> Path:
     next-token distribution is near uniform over the ~260 tokens and a response meets either EOS within a
     few dozen tokens (what a test needs to see both stop a response)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    corpus = [f"Question: what is {a} plus {b}? Answer: {a + b}." for a in range(40) for b in range(7)]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_CHAT_TEMPLATE
-    )
+    from tests.families import chat_tokenizer
+
+    tokenizer = chat_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", QWEN_CHAT_TEMPLATE)
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
