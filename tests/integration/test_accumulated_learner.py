@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.faults.audit import read_checkpoints
+from tests.worlds import tiny_policy
 from tlt_stream.basics.config import Config, override
 from tlt_stream.basics.errors import ConfigError
 from tlt_stream.basics.messages import Sample, Tensor
@@ -183,25 +184,9 @@ async def test_an_accumulating_learner_trains_every_group_once_to_the_batch_lear
 
 
 async def test_a_policy_with_dropout_is_refused_naming_learner_accumulate(bus_config: Config, tmp_path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tlt_stream.tasks.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            attention_dropout=0.1,
-        )
-    )
-    policy = tmp_path / "dropout"
-    model.save_pretrained(policy)
-    tokenizer.save_pretrained(policy)
+    policy = tiny_policy(tmp_path / "dropout")
+    checkpoint = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**checkpoint, "attention_dropout": 0.1}))
     config = override(bus_config, {"learner.accumulate": True})
     async with learner_of(config, tmp_path / "run", policy) as learner:
         with pytest.raises(ConfigError, match=r"learner\.accumulate: .*attention_dropout = 0\.1"):

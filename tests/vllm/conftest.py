@@ -213,3 +213,19 @@ def _no_stray_env() -> Iterator[None]:
     yield
     after = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     assert after == before, f"VLLM_* environment changed: {before} -> {after}"
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, and their command lines (vLLM names its engine core process)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            found[int(entry.name)] = line
+    return found

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import FaultRun, PrivateServers, have_servers
-from tests.vllm.conftest import hf_policy, requires_vllm
+from tests.vllm.conftest import children, hf_policy, requires_vllm
 
 pytestmark = [
     *requires_vllm,
@@ -45,22 +45,6 @@ PLAN = {
 wait in the stream for the worker that takes over."""
 FAST_HEARTBEAT = {"TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"}
 """The dead worker's registry entry expires in 2 s: its groups are taken over within the test."""
-
-
-def children(pid: int) -> dict[int, str]:
-    """The processes whose parent is `pid`, and their command lines (vLLM names its engine core process)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == pid:
-            found[int(entry.name)] = line
-    return found
 
 
 async def wait_generating(run: FaultRun, worker: str, timeout: float) -> None:

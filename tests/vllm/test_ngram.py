@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import Oracle, closing, prompt_ids, requires_vllm, settings
+from tests.vllm.conftest import Oracle, children, closing, prompt_ids, requires_vllm, settings
 
 pytestmark = requires_vllm
 
@@ -38,30 +38,14 @@ def test_greedy_output_with_ngram_drafts_is_transformers_greedy(engine, oracle: 
     assert any(n > 1 for r in results for n in r.accept_lengths)  # some lookup drafts were accepted
 
 
-def engine_processes() -> dict[int, str]:
-    """This process's children and their command lines (vLLM names its engine core process)."""
-    me, found = os.getpid(), {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == me:
-            found[int(entry.name)] = line
-    return found
-
-
 def test_an_engine_whose_process_dies_fails_in_one_line_and_does_not_hang(engine) -> None:
     from tlt_stream.rollout.vllm.backend import EngineDied
 
     (prompt,) = repetitive_prompts(1)
     engine.add_request(prompt, 120, 1.0, seed=1, request_id="doomed")
     engine.step()
-    cores = [pid for pid, line in engine_processes().items() if "EngineCore" in line]
-    assert len(cores) == 1, engine_processes()
+    cores = [pid for pid, line in children(os.getpid()).items() if "EngineCore" in line]
+    assert len(cores) == 1, children(os.getpid())
     os.kill(cores[0], signal.SIGKILL)
     with pytest.raises(EngineDied) as caught:
         while True:  # each step either returns or raises: a dead engine must raise, never block
