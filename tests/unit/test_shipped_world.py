@@ -70,6 +70,9 @@ def test_a_default_bootstrap_installs_the_shipped_world_without_training(tmp_pat
 def test_rebuild_and_other_seeds_train(tmp_path: Path, no_training: None) -> None:
     with pytest.raises(Trained):
         bootstrap(tmp_path / "a", seed=0, size="default", rebuild=True)
+    bootstrap(tmp_path / "copied", seed=0, size="default")
+    with pytest.raises(Trained):  # a world that is a copy of the shipped one is trained anew, not found
+        bootstrap(tmp_path / "copied", seed=0, size="default", rebuild=True)
     with pytest.raises(Trained):
         bootstrap(tmp_path / "b", seed=5, size="default")
 

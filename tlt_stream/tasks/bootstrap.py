@@ -311,6 +311,8 @@ def bootstrap(
     with _locked(out):
         stage = out / STAGING
         found = _read(out / MARKER)
+        if rebuild and found.get("shipped"):
+            found = {}  # a copy of the shipped world is nothing to keep when asked to train
         if _finished(out, found) and _same_policy(found, wanted) and found["settings"] == wanted["settings"]:
             shutil.rmtree(stage, ignore_errors=True)  # a leftover of an abandoned build for other settings
             return found
