@@ -246,6 +246,27 @@ def _finished(out: Path, found: dict[str, Any]) -> bool:
     return {"policy", "drafter"} <= found.keys() and (out / "policy").is_dir() and (out / "drafter").is_dir()
 
 
+def ship(source: Path, dest: Path = shipped.SHIPPED, threads: int = 2) -> dict[str, Any]:
+    """Make `dest` the shipped copy of the finished world `source` (built with `threads` torch threads: the
+    bootstrap is deterministic for a seed and a thread count), with its manifest; returns the manifest."""
+    import transformers
+
+    found = _read(source / MARKER)
+    if not _finished(source, found):
+        raise ValueError(f"{source} holds no finished bootstrap ({MARKER})")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for part in shipped.PARTS:
+        shutil.copytree(source / part, dest / part)
+    _write(dest / MARKER, {k: v for k, v in found.items() if k != "policy_kept"})
+    manifest = {
+        "files": shipped.digests(dest),
+        "built_with": {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads},
+    }
+    (dest / shipped.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
 def unfinished(out: str | Path) -> dict[str, Any] | None:
     """The record of a bootstrap begun in `out` and never finished (its `seed` and `size`, when known), or None
     when `out` holds a finished world or no bootstrap at all: what `tlt-stream run` resumes before it starts."""

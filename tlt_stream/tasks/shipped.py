@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "SHIPPED", "check", "copy_into", "matches", "record", "ship"]
+__all__ = ["MANIFEST", "PARTS", "SHIPPED", "check", "copy_into", "digests", "matches", "record"]
 
 SHIPPED = Path(__file__).with_name("world")
 MANIFEST = "shipped.json"
@@ -80,39 +80,9 @@ def copy_into(stage: Path, world: Path = SHIPPED) -> dict[str, Any]:
     return shipped
 
 
-def ship(source: Path, dest: Path = SHIPPED, threads: int = 2) -> dict[str, Any]:
-    """Make `dest` the shipped copy of the finished world `source` (built with `threads` torch threads: the
-    bootstrap is deterministic for a seed and a thread count), with its manifest."""
-    import torch
-    import transformers
-
-    found = record_of(source)
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for part in PARTS:
-        shutil.copytree(source / part, dest / part)
-    kept = {k: v for k, v in found.items() if k not in ("policy_kept",)}
-    (dest / RECORD).write_text(json.dumps(kept, indent=2) + "\n")
-    manifest = {
-        "files": digests(dest),
-        "built_with": {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads},
-    }
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
-
-
-def record_of(world: Path) -> dict[str, Any]:
-    """The bootstrap record of a finished world (ValueError when `world` holds none)."""
-    try:
-        found = json.loads((world / RECORD).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{world} holds no finished bootstrap ({RECORD}): {exc}") from None
-    if not ({"policy", "drafter"} <= found.keys() and all((world / part).is_dir() for part in PARTS)):
-        raise ValueError(f"{world} holds no finished bootstrap")
-    return found
-
-
 if __name__ == "__main__":
+    from tlt_stream.tasks.bootstrap import ship  # beside the bootstrap, which imports this module
+
     if len(sys.argv) not in (2, 3):
         sys.exit("usage: python -m tlt_stream.tasks.shipped WORLD_DIR [THREADS]")
     print(json.dumps(ship(Path(sys.argv[1]), threads=int(sys.argv[2]) if len(sys.argv) == 3 else 2)["built_with"]))
