@@ -282,6 +282,12 @@ async def test_a_forged_future_version_on_the_broker_changes_nothing(bus_config:
         await forge(bus_config, forged)  # retained, so it also greets every later subscriber
         late = ControlPlane(bus_config, redis, role="late")
         async with running(late):
+            # The broker greets the late subscriber with the retained forgery after its SUBACK; Mosquitto
+            # sends it at once, the embedded broker from a task of its own. Publishing version 2 before that
+            # greeting lands would replace the retained forgery, and `late` would never be offered it.
+            async with asyncio.timeout(10):
+                while late.forged < 1:
+                    await asyncio.sleep(0.01)
             assert await pub.publish(policy(2))
             async with asyncio.timeout(10):
                 for plane in (worker, late):
