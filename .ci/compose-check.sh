@@ -7,7 +7,8 @@
 #      (deploy/standin), fills ./wheelhouse from the host's pip (`make wheelhouse`), builds tlt-stream:latest
 #      with no package index (TLT_WHEELHOUSE);
 #   3. runs the stack (project tlt-check, passwords made for this run) on the small world with
-#      .ci/compose-check.toml, restarts the learner in mid-run, waits for the learner to exit;
+#      .ci/compose-check.toml, restarts the learner in mid-run, stops and starts Redis, fills the run volume until
+#      the learner reports a failing save and frees it, waits for the learner to exit;
 #   4. audits (.ci/compose_audit.py in a client container, plus the engine's own records): every dispatched task
 #      trained once, versions monotone, a drafter published, `monitor --once` and Prometheus answer, a forged
 #      policy publish changes nothing, Redis refuses what an ACL forbids, the learner's exit code, `stop` exits
@@ -155,6 +156,11 @@ phase learner-restart
 tdc 120 stop -t 30 redis 2>/dev/null
 tdc 120 up -d --wait --no-deps redis 2>/dev/null
 phase redis-outage
+# A full data volume in mid-run: the run directories' tmpfs filled from a client container until the monitor
+# exports the learner's failing save, then freed (its audit row: the learner retried, reported and resumed).
+disk=0
+tdc 700 run --rm --no-deps -T fill fill-disk >"$state/disk.out" 2>>"$state/audit.err" || disk=$?
+phase disk-full
 # The learner's exit code from the engine (`docker compose wait learner` says "no containers" once the learner
 # has exited, which a run this short may have done already).
 code=$(timeout 900 docker wait "$learner")
@@ -178,6 +184,15 @@ row() { # OK CHECK EVIDENCE
 row "$code" "the learner exits 0 after policy.steps (\`docker wait\`)" \
     "exit code $code after policy.steps, one \`docker compose restart learner\` at version 2 and a Redis outage at 3"
 row "$crashed" "no service crashed (restarts by the engine)" "$(echo "$restarts" | tr '\n' ' ')"
+# The full volume's row: the fill's own evidence, and the learner's log after the first line that said so (one
+# line per failure, repeated at most once a minute; no traceback).
+after=$(dc logs --no-color learner 2>/dev/null | sed -n '/(the file system is full)/,$p')
+full=$(echo "$after" | grep -c "(the file system is full)" || true)
+tracebacks=$(echo "$after" | grep -c "Traceback" || true)
+evidence=$(sed -n 's/^[A-Z]*  a full data volume ([^)]*): //p' "$state/disk.out" 2>/dev/null | head -n 1 || true)
+row "$([ "$disk" = 0 ] && [ "$tracebacks" = 0 ] && [ "$full" -ge 1 ] && echo 0 || echo 1)" \
+    "a full data volume (the learner retries, reports and resumes)" \
+    "${evidence:-no evidence (fill exit $disk)}; the learner's log from then on: $full lines saying the file system is full, $tracebacks tracebacks"
 once=$(dc exec -T monitor tlt-stream monitor --once 2>&1) && ok=0 || ok=$?
 row "$ok" "\`monitor --once\` answers" "exit $ok, $(echo "$once" | grep -c .) lines"
 docker stop -t 20 tlt-check-watch >/dev/null # SIGTERM: the watcher exits 0

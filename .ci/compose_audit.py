@@ -6,6 +6,8 @@ refusals of what a role's ACL forbids.
 
     python compose_audit.py wait-version N [KIND]  blocks until the retained KIND (policy) version is >= N
     python compose_audit.py watch               prints every control message (JSON lines) until SIGTERM
+    python compose_audit.py fill-disk           fills the run volume (/data/runs, a tmpfs of the check) until the
+                                                learner reports a failing save, then frees it: one audit row
     python compose_audit.py audit < watch.jsonl  the audit: a table, exit 1 when a row failed
 
 Settings from the environment: TLT_CHECK_RUN, TLT_CHECK_STEPS, TLT_CHECK_PROMPTS, TLT_CHECK_GROUP, the eight
@@ -15,6 +17,8 @@ holds a password.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import json
 import os
@@ -134,6 +138,75 @@ def watch() -> None:
             topic, was_retained, body = message
             print(json.dumps({"topic": topic, "retained": was_retained, "body": body.decode()}), flush=True)
     sub.close()
+
+
+def metric(name: str) -> float | None:
+    """One sample of the monitor's Prometheus endpoint (labelled with the run only), None when absent."""
+    with urllib.request.urlopen("http://monitor:9100/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f'{name}{{run="{RUN}"}} '):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def refused_write(volume: Path) -> str:
+    """This client's own write of one byte to a new file on `volume`: "ENOSPC" when the file system refuses it."""
+    probe = volume / f".probe-{uuid.uuid4().hex[:8]}"
+    try:
+        with probe.open("wb", buffering=0) as out:
+            out.write(b"x")
+    except OSError as error:
+        return errno.errorcode.get(error.errno or 0, str(error))
+    finally:
+        probe.unlink(missing_ok=True)
+    return "written"
+
+
+def fill_disk(volume: Path, steps: int) -> None:
+    """Fill `volume` (the run directories) to the last byte; once the monitor exports the learner's failing
+    save (`tlt_learner_disk_failing` 1) and the retained policy version has stood still for a few seconds more,
+    free it and wait for the next version and the gauge back at 0. One audit row; exit 1 when it failed."""
+    filler = volume / ".filler"
+    with filler.open("wb", buffering=0) as out:
+        for chunk in (1 << 20, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while out.write(b"\0" * chunk):
+                    pass
+    own = refused_write(volume)
+    started = time.monotonic()
+    failing, at = None, None
+    while time.monotonic() - started < 300:
+        at = version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+        if metric("tlt_learner_disk_failing") == 1:
+            failing = time.monotonic() - started
+            break
+        if at >= steps:
+            break
+        time.sleep(1)
+    attempts = metric("tlt_learner_disk_failed_attempts")
+    time.sleep(3)
+    held = version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+    still = refused_write(volume)
+    filler.unlink()
+    freed = time.monotonic()
+    after, cleared = held, None
+    while time.monotonic() - freed < 300:
+        after = version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+        if cleared is None and metric("tlt_learner_disk_failing") == 0:
+            cleared = time.monotonic() - freed
+        if after > held and cleared is not None:
+            break
+        time.sleep(1)
+    ok = own == still == "ENOSPC" and failing is not None and held == at and after > held and cleared is not None
+    said = f"failing after {failing:.0f} s ({attempts:.0f} attempts so far)" if failing is not None else "never failing"
+    row(
+        "a full data volume (the learner retries, reports and resumes)",
+        ok,
+        f"this client's write refused: {own}, still {still} 3 s later; the monitor's tlt_learner_disk_failing {said}; "
+        f"policy version {at} -> {held} while full, {after} after freeing "
+        + (f"(gauge 0 after {cleared:.0f} s)" if cleared is not None else "(gauge never 0)"),
+    )
+    sys.exit(0 if ok else 1)
 
 
 def audit_ledgers(steps: int, prompts: int, group: int) -> None:
@@ -287,6 +360,9 @@ def main() -> None:
         return
     if what == "watch":
         watch()
+        return
+    if what == "fill-disk":
+        fill_disk(Path(os.environ.get("TLT_CHECK_VOLUME", "/data/runs")), int(os.environ["TLT_CHECK_STEPS"]))
         return
     steps, prompts, group = (int(os.environ[f"TLT_CHECK_{k}"]) for k in ("STEPS", "PROMPTS", "GROUP"))
     watched = [json.loads(line) for line in sys.stdin if line.startswith("{")]
