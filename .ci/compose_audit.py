@@ -6,7 +6,7 @@ refusals of what a role's ACL forbids.
 
     python compose_audit.py wait-version N [KIND]  blocks until the retained KIND (policy) version is >= N
     python compose_audit.py watch               prints every control message (JSON lines) until SIGTERM
-    python compose_audit.py fill-disk           fills the run volume (/data/runs, a tmpfs of the check) until the
+    python compose_audit.py fill-disk           fills the run volume (TLT_CHECK_RUNS, a tmpfs of the check) until the
                                                 learner reports a failing save, then frees it: one audit row
     python compose_audit.py audit < watch.jsonl  the audit: a table, exit 1 when a row failed
 
@@ -36,6 +36,8 @@ import paho.mqtt.client as mqtt
 import redis
 
 RUN = os.environ.get("TLT_CHECK_RUN", "default")
+RUNS = Path(os.environ.get("TLT_CHECK_RUNS", "/data/runs"))
+"""Where the run directories are (the check mounts their volume at /runs in its client containers)."""
 ROLES = ("policy", "rollout", "learner", "monitor")
 ROWS: list[tuple[str, bool, str]] = []
 
@@ -220,7 +222,7 @@ def audit_ledgers(steps: int, prompts: int, group: int) -> None:
         added["prompts"] == steps * prompts,
         f"Redis counted {added['prompts']} entries ever added to prompts; {steps} steps x {prompts} prompts",
     )
-    root = Path(f"/data/runs/{RUN}/checkpoints")
+    root = RUNS / RUN / "checkpoints"
     found = sorted(root.glob("step-*"))
     names = [p.name for p in found]
     want = [f"step-{s:08d}" for s in range(steps + 1)]  # step 0: the initial policy, an empty ledger
@@ -362,7 +364,7 @@ def main() -> None:
         watch()
         return
     if what == "fill-disk":
-        fill_disk(Path(os.environ.get("TLT_CHECK_VOLUME", "/data/runs")), int(os.environ["TLT_CHECK_STEPS"]))
+        fill_disk(RUNS, int(os.environ["TLT_CHECK_STEPS"]))
         return
     steps, prompts, group = (int(os.environ[f"TLT_CHECK_{k}"]) for k in ("STEPS", "PROMPTS", "GROUP"))
     watched = [json.loads(line) for line in sys.stdin if line.startswith("{")]

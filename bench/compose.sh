@@ -81,7 +81,7 @@ for n in $replicas; do
     # The learner's own times per version, read from the run volume before `down` drops it.
     times=$(dc run --rm --no-deps -T --entrypoint python audit - <<'EOF'
 import json
-rows = [json.loads(line) for line in open("/data/runs/default/metrics.jsonl")]
+rows = [json.loads(line) for line in open("/runs/default/metrics.jsonl")]
 print(" ".join(f"{r['version']}:{r['time']:.3f}" for r in rows))
 EOF
     )
