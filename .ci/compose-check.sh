@@ -135,6 +135,7 @@ docker volume rm tlt-check_redis-data tlt-check_mqtt-data >/dev/null 2>&1 || tru
 dc run --rm --no-deps -T --entrypoint sh bootstrap -c 'rm -rf /data/runs' >/dev/null 2>&1
 since=$(date +%s)
 tdc 300 up -d --wait redis mosquitto 2>/dev/null
+dc run --rm --no-deps -T audit hold-samples >/dev/null
 dc run --rm --no-deps -T --name tlt-check-watch audit watch >"$state/watch.jsonl" 2>"$state/watch.err" &
 watch_pid=$!
 for _ in $(seq 1 600); do grep -q subscribed "$state/watch.jsonl" 2>/dev/null && break; sleep 0.1; done

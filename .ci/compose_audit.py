@@ -6,6 +6,8 @@ refusals of what a role's ACL forbids.
 
     python compose_audit.py wait-version N [KIND]  blocks until the retained KIND (policy) version is >= N
     python compose_audit.py watch               prints every control message (JSON lines) until SIGTERM
+    python compose_audit.py hold-samples        before the services start: a consumer group `audit` on `samples`, so
+                                                the services' trimming keeps every entry for the audit to read
     python compose_audit.py fill-disk           fills the run volume (TLT_CHECK_RUNS, a tmpfs of the check) until the
                                                 learner reports a failing save, then frees it: one audit row
     python compose_audit.py audit < watch.jsonl  the audit: a table, exit 1 when a row failed
@@ -211,6 +213,30 @@ def fill_disk(volume: Path, steps: int) -> None:
     sys.exit(0 if ok else 1)
 
 
+def hold_samples() -> None:
+    """The audit's own consumer group on `samples`, created before any service writes: the learner trims only
+    what every group has acked, so every entry ever added stays for `sample_copies` (the learner's Redis user
+    creates it: the monitor's only reads)."""
+    redis_as("learner").xgroup_create(f"tlt:{RUN}:stream:samples", "audit", id="0", mkstream=True)
+    print("audit group on samples", flush=True)
+
+
+def sample_copies() -> tuple[int, Counter, dict[str, list[str]]]:
+    """Every entry of `samples` (kept by the audit's group): how many, copies per sample id, and for each id sent
+    more than once the workers that sent it, in order."""
+    from tlt_stream.basics.messages import codec_for
+
+    codec = codec_for("samples")
+    entries = redis_as("monitor").xrange(f"tlt:{RUN}:stream:samples")
+    copies: Counter = Counter()
+    senders: dict[str, list[str]] = {}
+    for _, fields in entries:
+        sample = codec.decode(fields[b"m"])
+        copies[sample.sample_id] += 1
+        senders.setdefault(sample.sample_id, []).append(sample.worker_id)
+    return len(entries), copies, {k: v for k, v in senders.items() if copies[k] > 1}
+
+
 def audit_ledgers(steps: int, prompts: int, group: int) -> None:
     monitor = redis_as("monitor")
     added = {}
@@ -234,6 +260,18 @@ def audit_ledgers(steps: int, prompts: int, group: int) -> None:
     total = sum(len(update) for update in trained)
     dispatched = {f"s{s:06d}-{i:04d}" for s in range(steps) for i in range(prompts)}
     groups = Counter(sample_id.split("/")[0] for sample_id in ledgers[-1])
+    read, copies, again = sample_copies()
+    groups_again = sorted({sample_id.split("/")[0] for sample_id in again})
+    by = Counter("the same worker" if len(set(w)) == 1 else "another worker" for w in again.values())
+    row(
+        "every sample reached `samples` whole: the copies are whole groups",
+        read == added["samples"]
+        and set(copies) == ledgers[-1]
+        and all(copies[f"{t}/{i}"] == copies[f"{t}/0"] for t in groups for i in range(group)),
+        f"{added['samples']} entries ever added, {read} read back through the audit's group, {len(copies)} "
+        f"distinct sample ids (= the last ledger: {set(copies) == ledgers[-1]}); sent more than once: "
+        f"{len(groups_again)} groups {groups_again[:12]}, each copy by {dict(by) or 'nobody'}",
+    )
     row(
         "every dispatched task trained exactly once",
         grows
@@ -362,6 +400,9 @@ def main() -> None:
         return
     if what == "watch":
         watch()
+        return
+    if what == "hold-samples":
+        hold_samples()
         return
     if what == "fill-disk":
         fill_disk(RUNS, int(os.environ["TLT_CHECK_STEPS"]))
