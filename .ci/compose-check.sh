@@ -7,8 +7,8 @@
 #      (deploy/standin), fills ./wheelhouse from the host's pip (`make wheelhouse`), builds tlt-stream:latest
 #      with no package index (TLT_WHEELHOUSE);
 #   3. runs the stack (project tlt-check, passwords made for this run) on the small world with
-#      .ci/compose-check.toml, restarts the learner in mid-run, stops and starts Redis, fills the run volume until
-#      the learner reports a failing save and frees it, waits for the learner to exit;
+#      .ci/compose-check.toml, restarts the learner in mid-run over a full run volume (freed once the learner reports
+#      its failing save), stops and starts Redis, waits for the learner to exit;
 #   4. audits (.ci/compose_audit.py in a client container, plus the engine's own records): every dispatched task
 #      trained once, versions monotone, a drafter published, `monitor --once` and Prometheus answer, a forged
 #      policy publish changes nothing, Redis refuses what an ACL forbids, the learner's exit code, `stop` exits
@@ -149,19 +149,23 @@ phase stack-up
 learner=$(dc ps -q learner)
 tdc 600 run --rm --no-deps -T audit wait-version 2
 phase first-versions
+# A full data volume, and `docker compose restart learner` in mid-run: the learner stopped once version 2 is out
+# (so that it cannot end the run first), the run directories' tmpfs filled to the last byte from a client
+# container, the learner restarted; once the monitor exports its failing save, the volume is freed (the row:
+# the learner retried, reported and resumed).
+tdc 180 stop -t 60 learner 2>/dev/null
+filled=$(tdc 120 run --rm --no-deps -T fill fill-disk 2>>"$state/audit.err" || true)
 tdc 180 restart learner 2>/dev/null
+disk=0
+tdc 700 run --rm --no-deps -T fill free-disk "$filled" >"$state/disk.out" 2>>"$state/audit.err" || disk=$?
+phase learner-restart-disk-full
 tdc 600 run --rm --no-deps -T audit wait-version 3
-phase learner-restart
+phase version-3
 # A Redis outage in mid-run: SIGTERM (the append-only file is flushed), then the same container again; the
 # services must back off and resume (the engine's restart counts say whether one crashed instead).
 tdc 120 stop -t 30 redis 2>/dev/null
 tdc 120 up -d --wait --no-deps redis 2>/dev/null
 phase redis-outage
-# A full data volume in mid-run: the run directories' tmpfs filled from a client container until the monitor
-# exports the learner's failing save, then freed (its audit row: the learner retried, reported and resumed).
-disk=0
-tdc 700 run --rm --no-deps -T fill fill-disk >"$state/disk.out" 2>>"$state/audit.err" || disk=$?
-phase disk-full
 # The learner's exit code from the engine (`docker compose wait learner` says "no containers" once the learner
 # has exited, which a run this short may have done already).
 code=$(timeout 900 docker wait "$learner")
@@ -183,7 +187,7 @@ row() { # OK CHECK EVIDENCE
     echo "$verdict  $2: $3" | tee -a "$table"
 }
 row "$code" "the learner exits 0 after policy.steps (\`docker wait\`)" \
-    "exit code $code after policy.steps, one \`docker compose restart learner\` at version 2 and a Redis outage at 3"
+    "exit code $code after policy.steps, one \`docker compose restart learner\` at version 2 (over a full run volume) and a Redis outage at 3 or later"
 row "$crashed" "no service crashed (restarts by the engine)" "$(echo "$restarts" | tr '\n' ' ')"
 # The full volume's row: the fill's own evidence, and the learner's log after the first line that said so (one
 # line per failure, repeated at most once a minute; no traceback).

@@ -8,8 +8,8 @@ refusals of what a role's ACL forbids.
     python compose_audit.py watch               prints every control message (JSON lines) until SIGTERM
     python compose_audit.py hold-samples        before the services start: a consumer group `audit` on `samples`, so
                                                 the services' trimming keeps every entry for the audit to read
-    python compose_audit.py fill-disk           fills the run volume (TLT_CHECK_RUNS, a tmpfs of the check) until the
-                                                learner reports a failing save, then frees it: one audit row
+    python compose_audit.py fill-disk           fills the run volume (TLT_CHECK_RUNS, a tmpfs of the check)
+    python compose_audit.py free-disk SAID      once the learner reports a failing save, frees it: one audit row
     python compose_audit.py audit < watch.jsonl  the audit: a table, exit 1 when a row failed
 
 Settings from the environment: TLT_CHECK_RUN, TLT_CHECK_STEPS, TLT_CHECK_PROMPTS, TLT_CHECK_GROUP, the eight
@@ -166,48 +166,52 @@ def refused_write(volume: Path) -> str:
     return "written"
 
 
-def fill_disk(volume: Path, steps: int) -> None:
-    """Fill `volume` (the run directories) to the last byte; once the monitor exports the learner's failing
-    save (`tlt_learner_disk_failing` 1) and the retained policy version has stood still for a few seconds more,
-    free it and wait for the next version and the gauge back at 0. One audit row; exit 1 when it failed."""
-    filler = volume / ".filler"
-    with filler.open("wb", buffering=0) as out:
+def fill_disk(volume: Path) -> None:
+    """Fill `volume` to the last byte (one file, `.filler`); print this client's own write of one byte after."""
+    with (volume / ".filler").open("wb", buffering=0) as out:
         for chunk in (1 << 20, 1 << 12, 1):
             with contextlib.suppress(OSError):
                 while out.write(b"\0" * chunk):
                     pass
-    own = refused_write(volume)
+    print(refused_write(volume), flush=True)
+
+
+def policy_version() -> int:
+    return version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+
+
+def free_disk(volume: Path, steps: int, filled: str) -> None:
+    """With `volume` full (`fill_disk` said `filled`): once the monitor exports the learner's failing save
+    (`tlt_learner_disk_failing` 1) and the retained policy version has stood still for 3 s more, free it, then
+    wait for the next version and the gauge back at 0. One audit row; exit 1 when it failed."""
     started = time.monotonic()
-    failing, at = None, None
-    while time.monotonic() - started < 300:
-        at = version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+    failing, at = None, policy_version()
+    while time.monotonic() - started < 300 and at < steps:
         if metric("tlt_learner_disk_failing") == 1:
             failing = time.monotonic() - started
             break
-        if at >= steps:
-            break
         time.sleep(1)
+        at = policy_version()
     attempts = metric("tlt_learner_disk_failed_attempts")
     time.sleep(3)
-    held = version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
-    still = refused_write(volume)
-    filler.unlink()
+    held, still = policy_version(), refused_write(volume)
+    (volume / ".filler").unlink()
     freed = time.monotonic()
     after, cleared = held, None
     while time.monotonic() - freed < 300:
-        after = version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+        after = policy_version()
         if cleared is None and metric("tlt_learner_disk_failing") == 0:
             cleared = time.monotonic() - freed
         if after > held and cleared is not None:
             break
         time.sleep(1)
-    ok = own == still == "ENOSPC" and failing is not None and held == at and after > held and cleared is not None
-    said = f"failing after {failing:.0f} s ({attempts:.0f} attempts so far)" if failing is not None else "never failing"
+    ok = filled == still == "ENOSPC" and failing is not None and held == at and after > held and cleared is not None
+    said = f"1 after {failing:.0f} s ({attempts:.0f} attempts by then)" if failing is not None else "never 1"
     row(
         "a full data volume (the learner retries, reports and resumes)",
         ok,
-        f"this client's write refused: {own}, still {still} 3 s later; the monitor's tlt_learner_disk_failing {said}; "
-        f"policy version {at} -> {held} while full, {after} after freeing "
+        f"this client's write refused: {filled}, still {still} when freed; the monitor's "
+        f"tlt_learner_disk_failing {said}; policy version {at} -> {held} while full, {after} after freeing "
         + (f"(gauge 0 after {cleared:.0f} s)" if cleared is not None else "(gauge never 0)"),
     )
     sys.exit(0 if ok else 1)
@@ -405,7 +409,10 @@ def main() -> None:
         hold_samples()
         return
     if what == "fill-disk":
-        fill_disk(RUNS, int(os.environ["TLT_CHECK_STEPS"]))
+        fill_disk(RUNS)
+        return
+    if what == "free-disk":
+        free_disk(RUNS, int(os.environ["TLT_CHECK_STEPS"]), sys.argv[2] if len(sys.argv) > 2 else "")
         return
     steps, prompts, group = (int(os.environ[f"TLT_CHECK_{k}"]) for k in ("STEPS", "PROMPTS", "GROUP"))
     watched = [json.loads(line) for line in sys.stdin if line.startswith("{")]
