@@ -15,6 +15,7 @@ from tlt_stream.roles.learner_parts import disk
 from tlt_stream.roles.learner_parts.disk import describe_write_error, until_written
 from tlt_stream.roles.monitor import learner_disk_summary, prometheus_text
 from tlt_stream.roles.monitor.dashboard import summary_line
+from tlt_stream.store.durable import disk_full
 
 
 class SafetensorLike(Exception):
@@ -28,6 +29,10 @@ def test_a_full_file_system_is_named_whatever_wraps_the_error() -> None:
     assert describe_write_error(wrapped).endswith("(os error 28) (the file system is full)")
     assert describe_write_error(NotADirectoryError(errno.ENOTDIR, "Not a directory")).endswith("Not a directory")
     assert describe_write_error(RuntimeError()) == "RuntimeError"
+    # A task group's error (the rollout worker's drafter training): the full disk inside it is found and named.
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [ValueError("other"), wrapped])
+    assert disk_full(group) and describe_write_error(group).startswith("SafetensorLike: Error while serializing")
+    assert not disk_full(ExceptionGroup("x", [ValueError("other")]))
 
 
 def failing(times: int, error: Exception) -> tuple[list[int], object]:

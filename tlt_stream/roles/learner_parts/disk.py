@@ -12,7 +12,6 @@ when the write lands. Each failed attempt and the landing also go to the `stats`
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +19,7 @@ from typing import TypeVar
 
 from tlt_stream.basics.aio import retry
 from tlt_stream.basics.messages import LearnerDiskTrouble
+from tlt_stream.store.durable import describe_write_error
 
 __all__ = ["REPEAT_S", "describe_write_error", "until_written"]
 
@@ -28,16 +28,6 @@ log = logging.getLogger("tlt_stream.roles.learner")
 
 REPEAT_S = 60.0
 """While a write keeps failing, its log line is repeated at most this often (every attempt goes to `stats`)."""
-_FULL = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
-
-
-def describe_write_error(exc: BaseException) -> str:
-    """One line: the error's type and first line, and "(the file system is full)" for ENOSPC or EDQUOT, also
-    when a library's writer wraps it (safetensors says `I/O error: No space left on device (os error 28)`)."""
-    lines = str(exc).strip().splitlines()
-    said = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(word in said for word in _FULL)
-    return f"{said} (the file system is full)" if full else said
 
 
 async def until_written(
