@@ -7,7 +7,8 @@
 #      (deploy/standin), fills ./wheelhouse from the host's pip (`make wheelhouse`), builds tlt-stream:latest
 #      with no package index (TLT_WHEELHOUSE);
 #   3. runs the stack (project tlt-check, passwords made for this run) on the small world with
-#      .ci/compose-check.toml, restarts the learner in mid-run, waits for the learner to exit;
+#      .ci/compose-check.toml, restarts the learner in mid-run over a full run volume (freed once the learner reports
+#      its failing save), stops and starts Redis, waits for the learner to exit;
 #   4. audits (.ci/compose_audit.py in a client container, plus the engine's own records): every dispatched task
 #      trained once, versions monotone, a drafter published, `monitor --once` and Prometheus answer, a forged
 #      policy publish changes nothing, Redis refuses what an ACL forbids, the learner's exit code, `stop` exits
@@ -134,6 +135,7 @@ docker volume rm tlt-check_redis-data tlt-check_mqtt-data >/dev/null 2>&1 || tru
 dc run --rm --no-deps -T --entrypoint sh bootstrap -c 'rm -rf /data/runs' >/dev/null 2>&1
 since=$(date +%s)
 tdc 300 up -d --wait redis mosquitto 2>/dev/null
+dc run --rm --no-deps -T audit hold-samples >/dev/null
 dc run --rm --no-deps -T --name tlt-check-watch audit watch >"$state/watch.jsonl" 2>"$state/watch.err" &
 watch_pid=$!
 for _ in $(seq 1 600); do grep -q subscribed "$state/watch.jsonl" 2>/dev/null && break; sleep 0.1; done
@@ -147,9 +149,18 @@ phase stack-up
 learner=$(dc ps -q learner)
 tdc 600 run --rm --no-deps -T audit wait-version 2
 phase first-versions
+# A full data volume, and `docker compose restart learner` in mid-run: the learner stopped once version 2 is out
+# (so that it cannot end the run first), the run directories' tmpfs filled to the last byte from a client
+# container, the learner restarted; once the monitor exports its failing save, the volume is freed (the row:
+# the learner retried, reported and resumed).
+tdc 180 stop -t 60 learner 2>/dev/null
+filled=$(tdc 120 run --rm --no-deps -T fill fill-disk 2>>"$state/audit.err" || true)
 tdc 180 restart learner 2>/dev/null
+disk=0
+tdc 700 run --rm --no-deps -T fill free-disk "$filled" >"$state/disk.out" 2>>"$state/audit.err" || disk=$?
+phase learner-restart-disk-full
 tdc 600 run --rm --no-deps -T audit wait-version 3
-phase learner-restart
+phase version-3
 # A Redis outage in mid-run: SIGTERM (the append-only file is flushed), then the same container again; the
 # services must back off and resume (the engine's restart counts say whether one crashed instead).
 tdc 120 stop -t 30 redis 2>/dev/null
@@ -176,8 +187,17 @@ row() { # OK CHECK EVIDENCE
     echo "$verdict  $2: $3" | tee -a "$table"
 }
 row "$code" "the learner exits 0 after policy.steps (\`docker wait\`)" \
-    "exit code $code after policy.steps, one \`docker compose restart learner\` at version 2 and a Redis outage at 3"
+    "exit code $code after policy.steps, one \`docker compose restart learner\` at version 2 (over a full run volume) and a Redis outage at 3 or later"
 row "$crashed" "no service crashed (restarts by the engine)" "$(echo "$restarts" | tr '\n' ' ')"
+# The full volume's row: the fill's own evidence, and the learner's log after the first line that said so (one
+# line per failure, repeated at most once a minute; no traceback).
+after=$(dc logs --no-color learner 2>/dev/null | sed -n '/(the file system is full)/,$p')
+full=$(echo "$after" | grep -c "(the file system is full)" || true)
+tracebacks=$(echo "$after" | grep -c "Traceback" || true)
+evidence=$(sed -n 's/^[A-Z]*  a full data volume ([^)]*): //p' "$state/disk.out" 2>/dev/null | head -n 1 || true)
+row "$([ "$disk" = 0 ] && [ "$tracebacks" = 0 ] && [ "$full" -ge 1 ] && echo 0 || echo 1)" \
+    "a full data volume (the learner retries, reports and resumes)" \
+    "${evidence:-no evidence (fill exit $disk)}; the learner's log from then on: $full lines saying the file system is full, $tracebacks tracebacks"
 once=$(dc exec -T monitor tlt-stream monitor --once 2>&1) && ok=0 || ok=$?
 row "$ok" "\`monitor --once\` answers" "exit $ok, $(echo "$once" | grep -c .) lines"
 docker stop -t 20 tlt-check-watch >/dev/null # SIGTERM: the watcher exits 0

@@ -6,6 +6,10 @@ refusals of what a role's ACL forbids.
 
     python compose_audit.py wait-version N [KIND]  blocks until the retained KIND (policy) version is >= N
     python compose_audit.py watch               prints every control message (JSON lines) until SIGTERM
+    python compose_audit.py hold-samples        before the services start: a consumer group `audit` on `samples`, so
+                                                the services' trimming keeps every entry for the audit to read
+    python compose_audit.py fill-disk           fills the run volume (TLT_CHECK_RUNS, a tmpfs of the check)
+    python compose_audit.py free-disk SAID      once the learner reports a failing save, frees it: one audit row
     python compose_audit.py audit < watch.jsonl  the audit: a table, exit 1 when a row failed
 
 Settings from the environment: TLT_CHECK_RUN, TLT_CHECK_STEPS, TLT_CHECK_PROMPTS, TLT_CHECK_GROUP, the eight
@@ -15,6 +19,8 @@ holds a password.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import json
 import os
@@ -32,6 +38,8 @@ import paho.mqtt.client as mqtt
 import redis
 
 RUN = os.environ.get("TLT_CHECK_RUN", "default")
+RUNS = Path(os.environ.get("TLT_CHECK_RUNS", "/data/runs"))
+"""Where the run directories are (the check mounts their volume at /runs in its client containers)."""
 ROLES = ("policy", "rollout", "learner", "monitor")
 ROWS: list[tuple[str, bool, str]] = []
 
@@ -136,6 +144,103 @@ def watch() -> None:
     sub.close()
 
 
+def metric(name: str) -> float | None:
+    """One sample of the monitor's Prometheus endpoint (labelled with the run only), None when absent."""
+    with urllib.request.urlopen("http://monitor:9100/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f'{name}{{run="{RUN}"}} '):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def refused_write(volume: Path) -> str:
+    """This client's own write of one byte to a new file on `volume`: "ENOSPC" when the file system refuses it."""
+    probe = volume / f".probe-{uuid.uuid4().hex[:8]}"
+    try:
+        with probe.open("wb", buffering=0) as out:
+            out.write(b"x")
+    except OSError as error:
+        return errno.errorcode.get(error.errno or 0, str(error))
+    finally:
+        probe.unlink(missing_ok=True)
+    return "written"
+
+
+def fill_disk(volume: Path) -> None:
+    """Fill `volume` to the last byte (one file, `.filler`); print this client's own write of one byte after."""
+    with (volume / ".filler").open("wb", buffering=0) as out:
+        for chunk in (1 << 20, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while out.write(b"\0" * chunk):
+                    pass
+    print(refused_write(volume), flush=True)
+
+
+def policy_version() -> int:
+    return version_of(retained(f"tlt/{RUN}/policy") or b'{"version": -1}')
+
+
+def free_disk(volume: Path, steps: int, filled: str) -> None:
+    """With `volume` full (`fill_disk` said `filled`): once the monitor exports the learner's failing save
+    (`tlt_learner_disk_failing` 1) and the retained policy version has stood still for 3 s more, free it, then
+    wait for the next version and the gauge back at 0. One audit row; exit 1 when it failed."""
+    started = time.monotonic()
+    failing, at = None, policy_version()
+    while time.monotonic() - started < 300 and at < steps:
+        if metric("tlt_learner_disk_failing") == 1:
+            failing = time.monotonic() - started
+            break
+        time.sleep(1)
+        at = policy_version()
+    attempts = metric("tlt_learner_disk_failed_attempts")
+    time.sleep(3)
+    held, still = policy_version(), refused_write(volume)
+    (volume / ".filler").unlink()
+    freed = time.monotonic()
+    after, cleared = held, None
+    while time.monotonic() - freed < 300:
+        after = policy_version()
+        if cleared is None and metric("tlt_learner_disk_failing") == 0:
+            cleared = time.monotonic() - freed
+        if after > held and cleared is not None:
+            break
+        time.sleep(1)
+    ok = filled == still == "ENOSPC" and failing is not None and held == at and after > held and cleared is not None
+    said = f"1 after {failing:.0f} s ({attempts:.0f} attempts by then)" if failing is not None else "never 1"
+    row(
+        "a full data volume (the learner retries, reports and resumes)",
+        ok,
+        f"this client's write refused: {filled}, still {still} when freed; the monitor's "
+        f"tlt_learner_disk_failing {said}; policy version {at} -> {held} while full, {after} after freeing "
+        + (f"(gauge 0 after {cleared:.0f} s)" if cleared is not None else "(gauge never 0)"),
+    )
+    sys.exit(0 if ok else 1)
+
+
+def hold_samples() -> None:
+    """The audit's own consumer group on `samples`, created before any service writes: the learner trims only
+    what every group has acked, so every entry ever added stays for `sample_copies` (the learner's Redis user
+    creates it: the monitor's only reads)."""
+    redis_as("learner").xgroup_create(f"tlt:{RUN}:stream:samples", "audit", id="0", mkstream=True)
+    print("audit group on samples", flush=True)
+
+
+def sample_copies() -> tuple[int, Counter, dict[str, list[str]]]:
+    """Every entry of `samples` (kept by the audit's group): how many, copies per sample id, and for each id sent
+    more than once the workers that sent it, in order."""
+    from tlt_stream.basics.messages import codec_for
+
+    codec = codec_for("samples")
+    entries = redis_as("monitor").xrange(f"tlt:{RUN}:stream:samples")
+    copies: Counter = Counter()
+    senders: dict[str, list[str]] = {}
+    for _, fields in entries:
+        sample = codec.decode(fields[b"m"])
+        copies[sample.sample_id] += 1
+        senders.setdefault(sample.sample_id, []).append(sample.worker_id)
+    return len(entries), copies, {k: v for k, v in senders.items() if copies[k] > 1}
+
+
 def audit_ledgers(steps: int, prompts: int, group: int) -> None:
     monitor = redis_as("monitor")
     added = {}
@@ -147,7 +252,7 @@ def audit_ledgers(steps: int, prompts: int, group: int) -> None:
         added["prompts"] == steps * prompts,
         f"Redis counted {added['prompts']} entries ever added to prompts; {steps} steps x {prompts} prompts",
     )
-    root = Path(f"/data/runs/{RUN}/checkpoints")
+    root = RUNS / RUN / "checkpoints"
     found = sorted(root.glob("step-*"))
     names = [p.name for p in found]
     want = [f"step-{s:08d}" for s in range(steps + 1)]  # step 0: the initial policy, an empty ledger
@@ -159,6 +264,18 @@ def audit_ledgers(steps: int, prompts: int, group: int) -> None:
     total = sum(len(update) for update in trained)
     dispatched = {f"s{s:06d}-{i:04d}" for s in range(steps) for i in range(prompts)}
     groups = Counter(sample_id.split("/")[0] for sample_id in ledgers[-1])
+    read, copies, again = sample_copies()
+    groups_again = sorted({sample_id.split("/")[0] for sample_id in again})
+    by = Counter("the same worker" if len(set(w)) == 1 else "another worker" for w in again.values())
+    row(
+        "every sample reached `samples` whole: the copies are whole groups",
+        read == added["samples"]
+        and set(copies) == ledgers[-1]
+        and all(copies[f"{t}/{i}"] == copies[f"{t}/0"] for t in groups for i in range(group)),
+        f"{added['samples']} entries ever added, {read} read back through the audit's group, {len(copies)} "
+        f"distinct sample ids (= the last ledger: {set(copies) == ledgers[-1]}); sent more than once: "
+        f"{len(groups_again)} groups {groups_again[:12]}, each copy by {dict(by) or 'nobody'}",
+    )
     row(
         "every dispatched task trained exactly once",
         grows
@@ -287,6 +404,15 @@ def main() -> None:
         return
     if what == "watch":
         watch()
+        return
+    if what == "hold-samples":
+        hold_samples()
+        return
+    if what == "fill-disk":
+        fill_disk(RUNS)
+        return
+    if what == "free-disk":
+        free_disk(RUNS, int(os.environ["TLT_CHECK_STEPS"]), sys.argv[2] if len(sys.argv) > 2 else "")
         return
     steps, prompts, group = (int(os.environ[f"TLT_CHECK_{k}"]) for k in ("STEPS", "PROMPTS", "GROUP"))
     watched = [json.loads(line) for line in sys.stdin if line.startswith("{")]

@@ -3,7 +3,8 @@
 # rest of the command line (the image's own entry point and the server).
 #
 #   server-auth.sh redis COMMAND...      users.acl from redis-users.acl (each `>${VAR}` becomes `#` and the
-#                                        sha256 of $VAR); runs COMMAND --aclfile DIR/users.acl
+#                                        sha256 of $VAR, `#${RANDOM_HASH}` a random sha256); runs COMMAND
+#                                        --aclfile DIR/users.acl
 #   server-auth.sh mosquitto COMMAND...  passwd (`mosquitto_passwd -b`, one user per role from
 #                                        TLT_MQTT_PASSWORD_<ROLE>) and acl (a copy of mosquitto.acl), the files
 #                                        mosquitto.conf names; runs COMMAND
@@ -42,6 +43,9 @@ write_redis_acl() {
         hash=$(printf '%s' "$secret" | sha256sum | cut -d ' ' -f 1)
         edits="$edits s/>\${$name}/#$hash/g;"
     done
+    # the default user's password: a random hash, whose preimage exists nowhere (redis-users.acl says why)
+    random=$(head -c 32 /dev/urandom | sha256sum | cut -d ' ' -f 1)
+    edits="$edits s/#\${RANDOM_HASH}/#$random/g;"
     printf '%s\n' "$rules" | sed "$edits" >"$dir/users.acl.new"
     if grep -q '\${' "$dir/users.acl.new"; then
         fail "redis-users.acl holds a placeholder that is not >\${NAME}"

@@ -24,9 +24,10 @@ mirror() {
         echo "$TLT_DEBIAN_MIRROR"
         return
     fi
-    # deb822 (URIs: ...) or one-line (deb URI suite ...) sources; the main archive, not -security
+    # deb822 (URIs: ...) or one-line (deb URI suite ...) sources; the main archive, not -security; never a
+    # comment (Debian's cloud images name a snapshot archive in one, which need not be reachable)
     local uri
-    uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
+    uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null | grep -v -E '^[[:space:]]*#' |
         grep -o -E 'http://[^ ]+' | grep -v -e security -e '-updates' | head -n 1 || true)
     echo "${uri:-http://deb.debian.org/debian}"
 }

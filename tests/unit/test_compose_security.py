@@ -304,6 +304,39 @@ def test_the_default_user_is_refused(redis_server: tuple[int, dict[str, str]]) -
     assert raw_reply(port, b"AUTH policy " + password).startswith(b"-WRONGPASS"), "each role has its own password"
 
 
+def test_a_restart_replays_every_write_of_the_append_only_file_transactions_included(tmp_path: Path) -> None:
+    """Redis replays its append-only file as the default user, and EXEC re-checks each queued command's ACL:
+    with the default user off, every MULTI/EXEC in the file was refused on load (`-NOPERM ACLs rules changed
+    ...`), silently: the policy service's dispatch transactions and, since Redis 7 wraps what it propagates
+    for a command in MULTI/EXEC, every XREADGROUP's delivery state (the group's last id and pending entries).
+    A restarted stack then delivered every task still in `prompts` again. The default user is now on with a
+    password no one has (a random hash): no client can use it, the replay can."""
+    if why := missing_binaries("redis-server", "redis-cli", "sha256sum"):
+        pytest.skip(why)
+    env = make_env(tmp_path / ".env")
+    prompts = f"{K}stream:prompts"
+    with deployed_server("redis", tmp_path / "redis", env) as port:
+        policy, rollout = as_user(port, env, "policy"), as_user(port, env, "rollout")
+        rollout.xgroup_create(prompts, "rollout", id="0", mkstream=True)
+        with policy.pipeline(transaction=True) as pipe:  # a dispatch: the step's tasks and the cursor at once
+            pipe.xadd(prompts, {"m": b"task-0"})
+            pipe.xadd(prompts, {"m": b"task-1"})
+            pipe.hset(f"{K}dispatch", mapping={"next_step": 1})
+            pipe.execute()
+        delivered = rollout.xreadgroup("rollout", "w1", {prompts: ">"}, count=1)[0][1]
+        rollout.xack(prompts, "rollout", delivered[0][0])
+        before = (rollout.xinfo_groups(prompts)[0]["last-delivered-id"], rollout.xlen(prompts))
+    with deployed_server("redis", tmp_path / "redis", env) as port:  # the same data directory
+        rollout = as_user(port, env, "rollout")
+        assert "NOPERM" not in (tmp_path / "redis" / "redis.log").read_text(), "the replay refused writes"
+        assert (rollout.xinfo_groups(prompts)[0]["last-delivered-id"], rollout.xlen(prompts)) == before
+        assert rollout.hget(f"{K}dispatch", "next_step") == b"1"
+        again = rollout.xreadgroup("rollout", "w1", {prompts: ">"}, count=10)[0][1]
+        assert [m[b"m"] for _, m in again] == [b"task-1"], "a delivered task was delivered again"
+        assert raw_reply(port, b"PING").startswith(b"-NOAUTH")
+        assert raw_reply(port, b"AUTH default anything").startswith(b"-WRONGPASS")
+
+
 def test_redis_is_append_only_bounded_and_never_evicts(redis_server: tuple[int, dict[str, str]]) -> None:
     port, env = redis_server
     r = as_user(port, env, "monitor")

@@ -128,10 +128,12 @@ async def retry(
     base: float = 0.1,
     cap: float = 30.0,
     stop: asyncio.Event | None = None,
+    on_failure: Callable[[int, Exception, float], Awaitable[None]] | None = None,
 ) -> T:
     """Run `operation`, retrying the listed errors with capped backoff; other errors propagate at once.
 
-    `max_attempts=None` retries until `stop` is set (then the last error is raised).
+    `max_attempts=None` retries until `stop` is set (then the last error is raised). Each failure to be
+    retried is logged as one warning, or handed to `on_failure(attempt, error, delay)` instead.
     """
     backoff = Backoff(base=base, cap=cap)
     attempt = 0
@@ -143,7 +145,10 @@ async def retry(
             if max_attempts is not None and attempt >= max_attempts:
                 raise
             delay = backoff.next_delay()
-            log.warning("%s failed (%s: %s); retry %d in %.1fs", what, type(exc).__name__, exc, attempt, delay)
+            if on_failure is not None:
+                await on_failure(attempt, exc, delay)
+            else:
+                log.warning("%s failed (%s: %s); retry %d in %.1fs", what, type(exc).__name__, exc, attempt, delay)
             if stop is None:
                 await asyncio.sleep(delay)
             elif await sleep_or_stop(stop, delay):

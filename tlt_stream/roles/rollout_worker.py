@@ -46,6 +46,7 @@ from tlt_stream.roles.worker.intake import TaskIntake
 from tlt_stream.roles.worker.loading import PolicyLoader
 from tlt_stream.roles.worker.reports import RolloutReports
 from tlt_stream.roles.worker.tasks import InFlight
+from tlt_stream.store.durable import describe_write_error, disk_full
 
 __all__ = ["RolloutWorker", "serve_rollout_worker"]
 
@@ -189,8 +190,12 @@ class RolloutWorker:
         assert trainer is not None
         try:
             await trainer.run_idle(self.loader.engine, self.loader.version, self.flight.waiting, stop)
-        except Exception:  # training is an extra: a failure there must never stop generation
-            log.exception("%s: drafter training failed; generating on", self.worker_id)
+        except Exception as exc:  # training is an extra: a failure there must never stop generation
+            if disk_full(exc):  # a full data volume: one line, not a traceback per slice
+                log.warning("%s: drafter training could not save (%s); generating on", self.worker_id,
+                            describe_write_error(exc))  # fmt: skip
+            else:
+                log.exception("%s: drafter training failed; generating on", self.worker_id)
             await asyncio.sleep(1.0)
         self.registry.update_info(
             idle_s=round(trainer.idle_seconds, 1),

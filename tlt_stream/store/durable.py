@@ -5,6 +5,7 @@ or the new one, plus `.tmp-*` leftovers that readers skip and the next writer cl
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -13,10 +14,40 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TMP_PREFIX", "atomic_directory", "atomic_file", "fsync_dir", "fsync_tree", "remove_dir", "write_json"]
+__all__ = [
+    "TMP_PREFIX",
+    "atomic_directory",
+    "atomic_file",
+    "describe_write_error",
+    "disk_full",
+    "fsync_dir",
+    "fsync_tree",
+    "remove_dir",
+    "write_json",
+]
 
 TMP_PREFIX = ".tmp-"
 """Names that readers skip: a directory being built, or being removed."""
+_FULL = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an error of a group it is, is a full file system (ENOSPC, EDQUOT), also when a library's
+    writer wraps it (safetensors says `I/O error: No space left on device (os error 28)`)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(disk_full(inner) for inner in exc.exceptions)
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(word in str(exc) for word in _FULL)
+
+
+def describe_write_error(exc: BaseException) -> str:
+    """One line: the error's type and first line (a group's first full-disk error, else its first), and "(the
+    file system is full)" when it is."""
+    if isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if disk_full(e)] or list(exc.exceptions)
+        return describe_write_error(inner[0])
+    lines = str(exc).strip().splitlines()
+    said = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return f"{said} (the file system is full)" if disk_full(exc) else said
 
 
 def fsync_dir(path: Path) -> None:

@@ -33,6 +33,7 @@ from tlt_stream.basics.messages.data import (
 )
 from tlt_stream.basics.messages.stats import (
     DrafterStats,
+    LearnerDiskTrouble,
     LearnerStats,
     RolloutStats,
     SdArmReport,
@@ -53,6 +54,7 @@ __all__ = [
     "DrafterStats",
     "DrafterVersion",
     "HiddenWindow",
+    "LearnerDiskTrouble",
     "LearnerStats",
     "PolicyVersion",
     "PromptGroup",

@@ -15,6 +15,7 @@ from tlt_stream.basics.messages.wire import Entry, NonNegInt, Version
 
 __all__ = [
     "DrafterStats",
+    "LearnerDiskTrouble",
     "LearnerStats",
     "RolloutStats",
     "SdArmReport",
@@ -105,6 +106,24 @@ class LearnerStats(Entry, tag="learner"):
     metrics: dict[str, float] = {}
 
 
+class LearnerDiskTrouble(Entry, tag="learner_disk"):
+    """A write of the learner's that must land (an update's checkpoint, its metrics line) failed: one entry per
+    failed attempt, and one more once it was written (`written`). Until then nothing of the update is acked or
+    published (`roles/learner_parts/disk.py`)."""
+
+    write: str
+    """What failed to be written: `checkpoint` or `metrics line`."""
+    version: NonNegInt
+    """The policy version the write is for."""
+    attempts: NonNegInt
+    """Failed attempts so far."""
+    error: str
+    """The newest error, one line (`describe_write_error`: says when the file system is full)."""
+    since: float
+    """Wall-clock time of the first failed attempt."""
+    written: bool = False
+
+
 class DrafterStats(Entry, tag="drafter_train"):
     """One drafter-training slice on an idle worker and, when it was judged, whether its drafter was adopted."""
 
@@ -138,4 +157,4 @@ class DrafterStats(Entry, tag="drafter_train"):
     """The version published for this slice's drafter (-1: not published)."""
 
 
-StatsEntry = WorkerState | RolloutStats | SdArmReport | LearnerStats | DrafterStats
+StatsEntry = WorkerState | RolloutStats | SdArmReport | LearnerStats | LearnerDiskTrouble | DrafterStats

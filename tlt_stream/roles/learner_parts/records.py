@@ -4,13 +4,15 @@ and the same figures in TensorBoard or W&B.
 `metrics.jsonl` (in the run directory) is the run's record of what was trained: every applied update has
 one line, with its figures, staleness histogram, response lengths and groups. A line a crash cut short is
 ended before the next is written, so each stays whole, and an update whose checkpoint exists but whose line
-does not (the learner was killed in between) gets its line back from the checkpoint on restart. A few of
-each update's samples, decoded, go to `samples.jsonl` and the log. An experiment tracker that fails costs
-its figures, never the update.
+does not (the learner was killed in between) gets its line back from the checkpoint on restart. A line the
+disk refuses (a full data volume) is retried until it is written, as the checkpoint is (`disk.py`). A few of
+each update's samples, decoded, go to `samples.jsonl` and the log. An experiment tracker that fails, or a
+`samples.jsonl` the disk refuses, costs its figures, never the update.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,15 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.config import Config
-from tlt_stream.basics.messages import LearnerStats, Sample
+from tlt_stream.basics.messages import LearnerDiskTrouble, LearnerStats, Sample
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.rl.checkpoint import CheckpointInfo
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.tracking import Tracker, scalars, trackers_for
+from tlt_stream.roles.learner_parts.disk import describe_write_error, until_written
 
 __all__ = ["UpdateRecords"]
 
 log = logging.getLogger("tlt_stream.roles.learner")
+
+REPORT_TIMEOUT_S = 5.0
+"""How long a disk trouble report may wait for Redis (`UpdateRecords.disk_trouble`)."""
 
 
 class UpdateRecords:
@@ -56,9 +62,11 @@ class UpdateRecords:
         *,
         histogram: dict[str, Any],
         wait: float,
+        stop: asyncio.Event | None = None,
     ) -> None:
         """Version `version`, just made from `groups`, checkpointed and published: its figures to `stats`,
-        `metrics.jsonl` and the trackers, a few of its `samples` to read, and one log line."""
+        `metrics.jsonl` (retried until written or `stop`) and the trackers, a few of its `samples` to read, and
+        one log line."""
         trained = [g.task_id for g in groups]
         line = {
             "version": version,
@@ -69,7 +77,14 @@ class UpdateRecords:
             "accept_lengths": [round(s.accept_length or 1.0, 3) for s in samples],
             "trained_groups": trained,
         }
-        self._append_metrics(line)
+        await until_written(
+            lambda: asyncio.to_thread(self._append_metrics, line),
+            what="metrics line",
+            version=version,
+            stop=stop,
+            meanwhile="the next update waits for it",
+            report=self.disk_trouble,
+        )
         # The line before the entry: whoever sees the entry (`tlt-stream run`'s progress) finds the line.
         await self.producer.send_one(
             "stats",
@@ -129,21 +144,37 @@ class UpdateRecords:
             rows.append(row)
             log.info("version %d sample %s (reward %.3g): %r", version, sample.sample_id, sample.reward,
                      row["response"][:200])  # fmt: skip
-        with (self.run_dir / "samples.jsonl").open("a") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows)
+        try:
+            with (self.run_dir / "samples.jsonl").open("a") as out:
+                out.writelines(json.dumps(row) + "\n" for row in rows)
+        except OSError as exc:  # rows to read, not the run's record: the log has them
+            log.warning("version %d: samples.jsonl not written (%s)", version, describe_write_error(exc))
         return rows
 
+    async def disk_trouble(self, trouble: LearnerDiskTrouble) -> None:
+        """A failed write of the learner's to `stats` (what the monitor shows), if Redis takes it within a few
+        seconds: the report must not hold up the retry it is about."""
+        try:
+            async with asyncio.timeout(REPORT_TIMEOUT_S):
+                await self.producer.send_one("stats", trouble)
+        except Exception as exc:
+            log.debug("could not report %s trouble to stats: %s", trouble.write, exc)
+
     def _append_metrics(self, line: dict[str, Any]) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        with path.open("a+b") as out:
-            out.seek(0, 2)
-            if out.tell() > 0:
+        """`line` appended whole to `metrics.jsonl`, or not at all: what a full disk let through is taken back."""
+        with (self.run_dir / "metrics.jsonl").open("a+b", buffering=0) as out:
+            size = out.seek(0, 2)
+            torn = False
+            if size > 0:
                 out.seek(-1, 2)
                 torn = out.read(1) != b"\n"  # a line cut short by a crash: end it, so this one stays whole
-                out.seek(0, 2)
-                if torn:
-                    out.write(b"\n")
-            out.write(json.dumps(line).encode() + b"\n")
+            data = memoryview((b"\n" if torn else b"") + json.dumps(line).encode() + b"\n")
+            try:
+                while data:
+                    data = data[out.write(data) :]
+            except OSError:
+                out.truncate(size)
+                raise
 
     def recover_row(self, found: CheckpointInfo, meta: dict[str, Any]) -> None:
         """A learner killed after its checkpoint but before its `metrics.jsonl` line left an update that counts
@@ -159,5 +190,10 @@ class UpdateRecords:
             created = datetime.fromisoformat(meta["created"]).timestamp()
             line = {"version": found.step, "time": created, **extra["metrics"]}
             line["trained_groups"] = extra.get("trained_groups", [])
-            self._append_metrics({**line, "recovered": True})
+            try:
+                self._append_metrics({**line, "recovered": True})
+            except OSError as exc:  # a full disk: the next restart recovers it (its checkpoint is still the newest)
+                log.warning("version %d has no metrics line and it could not be written (%s)", found.step,
+                            describe_write_error(exc))  # fmt: skip
+                return
             log.warning("version %d had no metrics line (killed after its checkpoint): recovered it", found.step)

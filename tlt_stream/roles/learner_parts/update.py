@@ -5,7 +5,7 @@ driven from a secondary thread; heartbeats and keepalives tolerate the pause, an
 it first). A step that raises applied nothing: its groups go back to the front of the queue and are tried
 again after a pause, and a group that failed `bus.max_deliveries` times is dead-lettered, so one group that
 breaks the update cannot stop the run; ranks out of step are no such failure, and end the service for a
-restart. An applied update is checkpointed (retried until the disk takes it, or the service stops), the
+restart. An applied update is checkpointed (retried until the disk takes it, or the service stops: `disk.py`), the
 previous update's entries are acked (this one's after the next checkpoint, so a damaged newest checkpoint
 can be fallen back from and its samples trained again), the version is published, groups the new version
 left outside the window are dropped, and the update's records are written (`records.py`).
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tlt_stream.basics.aio import retry, sleep_or_stop
+from tlt_stream.basics.aio import sleep_or_stop
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.errors import ConfigError
 from tlt_stream.rl.accumulate import StepAccumulator
@@ -39,6 +39,7 @@ from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.roles.learner_parts.checkpoints import Checkpoints
+from tlt_stream.roles.learner_parts.disk import until_written
 from tlt_stream.roles.learner_parts.intake import SampleIntake
 from tlt_stream.roles.learner_parts.lease import RunLease
 from tlt_stream.roles.learner_parts.records import UpdateRecords
@@ -198,18 +199,18 @@ class Updates:
         saving = time.perf_counter()
         extra = {"metrics": metrics, "trained_groups": [g.task_id for g in groups]}
         # A full disk or an unwritable directory must not cost the update or its samples: nothing is acked or
-        # published before the checkpoint exists, so retry (capped backoff, saying why) until it is written
-        # or the service is stopped, which then exits non-zero with the samples still pending for a restart.
-        # Any error: inside safetensors' writer an I/O failure surfaces as SafetensorError, not OSError.
-        mine.checkpoint = await retry(
+        # published before the checkpoint exists, so retry (capped backoff, said once and reported to `stats`)
+        # until it is written or the service is stopped, which then exits non-zero with the samples still
+        # pending for a restart (`disk.py`).
+        mine.checkpoint, failed = await until_written(
             lambda: mine.save_or_stop(extra, intake.assembler.ledger, self.stop),
-            retry_on=(Exception,),
-            what=f"checkpoint of version {mine.version}",
-            max_attempts=None,
-            base=0.5,
-            cap=10.0,
+            what="checkpoint",
+            version=mine.version,
             stop=self.stop,
+            meanwhile="nothing of the update is acked or published before it is written",
+            report=self.records.disk_trouble,
         )
+        metrics["checkpoint_failed_attempts"] = float(failed)
         metrics["checkpoint_seconds"] = time.perf_counter() - saving  # the optimizer's write is not in it
         metrics.update(mine.optimizer_write_figures())
         # The previous update's entries are acked now, this one's after the next checkpoint: a newest
@@ -223,7 +224,9 @@ class Updates:
         await self._drop_left_behind()
         metrics["update_seconds"] = time.perf_counter() - started
         self.lease.longest_update_s = max(self.lease.longest_update_s, metrics["update_seconds"])
-        await self.records.record_update(mine.version, groups, samples, metrics, histogram=histogram, wait=wait)
+        await self.records.record_update(
+            mine.version, groups, samples, metrics, histogram=histogram, wait=wait, stop=self.stop
+        )
         self.idle_since = time.perf_counter()
         return metrics
 

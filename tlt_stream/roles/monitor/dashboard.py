@@ -149,6 +149,17 @@ def _learner(learner: Mapping[str, Any] | None) -> Text:
     )
 
 
+def _learner_disk(disk: Mapping[str, Any] | None) -> Text | None:
+    if not disk or not disk["failing"]:
+        return None
+    return Text(
+        f"learner: the {disk['write']} of version {disk['version']} cannot be written for "
+        f"{_fmt(disk['failing_s'], '.0f')} s ({disk['attempts']} attempts: {disk['error']}); retrying, nothing of "
+        "the update is acked or published meanwhile",
+        style="red",
+    )
+
+
 def _drafter(drafter: Mapping[str, Any] | None) -> Text:
     if not drafter:
         return Text("drafter training: no slice in the stats read")
@@ -182,7 +193,9 @@ def render(snap: Mapping[str, Any]) -> Group:
         rows.append(Text(f"nothing in Redis for run {snap['run']!r} yet (check --run / TLT_RUN)", style="yellow"))
     rows += [_streams(snap), _workers(snap), _rollout(snap["rollout"]), _load_latency(snap["rollout"])]
     rows += [line for line in (_partial(snap["rollout"]), _stale_drops(snap.get("stale_drops"))) if line]
-    rows += [_learner(snap["learner"]), _drafter(snap["drafter"])]
+    rows += [_learner(snap["learner"])]
+    rows += [line for line in (_learner_disk(snap.get("learner_disk")),) if line]
+    rows.append(_drafter(snap["drafter"]))
     dead = snap["dead"]
     counts = ", ".join(f"{k} {v}" for k, v in sorted(dead["counts"].items())) or "none"
     rows.append(Text(f"dead letters: {dead['total']} ({counts})", style="red" if dead["total"] else ""))
@@ -208,4 +221,5 @@ def summary_line(snap: Mapping[str, Any]) -> str:
         f"monitor {snap['run']}: step {learner.get('step', '-')} reward {_fmt(learner.get('reward_mean'))} | "
         f"{snap['rollout']['tokens_per_s']:.0f} tok/s, SD on in {snap['rollout']['sd_on_workers']} | "
         f"workers {states} | {backlog or 'no groups'} | dead letters {snap['dead']['total']}"
+        + (f" | {disk}" if (disk := _learner_disk(snap.get("learner_disk"))) else "")
     )

@@ -64,6 +64,12 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tlt_learner_metric": (
         "gauge", ("name",), "Figures of the latest learner update (reward_mean, accuracy, staleness_*, ...)",
     ),
+    "tlt_learner_disk_failing": (
+        "gauge", (), "1 while a learner checkpoint or metrics line cannot be written (a full disk), else 0",
+    ),
+    "tlt_learner_disk_failed_attempts": (
+        "gauge", (), "Failed attempts of the learner's newest failing write (it is retried until written)",
+    ),
     "tlt_drafter_train_step": ("gauge", (), "Drafter trainer step after the latest slice"),
     "tlt_drafter_train_loss": ("gauge", (), "Loss of the latest drafter-training slice"),
     "tlt_drafter_train_acceptance": ("gauge", ("drafter",), "Held-out acceptance of the new and the current drafter"),
@@ -138,6 +144,10 @@ def metric_families(snap: Mapping[str, Any]) -> list[Metric]:
         out.add("tlt_learner_age_seconds", learner["age_s"])
         for name, value in sorted(learner["metrics"].items()):
             out.add("tlt_learner_metric", value, name=name)
+    disk = snap.get("learner_disk")
+    out.add("tlt_learner_disk_failing", bool(disk and disk["failing"]))
+    if disk is not None:
+        out.add("tlt_learner_disk_failed_attempts", disk["attempts"])
     if (drafter := snap["drafter"]) is not None:
         out.add("tlt_drafter_train_step", drafter["step"])
         out.add("tlt_drafter_train_loss", drafter["loss"])

@@ -13,12 +13,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tlt_stream.basics.common import as_text
-from tlt_stream.basics.messages import DrafterStats, LearnerStats, RolloutStats
+from tlt_stream.basics.messages import DrafterStats, LearnerDiskTrouble, LearnerStats, RolloutStats
 
 __all__ = [
     "drafter_summary",
     "entry_seconds",
     "group_lag",
+    "learner_disk_summary",
     "learner_summary",
     "load_latency_summary",
     "next_entry_id",
@@ -270,6 +271,27 @@ def learner_summary(entry: tuple[float, LearnerStats] | None, now: float) -> dic
     }
 
 
+def learner_disk_summary(stats: list[tuple[float, Any]], now: float) -> dict[str, Any] | None:
+    """The learner's newest report of a write that must land (a checkpoint, a metrics line) failing, from the
+    `stats` entries read (newest first): `failing` until it was written or a learner update came after it (a
+    learner restarted meanwhile reports anew), with the attempts, the error and for how long; None when none
+    was read."""
+    newest = next(((i, t, e) for i, (t, e) in enumerate(stats) if isinstance(e, LearnerDiskTrouble)), None)
+    if newest is None:
+        return None
+    i, t, entry = newest
+    failing = not entry.written and not any(isinstance(e, LearnerStats) for _, e in stats[:i])
+    return {
+        "failing": failing,
+        "write": entry.write,
+        "version": entry.version,
+        "attempts": entry.attempts,
+        "error": entry.error,
+        "failing_s": max(0.0, now - entry.since) if failing else None,
+        "age_s": max(0.0, now - t),
+    }
+
+
 def drafter_summary(latest: list[tuple[float, DrafterStats]], now: float) -> dict[str, Any] | None:
     """The newest drafter-training slice (`latest` newest first), the newest judgement among those read (the
     verdict fields are None when none was judged), and how many of those read were adopted."""
@@ -314,7 +336,7 @@ def stats_summary(
     window_s: float,
     dropped_total: int | None = None,
 ) -> dict[str, Any]:
-    """The `rollout`, `learner`, `stale_drops`, `drafter` and `stats_read` parts of a snapshot from the
+    """The `rollout`, `learner`, `learner_disk`, `stale_drops`, `drafter` and `stats_read` parts of a snapshot from the
     `stats` entries read (newest first), how many were undecodable, when the oldest read was added and whether
     the read was cut short (then throughput covers only what was read). `dropped_total`: the groups dropped as
     too stale in the whole run (the `dropped` hash's size), beside the figures of the learner updates read."""
@@ -326,6 +348,7 @@ def stats_summary(
     return {
         "rollout": rollout_summary(rollouts, now, window_s, oldest if truncated else None),
         "learner": learner_summary(learner, now),
+        "learner_disk": learner_disk_summary(stats, now),
         "stale_drops": {
             **drops,
             "per_update": {str(v): drops["per_update"][v] for v in recent},
