@@ -188,6 +188,7 @@ def pooled(before: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]
         train_accuracy_mean=round(statistics.fmean(a for c in curves for a in c), 4),
         run_wall_s=round(before["run_wall_s"] + run["run_wall_s"], 1),
         staleness_max=max(before["staleness_max"] or 0, run["staleness_max"] or 0),
+        held_groups=before.get("held_groups", 0) + run.get("held_groups", 0) if "held_groups" in run else None,
         accept_length_median=median([s["accept_length"] for s in steady]),
         last_sample_to_publish_s_median=median(
             [s["last_sample_to_publish_s"] for s in steady if "last_sample_to_publish_s" in s]
@@ -255,6 +256,8 @@ def run_tlt(
         [r["last_sample_to_publish_s"] for r in rows[1:] if "last_sample_to_publish_s" in r]
     )
     figures["learn_s_median"] = median([r["learn_seconds"] for r in rows[1:]])
+    if any("held_groups" in r for r in rows):  # learner.accumulate_below_rows: groups that waited for the rows
+        figures["held_groups"] = int(sum(r.get("held_groups", 0) for r in rows))
     figures["dropped_groups"] = rows[-1].get("dropped_groups") if rows else None
     dropped = [(r["stale_dropped_groups"], r.get("stale_dropped_len_mean")) for r in rows]
     dropped = [(n, m) for n, m in dropped if n]

@@ -12,6 +12,7 @@ added, whether the rollout was busy) is recorded by wrapping its `_rollout_busy`
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 
@@ -110,8 +111,8 @@ async def test_groups_wait_while_the_rollout_reports_rows_and_the_update_is_the_
             learner.updates._rollout_busy = recorded  # type: ignore[method-assign]
             running = asyncio.create_task(learner.run(asyncio.Event(), max_updates=STEPS))
 
-            async def seen(decision: tuple[int, int, bool]) -> None:
-                await until(lambda: decision in decisions or running.done())
+            async def seen(decision: tuple[int, int, bool], since: int = 0) -> None:
+                await until(lambda: decision in decisions[since:] or running.done())
                 assert not running.done(), running.exception()
 
             # Step 1: two groups in flight at the worker (16 rows >= 8): the first two complete groups wait.
@@ -123,13 +124,14 @@ async def test_groups_wait_while_the_rollout_reports_rows_and_the_update_is_the_
                 await producer.send("samples", group)
             await seen((2, 0, True))
             assert not accumulator.groups and learner.version == 0, "held while the rollout is busy"
+            first = len(decisions)
             # The first worker group is sent and half the second's rows finish: 4 rows (< 8) left, so the
             # waiting groups are added, the step not applied.
             del flight.started["w-a"]
             for index in range(4):
                 tasks[1].finished[index] = (None, "", 0.0)
             await generation.report_rows()
-            await seen((2, 0, False))
+            await seen((2, 0, False), since=first)
             await until(lambda: len(accumulator.groups) == 2 or running.done())
             assert learner.version == 0 and [g.task_id for g in accumulator.groups] == ["s0-g0", "s0-g1"]
             await producer.send("samples", groups[2])
@@ -143,7 +145,7 @@ async def test_groups_wait_while_the_rollout_reports_rows_and_the_update_is_the_
             groups = step_groups(1, rng)
             for group in groups[:2]:
                 await producer.send("samples", group)
-            await seen((2, 0, True))
+            await seen((2, 0, True), since=first)
             await producer.send("samples", groups[2])
             await until(lambda: learner.version == 2 or running.done())
             assert all(answer for _, _, answer in decisions[first:]), "never added while busy"
@@ -165,6 +167,8 @@ async def test_groups_wait_while_the_rollout_reports_rows_and_the_update_is_the_
         await redis.aclose()
         await purge_run(config)
 
+    rows = [json.loads(line) for line in (tmp_path / config.run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["held_groups"] for row in rows] == [2, 2, 0], "each step says how many of its groups waited"
     held, ran = (read_checkpoints(tmp_path / run / "checkpoints")[0] for run in (config.run, batch.run))
     assert [p.trained_groups for p in held] == [p.trained_groups for p in ran], "the same groups, in order"
     for point in held[1:]:

@@ -103,6 +103,8 @@ class Updates:
         """learner.accumulate: the step being built group by group (`attach`, once the policy is final)."""
         self.holding = False
         """Complete groups wait in the ready queue while the rollout is busy (learner.accumulate_below_rows)."""
+        self.held: set[str] = set()
+        """Tasks of the step being built whose groups waited for the rollout's rows (the step's `held_groups`)."""
 
     def attach(self) -> None:
         """Build the step accumulator around the policy the checkpoints resumed (learner.accumulate); a policy
@@ -131,6 +133,8 @@ class Updates:
         # All the step's groups are here (the rollout's share of it is done): add them now, on all threads.
         completes = len(accumulator.groups) + len(ready) >= per_step
         self.holding = bool(ready) and not completes and await self._rollout_busy()
+        if self.holding:
+            self.held |= {g.task_id for g in ready}
         if ready and not self.holding:
             await self.lease.renew()  # adding groups blocks the loop, as an update does
             while ready and not accumulator.full:
@@ -198,6 +202,9 @@ class Updates:
             raise UpdateFailed(str(exc)) from exc
         # Since the last update (or start): waiting for complete groups, not adding them to the step.
         wait = started - self.idle_since - metrics.get("accumulate_seconds", 0.0)
+        if self.config.learner.accumulate_below_rows:
+            metrics["held_groups"] = float(sum(g.task_id in self.held for g in groups))
+        self.held.clear()
         await asyncio.sleep(0)
         for group in groups:
             intake.assembler.consume(group)
