@@ -259,6 +259,8 @@ async def test_two_ranks_accumulating_under_torchrun_train_every_group_once_to_o
             assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
             assert await redis.xlen(keys.stream("dead")) == 0
             assert metrics_versions(run_dir) == list(range(1, steps + 1))
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            assert all(("accumulate_seconds" in row) == accumulate for row in rows), "the steps were accumulated"
             runs[ranks] = points
             await purge_run(config)
     finally:
