@@ -119,8 +119,9 @@ class Generation:
 
     async def report_rows(self) -> None:
         """The rows in flight to the worker's registry record, now, when they changed: the learner holds
-        complete groups back while the rollout is busy (learner.accumulate_below_rows)."""
-        rows = self.flight.rows_in_flight()
+        complete groups back while the rollout is busy (learner.accumulate_below_rows). Drafts of the next
+        step (partial rollouts) are not counted: they would keep the rows up through every tail."""
+        rows = self.flight.rows_in_flight(self.loader.version if self.loader is not None else None)
         if self.registry is None or rows == self._rows_reported:
             return
         self._rows_reported = rows
