@@ -19,6 +19,13 @@ Same tiny task, model, seed, prompts per step, group size and number of steps, i
                      and backward as the group completes (`learner.accumulate`); a_plus_shared is (a+) with those
                      groups on all the learner's threads while the tail runs beside them (the default: one)
 
+    (a+N)            a_plus_n16, b_plus_n48, g_plus_n16, ...: (a+), (b+), (g+) with
+                     `learner.accumulate_below_rows` N: complete groups wait while the rollout has N or more rows
+                     in flight (any N: `--only a_plus_n32`; not in the default set)
+
+`--reps R` runs the chosen configs R times in rotation (a, a+, a+N, a, a+, ...), so slow spells of the shared
+machine fall on every config; a config's figures pool the steps of its runs (each run's first step left out).
+
 (a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults
 (`tlt_stream.commands.run.launch.RunPlan`), every service a separate process, every sample through
 Redis. (d) runs in this process on the same cores (`pip install -e '.[bench]'`; skipped with a reason
@@ -95,6 +102,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "policy.ahead_tokens": 512,
     },
 }
+BELOW_ROWS = ("a_plus", "b_plus", "g_plus")
+"""Configs that take an `_n{N}` suffix: the same with learner.accumulate_below_rows N."""
+
+
+def config_of(name: str) -> dict[str, Any] | None:
+    """The settings of config `name` (an `_n{N}` suffix on a BELOW_ROWS config sets accumulate_below_rows), or
+    None when there is no such config."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    base, _, rows = name.rpartition("_n")
+    if base in BELOW_ROWS and rows.isdigit() and int(rows) > 0:
+        return {**CONFIGS[base], "learner.accumulate_below_rows": int(rows)}
+    return None
+
+
 GOALS = {
     "b_over_a": 1.7,
     "c_over_a": 2.2,
@@ -120,6 +142,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--only", help="comma-separated configs to run (default: all; --quick: all but trl)")
     p.add_argument("--eval", type=int, default=256, help="held-out prompts for the final policy (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=1, help="runs of each config, in rotation; figures pool their steps")
     p.add_argument(
         "--pool", type=int, default=None, help="a fixed pool of this many training problems revisited in epochs"
     )
@@ -134,9 +157,11 @@ def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
-    """Figures of one config from its per-step rows (`wall_s`, `tokens`, `accuracy`, maybe `rollout_s`)."""
-    steady = steps[1:] if len(steps) > 1 else steps
+def summarise(steps: list[dict[str, float]], steady: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    """Figures of one config from its per-step rows (`wall_s`, `tokens`, `accuracy`, maybe `rollout_s`); the
+    timings from `steady` (default: all steps but the first, which includes start-up)."""
+    if steady is None:
+        steady = steps[1:] if len(steps) > 1 else steps
     out: dict[str, Any] = {
         "steps": len(steps),
         "step_time_s_median": median([s["wall_s"] for s in steady]),
@@ -146,6 +171,30 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
     }
     if steady and "rollout_s" in steady[0]:
         out["rollout_share_of_step"] = median([min(1.0, s["rollout_s"] / s["wall_s"]) for s in steady])
+    return out
+
+
+def pooled(before: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
+    """A config's figures over its runs so far (`--reps`): timings from every run's steady steps, the
+    accuracy curve of each run, the highest staleness."""
+    if before is None:
+        return {**run, "train_accuracy_curves": [run["train_accuracy_curve"]]}
+    steady = before["_steady"] + run["_steady"]
+    curves = [*before["train_accuracy_curves"], run["train_accuracy_curve"]]
+    out = {**run, **summarise([], steady), "_steady": steady, "train_accuracy_curves": curves}
+    out.update(
+        steps=before["steps"] + run["steps"],
+        train_accuracy_curve=before["train_accuracy_curve"],
+        train_accuracy_mean=round(statistics.fmean(a for c in curves for a in c), 4),
+        run_wall_s=round(before["run_wall_s"] + run["run_wall_s"], 1),
+        staleness_max=max(before["staleness_max"] or 0, run["staleness_max"] or 0),
+        held_groups=before.get("held_groups", 0) + run.get("held_groups", 0) if "held_groups" in run else None,
+        accept_length_median=median([s["accept_length"] for s in steady]),
+        last_sample_to_publish_s_median=median(
+            [s["last_sample_to_publish_s"] for s in steady if "last_sample_to_publish_s" in s]
+        ),
+        learn_s_median=median([s["learn_s"] for s in steady]),
+    )
     return out
 
 
@@ -178,7 +227,7 @@ def run_tlt(
     from tlt_stream.commands.run.launch import RunPlan, run_plan
     from tlt_stream.rl.records import load_metrics, read_jsonl
 
-    named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=CONFIGS[name])
+    named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=config_of(name))
     named = override(named, {"run": f"{config.run}-e2e-{name}-{time.strftime('%H%M%S')}"})
     plan = RunPlan(world=world, run_dir=run_dir, config=named, cores=cores)
 
@@ -191,7 +240,12 @@ def run_tlt(
     if code != 0:
         raise RuntimeError(f"{name}: run ended with code {code}")
     per_step = tlt_steps(load_metrics(run_dir), started)
+    for step, row in zip(per_step, load_metrics(run_dir), strict=True):
+        step["learn_s"] = row["learn_seconds"]
+        if "last_sample_to_publish_s" in row:
+            step["last_sample_to_publish_s"] = row["last_sample_to_publish_s"]
     figures = summarise(per_step)
+    figures["_steady"] = per_step[1:]
     figures["run_wall_s"] = round(time.time() - started, 1)
     figures["accept_length_median"] = median([s["accept_length"] for s in per_step])
     figures["run_dir"] = str(run_dir)
@@ -202,6 +256,8 @@ def run_tlt(
         [r["last_sample_to_publish_s"] for r in rows[1:] if "last_sample_to_publish_s" in r]
     )
     figures["learn_s_median"] = median([r["learn_seconds"] for r in rows[1:]])
+    if any("held_groups" in r for r in rows):  # learner.accumulate_below_rows: groups that waited for the rows
+        figures["held_groups"] = int(sum(r.get("held_groups", 0) for r in rows))
     figures["dropped_groups"] = rows[-1].get("dropped_groups") if rows else None
     dropped = [(r["stale_dropped_groups"], r.get("stale_dropped_len_mean")) for r in rows]
     dropped = [(n, m) for n, m in dropped if n]
@@ -361,21 +417,26 @@ def main() -> None:
     prompts = 8 if args.quick else args.prompts_per_step
     default = [*CONFIGS] if args.quick else [*CONFIGS, "trl"]
     wanted = [w.strip() for w in args.only.split(",") if w.strip()] if args.only else default
-    unknown = set(wanted) - {*CONFIGS, "trl"}
+    unknown = {w for w in wanted if w != "trl" and config_of(w) is None}
     if unknown:
         sys.exit(f"--only: unknown configs {sorted(unknown)}; choose from {[*CONFIGS, 'trl']}")
     evaluate_n = 0 if args.quick else args.eval
 
     results: dict[str, dict[str, Any]] = {}
-    for name in [n for n in CONFIGS if n in wanted]:
-        log(f"{name}: {steps} steps -> {out / name}")
-        results[name] = run_tlt(
-            name, world, out / name, config, steps=steps, prompts=prompts, seed=args.seed, cores=cores
-        )
+    names = [n for n in CONFIGS if n in wanted] + [n for n in wanted if n not in CONFIGS and n != "trl"]
+    for rep in range(args.reps):
+        for name in names:
+            run_dir = out / name if args.reps == 1 else out / f"{name}-{rep + 1}"
+            log(f"{name}: {steps} steps -> {run_dir}")
+            figures = run_tlt(name, world, run_dir, config, steps=steps, prompts=prompts, seed=args.seed, cores=cores)
+            results[name] = pooled(results.get(name), figures)
+    for name in names:
         if evaluate_n:
-            final = latest_checkpoint(out / name / "checkpoints")
+            final = latest_checkpoint(Path(results[name]["run_dir"]) / "checkpoints")
             assert final is not None
-            row = evaluate_version(out / name, final.step, final.policy_dir, n=evaluate_n, seed=1, threads=cores)
+            row = evaluate_version(
+                Path(results[name]["run_dir"]), final.step, final.policy_dir, n=evaluate_n, seed=1, threads=cores
+            )
             results[name]["heldout_accuracy_final"] = row["accuracy"]
     skipped: dict[str, str] = {}
     if "trl" in wanted:
@@ -415,7 +476,11 @@ def main() -> None:
         "b_plus_over_b": speedup("b_sync_tlt", "b_plus"),
         "g_plus_over_a": speedup("a_sync_plain", "g_plus"),
         "g_plus_over_g": speedup("g_sync_partial", "g_plus"),
+        **{f"{n}_over_a": speedup("a_sync_plain", n) for n in names if n not in CONFIGS},
+        **{f"{n}_over_{n.rpartition('_n')[0]}": speedup(n.rpartition("_n")[0], n) for n in names if n not in CONFIGS},
     }
+    for figures in results.values():
+        figures.pop("_steady", None)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "e2e.png")
     result = {
@@ -428,6 +493,7 @@ def main() -> None:
         "prompts_per_step": prompts,
         "group_size": 8,
         "seed": args.seed,
+        "reps": args.reps,
         "heldout_prompts": evaluate_n,
         "redis": "configured" if config.bus.redis_url else "embedded",
         "configs": results,

@@ -193,3 +193,82 @@ async def test_a_rank_killed_mid_update_loses_and_repeats_nothing(
                 process.send_signal(signal.SIGKILL)
                 await process.wait()
         await redis.aclose()
+
+
+async def test_two_ranks_accumulating_under_torchrun_train_every_group_once_to_one_batch_process(
+    one_backend: str, bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """learner.accumulate on 2 gloo ranks against a one-process batch learner, on the same synchronous run:
+    3 groups a step of 3 samples with varied lengths (so rank 0 deals uneven shares and a rank tops its share
+    up with idle rounds), one degenerate group (nothing to deal); step 1's groups sent one at a time, step 2's
+    at once. The ranks end cleanly (a round one rank missed would hang the other until the collective
+    timeout, then fail the run), every group is trained once (sample ids sent, in the checkpoints' ledgers,
+    none pending or dead in Redis), in its step, and the weights agree within the bound of
+    tests/integration/test_accumulated_learner.py."""
+    import random
+
+    import msgspec
+
+    from tests.faults.audit import read_checkpoints
+    from tests.integration.test_accumulated_learner import LR, PER_STEP, flat, step_groups, weights
+    from tlt_stream.bus.connect import purge_run
+
+    steps = 2
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    runs = {}
+    try:
+        for ranks, accumulate in ((1, False), (2, True)):
+            config = msgspec.structs.replace(bus_config, run=f"{bus_config.run}x{ranks}")  # its own streams
+            keys = Keys(config.run)
+            producer = StreamProducer(redis, keys, config.bus)
+            run_dir = tmp_path / f"ranks-{ranks}"
+            log = tmp_path / f"ranks-{ranks}.log"
+            flags = ["--max-updates", str(steps), "--max-staleness", "0", "--groups-per-step", str(PER_STEP)]
+            flags += ["--lr", str(LR), "--set", "learner.micro_batch_tokens=24"]
+            flags += ["--set", f"learner.accumulate={str(accumulate).lower()}"]
+            process = await learner(config, run_dir, init_policy, log, *flags, ranks=ranks)
+            rng = random.Random(7)
+            sent: set[str] = set()
+            try:
+                for step in range(steps):
+                    async with asyncio.timeout(240):
+                        while (published := (await read_mirror(redis, keys)).get("policy")) is None or (
+                            published.version < step
+                        ):
+                            assert process.returncode is None, log.read_text()[-3000:]
+                            await asyncio.sleep(0.2)
+                    for group in step_groups(step, rng):
+                        await producer.send("samples", group)
+                        sent |= {s.sample_id for s in group}
+                        if step == 0:
+                            await asyncio.sleep(1.0)  # arrivals spread out: the ranks add groups one at a time
+                async with asyncio.timeout(240):
+                    code = await process.wait()
+            finally:
+                if process.returncode is None:
+                    process.send_signal(signal.SIGKILL)
+                    await process.wait()
+            assert code == 0, log.read_text()[-3000:]
+            points, set_aside = read_checkpoints(run_dir / "checkpoints")
+            assert not set_aside and [p.step for p in points] == list(range(steps + 1))
+            assert points[-1].ledger == sent, "every sample sent is in the ledger"
+            for point in points[1:]:
+                assert point.trained_groups == tuple(f"s{point.step - 1}-g{g}" for g in range(PER_STEP))
+            trained = [g for p in points for g in p.trained_groups]
+            assert len(trained) == len(set(trained)) == steps * PER_STEP, "every group trained once"
+            assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+            assert await redis.xlen(keys.stream("dead")) == 0
+            assert metrics_versions(run_dir) == list(range(1, steps + 1))
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            assert all(("accumulate_seconds" in row) == accumulate for row in rows), "the steps were accumulated"
+            runs[ranks] = points
+            await purge_run(config)
+    finally:
+        await redis.aclose()
+    start = flat(weights(runs[1][0].path))
+    for k in range(1, steps + 1):
+        batch, accumulated = flat(weights(runs[1][k].path)), flat(weights(runs[2][k].path))
+        gap, moved = accumulated - batch, batch - start
+        assert float(gap.abs().max()) <= 2 * LR * k, f"update {k}: a coordinate beyond lr either way per update"
+        assert float(gap.norm()) <= 1e-2 * float(moved.norm()), f"update {k}: {gap.norm()} of {moved.norm()}"
+        assert float(moved.abs().max()) > LR / 2 * k, "the updates moved the parameters well beyond the bound"

@@ -1,6 +1,6 @@
 """The learner's share of the cores while it accumulates: a group added while its step waits for more groups
-runs beside the rollout's tail on learner.accumulate_threads; the group that completes the step (the rollout
-is then idle, on-policy) and the optimizer step run on all of the learner's threads."""
+runs beside the rollout's tail on learner.accumulate_threads; once the step's groups are all in (the rollout
+is then idle, on-policy), they and the optimizer step run on all of the learner's threads."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ async def _renew() -> None:
     return None
 
 
-@pytest.mark.parametrize(("tail", "expected"), [(1, [1, 1, 3]), (0, [3, 3, 3])])
+@pytest.mark.parametrize(("tail", "expected"), [(1, [1, 3, 3]), (0, [3, 3, 3])])
 def test_groups_added_mid_step_use_the_tail_threads_and_the_completing_group_all(
     tail: int, expected: list[int]
 ) -> None:

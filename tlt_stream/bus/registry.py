@@ -31,7 +31,7 @@ from tlt_stream.bus.connect import REDIS_RETRYABLE
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
 
-__all__ = ["WorkerRegistry", "list_workers"]
+__all__ = ["WorkerRegistry", "list_workers", "rollout_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,19 @@ class WorkerRegistry:
     def update_info(self, **fields: Any) -> None:
         """Extra fields shown by the monitor (versions, batch size, ...); written with the next heartbeat."""
         self.info.update({k: str(v) for k, v in fields.items()})
+
+    async def publish(self, **fields: Any) -> None:
+        """Extra fields written now, not with the next heartbeat (what a reader acts on, such as the rows in
+        flight the learner reads); a write that fails is left to the next heartbeat."""
+        self.update_info(**fields)
+        key = self.keys.worker(self.worker_id)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping={k: self.info[k] for k in fields})
+                pipe.pexpire(key, int(self.bus.heartbeat_ttl_s * 1000))
+                await pipe.execute()
+        except (*REDIS_RETRYABLE, OutOfMemoryError) as exc:
+            log.debug("%s: could not write %s now (%s); the next heartbeat will", self.worker_id, sorted(fields), exc)
 
     async def set_state(self, state: WorkerStatus, reason: str = "") -> None:
         """Change state: written to the registry at once and to the `stats` timeline."""
@@ -139,3 +152,23 @@ async def list_workers(redis: aioredis.Redis, keys: Keys, bus: BusConfig) -> lis
         entry["worker_id"] = worker_id
         workers.append(entry)
     return workers
+
+
+async def rollout_rows(redis: aioredis.Redis, keys: Keys, bus: BusConfig) -> int | None:
+    """The rows the run's live rollout workers have in flight: the sum of the `rows_in_flight` their registry
+    records report (`Generation.report_rows`; a stopped worker's count as 0), or None when no live worker
+    reports one. Reads only: one ZRANGEBYSCORE and one pipelined HMGET per worker."""
+    cutoff = time.time() - bus.heartbeat_ttl_s
+    ids = [as_text(i) for i in await redis.zrangebyscore(keys.workers, cutoff, "+inf")]
+    if not ids:
+        return None
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.hmget(keys.worker(worker_id), ["role", "state", "rows_in_flight"])
+        records = await pipe.execute()
+    reported = [
+        0 if as_text(state) == str(WorkerStatus.STOPPED) else int(as_text(rows))
+        for role, state, rows in records
+        if rows is not None and as_text(role) == "rollout"
+    ]
+    return sum(reported) if reported else None

@@ -55,7 +55,7 @@ from tlt_stream.roles.learner_parts.checkpoints import Checkpoints
 from tlt_stream.roles.learner_parts.intake import SampleIntake
 from tlt_stream.roles.learner_parts.lease import RunLease, RunTaken
 from tlt_stream.roles.learner_parts.records import UpdateRecords
-from tlt_stream.roles.learner_parts.update import UpdateFailed, Updates
+from tlt_stream.roles.learner_parts.update import HOLD_RECHECK_MS, UpdateFailed, Updates
 
 __all__ = ["LearnerService", "RunTaken", "UpdateFailed", "follow_rank_0", "serve_learner"]
 
@@ -157,7 +157,10 @@ class LearnerService:
         damaged checkpoint, trains them again)."""
         applied, intake = 0, self.intake
         while not stop.is_set() and (max_updates is None or applied < max_updates):
-            deliveries = await self.reader.read()
+            holding = self.updates.holding  # groups wait for the rollout's rows: read them again soon
+            deliveries = await self.reader.read(
+                block_ms=min(HOLD_RECHECK_MS, self.config.bus.block_ms) if holding else None
+            )
             if self.reader.lost:
                 intake.entries_vanished()
             to_ack: list[str] = []

@@ -84,7 +84,14 @@ class RolloutWorker:
         self.reports = RolloutReports(self.producer, worker_id, self.flight, self.loader, self.drafters)
         parts = (self.flight, self.loader, self.drafters, self.intake, self.reports)
         self.generation = Generation(
-            config, self.reader, self.producer, parts, worker_id=worker_id, reward=reward, reward_pool=reward_pool
+            config,
+            self.reader,
+            self.producer,
+            parts,
+            worker_id=worker_id,
+            reward=reward,
+            reward_pool=reward_pool,
+            registry=self.registry,
         )
         self.follower = SampleFollower(redis, keys, worker_id, self.loader)
         self.idle_trainer: IdleDrafterTrainer | None = None
@@ -136,6 +143,7 @@ class RolloutWorker:
             await self.drafters.maybe_swap(engine, self.loader.adaptive)
             self.drafters.adopt_sd_config(engine, self.loader.adaptive)
             await self.intake.admit()
+            await self.generation.report_rows()
             await self.generation.send_scored()
             if engine.has_work:
                 if self.registry.state != WorkerStatus.GENERATING:

@@ -102,6 +102,16 @@ class LearnerConfig(Section, frozen=True):
             ge=0,
         ),
     ] = 1
+    accumulate_below_rows: Annotated[
+        PositiveInt | None,
+        doc(
+            "With learner.accumulate: a complete group is added at once only while the rollout workers have fewer "
+            "than this many rows in flight (the sum of the rows_in_flight their registry records report); "
+            "otherwise complete groups wait and are added when the rows drop below it, or once the step has all "
+            "its groups. The same groups, order and update either way; it keeps the learner off the cores while "
+            "a busy rollout uses them. None: add every group as it completes."
+        ),
+    ] = None
     activation_checkpointing: Annotated[
         bool,
         doc(

@@ -15,7 +15,10 @@ each group complete at the front of the ready queue to the `StepAccumulator` at 
 backward, on the loop's thread, the lease renewed first as for an update), and the update applies the
 accumulated step once it has `groups_per_step` groups. A group added while the step still waits for others
 shares the cores with the rollout generating the step's tail, so it runs on learner.accumulate_threads
-(one by default); the group that completes the step, and the step itself, on all of the learner's.
+(one by default); once the step's groups are all in, they and the step itself run on all of the learner's.
+With learner.accumulate_below_rows a complete group is added only while the rollout workers report fewer rows
+in flight than that (their registry records, read when groups are waiting), else it waits in the ready
+queue, in its place, until the rows drop or the step's groups are all in: the same groups in the same order.
 Nothing else changes: a step that raises voids all its groups, which go back first as a failed batch
 update's do, and nothing of a step is acked before its checkpoint, so a learner stopped or killed mid-step
 loses only memory.
@@ -34,6 +37,7 @@ import torch
 from tlt_stream.basics.aio import sleep_or_stop
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.errors import ConfigError
+from tlt_stream.bus.registry import rollout_rows
 from tlt_stream.rl.accumulate import StepAccumulator
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
@@ -44,9 +48,13 @@ from tlt_stream.roles.learner_parts.intake import SampleIntake
 from tlt_stream.roles.learner_parts.lease import RunLease
 from tlt_stream.roles.learner_parts.records import UpdateRecords
 
-__all__ = ["UpdateFailed", "Updates"]
+__all__ = ["HOLD_RECHECK_MS", "UpdateFailed", "Updates"]
 
 log = logging.getLogger("tlt_stream.roles.learner")
+
+HOLD_RECHECK_MS = 200
+"""While complete groups wait for the rollout's rows to drop, the loop reads samples at most this long before
+it reads the rows again (else bus.block_ms): a few reads a second, during a step's tail only."""
 
 
 @contextlib.contextmanager
@@ -94,6 +102,10 @@ class Updates:
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
         self.accumulator: StepAccumulator | None = None
         """learner.accumulate: the step being built group by group (`attach`, once the policy is final)."""
+        self.holding = False
+        """Complete groups wait in the ready queue while the rollout is busy (learner.accumulate_below_rows)."""
+        self.held: set[str] = set()
+        """Tasks of the step being built whose groups waited for the rollout's rows (the step's `held_groups`)."""
 
     def attach(self) -> None:
         """Build the step accumulator around the policy the checkpoints resumed (learner.accumulate); a policy
@@ -118,14 +130,27 @@ class Updates:
             groups = ready[:per_step]
             del ready[:per_step]
             return groups
-        if ready:
-            await self.lease.renew()  # adding groups blocks the loop, as an update does
         accumulator, tail = self.accumulator, self.config.learner.accumulate_threads
-        while ready and not accumulator.full:
-            completes = len(accumulator.groups) == per_step - 1
-            with _threads(None if completes else tail or None):  # the step's tail runs beside it until its last group
-                accumulator.add(ready.pop(0))
+        # All the step's groups are here (the rollout's share of it is done): add them now, on all threads.
+        completes = len(accumulator.groups) + len(ready) >= per_step
+        self.holding = bool(ready) and not completes and await self._rollout_busy()
+        if self.holding:
+            self.held |= {g.task_id for g in ready}
+        if ready and not self.holding:
+            await self.lease.renew()  # adding groups blocks the loop, as an update does
+            while ready and not accumulator.full:
+                with _threads(None if completes else tail or None):  # beside the step's tail: its share
+                    accumulator.add(ready.pop(0))
         return accumulator.groups if accumulator.full else None
+
+    async def _rollout_busy(self) -> bool:
+        """learner.accumulate_below_rows: whether the rollout workers report at least that many rows in flight
+        (their registry records; none reporting: not busy)."""
+        below = self.config.learner.accumulate_below_rows
+        if not below:
+            return False
+        rows = await rollout_rows(self.intake.redis, self.intake.keys, self.config.bus)
+        return rows is not None and rows >= below
 
     def put_back(self) -> None:
         """A stop mid-step: the groups accumulated so far go back to the front of the queue, their gradients
@@ -178,6 +203,9 @@ class Updates:
             raise UpdateFailed(str(exc)) from exc
         # Since the last update (or start): waiting for complete groups, not adding them to the step.
         wait = started - self.idle_since - metrics.get("accumulate_seconds", 0.0)
+        if self.config.learner.accumulate_below_rows:
+            metrics["held_groups"] = float(sum(g.task_id in self.held for g in groups))
+        self.held.clear()
         await asyncio.sleep(0)
         for group in groups:
             intake.assembler.consume(group)

@@ -21,6 +21,7 @@ from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import HiddenWindow, Sample
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import StreamProducer
+from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.rl.reward_pool import RewardFailed, RewardPool
 from tlt_stream.rl.rewards import call_reward
 from tlt_stream.rl.samples import hidden_window, make_sample
@@ -48,6 +49,7 @@ class Generation:
         worker_id: str,
         reward: Callable[[str, str], float],
         reward_pool: RewardPool | None,
+        registry: WorkerRegistry | None = None,
     ) -> None:
         self.config = config
         self.reader = reader
@@ -62,6 +64,9 @@ class Generation:
         self.reward_failures = 0
         self.samples_sent = 0
         self.tasks_done = 0
+        self.registry = registry
+        """Where the rows in flight are reported (`report_rows`); None: not reported."""
+        self._rows_reported: int | None = None
 
     async def hop(self) -> None:
         """Up to `steps_per_hop` engine steps, then what finished scored and, for whole groups, sent."""
@@ -105,10 +110,22 @@ class Generation:
         if windows:  # a lossy, bounded buffer: never waits on the drafter trainer
             await self.producer.send("hidden", windows)
         self.reports.count_hop(tokens, forwards, seconds)
+        if finished:  # before the groups they complete: a learner reading on their arrival sees the rows left
+            await self.report_rows()
         for task in complete:
             await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
             await self.reports.send()
+
+    async def report_rows(self) -> None:
+        """The rows in flight to the worker's registry record, now, when they changed: the learner holds
+        complete groups back while the rollout is busy (learner.accumulate_below_rows). Drafts of the next
+        step (partial rollouts) are not counted: they would keep the rows up through every tail."""
+        rows = self.flight.rows_in_flight(self.loader.version if self.loader is not None else None)
+        if self.registry is None or rows == self._rows_reported:
+            return
+        self._rows_reported = rows
+        await self.registry.publish(rows_in_flight=rows)
 
     async def wait_for_scores(self) -> None:
         """Nothing to decode but groups being scored: until one is (or half a second)."""

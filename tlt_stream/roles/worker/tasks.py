@@ -59,6 +59,16 @@ class InFlight:
         """Rows the started groups still generate (finished responses excluded)."""
         return sum(t.group.group_size - len(t.samples) for t in self.started.values())
 
+    def rows_in_flight(self, version: int | None = None) -> int:
+        """Rows the engine still generates for the started groups (rows finished and waiting for their group's
+        reward excluded; with `version`, the loaded policy's, drafts begun ahead of it too: the step being
+        generated waits for none of them): what the worker reports for learner.accumulate_below_rows."""
+        return sum(
+            t.group.group_size - max(len(t.samples), len(t.finished))
+            for t in self.started.values()
+            if version is None or t.group.min_policy_version <= version
+        )
+
     def drafting(self, version: int) -> bool:
         """Whether a started group is a draft: begun ahead of `version`, the loaded policy's."""
         return any(t.group.min_policy_version > version for t in self.started.values())
