@@ -4,7 +4,8 @@
 The cost model comes from `bench/plan_fit.py` (microbenchmarks only; one fit per thread count, since
 `tlt-stream run` gives each process all cores when synchronous and splits them when streaming). The
 workload comes from the measured runs themselves (their recorded response lengths and tokens per target
-forward): the inputs of runs the model was not fitted on. Measured: the median over `--runs` e2e runs
+forward, and each SD arm's tokens per round per batch bucket from their timelines' arm reports where
+recorded): the inputs of runs the model was not fitted on. Measured: the median over `--runs` e2e runs
 (each run's own figure is the median step time of its steps after the first), with the runs' spread
 (min-max over median) beside it. A prediction within 15% of the measured median passes.
 
@@ -75,6 +76,20 @@ def workload(runs: list[dict]):
     return from_lengths(lengths, "the measured runs' responses"), (tokens / forwards if forwards else 1.0)
 
 
+def arm_reports(runs: list[dict]) -> list[dict]:
+    """The SD configs' arm reports (each arm's tokens and rows per bucket) their run directories' timelines
+    kept; empty for runs made before the reports counted rows."""
+    from tlt_stream.plan.acceptance import timeline_reports
+
+    reports = []
+    for run in runs:
+        for name, figures in run["configs"].items():
+            path = Path(figures["run_dir"]) / "timeline.jsonl"
+            if name != "a_sync_plain" and path.exists():
+                reports += timeline_reports(path)
+    return reports
+
+
 def prompt_len() -> float:
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -91,15 +106,21 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
     import dataclasses
 
     from tlt_stream.commands.run.launch import thread_split
-    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.plan.acceptance import Acceptance, from_reports
     from tlt_stream.plan.costs import CpuCosts
     from tlt_stream.plan.project import MODES
     from tlt_stream.plan.simulate import Setup, simulate
 
     lengths, accept = workload(runs)
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
+    if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
+        acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
     cores = len(os.sched_getaffinity(0))
-    out = {"inputs": {"lengths": lengths.summary(), "tokens_per_round": round(accept, 3)}, "configs": {}}
+    table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
+    out = {
+        "inputs": {"lengths": lengths.summary(), "tokens_per_round": round(accept, 3), "acceptance": table},
+        "configs": {},
+    }
     for name in CONFIGS:
         mode = MODES[name]
         worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
@@ -162,6 +183,12 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5, help="simulations per config (the median is the prediction)")
     p.add_argument("--costs-sync", default=str(ROOT / "artifacts" / "plan" / "cpu-t2.json"))
     p.add_argument("--costs-stream", default=str(ROOT / "artifacts" / "plan" / "cpu-t1.json"))
+    p.add_argument(
+        "--per-arm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="acceptance per arm and bucket from the runs' timelines (--no-per-arm: one figure for every arm)",
+    )
     p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
     args = p.parse_args()
     if args.e2e_json:

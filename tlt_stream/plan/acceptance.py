@@ -29,7 +29,7 @@ from typing import Any
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.switch import arm_of_report
 
-__all__ = ["Acceptance", "chain_alpha", "chain_mean", "from_run", "measured_table"]
+__all__ = ["Acceptance", "chain_alpha", "chain_mean", "from_reports", "from_run", "measured_table", "timeline_reports"]
 
 
 def chain_mean(alpha: float, depth: int) -> float:
@@ -125,20 +125,29 @@ def measured_table(reports: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, 
 
 
 def from_run(run_dir: str | Path, fallback: float | None = None) -> Acceptance | None:
-    """The run's measured acceptance per (arm, bucket) from `RUN/timeline.jsonl`, each arm's pooled figure for
-    its other buckets, and `fallback` (tokens per round) for arms the run never measured. None when the run
-    recorded no SD arm with rows (an older run, or no adaptive SD)."""
+    """The run's measured acceptance per (arm, bucket) from `RUN/timeline.jsonl` (`from_reports`). None when
+    the run recorded no SD arm with rows (an older run, or no adaptive SD)."""
     path = Path(run_dir) / "timeline.jsonl"
-    if not path.exists():
-        return None
+    return from_reports(timeline_reports(path), fallback, str(path)) if path.exists() else None
+
+
+def timeline_reports(path: Path) -> list[dict[str, Any]]:
+    """The SD arm reports (`sd_arm` rows) of a timeline file."""
     reports = []
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:  # a line cut short: the rest stays usable
             continue
-        if isinstance(entry, dict) and entry.get("kind") == "sd_arm" and entry.get("depth", 0) > 0:
+        if isinstance(entry, dict) and entry.get("kind") == "sd_arm":
             reports.append(entry)
+    return reports
+
+
+def from_reports(reports: Iterable[Mapping[str, Any]], fallback: float | None, source: str) -> Acceptance | None:
+    """Each SD arm's measured tokens per row and round per bucket, its pooled figure for its other buckets, and
+    `fallback` (tokens per round) for arms never measured; None when no SD arm report counted rows."""
+    reports = [r for r in reports if r.get("depth", 0) > 0]
     table = {key: max(1.0, value) for key, value in _pooled(reports, by_bucket=True).items()}
     if not table:
         return None
@@ -146,4 +155,4 @@ def from_run(run_dir: str | Path, fallback: float | None = None) -> Acceptance |
     if fallback is not None:
         table["*", None] = max(1.0, fallback)
     measured = sum(1 for _, bucket in table if bucket is not None)
-    return Acceptance(table, ref_tokens=fallback or 1.0, source=f"{path} ({measured} arm-bucket entries measured)")
+    return Acceptance(table, ref_tokens=fallback or 1.0, source=f"{source} ({measured} arm-bucket entries measured)")
