@@ -108,17 +108,27 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
     from tlt_stream.commands.run.launch import thread_split
     from tlt_stream.plan.acceptance import Acceptance, from_reports
     from tlt_stream.plan.costs import CpuCosts
+    from tlt_stream.plan.lengths import trained_share
     from tlt_stream.plan.project import MODES
     from tlt_stream.plan.simulate import Setup, simulate
+    from tlt_stream.rl.records import load_metrics
 
     lengths, accept = workload(runs)
+    share = trained_share(
+        [row for r in runs for f in r["configs"].values() for row in load_metrics(Path(f["run_dir"]))[1:]]
+    )
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
     if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
         acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
     cores = len(os.sched_getaffinity(0))
     table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
     out = {
-        "inputs": {"lengths": lengths.summary(), "tokens_per_round": round(accept, 3), "acceptance": table},
+        "inputs": {
+            "lengths": lengths.summary(),
+            "tokens_per_round": round(accept, 3),
+            "acceptance": table,
+            "trained_share": round(share, 3) if args.trained_share else 1.0,
+        },
         "configs": {},
     }
     for name in CONFIGS:
@@ -131,6 +141,7 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             prompt_len=round(prompt_len()),
             worker_threads=worker_threads,
             learner_threads=learner_threads,
+            trained_share=share if args.trained_share else 1.0,
         )
         results = [
             simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs) for s in range(args.seeds)
@@ -188,6 +199,13 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="acceptance per arm and bucket from the runs' timelines (--no-per-arm: one figure for every arm)",
+    )
+    p.add_argument(
+        "--trained-share",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="charge the update only the groups with a signal, as the runs' `degenerate_groups` say "
+        "(--no-trained-share: every group)",
     )
     p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
     args = p.parse_args()

@@ -5,6 +5,7 @@ No timing is asserted: every expected figure is computed by hand from the costs 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -14,7 +15,7 @@ import pytest
 from tlt_stream.plan.acceptance import Acceptance, chain_alpha, chain_mean
 from tlt_stream.plan.acceptance import from_run as plan_from_run
 from tlt_stream.plan.costs import CpuCosts, FixedCosts
-from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named
+from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named, trained_share
 from tlt_stream.plan.project import MODES
 from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
 from tlt_stream.plan.simulate import Mode, Setup, simulate
@@ -32,6 +33,16 @@ def test_one_row_without_sd_takes_length_decode_steps_then_update_and_publish():
     r = simulate(PLAIN, one(100), from_lengths([100]), Acceptance(), costs)
     assert r.version_times[1] == pytest.approx(100 * 0.01 + 100 * 0.002 + 0.5 + 0.25)
     assert r.rounds == {"plain": 100}
+
+
+def test_the_update_costs_only_the_groups_with_a_signal():
+    """Groups whose rewards are all equal are left out of the update: it costs the trained share's tokens."""
+    costs = FixedCosts(decode=0.01, learn_per_token=0.002, optimizer_s=0.5, publish_s=0.25)
+    half = dataclasses.replace(one(100), trained_share=0.5)
+    r = simulate(PLAIN, half, from_lengths([100]), Acceptance(), costs)
+    assert r.version_times[1] == pytest.approx(100 * 0.01 + 50 * 0.002 + 0.5 + 0.25)
+    rows = [{"degenerate_groups": d, "trained_groups": ["g"] * 4} for d in (3.0, 1.0)]
+    assert trained_share(rows) == 0.5 and trained_share([{"reward_mean": 1.0}]) == 1.0
 
 
 def test_equal_rows_in_one_batch_cost_length_times_the_batch_step():

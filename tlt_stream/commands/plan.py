@@ -53,6 +53,12 @@ def register(commands: Any) -> None:
         "tau = 1 + (tau_ref - 1) log2(1 + nodes) / log2(1 + nodes_ref)",
     )
     p.add_argument("--arms", help="comma-separated SD arm labels the tuner chooses from (default: the config's)")
+    p.add_argument(
+        "--trained-share",
+        type=float,
+        help="share of groups the update trains on (groups whose rewards are all equal are left out; "
+        "default: the run's, else 1)",
+    )
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16; the paper's 64)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 on CPU, 512 on GPUs)")
@@ -203,6 +209,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         group_size=args.group_size,
         steps=args.steps,
         max_response=args.max_response or setup.max_response,
+        trained_share=_trained_share(args),
     )
     if args.arms:
         setup = dataclasses.replace(setup, arms=labels)
@@ -221,6 +228,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         "kind": "PROJECTION (simulated, not measured)",
         "inputs": {
             "lengths": {"source": dist.source, **dist.summary()},
+            "trained_share": setup.trained_share,
             "acceptance": {
                 "tokens_per_round": tokens,
                 "source": acceptance.source,
@@ -265,6 +273,20 @@ def _table(path: str, fallback):
     except (json.JSONDecodeError, AttributeError, TypeError) as exc:
         raise PlanInputError(f"--acceptance-table {path}: not {{arm: {{bucket: tokens}}}} ({exc})") from None
     return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=path)
+
+
+def _trained_share(args: argparse.Namespace) -> float:
+    if args.trained_share is not None:
+        if not 0 < args.trained_share <= 1:
+            raise PlanInputError(f"--trained-share is a share of groups in (0, 1], got {args.trained_share}")
+        return args.trained_share
+    if not args.from_run:
+        return 1.0
+    from tlt_stream.plan.lengths import trained_share
+    from tlt_stream.rl.records import load_metrics
+
+    rows = load_metrics(Path(args.from_run))
+    return round(trained_share(rows[1:] if len(rows) > 1 else rows), 4)
 
 
 def _run_acceptance(run_dir: str) -> float | None:
