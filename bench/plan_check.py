@@ -184,6 +184,26 @@ def measured(runs: list[dict]) -> dict:
     return out
 
 
+def in_situ(runs: list[dict]) -> dict:
+    """Per config, the worker's own account of its engine steps in the runs (`timeline.jsonl`'s rollout reports:
+    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went."""
+    out = {}
+    for name in CONFIGS:
+        hop = forwards = span = 0.0
+        for run in runs:
+            run_dir = Path(run["configs"][name]["run_dir"])
+            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                if entry.get("kind") == "rollout":
+                    hop, forwards = hop + entry["seconds"], forwards + entry["target_forwards"]
+            span += sum(json.loads(x)["rollout_seconds"] for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+        out[name] = {
+            "ms_per_forward": round(1e3 * hop / forwards, 3) if forwards else None,
+            "hop_share_of_rollout": round(hop / span, 3) if span else None,
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
@@ -239,7 +259,15 @@ def main() -> None:
         }
     print(
         json.dumps(
-            {"bench": "plan_check", "runs": len(runs), "table": table, "predicted": got, "measured": want}, indent=2
+            {
+                "bench": "plan_check",
+                "runs": len(runs),
+                "table": table,
+                "predicted": got,
+                "measured": want,
+                "in_situ": in_situ(runs),
+            },
+            indent=2,
         )
     )
 
