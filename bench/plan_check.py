@@ -4,7 +4,8 @@
 The cost model comes from `bench/plan_fit.py` (microbenchmarks only; one fit per thread count, since
 `tlt-stream run` gives each process all cores when synchronous and splits them when streaming). The
 workload comes from the measured runs themselves (their recorded response lengths and tokens per target
-forward): the inputs of runs the model was not fitted on. Measured: the median over `--runs` e2e runs
+forward, and each SD arm's tokens per round per batch bucket from their timelines' arm reports where
+recorded): the inputs of runs the model was not fitted on. Measured: the median over `--runs` e2e runs
 (each run's own figure is the median step time of its steps after the first), with the runs' spread
 (min-max over median) beside it. A prediction within 15% of the measured median passes.
 
@@ -75,6 +76,20 @@ def workload(runs: list[dict]):
     return from_lengths(lengths, "the measured runs' responses"), (tokens / forwards if forwards else 1.0)
 
 
+def arm_reports(runs: list[dict]) -> list[dict]:
+    """The SD configs' arm reports (each arm's tokens and rows per bucket) their run directories' timelines
+    kept; empty for runs made before the reports counted rows."""
+    from tlt_stream.plan.acceptance import timeline_reports
+
+    reports = []
+    for run in runs:
+        for name, figures in run["configs"].items():
+            path = Path(figures["run_dir"]) / "timeline.jsonl"
+            if name != "a_sync_plain" and path.exists():
+                reports += timeline_reports(path)
+    return reports
+
+
 def prompt_len() -> float:
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -91,15 +106,31 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
     import dataclasses
 
     from tlt_stream.commands.run.launch import thread_split
-    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.plan.acceptance import Acceptance, from_reports
     from tlt_stream.plan.costs import CpuCosts
+    from tlt_stream.plan.lengths import trained_share
     from tlt_stream.plan.project import MODES
     from tlt_stream.plan.simulate import Setup, simulate
+    from tlt_stream.rl.records import load_metrics
 
     lengths, accept = workload(runs)
+    share = trained_share(
+        [row for r in runs for f in r["configs"].values() for row in load_metrics(Path(f["run_dir"]))[1:]]
+    )
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
+    if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
+        acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
     cores = len(os.sched_getaffinity(0))
-    out = {"inputs": {"lengths": lengths.summary(), "tokens_per_round": round(accept, 3)}, "configs": {}}
+    table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
+    out = {
+        "inputs": {
+            "lengths": lengths.summary(),
+            "tokens_per_round": round(accept, 3),
+            "acceptance": table,
+            "trained_share": round(share, 3) if args.trained_share else 1.0,
+        },
+        "configs": {},
+    }
     for name in CONFIGS:
         mode = MODES[name]
         worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
@@ -110,6 +141,7 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             prompt_len=round(prompt_len()),
             worker_threads=worker_threads,
             learner_threads=learner_threads,
+            trained_share=share if args.trained_share else 1.0,
         )
         results = [
             simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs) for s in range(args.seeds)
@@ -152,6 +184,26 @@ def measured(runs: list[dict]) -> dict:
     return out
 
 
+def in_situ(runs: list[dict]) -> dict:
+    """Per config, the worker's own account of its engine steps in the runs (`timeline.jsonl`'s rollout reports:
+    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went."""
+    out = {}
+    for name in CONFIGS:
+        hop = forwards = span = 0.0
+        for run in runs:
+            run_dir = Path(run["configs"][name]["run_dir"])
+            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                if entry.get("kind") == "rollout":
+                    hop, forwards = hop + entry["seconds"], forwards + entry["target_forwards"]
+            span += sum(json.loads(x)["rollout_seconds"] for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+        out[name] = {
+            "ms_per_forward": round(1e3 * hop / forwards, 3) if forwards else None,
+            "hop_share_of_rollout": round(hop / span, 3) if span else None,
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
@@ -162,6 +214,19 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5, help="simulations per config (the median is the prediction)")
     p.add_argument("--costs-sync", default=str(ROOT / "artifacts" / "plan" / "cpu-t2.json"))
     p.add_argument("--costs-stream", default=str(ROOT / "artifacts" / "plan" / "cpu-t1.json"))
+    p.add_argument(
+        "--per-arm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="acceptance per arm and bucket from the runs' timelines (--no-per-arm: one figure for every arm)",
+    )
+    p.add_argument(
+        "--trained-share",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="charge the update only the groups with a signal, as the runs' `degenerate_groups` say "
+        "(--no-trained-share: every group)",
+    )
     p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
     args = p.parse_args()
     if args.e2e_json:
@@ -194,7 +259,15 @@ def main() -> None:
         }
     print(
         json.dumps(
-            {"bench": "plan_check", "runs": len(runs), "table": table, "predicted": got, "measured": want}, indent=2
+            {
+                "bench": "plan_check",
+                "runs": len(runs),
+                "table": table,
+                "predicted": got,
+                "measured": want,
+                "in_situ": in_situ(runs),
+            },
+            indent=2,
         )
     )
 

@@ -19,6 +19,8 @@ from tlt_stream.basics.config import Config
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.streams import Keys
 from tlt_stream.commands.run.launch import RunPlan, service_commands, service_config, thread_split, write_service_config
+from tlt_stream.plan.acceptance import from_run, measured_table
+from tlt_stream.rollout.arms import Arm
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -44,6 +46,18 @@ def run_command(config: Config, world: Path, out: Path, *extra: str) -> list[str
         *("--world", str(world), "--out", str(out), "--prompts-per-step", "2", "--group-size", "2"),
         *("--max-len", "64", "--eval", "4", *extra),
     ]
+
+
+async def arm_reports_in(redis: aioredis.Redis, keys: Keys) -> list[dict]:
+    """The SD arm reports the run's `stats` stream holds, as read from Redis."""
+    import msgspec
+
+    from tlt_stream.basics.messages import SdArmReport, codec_for
+
+    codec = codec_for("stats")
+    entries = await redis.xrange(keys.stream("stats"))
+    messages = [codec.decode(fields[b"m"]) for _, fields in entries]
+    return [msgspec.to_builtins(m) for m in messages if isinstance(m, SdArmReport)]
 
 
 def env_for(config: Config) -> dict[str, str]:
@@ -106,9 +120,23 @@ async def test_run_trains_for_the_steps_asked_and_leaves_a_complete_run_dir(
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
     try:
         assert (await read_mirror(redis, Keys(bus_config.run)))["policy"].version == 2
+        in_redis = await arm_reports_in(redis, Keys(bus_config.run))
     finally:
         await redis.aclose()
     assert service_pids(bus_config.run) == [], "every service process was stopped"
+    # The run directory keeps each SD arm's acceptance per batch bucket for `tlt-stream plan --from-run`: the
+    # same table as the workers' reports still in Redis give, plain decoding one token per row and round.
+    recorded = measured_table(e for e in timeline if e["kind"] == "sd_arm")
+    assert recorded == measured_table(in_redis) and recorded.get("plain"), recorded
+    assert set(recorded["plain"].values()) == {1.0}
+    sd_arms = {label: buckets for label, buckets in recorded.items() if label != "plain"}
+    assert sd_arms, f"an SD arm ran in a run with adaptive SD: {recorded}"
+    planned = from_run(out, fallback=1.5)
+    assert planned is not None
+    for label, buckets in sd_arms.items():
+        arm = Arm.from_label(label)
+        for bucket, tokens in buckets.items():
+            assert 1.0 <= tokens <= arm.depth + 1 and planned.mean(arm, bucket) == max(1.0, tokens), label
     # The run name is a namespace with a dispatch cursor and versions: a new run may not reuse it.
     again = await asyncio.create_subprocess_exec(
         *run_command(bus_config, world, tmp_path / "again", "--steps", "2"),

@@ -156,3 +156,31 @@ def test_each_step_is_chosen_and_recorded_in_the_group_context_read_before_it(
     )
     assert set(recorded) <= set(read) and len(recorded) > 0
     assert 2 in read, "rows following the remembered response read as following strongly"
+
+
+def test_each_arms_reports_count_the_rows_its_rounds_ran_as_the_requests_own_rounds_show(init_policy: Path) -> None:
+    """`rows` in the arm reports is what makes a run's acceptance per arm and bucket readable (`tokens / rows`):
+    checked against the rounds each request's own record lists (`accept_lengths`, kept by the engine)."""
+    model = load_model(init_policy)
+    torch.manual_seed(0)
+    engine = GenerationEngine(model, 6, 96, proposer=EagleProposer(Drafter(model.spec).bind(model)))
+    adaptive = AdaptiveSd(engine, SdConfig(crossover=5, margin=1, epsilon=0.5, seed=1), clock=SteadyClock())
+    prompts, lengths = [[5 + i, 9, 12, 7] for i in range(6)], [4, 8, 14, 20, 30, 44]
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(p, n, 0.0, request_id=i)
+    results = adaptive.step()  # admits all 6 (6 slots), prefills them, then runs one round: not measured
+    assert engine.scheduler.num_waiting == 0 and adaptive.drain_reports() == []
+    first_sd = adaptive.arm.kind != "plain"
+    first_rows, first_tokens = (6, engine.tokens_generated - 6) if first_sd else (0, 0)
+    while engine.has_unfinished:
+        results += adaptive.step()
+    assert len(results) == 6
+    reports = adaptive.drain_reports()
+    sd = [r for r in reports if r.arm.kind != "plain"]
+    plain = [r for r in reports if r.arm.kind == "plain"]
+    assert sd and plain, [r.arm.label for r in reports]
+    # Every later step was measured: the SD arms' rounds are exactly the requests' SD rounds after the first
+    # step, and a plain step emits one token per running row.
+    assert sum(r.rows for r in sd) + first_rows == sum(len(r.accept_lengths) for r in results)
+    assert sum(r.tokens for r in sd) + first_tokens == sum(sum(r.accept_lengths) for r in results)
+    assert all(r.tokens == r.rows for r in plain)

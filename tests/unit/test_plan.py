@@ -5,6 +5,7 @@ No timing is asserted: every expected figure is computed by hand from the costs 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -12,8 +13,9 @@ import random
 import pytest
 
 from tlt_stream.plan.acceptance import Acceptance, chain_alpha, chain_mean
+from tlt_stream.plan.acceptance import from_run as plan_from_run
 from tlt_stream.plan.costs import CpuCosts, FixedCosts
-from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named
+from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named, trained_share
 from tlt_stream.plan.project import MODES
 from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
 from tlt_stream.plan.simulate import Mode, Setup, simulate
@@ -31,6 +33,16 @@ def test_one_row_without_sd_takes_length_decode_steps_then_update_and_publish():
     r = simulate(PLAIN, one(100), from_lengths([100]), Acceptance(), costs)
     assert r.version_times[1] == pytest.approx(100 * 0.01 + 100 * 0.002 + 0.5 + 0.25)
     assert r.rounds == {"plain": 100}
+
+
+def test_the_update_costs_only_the_groups_with_a_signal():
+    """Groups whose rewards are all equal are left out of the update: it costs the trained share's tokens."""
+    costs = FixedCosts(decode=0.01, learn_per_token=0.002, optimizer_s=0.5, publish_s=0.25)
+    half = dataclasses.replace(one(100), trained_share=0.5)
+    r = simulate(PLAIN, half, from_lengths([100]), Acceptance(), costs)
+    assert r.version_times[1] == pytest.approx(100 * 0.01 + 50 * 0.002 + 0.5 + 0.25)
+    rows = [{"degenerate_groups": d, "trained_groups": ["g"] * 4} for d in (3.0, 1.0)]
+    assert trained_share(rows) == 0.5 and trained_share([{"reward_mean": 1.0}]) == 1.0
 
 
 def test_equal_rows_in_one_batch_cost_length_times_the_batch_step():
@@ -214,3 +226,43 @@ def test_acceptance_table_per_arm_and_bucket(tmp_path):
     path.write_text(json.dumps({"d4k1v4": 3}))
     with pytest.raises(PlanInputError):
         _table(str(path), Acceptance.uniform(1.2))
+
+
+def test_plan_from_run_takes_each_arms_acceptance_per_bucket_from_the_timeline(tmp_path, capsys):
+    """The SD arm reports a run's timeline keeps (tokens and the rows their rounds ran) give each arm's tokens per
+    round per bucket, the arm's pooled figure in its other buckets, and the samples' figure for other arms."""
+    from tlt_stream.commands.cli import main
+
+    rows = [{"version": v, "response_lens": [300, 100], "accept_lengths": [3.0, 1.0]} for v in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report = {"kind": "sd_arm", "worker_id": "w", "drafter_version": 0, "proposer": "drafter", "seconds": 1.0}
+    arms = [
+        {**report, "bucket": 0, "depth": 4, "topk": 1, "verify": 4, "tokens": 30, "rows": 10},
+        {**report, "bucket": 0, "depth": 4, "topk": 1, "verify": 4, "tokens": 10, "rows": 5},  # pooled: 40 / 15
+        {**report, "bucket": 2, "depth": 4, "topk": 1, "verify": 4, "tokens": 20, "rows": 10},
+        {**report, "bucket": 2, "depth": 0, "topk": 0, "verify": 0, "proposer": "plain", "tokens": 8, "rows": 8},
+        {**report, "bucket": 3, "depth": 2, "topk": 1, "verify": 2, "tokens": 99, "rows": 0},  # no rows counted
+    ]
+    timeline = [{"kind": "rollout", "tokens": 5}, *arms]
+    (tmp_path / "timeline.jsonl").write_text("\n".join(json.dumps(r) for r in timeline) + "\n")
+    acc = plan_from_run(tmp_path, fallback=3.0)
+    d4, d2 = Arm.from_label("d4k1v4"), Arm.from_label("d2k1v2")
+    assert acc.mean(d4, 0) == pytest.approx(40 / 15) and acc.mean(d4, 2) == 2.0
+    assert acc.mean(d4, 5) == pytest.approx(60 / 25) and acc.mean(d2, 3) == 3.0
+    argv = ["plan", "--from-run", str(tmp_path), "--gpu", "a100", "--steps", "1", "--seeds", "1", "--json", "-q"]
+    assert main([*argv, "--no-recommend", "--modes", "a_sync_plain", "--plot", str(tmp_path / "p.png")]) == 0
+    out = json.loads(capsys.readouterr().out)["inputs"]["acceptance"]
+    assert "timeline.jsonl" in out["source"] and out["table"]["d4k1v4@2"] == 2.0 and out["table"]["*@*"] == 3.0
+    (tmp_path / "timeline.jsonl").write_text(json.dumps(arms[-1]) + "\n")  # nothing with rows: the samples' figure
+    assert plan_from_run(tmp_path, fallback=3.0) is None
+
+
+def test_acceptance_given_for_one_arm_spreads_by_the_budget_law(capsys):
+    from tlt_stream.commands.cli import main
+
+    argv = ["plan", "--lengths", "const:64", "--gpu", "h100", "--model-size", "7B", "--rollout-gpus", "1"]
+    argv += ["--acceptance", "6.4", "--acceptance-arm", "d8k4v48", "--arms", "d8k4v8,d8k4v48"]
+    assert main([*argv, "--steps", "1", "--seeds", "1", "--no-recommend", "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)["inputs"]
+    assert out["setup"]["arms"] == ["plain", "d8k4v8", "d8k4v48"] and out["acceptance"]["table"] == {"d8k4v48@*": 6.4}
+    assert main([*argv[:-4], "--acceptance-arm", "plain", "--steps", "1", "-q"]) == 2

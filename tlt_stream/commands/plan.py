@@ -46,6 +46,19 @@ def register(commands: Any) -> None:
         help='tokens per round per arm and bucket, e.g. {"d4k1v4": {"0": 3.4, "*": 3.0}, "*": {"*": 2.5}} '
         "(bucket indices of the SD edges; * for any); arms it omits use --acceptance",
     )
+    p.add_argument(
+        "--acceptance-arm",
+        metavar="ARM",
+        help="the arm --acceptance was measured with (e.g. d8k4v48); other arms then by the budget law "
+        "tau = 1 + (tau_ref - 1) log2(1 + nodes) / log2(1 + nodes_ref)",
+    )
+    p.add_argument("--arms", help="comma-separated SD arm labels the tuner chooses from (default: the config's)")
+    p.add_argument(
+        "--trained-share",
+        type=float,
+        help="share of groups the update trains on (groups whose rewards are all equal are left out; "
+        "default: the run's, else 1)",
+    )
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16; the paper's 64)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 on CPU, 512 on GPUs)")
@@ -125,11 +138,12 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     import dataclasses
 
     from tlt_stream.plan import lengths as L
-    from tlt_stream.plan.acceptance import Acceptance
+    from tlt_stream.plan.acceptance import Acceptance, from_run
     from tlt_stream.plan.costs import CpuCosts
     from tlt_stream.plan.project import project, recommend, split_devices
     from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
     from tlt_stream.plan.simulate import Setup
+    from tlt_stream.rollout.arms import Arm
 
     given = [x for x in (args.from_run, args.lengths, args.lengths_file) if x]
     if len(given) != 1:
@@ -146,6 +160,19 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     if tokens is None:
         raise PlanInputError("--acceptance TOKENS is needed without --from-run (tokens per speculative round)")
     acceptance = Acceptance.uniform(tokens, "given" if args.acceptance else f"{args.from_run} (accept_length_mean)")
+    if args.from_run and not args.acceptance:  # each arm's own acceptance per bucket, where the run measured it
+        acceptance = from_run(args.from_run, fallback=tokens) or acceptance
+    if args.arms:
+        labels = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        for label in labels:
+            Arm.from_label(label)
+        if "plain" not in labels:
+            labels = ("plain", *labels)
+    if args.acceptance_arm:
+        ref = Arm.from_label(args.acceptance_arm)
+        if ref.kind == "plain":
+            raise PlanInputError("--acceptance-arm must be an SD arm")
+        acceptance = Acceptance.published(tokens, ref, f"given for {ref.label}; other arms by the budget law")
     if args.acceptance_table:
         acceptance = _table(args.acceptance_table, acceptance)
     if args.cpu_model and args.gpu:
@@ -182,7 +209,10 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         group_size=args.group_size,
         steps=args.steps,
         max_response=args.max_response or setup.max_response,
+        trained_share=_trained_share(args),
     )
+    if args.arms:
+        setup = dataclasses.replace(setup, arms=labels)
     if setup.group_size > setup.max_batch:
         raise PlanInputError(f"--group-size {setup.group_size} exceeds the engine's {setup.max_batch} rows")
     if args.gpu:  # the recommended switch, then the projection with it
@@ -198,7 +228,15 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         "kind": "PROJECTION (simulated, not measured)",
         "inputs": {
             "lengths": {"source": dist.source, **dist.summary()},
-            "acceptance": {"tokens_per_round": tokens, "source": acceptance.source},
+            "trained_share": setup.trained_share,
+            "acceptance": {
+                "tokens_per_round": tokens,
+                "source": acceptance.source,
+                "table": {
+                    f"{arm}@{'*' if bucket is None else bucket}": round(v, 3)
+                    for (arm, bucket), v in acceptance.table.items()
+                },
+            },
             "costs": costs.describe(),
             "setup": {k: v for k, v in dataclasses.asdict(setup).items() if k != "seed"},
             "seeds": args.seeds,
@@ -235,6 +273,20 @@ def _table(path: str, fallback):
     except (json.JSONDecodeError, AttributeError, TypeError) as exc:
         raise PlanInputError(f"--acceptance-table {path}: not {{arm: {{bucket: tokens}}}} ({exc})") from None
     return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=path)
+
+
+def _trained_share(args: argparse.Namespace) -> float:
+    if args.trained_share is not None:
+        if not 0 < args.trained_share <= 1:
+            raise PlanInputError(f"--trained-share is a share of groups in (0, 1], got {args.trained_share}")
+        return args.trained_share
+    if not args.from_run:
+        return 1.0
+    from tlt_stream.plan.lengths import trained_share
+    from tlt_stream.rl.records import load_metrics
+
+    rows = load_metrics(Path(args.from_run))
+    return round(trained_share(rows[1:] if len(rows) > 1 else rows), 4)
 
 
 def _run_acceptance(run_dir: str) -> float | None:

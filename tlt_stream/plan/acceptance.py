@@ -1,7 +1,9 @@
 """Tokens a speculative round emits (accepted draft tokens + the bonus token), per arm and batch bucket.
 
-An input the simulator does not derive: it comes from a run (the samples' tokens per target forward), from a
-table the user gives, or from a published figure plus a stated law for the arms it does not cover.
+An input the simulator does not derive: it comes from a run (`from_run`: each arm's measured tokens per row
+and round in each batch bucket, from the SD arm reports `timeline.jsonl` keeps; older runs: the samples'
+tokens per target forward), from a table the user gives, or from a published figure plus a stated law for the
+arms it does not cover.
 
 - `Acceptance.mean(arm, bucket)`: the table's entry for (arm, bucket), else (arm, any bucket), else ("*", any
   bucket), else the budget law: tau(arm) = 1 + (tau_ref - 1) * log2(1 + nodes) / log2(1 + nodes_ref), at most
@@ -13,15 +15,21 @@ table the user gives, or from a published figure plus a stated law for the arms 
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.switch import arm_of_report
 
-__all__ = ["Acceptance", "chain_alpha", "chain_mean"]
+__all__ = ["Acceptance", "chain_alpha", "chain_mean", "from_reports", "from_run", "measured_table", "timeline_reports"]
 
 
 def chain_mean(alpha: float, depth: int) -> float:
@@ -90,3 +98,61 @@ class Acceptance:
     def uniform(cls, tokens: float, source: str = "given") -> Acceptance:
         """Every SD arm emits `tokens` per round (capped at its depth + 1) in every bucket."""
         return cls({("*", None): tokens}, ref_tokens=tokens, source=source)
+
+
+def _pooled(reports: Iterable[Mapping[str, Any]], *, by_bucket: bool) -> dict[tuple[str, int | None], float]:
+    """Tokens over rows per (arm label, bucket or None) over the reports that counted rows."""
+    tokens: dict[tuple[str, int | None], int] = defaultdict(int)
+    rows: dict[tuple[str, int | None], int] = defaultdict(int)
+    for report in reports:
+        if report.get("kind", "sd_arm") != "sd_arm" or not report.get("rows"):
+            continue
+        arm = arm_of_report(SimpleNamespace(**{"proposer": "drafter", "group": 0, **report}))
+        key = (arm.label, int(report["bucket"]) if by_bucket else None)
+        tokens[key] += int(report["tokens"])
+        rows[key] += int(report["rows"])
+    return {key: tokens[key] / n for key, n in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))}
+
+
+def measured_table(reports: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, float]]:
+    """Tokens per row and round per arm label and batch bucket, pooled over SD arm reports (`sd_arm` rows of
+    a timeline: tokens and the running rows summed over the steps they measured). Reports without rows
+    (from a worker that did not count them) are left out."""
+    table: dict[str, dict[int, float]] = {}
+    for (label, bucket), value in _pooled(reports, by_bucket=True).items():
+        table.setdefault(label, {})[bucket] = value  # type: ignore[index]
+    return table
+
+
+def from_run(run_dir: str | Path, fallback: float | None = None) -> Acceptance | None:
+    """The run's measured acceptance per (arm, bucket) from `RUN/timeline.jsonl` (`from_reports`). None when
+    the run recorded no SD arm with rows (an older run, or no adaptive SD)."""
+    path = Path(run_dir) / "timeline.jsonl"
+    return from_reports(timeline_reports(path), fallback, str(path)) if path.exists() else None
+
+
+def timeline_reports(path: Path) -> list[dict[str, Any]]:
+    """The SD arm reports (`sd_arm` rows) of a timeline file."""
+    reports = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short: the rest stays usable
+            continue
+        if isinstance(entry, dict) and entry.get("kind") == "sd_arm":
+            reports.append(entry)
+    return reports
+
+
+def from_reports(reports: Iterable[Mapping[str, Any]], fallback: float | None, source: str) -> Acceptance | None:
+    """Each SD arm's measured tokens per row and round per bucket, its pooled figure for its other buckets, and
+    `fallback` (tokens per round) for arms never measured; None when no SD arm report counted rows."""
+    reports = [r for r in reports if r.get("depth", 0) > 0]
+    table = {key: max(1.0, value) for key, value in _pooled(reports, by_bucket=True).items()}
+    if not table:
+        return None
+    table |= {key: max(1.0, value) for key, value in _pooled(reports, by_bucket=False).items()}
+    if fallback is not None:
+        table["*", None] = max(1.0, fallback)
+    measured = sum(1 for _, bucket in table if bucket is not None)
+    return Acceptance(table, ref_tokens=fallback or 1.0, source=f"{source} ({measured} arm-bucket entries measured)")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LengthDist", "from_lengths", "from_run", "named"]
+__all__ = ["LengthDist", "from_lengths", "from_run", "named", "trained_share"]
 
 _Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile: a log-normal's p90 / p50 = exp(sigma * z90)."""
@@ -134,3 +134,13 @@ def named(spec: str, *, samples: int = 4096) -> LengthDist:
         )
     top = cap[0] if cap else math.inf
     return LengthDist(tuple(max(1, round(min(v, top))) for v in values), f"law {spec}")
+
+
+def trained_share(rows: Sequence[dict]) -> float:
+    """The share of groups an update trained on over `metrics.jsonl` rows: groups whose rewards were all equal
+    (`degenerate_groups`) carry no advantage and are left out of the update (1.0 when no row says)."""
+    groups = sum(len(r.get("trained_groups", [])) for r in rows if "degenerate_groups" in r)
+    degenerate = sum(
+        float(r["degenerate_groups"]) for r in rows if "degenerate_groups" in r and r.get("trained_groups")
+    )
+    return max(0.0, 1.0 - degenerate / groups) if groups else 1.0

@@ -16,7 +16,8 @@ system's own rules.
 - Drafter training: a worker with nothing to generate holds the training lease (one holder at a time); work
   that arrives preempts it within one training step and the slice's commit (`preempt_s`).
 - Learner: groups join its queue in order of completion; an update takes the first `prompts` groups inside
-  the staleness window (older ones are dropped), costs `learn_s` of their tokens plus `optimizer_s`, and the
+  the staleness window (older ones are dropped), costs `learn_s` of the `trained_share` of their tokens (groups
+  whose rewards are all equal train nothing) plus `optimizer_s`, and the
   new version is announced `publish_s` later. Overlapped (on-policy): each group's forward and backward runs
   as soon as it is complete and the learner is free; the step ends one optimizer step after its last group.
   Colocated (verl, TLT): the learner's devices are the engines', so no engine step runs during an update.
@@ -82,6 +83,10 @@ class Setup:
     ahead_tokens: int = DEFAULTS.policy.ahead_tokens
     ahead_rows: int = DEFAULTS.policy.ahead_rows
     kept_share: float = 0.99
+    trained_share: float = 1.0
+    """Share of the groups' response tokens the update trains on: a group whose rewards are all equal has no
+    advantage and is left out of the forward and backward (`rl/learner.py`); a workload input (a run's
+    `degenerate_groups`), 1 where every group has a signal."""
     preempt_s: float = 0.2
     """Work arriving at a worker training the drafter waits this long: the training step in progress and the
     slice's commit (an assumption: the trainer checks for work before every step)."""
@@ -452,7 +457,8 @@ class _Sim:
             _, _, tokens = self.ready.popleft()
             self.accumulated += 1
             self.acc_tokens += tokens
-            seconds = self.costs.learn_s(int(tokens), self.setup.prompt_len + tokens / self.setup.group_size)
+            trained = int(tokens * self.setup.trained_share)
+            seconds = self.costs.learn_s(trained, self.setup.prompt_len + tokens / self.setup.group_size)
             if self.accumulated == n:
                 seconds += self.costs.optimizer_s
         else:
@@ -461,7 +467,7 @@ class _Sim:
             taken = [self.ready.popleft() for _ in range(n)]
             tokens = sum(g[2] for g in taken)
             ctx = self.setup.prompt_len + tokens / (n * self.setup.group_size)
-            seconds = self.costs.learn_s(int(tokens), ctx) + self.costs.optimizer_s
+            seconds = self.costs.learn_s(int(tokens * self.setup.trained_share), ctx) + self.costs.optimizer_s
             self.accumulated = n
         self.learner_busy = True
         seconds *= self.busy_procs()

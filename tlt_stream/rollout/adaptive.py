@@ -13,7 +13,8 @@ TLT's second half (DESIGN section 7). `AdaptiveSd.step()` replaces `engine.step(
    time (draft + verify) are recorded for the arm, except for steps that also prefilled new requests,
    whose time is not the arm's.
 
-Measurements accumulate per (bucket, arm) for `drain_reports()`, which the worker sends to `stats` as
+Measurements accumulate per (bucket, arm) for `drain_reports()` (tokens, seconds, steps and the rows those
+steps ran, so both the arm's speed and its acceptance), which the worker sends to `stats` as
 `SdArmReport`s; the policy service aggregates every worker's reports into the published `sd_config`.
 The engine holds one proposer, so the arms are plain decoding plus the arms of the kinds that proposer drafts
 (EAGLE drafter arms, n-gram arms, group/history arms, or drafter, group and mixed arms when EAGLE and the
@@ -50,6 +51,9 @@ class ArmMeasurement:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    rows: int = 0
+    """Rounds of single rows: the running rows summed over the steps, so `tokens / rows` is what one row's
+    round emitted (the arm's acceptance; 1 for plain decoding)."""
 
 
 @dataclass
@@ -129,6 +133,7 @@ class AdaptiveSd:
             pending.tokens += emitted
             pending.seconds += seconds
             pending.steps += 1
+            pending.rows += running
         return results
 
     def drain_reports(self) -> list[ArmMeasurement]:

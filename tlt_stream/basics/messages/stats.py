@@ -94,6 +94,9 @@ class SdArmReport(Entry, tag="sd_arm"):
     steps: NonNegInt = 0
     group: NonNegInt = 0
     """Group-source nodes beside the drafter's (proposer mixed) or instead of them (either)."""
+    rows: NonNegInt = 0
+    """Running rows summed over the `steps`: `tokens / rows` is the tokens one row's round emitted (0: a
+    worker that does not count them)."""
 
 
 class LearnerStats(Entry, tag="learner"):

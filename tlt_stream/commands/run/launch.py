@@ -367,14 +367,15 @@ async def ensure_new_run(config: Config) -> None:
 
 
 async def save_timeline(config: Config, path: Path) -> int:
-    """Write the run's `stats` timeline (worker states, rollout reports, drafter slices) as JSON lines, so
-    the report can draw it after the servers are gone; returns the number of entries written."""
+    """Write the run's `stats` timeline (worker states, rollout reports, drafter slices, the SD arms'
+    measurements) as JSON lines, so the report can draw it and `tlt-stream plan --from-run` read each arm's
+    acceptance per batch bucket after the servers are gone; returns the number of entries written."""
     import json
 
     import msgspec
     import redis.asyncio as aioredis
 
-    from tlt_stream.basics.messages import DrafterStats, RolloutStats, WorkerState, codec_for
+    from tlt_stream.basics.messages import DrafterStats, RolloutStats, SdArmReport, WorkerState, codec_for
     from tlt_stream.bus.streams import Keys
 
     codec = codec_for("stats")
@@ -390,7 +391,7 @@ async def save_timeline(config: Config, path: Path) -> int:
                         message = codec.decode(fields[b"m"])
                     except Exception:  # an undecodable entry is the dead-letter path's business
                         continue
-                    if isinstance(message, WorkerState | RolloutStats | DrafterStats):
+                    if isinstance(message, WorkerState | RolloutStats | DrafterStats | SdArmReport):
                         row = {"kind": message.kind, **msgspec.to_builtins(message)}
                         out.write(json.dumps(row) + "\n")
                         written += 1

@@ -72,6 +72,7 @@ class RolloutReports:
                     proposer=m.arm.kind,
                     steps=m.steps,
                     group=m.arm.group_nodes,
+                    rows=m.rows,
                 )
                 for m in adaptive.drain_reports()
             ]
