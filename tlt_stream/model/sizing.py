@@ -115,12 +115,13 @@ def free_memory(device: Any) -> int:
 
 
 def fitting_rows(per_row: int, max_batch: int, budget: int, max_len: int) -> int:
-    """Rows of `per_row` KV bytes that fit `budget`, at most `max_batch`; a `ConfigError` with the numbers
+    """Rows of `per_row` bytes (`engine_bytes_per_row`) that fit `budget`, at most `max_batch`; a `ConfigError` with the numbers
     when not even one does."""
     rows = min(max_batch, budget // per_row)
     if rows < 1:
         raise ConfigError(
             f"rollout.kv_cache_gib: one row of {max_len} tokens needs {per_row / 2**30:.2f} GiB of KV cache and "
-            f"the budget is {budget / 2**30:.2f} GiB: set a shorter rollout.max_len or a larger budget"
+            f"row buffers and the budget is {budget / 2**30:.2f} GiB: set a shorter rollout.max_len or a larger "
+            "budget"
         )
     return rows
