@@ -115,8 +115,8 @@ def free_memory(device: Any) -> int:
 
 
 def fitting_rows(per_row: int, max_batch: int, budget: int, max_len: int) -> int:
-    """Rows of `per_row` bytes (`engine_bytes_per_row`) that fit `budget`, at most `max_batch`; a `ConfigError` with the numbers
-    when not even one does."""
+    """Rows of `per_row` bytes (`engine_bytes_per_row`) that fit `budget`, at most `max_batch`; a `ConfigError`
+    with the numbers when not even one does."""
     rows = min(max_batch, budget // per_row)
     if rows < 1:
         raise ConfigError(
