@@ -6,7 +6,8 @@ Three figures, each family a random checkpoint built from its transformers confi
   `min_new_tokens` forced) at batch 1 and 32, on a tiny model and a ~100M-parameter one; the two are
   interleaved per repetition so background load hits both alike, and the ratio is measured in one run;
 - the cost of long contexts: decode tokens/s at batch 1 after 1k, 4k and 8k tokens of context, ours and
-  transformers', for one model per RoPE type (the prefill timed apart: a run of one token is subtracted);
+  transformers', for one model per RoPE type (the decode steps timed alone: transformers' through a streamer
+  that notes each token's time, ours from the end of the first step);
 - long generations: greedy output to `--long-tokens` new tokens (8k by default) for one model per RoPE type
   (default, llama3, YaRN, linear), plain and with n-gram drafts, compared token for token with transformers.
 
@@ -55,12 +56,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, help="tokens decoded per timed run (default 32, quick 16)")
     p.add_argument("--reps", type=int, help="timed repetitions per figure (default 3, quick 2)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32], help="decode batch sizes (default 1 32)")
+    p.add_argument("--contexts", nargs="+", type=int, help="context lengths (default 1024 4096 8192, quick 1024 4096)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights of both engines")
     args = p.parse_args()
     args.new_tokens = args.new_tokens or (16 if args.quick else 32)
     args.reps = args.reps or (2 if args.quick else 3)
-    args.contexts = [1024, 4096] if args.quick else [1024, 4096, 8192]
+    args.contexts = args.contexts or ([1024, 4096] if args.quick else [1024, 4096, 8192])
     args.long_tokens = args.long_tokens or (2048 if args.quick else 8192)
     return args
 
@@ -144,26 +146,70 @@ def bench_decode(torch, root: Path, args) -> list[dict[str, Any]]:
     return rows
 
 
+class _Stamps:
+    """A transformers streamer that notes when each put came: the prompt first, then every new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def decode_rates(torch, hf, ours, prompt, n: int, reps: int) -> dict[str, Any]:
+    """Decode tokens/s at batch 1 after `prompt`'s context, the prefill left out on both sides: ours from the
+    end of the first step (the prefill and the first decode step) to the last token, transformers' `generate`
+    from its second streamed token (the first decoded one) to the last. Interleaved, median of `reps`."""
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    p = prompt.shape[1]
+    engine = GenerationEngine(ours, max_batch=1, max_len=p + n)
+    rates: dict[str, list[float]] = {"ours": [], "hf": []}
+    prefill: dict[str, list[float]] = {"ours": [], "hf": []}
+    out: dict[str, Any] = {}
+    for rep in range(reps + 1):
+        engine.add_request(prompt[0].tolist(), n, request_id="r")
+        t0 = time.perf_counter()
+        finished = engine.step()
+        t1, first = time.perf_counter(), engine.tokens_generated
+        while not finished:
+            finished = engine.step()
+        t2 = time.perf_counter()
+        out["ours"] = finished[0].token_ids
+        stamps = _Stamps()
+        with torch.inference_mode():
+            out["hf"] = hf.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, eos_token_id=None, pad_token_id=0, streamer=stamps,
+            )[0, p:].tolist()  # fmt: skip
+        if rep:
+            rates["ours"].append((engine.tokens_generated - first) / (t2 - t1))
+            rates["hf"].append((n - 1) / (stamps.times[-1] - stamps.times[1]))
+            prefill["ours"].append(t1 - t0)
+            prefill["hf"].append(stamps.times[1] - stamps.times[0])
+        engine.tokens_generated = 0
+    ours_tps, hf_tps = statistics.median(rates["ours"]), statistics.median(rates["hf"])
+    return {
+        "decode_ours_tok_s": round(ours_tps, 1),
+        "decode_hf_tok_s": round(hf_tps, 1),
+        "decode_ratio": round(ours_tps / hf_tps, 3),
+        "prefill_ours_s": round(statistics.median(prefill["ours"]), 3),
+        "prefill_hf_s": round(statistics.median(prefill["hf"]), 3),
+        "greedy_identical": out["ours"] == out["hf"],
+    }
+
+
 def bench_context(torch, root: Path, args) -> list[dict[str, Any]]:
     rows = []
     for rope, family in ROPE_FAMILIES.items():
-        hf, ours = build(root, family, "tiny", max(args.contexts) + 64, args)
+        hf, ours = build(root, family, "tiny", max(args.contexts) + args.new_tokens + 64, args)
         for context in args.contexts:
             prompt = torch.randint(1, ours.spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(7))
-            prompt = prompt.to(args.device)
-            row = {"rope": rope, "family": family, "context": context, "batch": 1}
-            full = race(torch, hf, ours, prompt, args.new_tokens, args.reps)
-            first = race(torch, hf, ours, prompt, 1, args.reps)  # the prefill (and one token) alone
-            n = args.new_tokens - 1
-            ours_tps, hf_tps = n / (full["ours_s"] - first["ours_s"]), n / (full["hf_s"] - first["hf_s"])
-            row |= {
-                "decode_ours_tok_s": round(ours_tps, 1),
-                "decode_hf_tok_s": round(hf_tps, 1),
-                "decode_ratio": round(ours_tps / hf_tps, 3),
-                "prefill_ours_s": round(first["ours_s"], 3),
-                "prefill_hf_s": round(first["hf_s"], 3),
-                "greedy_rows_identical": full["greedy_rows_identical"],
-            }
+            row = {"rope": rope, "family": family, "context": context, "batch": 1, "new_tokens": args.new_tokens}
+            row |= decode_rates(torch, hf, ours, prompt.to(args.device), args.new_tokens, args.reps)
             log(json.dumps(row))
             rows.append(row)
     return rows

@@ -231,16 +231,24 @@ def record(fn: Callable[[], torch.Tensor]) -> Trace:
     return Trace(recorder.ops, len(recorder.slots), recorder.slots.get(id(output)), output)
 
 
-class _Graph:
-    """One captured shape: its input buffers and how to replay it."""
+class _Inputs:
+    """The input buffers every captured shape reads, allocated once for the largest shape: a shape's inputs
+    are contiguous views of their first elements, so the memory they take does not grow with the shapes."""
 
-    def __init__(self, batch: int, tokens: int, tree: bool, device: torch.device) -> None:
-        self.ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-        self.tree_mask = (
-            torch.eye(tokens, dtype=torch.bool, device=device).expand(batch, tokens, tokens).clone() if tree else None
-        )
-        self.eye = torch.eye(tokens, dtype=torch.bool, device=device) if tree else None
+    def __init__(self, max_batch: int, max_tokens: int, device: torch.device) -> None:
+        self.ids = torch.zeros(max_batch * max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch * max_tokens, dtype=torch.long, device=device)
+        self.tree_mask = torch.zeros(max_batch * max_tokens * max_tokens, dtype=torch.bool, device=device)
+
+
+class _Graph:
+    """One captured shape: its input views and how to replay it."""
+
+    def __init__(self, batch: int, tokens: int, tree: bool, inputs: _Inputs) -> None:
+        n = batch * tokens
+        self.ids = inputs.ids[:n].view(batch, tokens)
+        self.positions = inputs.positions[:n].view(batch, tokens)
+        self.tree_mask = inputs.tree_mask[: n * tokens].view(batch, tokens, tokens) if tree else None
         self.replay: Callable[[], torch.Tensor] = lambda: torch.empty(0)
 
 
@@ -258,8 +266,10 @@ class ForwardGraphs:
     with one eager forward over the same inputs, is logged and runs eagerly from then on: the forward is
     idempotent (it writes the same K/V again), so the check costs one forward per shape. Every graph
     writes its output into one buffer `[max_batch, max_tokens, H]` allocated outside the graphs' shared
-    memory pool, so the device memory they hold is one graph's intermediates plus that buffer, whatever the
-    number of shapes (a graph's own output, kept alive for its replays, would hold a buffer per shape)."""
+    memory pool and reads its inputs from views of one set of input buffers, so the device memory they hold
+    is one graph's intermediates plus those buffers, whatever the number of shapes (a graph's own output,
+    kept alive for its replays, would hold a buffer per shape); `model.sizing.engine_bytes_per_row` counts
+    the buffers."""
 
     def __init__(
         self,
@@ -285,8 +295,12 @@ class ForwardGraphs:
             sizes.add(cache.max_batch)
         self.batch_sizes = sorted(sizes)
         self.len_step, self.max_graphs, self.max_tokens = len_step, max_graphs, max_tokens
-        self._out: torch.Tensor | None = None
-        """The output buffer every graph writes (allocated at the first capture)."""
+        self._out = torch.empty(
+            (cache.max_batch, max_tokens, model.spec.hidden_size), dtype=model.dtype, device=model.device
+        )
+        """The output buffer every graph writes."""
+        self._inputs = _Inputs(cache.max_batch, max_tokens, model.device)
+        """The input buffers every graph reads (views of them)."""
         self._graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self._pool: Any = torch.cuda.graph_pool_handle() if backend == "cuda" else None
         self.check = backend == "cuda" if check is None else check
@@ -322,21 +336,19 @@ class ForwardGraphs:
         graph = self._graphs.get(key)
         fresh = graph is None
         if graph is None:
-            graph = _Graph(padded, t, tree_mask is not None, ids.device)
+            graph = _Graph(padded, t, tree_mask is not None, self._inputs)
         graph.ids[:b].copy_(ids)
         graph.positions[:b].copy_(positions)
         if b < padded:
             graph.ids[b:].zero_()
             graph.positions[b:].zero_()
         if graph.tree_mask is not None:
-            assert tree_mask is not None and graph.eye is not None
+            assert tree_mask is not None
             graph.tree_mask[:b].copy_(tree_mask)
-            if b < padded:
-                graph.tree_mask[b:].copy_(graph.eye)
+            if b < padded:  # padded rows: each node sees itself only
+                graph.tree_mask[b:].zero_()
+                graph.tree_mask[b:].diagonal(dim1=-2, dim2=-1).fill_(True)
         if fresh:
-            if self._out is None:
-                shape = (self.cache.max_batch, self.max_tokens, self.model.spec.hidden_size)
-                self._out = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
             started = self._clock()
             try:
                 out = self._capture(graph, span)
@@ -385,7 +397,6 @@ class ForwardGraphs:
         return time.perf_counter()
 
     def _run(self, graph: _Graph, span: int) -> torch.Tensor:
-        assert self._out is not None
         hidden = self.model(graph.ids, graph.positions, self.cache, tree_mask=graph.tree_mask, static_len=span)
         b, t = graph.ids.shape
         return self._out[:b, :t].copy_(hidden)

@@ -20,7 +20,15 @@ if TYPE_CHECKING:
 
     from tlt_stream.model.spec import ModelSpec
 
-__all__ = ["PROMPT_LEN", "context_len", "fitting_rows", "free_memory", "kv_bytes_per_row", "prompt_limit"]
+__all__ = [
+    "PROMPT_LEN",
+    "context_len",
+    "engine_bytes_per_row",
+    "fitting_rows",
+    "free_memory",
+    "kv_bytes_per_row",
+    "prompt_limit",
+]
 
 PROMPT_LEN = 1024
 """Prompt tokens kept by default (`data.max_prompt_len` None): about what a reasoning prompt needs, and never
@@ -57,6 +65,46 @@ def kv_bytes_per_row(spec: ModelSpec, max_len: int, dtype: torch.dtype) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * max_len * size
 
 
+def engine_bytes_per_row(
+    spec: ModelSpec,
+    max_len: int,
+    dtype: torch.dtype,
+    *,
+    headroom: int = 0,
+    drafter: ModelSpec | None = None,
+    hidden: bool = False,
+    graph_tokens: int = 0,
+) -> int:
+    """Bytes the torch engine (`rollout.engine.GenerationEngine`) holds for one row of `max_len` tokens,
+    between steps, whatever the row generates: what a budget is divided by and what the worker prints.
+
+    - the target's K and V over `max_len + headroom` entries (`headroom`: the uncommitted draft nodes);
+    - with an EAGLE `drafter` (its layer spec): its K and V over as many entries, and the target's states it
+      has not consumed yet (`max_len` states of the target's width: it consumes them at each SD round, and
+      while SD is off they wait for the next one);
+    - with `hidden` (states kept for the drafter's training): the engine's per-slot buffer of `max_len`
+      states, the prompt's and the generated tokens';
+    - with captured forwards of up to `graph_tokens` tokens: their output buffer (`graph_tokens` states)
+      and input buffers (ids and positions of 8 bytes, a `graph_tokens`-square tree mask of 1 byte);
+    - one 8-byte length per cache, and the engine's 8-byte row counter.
+
+    Not counted: a forward's own workspace while it runs (activations, attention scores; with CUDA graphs,
+    the pool that holds one graph's intermediates), and the model's weights."""
+    import torch
+
+    size = torch.empty((), dtype=dtype).element_size()
+    state = spec.hidden_size * size
+    total = kv_bytes_per_row(spec, max_len + headroom, dtype) + 8 + 8
+    if drafter is not None:
+        total += kv_bytes_per_row(drafter, max_len + headroom, dtype)
+        total += max_len * state + 8
+    if hidden:
+        total += max_len * state
+    if graph_tokens:
+        total += graph_tokens * (state + 2 * 8 + graph_tokens)
+    return total
+
+
 def free_memory(device: Any) -> int:
     """Bytes free on `device` now: the CUDA allocator's view, else the host's available memory."""
     import torch
@@ -67,12 +115,13 @@ def free_memory(device: Any) -> int:
 
 
 def fitting_rows(per_row: int, max_batch: int, budget: int, max_len: int) -> int:
-    """Rows of `per_row` KV bytes that fit `budget`, at most `max_batch`; a `ConfigError` with the numbers
-    when not even one does."""
+    """Rows of `per_row` bytes (`engine_bytes_per_row`) that fit `budget`, at most `max_batch`; a `ConfigError`
+    with the numbers when not even one does."""
     rows = min(max_batch, budget // per_row)
     if rows < 1:
         raise ConfigError(
             f"rollout.kv_cache_gib: one row of {max_len} tokens needs {per_row / 2**30:.2f} GiB of KV cache and "
-            f"the budget is {budget / 2**30:.2f} GiB: set a shorter rollout.max_len or a larger budget"
+            f"row buffers and the budget is {budget / 2**30:.2f} GiB: set a shorter rollout.max_len or a larger "
+            "budget"
         )
     return rows

@@ -9,7 +9,6 @@ arm it cannot draft) is refused here.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from tlt_stream.basics.config import Config, SdConfig
@@ -52,8 +51,9 @@ def build_engine(
 ) -> tuple[Any, AdaptiveSd | None]:
     """(the engine, its adaptive SD controller or None) for the checkpoint directory `policy`, shaped by
     `config.rollout` and drafting as `config.sd` says, on a resolved `device`. `drafter` is the draft source
-    when it is not `sd.drafter` (a newer version of the drafter; None: `sd.drafter`); `hidden` makes vLLM
-    recompute hidden states for drafter training (the torch engine always has them); `weights` are the
+    when it is not `sd.drafter` (a newer version of the drafter; None: `sd.drafter`); `hidden` says hidden
+    states will be asked for (drafter training): vLLM recomputes them, the torch engine's rows are sized
+    with their buffer; `weights` are the
     policy's tensors already read and verified (`store/weights.py`; torch only). The EAGLE drafter binds to
     this policy's embedding and LM head."""
     own, sd = config.rollout, config.sd
@@ -72,7 +72,7 @@ def build_engine(
 
     from tlt_stream.model import load_model, resolve_dtype
     from tlt_stream.model.graphs import resolve_backend
-    from tlt_stream.model.sizing import fitting_rows, free_memory, kv_bytes_per_row
+    from tlt_stream.model.sizing import engine_bytes_per_row, fitting_rows, free_memory
     from tlt_stream.rollout.adaptive import arm_kinds
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import GroupProposer, MixedProposer, build_proposer
@@ -88,10 +88,17 @@ def build_engine(
     if arm is not None and arm.kind not in arm_kinds(proposer):
         raise ValueError(f"arm {arm.label} drafts with a source this engine does not have ({type(proposer).__name__})")
     nodes = _max_nodes(sd, adaptive, arm)
-    length = own.max_len + (nodes + 1 if proposer is not None else 0)
-    per_row = kv_bytes_per_row(model.spec, length, model.dtype)
-    if source not in (None, "ngram"):  # the EAGLE drafter's one layer keeps its own cache
-        per_row += kv_bytes_per_row(dataclasses.replace(model.spec, num_layers=1), length, model.dtype)
+    graphs = resolve_backend(own.graphs, model.device)
+    drafter_model = getattr(proposer, "drafter", None)  # EAGLE: its one layer keeps its own cache
+    per_row = engine_bytes_per_row(
+        model.spec,
+        own.max_len,
+        model.dtype,
+        headroom=nodes + 1 if proposer is not None else 0,
+        drafter=drafter_model.spec if drafter_model is not None else None,
+        hidden=hidden,
+        graph_tokens=nodes + 1 if graphs is not None else 0,
+    )
     budget = int(own.kv_cache_gib * 2**30) if own.kv_cache_gib is not None else free_memory(model.device) // 2
     engine = GenerationEngine(
         model,
@@ -101,8 +108,9 @@ def build_engine(
         arm=arm,
         max_draft_nodes=nodes,
         draft_rows=config.policy.ahead_rows or None,
-        graphs=resolve_backend(own.graphs, model.device),
+        graphs=graphs,
     )
+    engine.row_bytes = per_row
     controller = AdaptiveSd(engine, sd, drafter_version=drafter_version) if adaptive else None
     return engine, controller
 

@@ -89,6 +89,9 @@ class GenerationEngine:
         )
         """The captured forwards of decode steps and verify rounds (None: eager)."""
         self.arm = arm
+        self.row_bytes: int | None = None
+        """Bytes a row holds as its budget was sized (`model.sizing.engine_bytes_per_row`; set by
+        `rollout.build`, None when built directly)."""
         self.rounds = 0
         """Speculative rounds run (one target forward each)."""
         self.plain_steps = 0
@@ -111,10 +114,13 @@ class GenerationEngine:
         self._generators: dict[Hashable, torch.Generator | None] = {}
         self._want_hidden: set[Hashable] = set()
         self._hidden: torch.Tensor | None = None
-        """`[max_batch, max_len, H]` per-slot final-norm states of the generated tokens, for the requests that
-        asked for them (allocated on the first such request; slot moves are mirrored like the KV cache): one
-        indexed write per step, no Python object per token and row."""
+        """`[max_batch, max_len, H]` per-slot final-norm states at every input position of the row, prompt and
+        generated tokens alike (`[slot, p]` is the state at position p), for the requests that asked for them
+        (allocated on the first such request; slot moves are mirrored like the KV cache): one indexed write per
+        step, no Python object per token and row, and a row's states take no memory beyond its slot's (what
+        `model.sizing.engine_bytes_per_row` counts)."""
         self._prompt_hidden: dict[Hashable, torch.Tensor] = {}
+        """Prompt states of requests finished in this call, until their results are built."""
         self._accepts: dict[Hashable, list[int]] = {}
         self._done: list[GenerationResult] = []
         """Requests a re-verification finished, returned by the next `step`."""
@@ -310,12 +316,9 @@ class GenerationEngine:
         last = hidden[torch.arange(len(seqs), device=device), num_new - 1]  # [B, H]
         fresh = [b for b, s in enumerate(seqs) if not s.token_ids]
         for b, s in enumerate(seqs):
-            if s.request_id in self._want_hidden:
-                n = s.num_prompt_tokens
-                self._prompt_hidden[s.request_id] = hidden[b, : n - 1].clone()
-                if s.token_ids:  # resumed: the states that produced its tokens
-                    assert self._hidden is not None and s.slot is not None
-                    self._hidden[s.slot, : s.num_generated] = hidden[b, n - 1 : lens[b]]
+            if s.request_id in self._want_hidden:  # the prompt's states (and a resumed row's tokens')
+                assert self._hidden is not None and s.slot is not None
+                self._hidden[s.slot, : lens[b]] = hidden[b, : lens[b]]
         if len(fresh) == len(seqs):
             self._emit(seqs, last)
         elif fresh:
@@ -384,11 +387,11 @@ class GenerationEngine:
             self.tokens_discarded += total - out.kept[b]
             n, m = s.num_prompt_tokens, s.num_generated
             if s.request_id in self._want_hidden:
-                self._prompt_hidden[s.request_id] = out.hidden[b, : n - 1].clone()
                 if in_place:
                     assert self._hidden is not None
-                    self._hidden[first_slot + b, :m] = out.hidden[b, n - 1 : n - 1 + m]
-                elif s.is_finished:
+                    self._hidden[first_slot + b, : n - 1 + m] = out.hidden[b, : n - 1 + m]
+                elif s.is_finished:  # out of place and queued to resume: its prefill computes them again
+                    self._prompt_hidden[s.request_id] = out.hidden[b, : n - 1].clone()
                     states[s.request_id] = out.hidden[b, n - 1 : n - 1 + m].clone()
                     self._want_hidden.discard(s.request_id)
             if in_place:
@@ -428,7 +431,7 @@ class GenerationEngine:
         self.rounds += 1
         used = []
         for row, s in enumerate(seqs):
-            emitted, start = 0, s.num_generated
+            emitted, start = 0, s.num_prompt_tokens - 1 + s.num_generated
             for token, logprob in zip(outcome.tokens[row], outcome.logprobs[row], strict=True):
                 emitted += 1
                 if s.append(token, logprob):
@@ -454,7 +457,9 @@ class GenerationEngine:
             if keep:  # hidden[b] produced the token about to become seqs[b]'s next generated one
                 assert self._hidden is not None
                 slots = torch.tensor([seqs[b].slot for b in keep], device=hidden.device)
-                at = torch.tensor([seqs[b].num_generated for b in keep], device=hidden.device)
+                at = torch.tensor(
+                    [seqs[b].num_prompt_tokens - 1 + seqs[b].num_generated for b in keep], device=hidden.device
+                )
                 rows = hidden if len(keep) == len(seqs) else hidden[torch.tensor(keep, device=hidden.device)]
                 self._hidden[slots, at] = rows
         for s, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
@@ -468,7 +473,9 @@ class GenerationEngine:
             for s in self.scheduler.running:
                 if s.is_finished and s.request_id in self._want_hidden:
                     assert self._hidden is not None and s.slot is not None
-                    states[s.request_id] = self._hidden[s.slot, : s.num_generated].clone()
+                    n = s.num_prompt_tokens - 1
+                    self._prompt_hidden[s.request_id] = self._hidden[s.slot, :n].clone()
+                    states[s.request_id] = self._hidden[s.slot, n : n + s.num_generated].clone()
                     self._want_hidden.discard(s.request_id)
         finished, moves = self.scheduler.retire()
         for move in moves:
@@ -477,7 +484,8 @@ class GenerationEngine:
                 self.proposer.move_slot(move.src, move.dst)
             if self._want_hidden:
                 assert self._hidden is not None
-                n = self.scheduler.running[move.dst].num_generated  # the moved sequence, now at dst
+                moved = self.scheduler.running[move.dst]  # the moved sequence, now at dst
+                n = moved.num_prompt_tokens - 1 + moved.num_generated
                 self._hidden[move.dst, :n] = self._hidden[move.src, :n]
         return [self._result(s, states.get(s.request_id)) for s in finished]
 

@@ -37,7 +37,8 @@ class RolloutConfig(Section, frozen=True):
     kv_cache_gib: Annotated[
         Annotated[float, Meta(gt=0)] | None,
         doc(
-            "Memory the torch engine's KV cache may take (GiB): it runs as many rows as fit, up to max_batch (a "
+            "Memory the torch engine's rows may take (GiB): their KV caches (the drafter's too) and per-row "
+            "buffers (hidden states, captured forwards' inputs). It runs as many rows as fit, up to max_batch (a "
             "row holds max_len tokens, so a long context costs rows, not length). None: half of the device's "
             "free memory at start."
         ),

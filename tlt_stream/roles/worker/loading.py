@@ -177,8 +177,9 @@ class PolicyLoader:
         )
         rollout, cache = config.rollout, getattr(self.engine, "cache", None)
         rows = f"{rollout.max_batch} rows"
-        if cache is not None:  # torch: the rows that fit the KV budget
-            rows = f"KV cache {2 * cache.k[:, 0].nbytes / 2**20:.1f} MiB a row, {cache.max_batch} rows"
+        if cache is not None:  # torch: the rows that fit the budget
+            per_row = self.engine.row_bytes  # type: ignore[attr-defined]
+            rows = f"KV cache and row buffers {per_row / 2**20:.1f} MiB a row, {cache.max_batch} rows"
         print(
             f"{self.registry.worker_id}: rows of {rollout.max_len} tokens (prompt + response; responses up to "
             f"{min(rollout.max_response_len or rollout.max_len, rollout.max_len)}), {rows}",
