@@ -69,6 +69,9 @@ class VllmTuning:
         top = engine.arm
         if top is None or top.kind not in ("drafter", "ngram"):
             raise ValueError("the tuner on vLLM switches between plain decoding and EAGLE or n-gram chains")
+        built = getattr(getattr(engine, "settings", None), "edges", settings.edges)
+        if tuple(built) != tuple(settings.edges):
+            raise ValueError(f"the engine's schedule buckets {tuple(built)} are not the tuner's {settings.edges}")
         arms = tunable_arms(settings.arms, top.kind, top.depth)
         if top not in arms:
             arms.append(top)
