@@ -111,3 +111,38 @@ def test_the_tuner_picks_each_buckets_arm_from_vllms_measurements_and_adopts_a_t
     assert tuning.adopt({0: Arm.drafter(2, 1, 2), 1: Arm.drafter(4, 2, 8), 2: Arm.drafter(4, 1, 4)}, 0)
     assert engine.schedules[-1] == {0: "d2k1v2", 1: "plain", 2: "d4k1v4"}
     assert tuning.summary()["schedule"] == engine.schedules[-1]
+
+
+def test_a_vllm_worker_with_a_fixed_arm_reports_its_engines_measurements_as_arm_reports() -> None:
+    """`RolloutReports.send` on a vLLM engine without the tuner: the engine's measured steps, pooled per bucket
+    and arm, go to `stats` as `SdArmReport`s, as the torch engine's adaptive controller's do."""
+    import asyncio
+
+    from tlt_stream.basics.messages import RolloutStats, SdArmReport
+    from tlt_stream.roles.worker.reports import RolloutReports
+    from tlt_stream.rollout.adaptive import ArmMeasurement
+
+    sent: list[Any] = []
+
+    class Producer:
+        async def send_one(self, stream: str, entry: Any) -> None:
+            sent.append(entry)
+
+        async def send(self, stream: str, entries: list[Any]) -> None:
+            sent.extend(entries)
+
+    engine = SimpleNamespace(
+        arm=Arm.drafter(4, 1, 4),
+        num_running=3,
+        drain_measurements=lambda: [
+            ArmMeasurement(2, Arm.drafter(4, 1, 4), 90, 3.0, 6),
+            ArmMeasurement(5, Arm.plain(), 40, 2.0, 40),
+        ],
+    )
+    loader = SimpleNamespace(engine=engine, adaptive=None, version=2)
+    drafters = SimpleNamespace(version=0, collapses=0)
+    reports = RolloutReports(Producer(), "w", None, loader, drafters)  # type: ignore[arg-type]
+    asyncio.run(reports.send())
+    assert isinstance(sent[0], RolloutStats)
+    arms = [(r.bucket, r.proposer, r.depth, r.tokens, r.steps) for r in sent[1:] if isinstance(r, SdArmReport)]
+    assert arms == [(2, "drafter", 4, 90, 6), (5, "plain", 0, 40, 40)]
