@@ -115,7 +115,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_greedy_output_of_each_family_is_transformers_greedy(family: tuple) -> None:
     """Each family's greedy output is transformers'; the Qwen3 engine's with the exported drafter's EAGLE
-    drafts verified in every round, and accepted as often as the torch engine accepts the same drafter's."""
+    drafts verified in every round, and accepted as often as the torch engine accepts the same drafter's (the
+    rounds per request within one: drafts computed by vLLM's kernels may differ in rounding)."""
     name, engine, oracle, prompts = family
     results = engine.generate(prompts, 48, temperature=0.0)
     for prompt, result in zip(prompts, results, strict=True):
@@ -126,6 +127,8 @@ def test_greedy_output_of_each_family_is_transformers_greedy(family: tuple) -> N
         torch_rounds = torch_engine_rounds(engine.policy, engine.policy.parent / "drafter", prompts, 48)
         vllm_rounds = [len(r.accept_lengths) for r in results]
         print(f"qwen3 verify rounds for 48 tokens: vLLM {vllm_rounds}, torch engine {torch_rounds}")
+        assert sum(vllm_rounds) < 0.5 * 48 * len(prompts)  # the drafter's tokens were accepted: its weights ran
+        assert all(abs(v - t) <= 1 for v, t in zip(vllm_rounds, torch_rounds, strict=True))  # as the torch engine's
 
 
 def torch_engine_rounds(policy: Path, drafter: Path, prompts: list[list[int]], new_tokens: int) -> list[int]:
