@@ -93,6 +93,7 @@ def test_the_tuner_picks_each_buckets_arm_from_vllms_measurements_and_adopts_a_t
 
     sd = replace(DEFAULTS.sd, edges=(4, 16), epsilon=0.0, crossover=9, margin=0)  # SD expected at <= 8 rows
     engine = _Engine()
+    engine.steps = [Step(8, 4, 400, 1.0, 32)]  # run before the tuner existed: not its measurement
     tuning = VllmTuning(engine, sd, drafter_version=0, every=2)
     assert [a.label for a in tuning.tuner.arms] == ["plain", "d2k1v2", "d4k1v4"]
     assert engine.schedules[-1] == {0: "plain", 1: "plain", 2: "plain"}  # untried arms in order: plain first

@@ -94,6 +94,7 @@ class VllmTuning:
         """Measured steps per (bucket, arm label)."""
         self._pending: dict[tuple[int, Arm], ArmMeasurement] = {}
         self._since = 0
+        engine.drain_steps()  # steps the engine ran before this tuner (another schedule) are not its measurements
         self.choose()
 
     @property
