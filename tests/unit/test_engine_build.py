@@ -75,11 +75,12 @@ def test_adaptive_sd_leaves_the_arm_to_its_controller_and_sizes_the_tree_for_eve
     assert engine.max_draft_nodes >= 80 > PLAIN_NODES, "the largest candidate arm fits"
 
 
-def test_a_drafter_needs_an_arm_or_adaptive_sd_and_vllm_a_fixed_arm() -> None:
+def test_a_drafter_needs_an_arm_or_adaptive_sd_and_vllm_group_drafts_a_fixed_arm() -> None:
     with pytest.raises(ConfigError, match=re.escape("sd.arm: is plain")):
         config(**{"sd.drafter": "ngram", "sd.arm": "plain"})
-    with pytest.raises(ConfigError, match=re.escape("sd.adaptive: adaptive SD")):
-        config(**{"sd.drafter": "ngram", "sd.adaptive": True, "rollout.backend": "vllm"})
+    with pytest.raises(ConfigError, match=re.escape("sd.adaptive: vLLM's custom proposer")):
+        config(**{"sd.drafter": "ngram", "sd.group": True, "sd.adaptive": True, "rollout.backend": "vllm"})
+    assert config(**{"sd.drafter": "ngram", "sd.adaptive": True, "rollout.backend": "vllm"}).sd.adaptive
 
 
 def test_vllm_settings_carry_the_shape_the_arm_and_the_hidden_states() -> None:

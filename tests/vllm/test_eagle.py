@@ -147,18 +147,43 @@ def test_a_new_table_takes_effect_without_a_new_engine(fitted, oracle: Oracle) -
     assert fitted.llm is llm
 
 
-def test_a_drafter_swap_with_requests_in_flight_keeps_outputs_exact_and_changes_acceptance(
+def test_a_published_drafter_is_swapped_in_with_requests_in_flight_by_the_worker(
     fitted, models: dict[str, Path], drafter_fit: Path, oracle: Oracle
 ) -> None:
+    """The rollout worker's path (`DrafterSwaps.maybe_swap`): a drafter version announced on the control plane
+    (location and sha256, as the drafter trainer publishes it) goes into the running engine between steps
+    while requests are in flight. Outputs stay transformers' greedy; the engine's draft weights, read back
+    from vLLM's worker, are the new drafter's; acceptance rises with it."""
+    import asyncio
+
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.basics.messages import DrafterVersion
+    from tlt_stream.drafter.model import read_drafter
+    from tlt_stream.roles.worker.drafters import DrafterSwaps
+    from tlt_stream.store.digest import directory_sha256
+
+    norm = "model.layers.0.post_attention_layernorm.weight"
+    fit_norm = read_drafter(drafter_fit).state_dict()["layer.post_attention_layernorm.weight"]
+    random_norm = read_drafter(models["drafter"]).state_dict()["layer.post_attention_layernorm.weight"]
+    assert not torch.equal(fit_norm, random_norm)
     prompts = prompt_ids(SWITCH, seed=25)
-    fitted.load_drafter(models["drafter"])  # the random drafter
+    fitted.load_drafter(models["drafter"])  # the warm-up drafter the worker starts with
+    config = override(DEFAULTS, {"sd.drafter": str(models["drafter"]), "sd.adaptive": False})
+    plane, registry = _Plane(), _Registry()
+    swaps = DrafterSwaps(config, plane, registry, "w")  # type: ignore[arg-type]
     try:
+        torch.testing.assert_close(fitted.draft_tensor(norm), random_norm.float(), rtol=0, atol=0)
         before = fitted.generate(prompts, 48, temperature=0.0)
         ids = [fitted.add_request(p, 48, 0.0, request_id=i) for i, p in enumerate(prompts)]
         results = {}
         for _ in range(3):
             results.update({r.request_id: r for r in fitted.step()})
-        assert fitted.load_drafter(drafter_fit) > 0  # in flight
+        assert fitted.has_unfinished
+        plane.current["drafter"] = DrafterVersion(version=1, location=str(drafter_fit),
+                                                  sha256=directory_sha256(drafter_fit))  # fmt: skip
+        asyncio.run(swaps.maybe_swap(fitted, None))  # in flight
+        assert (swaps.version, swaps.swaps, registry.info["drafter_version"]) == (1, 1, 1)
+        torch.testing.assert_close(fitted.draft_tensor(norm), fit_norm.float(), rtol=0, atol=0)
         while fitted.has_unfinished:
             results.update({r.request_id: r for r in fitted.step()})
         for rid in ids:
@@ -166,6 +191,10 @@ def test_a_drafter_swap_with_requests_in_flight_keeps_outputs_exact_and_changes_
         after = fitted.generate(prompts, 48, temperature=0.0)
         assert [r.token_ids for r in after] == [r.token_ids for r in before]
         assert mean_accept(after) > mean_accept(before) + 0.5
+        plane.current["drafter"] = DrafterVersion(version=2, location=str(models["drafter"]), sha256="0" * 64)
+        asyncio.run(swaps.maybe_swap(fitted, None))  # a damaged announcement: refused, the drafter in use stays
+        assert str(registry.info["refused_drafter"]).startswith("2: ")
+        torch.testing.assert_close(fitted.draft_tensor(norm), fit_norm.float(), rtol=0, atol=0)
     finally:
         fitted.load_drafter(drafter_fit)
 
@@ -269,4 +298,69 @@ def test_the_worker_applies_a_published_sd_config_to_its_engine_in_place(
         assert [r.token_ids for r in kept] == [r.token_ids for r in on[:SWITCH]]
     finally:
         fitted.set_schedule(dict.fromkeys(range(len(edges) + 1), "d4k1v4"), switch_threshold=SWITCH)
+    assert fitted.llm is llm
+
+
+def test_the_tuner_measures_vllms_steps_and_a_table_published_from_them_is_applied(fitted, oracle: Oracle) -> None:
+    """The per-bucket tuner inside vLLM (`VllmTuning`): waves of SWITCH requests, each added under the schedule
+    the tuner chose from the steps vLLM measured so far (untried arms first: plain, d2, d4), so every arm is
+    measured in the wave's bucket; each wave's accept lengths show the arm it ran. The measurements become
+    `SdArmReport`s as a worker sends them, the SD-config publisher's aggregation makes a table of them, and
+    the worker's `adopt_sd_config` applies it to the same engine: the next wave runs the table's arm. (Which
+    arm wins depends on the machine's timing; the test checks that the engine follows what was measured.)"""
+    from msgspec.structs import replace
+
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.basics.messages import SdArmReport, SdConfigVersion
+    from tlt_stream.roles.sd_config import table_choices
+    from tlt_stream.roles.worker.drafters import DrafterSwaps
+    from tlt_stream.rollout.switch import DEFAULT_EDGES, aggregate_reports, bucket_of
+    from tlt_stream.rollout.vllm.tuning import VllmTuning
+
+    sd = replace(DEFAULTS.sd, arms=("plain", "d2k1v2", "d4k1v4"), edges=DEFAULT_EDGES, epsilon=0.0)
+    llm, bucket = fitted.llm, bucket_of(SWITCH, DEFAULT_EDGES)
+    tuning = VllmTuning(fitted, sd, drafter_version=0, every=4)
+    longest = {"plain": 0, "d2k1v2": 3, "d4k1v4": 5}  # tokens one round may emit
+
+    def wave(seed: int) -> str:
+        """SWITCH requests at once, run to the end; the arm the schedule gave the wave's bucket."""
+        schedule = dict(tuning.schedule)
+        prompts = prompt_ids(SWITCH, seed=seed)
+        ids = [fitted.add_request(p, 32, 0.0, request_id=i) for i, p in enumerate(prompts)]
+        results = {}
+        while fitted.has_unfinished:
+            results.update({r.request_id: r for r in tuning.step()})
+        out = [results[i] for i in ids]
+        assert [r.token_ids for r in out] == [oracle.greedy(p, 32) for p in prompts]
+        rounds = [n for r in out for n in r.accept_lengths]  # the batch drains: smaller buckets' arms run too
+        assert max(rounds, default=0) <= max(longest[schedule[b]] for b in range(bucket + 1))
+        if schedule[bucket] != "plain":
+            assert rounds
+        if all(schedule[b] == "plain" for b in range(bucket + 1)):
+            assert not rounds
+        return schedule[bucket]
+
+    try:
+        ran = [wave(60 + i) for i in range(3)]
+        assert ran == ["plain", "d2k1v2", "d4k1v4"]  # the tuner tried each arm, in order, in the wave's bucket
+        measured = tuning.drain_reports()
+        arms = {m.arm.label for m in measured if m.bucket == bucket and m.steps > 0 and m.tokens > 0}
+        assert arms == set(ran)
+        reports = [
+            SdArmReport(worker_id="w", drafter_version=0, bucket=m.bucket, depth=m.arm.depth, topk=m.arm.topk,
+                        verify=m.arm.verify, tokens=m.tokens, seconds=m.seconds, proposer=m.arm.kind, steps=m.steps)
+            for m in measured
+        ]  # fmt: skip
+        best = aggregate_reports(reports).best
+        published = SdConfigVersion(version=1, drafter_version=0, table=table_choices(best, DEFAULT_EDGES))
+        plane, registry = _Plane(), _Registry()
+        config = override(DEFAULTS, {"sd.drafter": "x", "sd.edges": list(DEFAULT_EDGES)})
+        swaps = DrafterSwaps(config, plane, registry, "w")  # type: ignore[arg-type]
+        plane.current["sd_config"] = published
+        swaps.adopt_sd_config(fitted, tuning)  # type: ignore[arg-type]
+        assert registry.info["sd_config_version"] == 1
+        assert tuning.schedule[bucket] == best[bucket].label
+        assert wave(70) == best[bucket].label
+    finally:
+        fitted.set_schedule(dict.fromkeys(range(len(DEFAULT_EDGES) + 1), "d4k1v4"), switch_threshold=SWITCH)
     assert fitted.llm is llm

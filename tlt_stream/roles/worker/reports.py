@@ -1,5 +1,5 @@
 """What a rollout worker reports to `stats`: one `RolloutStats` per batch of completed tasks, plus the
-adaptive controller's `SdArmReport`s.
+`SdArmReport`s of the adaptive controller (or of a vLLM engine's own step measurements).
 
 A report covers the engine hops since the previous one: tokens, target forwards and seconds, the running
 batch, whether SD is on, per-source drafted and accepted nodes and the tokens re-verification kept or
@@ -57,8 +57,8 @@ class RolloutReports:
         """The report of the steps since the last one and the arm reports the controller holds, then the
         counters restart."""
         await self.producer.send_one("stats", self.rollout_stats())
-        adaptive = self.loader.adaptive
-        if adaptive is not None:
+        measured = self._measured()
+        if measured:
             reports = [
                 SdArmReport(
                     worker_id=self.worker_id,
@@ -74,11 +74,21 @@ class RolloutReports:
                     group=m.arm.group_nodes,
                     rows=m.rows,
                 )
-                for m in adaptive.drain_reports()
+                for m in measured
             ]
             if reports:
                 await self.producer.send("stats", reports)
         self.tokens, self.forwards, self.seconds, self.ahead_seconds = 0, 0, 0.0, 0.0
+
+    def _measured(self) -> list[Any]:
+        """The arm measurements since the last report: the adaptive controller's, else those of a vLLM engine
+        that drafts with a fixed arm or schedule (measured in vLLM's worker, `rollout/vllm/measure.py`)."""
+        if self.loader.adaptive is not None:
+            return self.loader.adaptive.drain_reports()
+        engine = self.loader.engine
+        if engine is not None and engine.arm is not None and hasattr(engine, "drain_measurements"):
+            return engine.drain_measurements()
+        return []
 
     def rollout_stats(self) -> RolloutStats:
         """The report of the steps since the last one (`send` restarts the counters after it is sent)."""

@@ -41,6 +41,8 @@ from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.model.loader import checkpoint_positions
 from tlt_stream.model.sizing import context_len
 from tlt_stream.model.transformer import Transformer
+from tlt_stream.rollout.adaptive import ArmMeasurement
+from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import StopRule
 from tlt_stream.rollout.stops import StopStrings
@@ -49,6 +51,7 @@ from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION
 from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.lifecycle import EngineDied, EngineWatch, exit_codes, inline_engine
+from tlt_stream.rollout.vllm.measure import Step
 from tlt_stream.rollout.vllm.requests import Pending, Requests
 from tlt_stream.rollout.vllm.settings import (
     VllmSettings,
@@ -58,6 +61,7 @@ from tlt_stream.rollout.vllm.settings import (
     speculation,
     table_schedule,
 )
+from tlt_stream.rollout.vllm.tuning import pool_steps
 
 __all__ = [
     "INSTALL_HINT",
@@ -164,6 +168,7 @@ class VllmEngine:
                 log.info("vllm backend: replaced %s (vLLM's CPU build writes a copy of its output)", fixed)
             if self.arm is not None and self.arm.kind == "group" and not all(self._rpc("tlt_bind_group")):
                 raise UnsupportedSetting("vLLM did not build the group proposer it was given (custom_class)")
+            self._rpc("tlt_measure")
         except BaseException:
             self.close()
             raise
@@ -407,6 +412,31 @@ class VllmEngine:
         `settings.table_schedule` says what is refused."""
         self._schedule = table_schedule(table, self.arm, self.settings, switch_threshold=switch_threshold)
         return self._schedule
+
+    # -- measurements (what the per-bucket tuner learns from: `tuning.py`)
+
+    def arm_of(self, k: int) -> Arm:
+        """The arm a step drafting `k` tokens per row ran: plain at 0, else this engine's kind of chain."""
+        if k == 0 or self.arm is None:
+            return Arm.plain()
+        if self.arm.kind == "drafter":
+            return Arm.drafter(k, 1, k)
+        if self.arm.kind == "group":
+            return Arm.group_source(k, k)
+        return Arm.ngram(k)
+
+    def drain_steps(self) -> list[Step]:
+        """vLLM's decode steps since the last call, measured in its worker (`measure.py`)."""
+        return [Step(*step) for step in self._rpc("tlt_drain_steps")[0]]
+
+    def drain_measurements(self) -> list[ArmMeasurement]:
+        """The steps since the last call, pooled per (batch bucket of `settings.edges`, arm): what a rollout
+        worker reports as `SdArmReport`s, as the torch engine's adaptive controller does."""
+        return pool_steps(self.drain_steps(), self.arm_of, self.settings.edges)
+
+    def draft_tensor(self, name: str) -> torch.Tensor:
+        """The draft model's parameter `name` (vLLM's name) as the engine holds it, flattened (first worker)."""
+        return torch.tensor(self._rpc("tlt_draft_tensor", name)[0])
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         if getattr(self, "_dead", None) is not None:

@@ -14,6 +14,9 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1; a name and a path string need nothing of th
   CPU build does, are loaded in checkpoint format and processed again; a plain `load_weights` fails on
   them), or the draft's own `load_weights` on a vLLM without it; never `embed_tokens`/`lm_head`, which the
   draft shares with the target (loading an export's embedding would overwrite the live policy's).
+- `tlt_measure()` / `tlt_drain_steps()`: each decode step's rows, chain length, tokens and seconds
+  (`measure.StepMeter` around the model runner), what the per-bucket tuner learns from (`tuning.py`).
+- `tlt_draft_tensor(name)`: a parameter of the draft model as vLLM holds it (what a swap loaded).
 """
 
 from __future__ import annotations
@@ -125,6 +128,31 @@ class TltWorkerExtension:
 
     def tlt_swap_drafter(self, path: str) -> int:
         return _swap_drafter_on_worker(self, path)
+
+    def tlt_measure(self) -> bool:
+        """Start recording each decode step (`measure.StepMeter` around the model runner; once)."""
+        from tlt_stream.rollout.vllm.measure import StepMeter
+
+        if getattr(self, "_tlt_meter", None) is None:
+            meter = StepMeter()
+            meter.install(self.model_runner)  # type: ignore[attr-defined]
+            self._tlt_meter = meter
+        return True
+
+    def tlt_drain_steps(self) -> list[tuple[int, int, int, float, int]]:
+        """The decode steps recorded since the last call: (rows, K, tokens, seconds, drafted)."""
+        meter = getattr(self, "_tlt_meter", None)
+        return meter.drain() if meter is not None else []
+
+    def tlt_draft_tensor(self, name: str) -> list[float]:
+        """The draft model's parameter `name` (vLLM's name, e.g. `model.layers.0.post_attention_layernorm.weight`),
+        flattened: the weights a drafter swap put there, read back from the engine."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        get = getattr(runner, "get_draft_model", None)
+        draft = get() if callable(get) else getattr(getattr(runner, "drafter", None), "model", None)
+        if draft is None:
+            raise RuntimeError("this vLLM engine has no draft model")
+        return dict(draft.named_parameters())[name].detach().float().flatten().tolist()
 
     def tlt_bind_group(self) -> bool:
         """Hand the group proposer (`group.GroupDrafts`, vLLM's custom proposer) the model runner whose
