@@ -381,3 +381,11 @@ def bootstrap(
         _write(out / MARKER, record)
         shutil.rmtree(stage)
     return record
+
+
+if __name__ == "__main__":  # refresh the shipped world (tasks/shipped.py) from a finished one
+    import sys
+
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m tlt_stream.tasks.bootstrap WORLD_DIR [THREADS]  (makes it the shipped world)")
+    print(json.dumps(ship(Path(sys.argv[1]), threads=int(sys.argv[2]) if len(sys.argv) == 3 else 2)["built_with"]))

@@ -7,7 +7,7 @@ record; `--rebuild` trains anyway. The copy is checked against the manifest firs
 trains instead of running on a corrupt world.
 
 Refresh it after changing the bootstrap recipe (the unit test fails until then):
-    tlt-stream bootstrap --out /tmp/world --rebuild --threads 2 && python -m tlt_stream.tasks.shipped /tmp/world 2
+    tlt-stream bootstrap --out /tmp/world --rebuild --threads 2 && python -m tlt_stream.tasks.bootstrap /tmp/world 2
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +77,3 @@ def copy_into(stage: Path, world: Path = SHIPPED) -> dict[str, Any]:
     shipped = record(world)
     assert shipped is not None
     return shipped
-
-
-if __name__ == "__main__":
-    from tlt_stream.tasks.bootstrap import ship  # beside the bootstrap, which imports this module
-
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python -m tlt_stream.tasks.shipped WORLD_DIR [THREADS]")
-    print(json.dumps(ship(Path(sys.argv[1]), threads=int(sys.argv[2]) if len(sys.argv) == 3 else 2)["built_with"]))
