@@ -48,8 +48,10 @@ def sample(
     logits = logits.float()
     greedy = temperatures <= 0
     if bool(greedy.all()):
-        top, tokens = logits.max(dim=-1)  # [B], [B]
-        return tokens, top - torch.logsumexp(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)  # [B]
+        # log_softmax's fused kernel, not top - logsumexp: logsumexp's exp of the far tail (peaked logits give
+        # subnormal results) cost ~10 ms a step at batch 32 and a 32k vocabulary on a CPU
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     uniforms = torch.zeros(len(generators), dtype=torch.float64)
     for b, (g, is_greedy) in enumerate(zip(generators, greedy.tolist(), strict=True)):
         if is_greedy:
