@@ -198,20 +198,21 @@ class _ScheduledEngine:
     """`VllmEngine`'s schedule state without vLLM: an engine built to draft with d4k1v4, up to 16 rows, with
     the buckets the worker's configuration gives it (`rollout.build.vllm_settings`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, work_dir: Path) -> None:
         from tlt_stream.rollout.arms import Arm
         from tlt_stream.rollout.vllm.backend import VllmSettings
 
-        self.arm, self.settings, self._schedule = (
+        self.arm, self.settings, self._schedule, self.work_dir = (
             Arm.from_label("d4k1v4"),
             VllmSettings(max_batch=16, edges=(4, 8)),
             None,
+            work_dir,
         )
 
     set_schedule = VllmEngine.set_schedule
 
 
-def test_a_published_sd_config_becomes_a_vllm_engines_schedule_or_is_refused_once() -> None:
+def test_a_published_sd_config_becomes_a_vllm_engines_schedule_or_is_refused_once(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from tlt_stream.basics.config import DEFAULTS, override
@@ -221,7 +222,7 @@ def test_a_published_sd_config_becomes_a_vllm_engines_schedule_or_is_refused_onc
     config = override(DEFAULTS, {"sd.drafter": "d", "sd.adaptive": False, "sd.edges": [4, 8]})
     plane, info = SimpleNamespace(current={}), {}
     swaps = DrafterSwaps(config, plane, SimpleNamespace(update_info=info.update), "w")  # type: ignore[arg-type]
-    engine = _ScheduledEngine()
+    engine = _ScheduledEngine(tmp_path)
 
     def announce(version: int, drafter: int, *rows: tuple[int, int]) -> None:  # (max_batch, depth; 0: plain)
         table = [SdArmChoice(max_batch=b, depth=d, topk=1, verify=d, enabled=d > 0) for b, d in rows]
@@ -230,6 +231,7 @@ def test_a_published_sd_config_becomes_a_vllm_engines_schedule_or_is_refused_onc
 
     announce(1, 0, (4, 4), (8, 2), (9, 0))  # buckets: <= 4, 5-8, above 8
     assert engine._schedule == [[1, 4, 4], [5, 8, 2], [9, 16, 0]] and info["sd_config_version"] == 1
+    assert json.loads((tmp_path / "tlt-sd-schedule.json").read_text()) == engine._schedule  # vLLM's scheduler reads it
     announce(1, 0, (4, 0))  # the same version again: nothing changes
     assert engine._schedule == [[1, 4, 4], [5, 8, 2], [9, 16, 0]]
     announce(2, 0, (4, 6))  # deeper than the engine's chains: refused in one line, the schedule stays

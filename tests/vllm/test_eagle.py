@@ -302,7 +302,7 @@ def test_the_worker_applies_a_published_sd_config_to_its_engine_in_place(
 
 
 def test_the_tuner_measures_vllms_steps_and_a_table_published_from_them_is_applied(fitted, oracle: Oracle) -> None:
-    """The per-bucket tuner inside vLLM (`VllmTuning`): waves of SWITCH requests, each added under the schedule
+    """The per-bucket tuner inside vLLM (`VllmTuning`): waves of SWITCH requests, each run under the schedule
     the tuner chose from the steps vLLM measured so far (untried arms first: plain, d2, d4), so every arm is
     measured in the wave's bucket; each wave's accept lengths show the arm it ran. The measurements become
     `SdArmReport`s as a worker sends them, the SD-config publisher's aggregation makes a table of them, and
@@ -319,7 +319,7 @@ def test_the_tuner_measures_vllms_steps_and_a_table_published_from_them_is_appli
 
     sd = replace(DEFAULTS.sd, arms=("plain", "d2k1v2", "d4k1v4"), edges=DEFAULT_EDGES, epsilon=0.0)
     llm, bucket = fitted.llm, bucket_of(SWITCH, DEFAULT_EDGES)
-    tuning = VllmTuning(fitted, sd, drafter_version=0, every=4)
+    tuning = VllmTuning(fitted, sd, drafter_version=0, every=1 << 30)  # read between waves (`refresh`)
     longest = {"plain": 0, "d2k1v2": 3, "d4k1v4": 5}  # tokens one round may emit
 
     def wave(seed: int) -> str:
@@ -330,6 +330,7 @@ def test_the_tuner_measures_vllms_steps_and_a_table_published_from_them_is_appli
         results = {}
         while fitted.has_unfinished:
             results.update({r.request_id: r for r in tuning.step()})
+        tuning.refresh()  # the wave's steps measured, each bucket's arm chosen again
         out = [results[i] for i in ids]
         assert [r.token_ids for r in out] == [oracle.greedy(p, 32) for p in prompts]
         rounds = [n for r in out for n in r.accept_lengths]  # the batch drains: smaller buckets' arms run too

@@ -139,7 +139,7 @@ class DrafterSwaps:
     def adopt_sd_config(self, engine: RolloutEngine | None, adaptive: AdaptiveSd | None) -> None:
         """A newly published table of best arms per bucket: the torch engine's tuner exploits it (still
         exploring with epsilon); a vLLM engine takes it as its batch-size schedule in place (`set_schedule`,
-        from the next request it admits). A table the engine cannot run (a deeper chain or another method than
+        from vLLM's next step). A table the engine cannot run (a deeper chain or another method than
         it was built with, a tree arm) is refused once, logged and shown in the worker's info; the schedule in
         use stays."""
         announced = self.control.current.get("sd_config")

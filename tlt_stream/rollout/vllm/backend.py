@@ -80,6 +80,8 @@ SCHEDULER = "tlt_stream.rollout.vllm.scheduling.TltScheduler"
 vLLM's engine core)."""
 SCHEDULE_KEY = "tlt_sd_schedule"
 """`scheduling.SCHEDULE_KEY` (that module imports vllm)."""
+SCHEDULE_FILE = "tlt-sd-schedule.json"
+"""In the engine's work directory: the schedule `TltScheduler` reads before each step (`scheduling.py`)."""
 
 _NO_PARTIAL_ROLLOUTS = (
     "the vllm backend has no partial rollouts (load_policy(reverify=True), ahead_limit): it cannot park a "
@@ -130,6 +132,7 @@ class VllmEngine:
         self._tmp = None if settings.work_dir else tempfile.TemporaryDirectory(prefix="tlt-vllm-")
         self.work_dir = Path(settings.work_dir or self._tmp.name)  # type: ignore[union-attr]
         self._exports = itertools.count()
+        (self.work_dir / SCHEDULE_FILE).unlink(missing_ok=True)  # an earlier engine's schedule is not this one's
         spec = speculation(settings, drafter, self._export, field_names(SpeculativeConfig))
         self.arm = spec.arm
         self._drafter_export = spec.export
@@ -147,6 +150,7 @@ class VllmEngine:
             schedule=spec.schedule,
             worker_extension=WORKER_EXTENSION,
             scheduler=SCHEDULER,
+            schedule_file=str(self.work_dir / SCHEDULE_FILE),
             available=field_names(EngineArgs),
             spec_available=field_names(SpeculativeConfig),
         )
@@ -408,9 +412,13 @@ class VllmEngine:
 
     def set_schedule(self, table: Mapping[int, str], *, switch_threshold: int | None = None) -> list[list[int]]:
         """A new per-bucket arm table (a published `sd_config`) as this engine's batch-size schedule, without a
-        new engine: requests added from now on carry it to vLLM's scheduler (`scheduling.py`). The schedule;
-        `settings.table_schedule` says what is refused."""
+        new engine: vLLM's scheduler reads it before its next step (`scheduling.py`; requests added from now on
+        carry it too). The schedule; `settings.table_schedule` says what is refused."""
         self._schedule = table_schedule(table, self.arm, self.settings, switch_threshold=switch_threshold)
+        path = self.work_dir / SCHEDULE_FILE  # from vLLM's next step on, new requests or not
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self._schedule))
+        os.replace(tmp, path)
         return self._schedule
 
     # -- measurements (what the per-bucket tuner learns from: `tuning.py`)

@@ -270,6 +270,7 @@ def llm_kwargs(
     schedule: list[tuple[int, int, int]] | None = None,
     worker_extension: str | None = None,
     scheduler: str | None = None,
+    schedule_file: str | None = None,
     available: Collection[str] | None = None,
     spec_available: Collection[str] | None = None,
 ) -> dict[str, Any]:
@@ -277,7 +278,8 @@ def llm_kwargs(
 
     `worker_extension`: import path of a class vLLM mixes into its workers (the backend's in-place weight
     updates). `kv_cache_bytes`: the KV cache's size (else vLLM sizes it by `gpu_memory_utilization`).
-    `scheduler`: import path of the scheduler class (with speculation only: `scheduling.py`).
+    `scheduler`: import path of the scheduler class (with speculation only: `scheduling.py`), and
+    `schedule_file` the file it reads new schedules from (`additional_config`, where the installed vLLM has it).
     `inline`: vLLM's worker in the engine core's process (the `uni` executor). Chunked prefill is off: a
     request's prompt is prefilled in one step, so vLLM never rewinds a seeded request's random generator
     after a partial prefill, which its CPU generators cannot do ("CPU Generator does not use offset").
@@ -313,6 +315,8 @@ def llm_kwargs(
     if scheduler is not None and speculative is not None:  # a scheduler that takes new schedules in place
         _require(available, "scheduler_cls", "a new sd_config without a new engine")
         kwargs["scheduler_cls"] = scheduler
+        if schedule_file is not None and (available is None or "additional_config" in available):
+            kwargs["additional_config"] = {"tlt_schedule_file": schedule_file}
     if speculative is not None:
         spec = dict(speculative.config)
         if schedule is not None:
