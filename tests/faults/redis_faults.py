@@ -63,6 +63,10 @@ async def parked_policy(run: FaultRun) -> AsyncIterator[None]:
     yield
 
 
+LOST_ACK = r"\d+ entries of \S+ were pending for us though we did not hold them"
+"""What a reader logs when it hands out again entries whose ack Redis lost (`StreamReader._maybe_resync`)."""
+
+
 async def lose_last_writes(run: FaultRun, servers: PrivateServers) -> float:
     """Copy the append-only file while the run is parked, then let exactly one more step happen: the policy
     service (restarted for the whole run) dispatches it with the learner frozen, is frozen in turn once the
@@ -103,9 +107,22 @@ async def lose_last_writes(run: FaultRun, servers: PrivateServers) -> float:
     run.lost_samples = [(i.decode(), f[b"m"]) for i, f in before if i not in after]
     run.notes.update(lost_s=lost_s, lost_bytes=lost_bytes, learner_version=run.version())
     run.notes.update(mirror_after=await run.published(), lost_sample_entries=len(run.lost_samples))
+    resumed = time.monotonic()
     for name in live:
-        run.signal(name, signal.SIGCONT)
-    return await _next_version_after(run, time.monotonic())
+        if name != "policy":
+            run.signal(name, signal.SIGCONT)
+    # The readers look for entries whose ack Redis lost once every quarter reclaim time; on a fast machine the
+    # run's last steps take under a second, so the run could end before any reader looked, and the stop's
+    # leftover ack would handle them instead. The policy service stays frozen (nothing more is dispatched)
+    # until a reader has looked, or one period and a margin have passed.
+    deadline = resumed + run.config.bus.reclaim_idle_ms / 4000 + 15
+    while not any(re.search(LOST_ACK, run.log_text(name)) for name in run.commands):
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    if "policy" in live:
+        run.signal("policy", signal.SIGCONT)
+    return await _next_version_after(run, resumed)
 
 
 async def _samples_of_step(run: FaultRun, step: int) -> int:
@@ -131,8 +148,7 @@ def _lost_writes_redone(run: FaultRun, result: AuditResult) -> None:
     assert notes["lost_bytes"] > 0 and notes["lost_sample_entries"] > 0, notes
     assert notes["mirror_after"] < notes["learner_version"], f"nothing published was lost: {notes}"
     run.expect_log("policy", r"the dispatch cursor is at step \d+, behind the \d+ steps this service sent")
-    pattern = r"\d+ entries of \S+ were pending for us though we did not hold them"
-    assert any(re.search(pattern, run.log_text(name)) for name in run.commands), "no reader handled a lost ack"
+    assert any(re.search(LOST_ACK, run.log_text(name)) for name in run.commands), "no reader handled a lost ack"
 
 
 async def fill_memory(run: FaultRun, servers: PrivateServers) -> float:
