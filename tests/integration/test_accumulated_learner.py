@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.faults.audit import read_checkpoints
+from tests.faults.audit import Checkpoint, read_checkpoints
 from tests.worlds import tiny_policy
 from tlt_stream.basics.config import Config, override
 from tlt_stream.basics.errors import ConfigError
@@ -96,10 +97,28 @@ async def until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
             await asyncio.sleep(0.02)
 
 
-async def synchronous_run(config: Config, run_dir: Path, init_policy: Path, *, accumulate: bool) -> list[str]:
-    """STEPS on-policy updates of PER_STEP groups, each group sent alone; the tasks dispatched, in order.
-    Accumulating, each group but a step's last is seen computed (its gradients on the parameters, the step
-    not applied) before the next group is sent."""
+def synchronous_config(bus_config: Config) -> Config:
+    """The settings of every run here: PER_STEP groups an update, on-policy, lr LR, micro-batches of 24 tokens
+    (several per step, packed differently batch and accumulated), every checkpoint kept."""
+    return override(
+        bus_config,
+        {
+            "learner.groups_per_step": PER_STEP,
+            "policy.max_staleness": 0,
+            "learner.lr": LR,
+            "learner.micro_batch_tokens": 24,
+            "learner.keep_checkpoints": 100,
+        },
+    )
+
+
+async def synchronous_run(
+    config: Config, run_dir: Path, init_policy: Path, *, accumulate: bool | str, accumulates: bool
+) -> list[str]:
+    """STEPS on-policy updates of PER_STEP groups, each group sent alone, with learner.accumulate = `accumulate`;
+    the tasks dispatched, in order. The learner accumulates exactly when `accumulates` says, and then each
+    group but a step's last is seen computed (its gradients on the parameters, the step not applied) before
+    the next group is sent."""
     config = override(config, {"learner.accumulate": accumulate})
     redis = connect_redis(config.bus.redis_url)
     producer = StreamProducer(redis, Keys(config.run), config.bus)
@@ -107,6 +126,7 @@ async def synchronous_run(config: Config, run_dir: Path, init_policy: Path, *, a
     dispatched = []
     async with learner_of(config, run_dir, init_policy) as learner:
         await learner.start()
+        assert (learner.updates.accumulator is not None) == accumulates, f"learner.accumulate = {accumulate}"
         running = asyncio.create_task(learner.run(asyncio.Event(), max_updates=STEPS))
         for step in range(STEPS):
             await until(lambda s=step: learner.version == s or running.done())
@@ -114,7 +134,7 @@ async def synchronous_run(config: Config, run_dir: Path, init_policy: Path, *, a
             for g, group in enumerate(step_groups(step, rng)):
                 await producer.send("samples", group)
                 dispatched.append(group[0].task_id)
-                if accumulate and g < PER_STEP - 1:
+                if accumulates and g < PER_STEP - 1:
                     accumulator = learner.updates.accumulator
                     assert accumulator is not None
                     await until(lambda a=accumulator, g=g: len(a.groups) == g + 1 or running.done())
@@ -142,51 +162,99 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-async def test_an_accumulating_learner_trains_every_group_once_to_the_batch_learners_parameters(
-    bus_config: Config, tmp_path: Path, init_policy: Path
-) -> None:
-    base = override(
-        bus_config,
-        {
-            "learner.groups_per_step": PER_STEP,
-            "policy.max_staleness": 0,
-            "learner.lr": LR,
-            "learner.micro_batch_tokens": 24,
-            "learner.keep_checkpoints": 100,
-        },
-    )
-    runs = {}
-    for accumulate in (False, True):
-        config = override(base, {"run": f"{bus_config.run}-{'acc' if accumulate else 'batch'}"})
-        try:
-            dispatched = await synchronous_run(config, tmp_path / config.run, init_policy, accumulate=accumulate)
-        finally:
-            await purge_run(config)
-        points, set_aside = read_checkpoints(tmp_path / config.run / "checkpoints")
-        assert not set_aside and [p.step for p in points] == list(range(STEPS + 1))
-        trained = [group for point in points for group in point.trained_groups]
-        assert sorted(trained) == sorted(dispatched), "every dispatched group trained, none twice"
-        for before, after in itertools.pairwise(points):
-            new = after.ledger - before.ledger
-            assert new == {f"{t}/{i}" for t in after.trained_groups for i in range(GROUP)}, after.step
-            assert after.trained_groups == tuple(f"s{after.step - 1}-g{g}" for g in range(PER_STEP))
-        runs[accumulate] = points
-        rows = [json.loads(line) for line in (tmp_path / config.run / "metrics.jsonl").read_text().splitlines()]
-        assert all("last_sample_to_publish_s" in row for row in rows), "each update says how long its tail took"
-
-    start = flat(weights(runs[False][0].path))
-    for k in range(1, STEPS + 1):
-        batch, accumulated = flat(weights(runs[False][k].path)), flat(weights(runs[True][k].path))
-        gap, moved = accumulated - batch, batch - start
-        assert float(gap.abs().max()) <= 2 * LR * k, f"update {k}: a coordinate beyond lr either way per update"
-        assert float(gap.norm()) <= 1e-2 * float(moved.norm()), f"update {k}: {gap.norm()} of {moved.norm()}"
+def assert_the_batch_update(batch: list[Checkpoint], other: list[Checkpoint], what: str) -> None:
+    """`other`'s checkpoints hold `batch`'s parameters after every update k, within the AdamW bound above:
+    every coordinate within 2 x lr x k, the whole within 1e-2 of the distance the updates moved them."""
+    start = flat(weights(batch[0].path))
+    for k in range(1, len(batch)):
+        ran, theirs = flat(weights(batch[k].path)), flat(weights(other[k].path))
+        gap, moved = theirs - ran, ran - start
+        assert float(gap.abs().max()) <= 2 * LR * k, f"{what}, update {k}: a coordinate beyond lr either way"
+        assert float(gap.norm()) <= 1e-2 * float(moved.norm()), f"{what}, update {k}: {gap.norm()} of {moved.norm()}"
         assert float(moved.abs().max()) > LR / 2 * k, "the updates moved the parameters well beyond the bound"
 
 
-async def test_a_policy_with_dropout_is_refused_naming_learner_accumulate(bus_config: Config, tmp_path: Path) -> None:
-    policy = tiny_policy(tmp_path / "dropout")
+async def checkpoints_of_a_run(
+    base: Config, tmp_path: Path, init_policy: Path, name: str, *, accumulate: bool | str, accumulates: bool
+) -> list[Checkpoint]:
+    """One `synchronous_run` as run `name`, checked from disk: every dispatched group trained once, in its
+    step, and each update's metrics row saying how long its tail took; its checkpoints."""
+    config = override(base, {"run": f"{base.run}-{name}"})
+    try:
+        dispatched = await synchronous_run(
+            config, tmp_path / config.run, init_policy, accumulate=accumulate, accumulates=accumulates
+        )
+    finally:
+        await purge_run(config)
+    points, set_aside = read_checkpoints(tmp_path / config.run / "checkpoints")
+    assert not set_aside and [p.step for p in points] == list(range(STEPS + 1))
+    trained = [group for point in points for group in point.trained_groups]
+    assert sorted(trained) == sorted(dispatched), "every dispatched group trained, none twice"
+    for before, after in itertools.pairwise(points):
+        new = after.ledger - before.ledger
+        assert new == {f"{t}/{i}" for t in after.trained_groups for i in range(GROUP)}, after.step
+        assert after.trained_groups == tuple(f"s{after.step - 1}-g{g}" for g in range(PER_STEP))
+    rows = [json.loads(line) for line in (tmp_path / config.run / "metrics.jsonl").read_text().splitlines()]
+    assert all("last_sample_to_publish_s" in row for row in rows), "each update says how long its tail took"
+    assert all(("accumulate_seconds" in row) == accumulates for row in rows), "accumulated steps say so"
+    return points
+
+
+async def test_an_accumulating_learner_trains_every_group_once_to_the_batch_learners_parameters(
+    bus_config: Config, tmp_path: Path, init_policy: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """learner.accumulate = true, and auto (the default) on a policy without dropout, which accumulates too."""
+    base = synchronous_config(bus_config)
+    caplog.set_level(logging.INFO, logger="tlt_stream.roles.learner")
+    batch = await checkpoints_of_a_run(base, tmp_path, init_policy, "batch", accumulate=False, accumulates=False)
+    for setting in (True, "auto"):
+        points = await checkpoints_of_a_run(
+            base, tmp_path, init_policy, str(setting), accumulate=setting, accumulates=True
+        )
+        assert_the_batch_update(batch, points, f"learner.accumulate = {setting}")
+    assert not [r for r in caplog.records if "learner.accumulate" in r.getMessage()], "no dropout: nothing to say"
+
+
+async def test_auto_runs_the_batch_update_for_a_policy_with_dropout_saying_so_in_one_line(
+    bus_config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """learner.accumulate = auto on a policy with dropout: one log line naming it, no accumulator, and the
+    batch update itself: the same torch seed before each run gives the same dropout masks, so the parameters
+    equal the batch learner's exactly (an accumulated step packs micro-batches per group, draws its masks in
+    another order, and lands elsewhere)."""
+    policy = dropout_policy(tmp_path / "dropout")
+    base = synchronous_config(bus_config)
+    runs = {}
+    for setting in (False, "auto"):
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="tlt_stream.roles.learner")
+        torch.manual_seed(11)
+        runs[setting] = await checkpoints_of_a_run(
+            base, tmp_path, policy, str(setting), accumulate=setting, accumulates=False
+        )
+        said = [r.getMessage() for r in caplog.records if "learner.accumulate" in r.getMessage()]
+        if setting == "auto":
+            assert len(said) == 1, said
+            assert "learner.accumulate = auto" in said[0] and "attention_dropout = 0.1" in said[0], said[0]
+        else:
+            assert not said, "learner.accumulate = false: nothing to say"
+    start = flat(weights(runs[False][0].path))
+    for k in range(1, STEPS + 1):
+        batch, auto = flat(weights(runs[False][k].path)), flat(weights(runs["auto"][k].path))
+        assert torch.equal(batch, auto), f"update {k}: {float((auto - batch).abs().max())} from the batch update"
+        assert float((batch - start).abs().max()) > LR / 2 * k, "the updates moved the parameters"
+
+
+def dropout_policy(out: Path) -> Path:
+    """The tests' tiny policy with attention dropout 0.1."""
+    policy = tiny_policy(out)
     checkpoint = json.loads((policy / "config.json").read_text())
     (policy / "config.json").write_text(json.dumps({**checkpoint, "attention_dropout": 0.1}))
+    return policy
+
+
+async def test_a_policy_with_dropout_is_refused_naming_learner_accumulate(bus_config: Config, tmp_path: Path) -> None:
+    policy = dropout_policy(tmp_path / "dropout")
     config = override(bus_config, {"learner.accumulate": True})
     async with learner_of(config, tmp_path / "run", policy) as learner:
         with pytest.raises(ConfigError, match=r"learner\.accumulate: .*attention_dropout = 0\.1"):
