@@ -28,8 +28,10 @@ machine fall on every config; a config's figures pool the steps of its runs (eac
 
 (a)-(c), (e), (f) are `tlt-stream run` with the tiny world's defaults
 (`tlt_stream.commands.run.launch.RunPlan`), every service a separate process, every sample through
-Redis. (d) runs in this process on the same cores (`pip install -e '.[bench]'`; skipped with a reason
-when TRL is not installed). Per config: median step
+Redis. Every config names its learner: (a)-(c), (e)-(h), (g16), (g512) the batch update
+(`learner.accumulate = false`), the `_plus` ones the accumulating one (`true`); the default, auto,
+accumulates unless the policy has dropout. (d) runs in this process on the same cores (`pip install -e
+'.[bench]'`; skipped with a reason when TRL is not installed). Per config: median step
 time (the first step, which includes start-up, is left out), tokens/s (response tokens of a step over the
 step's wall time), the train accuracy (reward mean, the reward is exact-match) of every step and, unless
 `--quick`, held-out accuracy of the final policy. Ratios are computed inside one run: the machine is
@@ -67,8 +69,9 @@ sys.path.insert(0, str(ROOT))
 from tlt_stream.basics.config import override  # noqa: E402  (light: msgspec)
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "a_sync_plain": {"launch.sd": "off", "policy.max_staleness": 0},
-    # (a+), (b+), (g+): the learner accumulates each group as it completes (`learner.accumulate`)
+    "a_sync_plain": {"launch.sd": "off", "policy.max_staleness": 0, "learner.accumulate": False},
+    # (a+), (b+), (g+): the learner accumulates each group as it completes (`learner.accumulate`; the rest are
+    # batch baselines and say so, since the default, auto, accumulates)
     "a_plus": {"launch.sd": "off", "policy.max_staleness": 0, "learner.accumulate": True},
     # (a+) with the groups added during the tail on all the learner's threads, not one (the CPU split)
     "a_plus_shared": {
@@ -77,27 +80,38 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "learner.accumulate": True,
         "learner.accumulate_threads": 0,
     },
-    "b_sync_tlt": {"launch.sd": "eagle", "policy.max_staleness": 0},
+    "b_sync_tlt": {"launch.sd": "eagle", "policy.max_staleness": 0, "learner.accumulate": False},
     "b_plus": {"launch.sd": "eagle", "policy.max_staleness": 0, "learner.accumulate": True},
-    "c_stream_tlt": {"launch.sd": "eagle", "policy.max_staleness": 1},
+    "c_stream_tlt": {"launch.sd": "eagle", "policy.max_staleness": 1, "learner.accumulate": False},
     # (e), (f): (b), (c) with group/history drafts beside EAGLE (issue 23)
-    "e_sync_group": {"launch.sd": "eagle", "policy.max_staleness": 0, "sd.group": True},
-    "f_stream_group": {"launch.sd": "eagle", "policy.max_staleness": 1, "sd.group": True},
+    "e_sync_group": {"launch.sd": "eagle", "policy.max_staleness": 0, "sd.group": True, "learner.accumulate": False},
+    "f_stream_group": {"launch.sd": "eagle", "policy.max_staleness": 1, "sd.group": True, "learner.accumulate": False},
     # (g), (h): (b), (c) with lossless partial rollouts (issue 24)
-    "g_sync_partial": {"launch.sd": "eagle", "policy.max_staleness": 0, "policy.partial_rollouts": True},
+    "g_sync_partial": {
+        "launch.sd": "eagle",
+        "policy.max_staleness": 0,
+        "policy.partial_rollouts": True,
+        "learner.accumulate": False,
+    },
     "g_plus": {
         "launch.sd": "eagle",
         "policy.max_staleness": 0,
         "policy.partial_rollouts": True,
         "learner.accumulate": True,
     },
-    "h_stream_partial": {"launch.sd": "eagle", "policy.max_staleness": 1, "policy.partial_rollouts": True},
+    "h_stream_partial": {
+        "launch.sd": "eagle",
+        "policy.max_staleness": 1,
+        "policy.partial_rollouts": True,
+        "learner.accumulate": False,
+    },
     # (g) with drafts started only while fewer than 16 rows run, and those drafts running 512 tokens ahead
     "g16_sync_partial": {
         "launch.sd": "eagle",
         "policy.max_staleness": 0,
         "policy.partial_rollouts": True,
         "policy.ahead_rows": 16,
+        "learner.accumulate": False,
     },
     "g512_sync_partial": {
         "launch.sd": "eagle",
@@ -105,6 +119,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "policy.partial_rollouts": True,
         "policy.ahead_rows": 16,
         "policy.ahead_tokens": 512,
+        "learner.accumulate": False,
     },
 }
 BELOW_ROWS = ("a_plus", "b_plus", "g_plus")

@@ -35,7 +35,9 @@ MODES: dict[str, Mode] = {
     "h_stream_partial": Mode("h_stream_partial", sd=True, max_staleness=1, partial=True),
     "o_sync_overlap": Mode("o_sync_overlap", sd=True, overlapped=True),
 }
-"""`bench/e2e.py`'s configurations by its names, and (o): (b) with the overlapped on-policy learner."""
+"""`bench/e2e.py`'s configurations by its names (their learners the batch update, `learner.accumulate =
+false`), and (o): (b) with the overlapped on-policy learner (a run's default, learner.accumulate = auto, for
+a policy without dropout)."""
 
 Progress = Callable[[str], None]
 

@@ -2,9 +2,9 @@
 
 The loop reads `samples` through the `learner` consumer group, assembles complete groups (`rl/groups.py`),
 and every `groups_per_step` usable groups runs one update (`rl/learner.py`, on the loop's thread: torch's
-CPU pool is slower driven from another, and the lease is renewed first to cover the pause; with
-learner.accumulate each group's share is computed as the group completes, `rl/accumulate.py`), then, in
-this order:
+CPU pool is slower driven from another, and the lease is renewed first to cover the pause; accumulating,
+learner.accumulate's default for a policy without dropout, each group's share is computed as the group
+completes, `rl/accumulate.py`), then, in this order:
 
 1. saves a checkpoint (weights, RNG and the ledger of every sample id applied so far, durable; the optimizer
    state is written in the background while the next update runs, `rl/checkpoint.py`);

@@ -84,29 +84,33 @@ class LearnerConfig(Section, frozen=True):
         ),
     ] = 1.0
     accumulate: Annotated[
-        bool,
+        bool | Literal["auto"],
         doc(
             "Each update runs a group's forward and backward as soon as the group is complete, unnormalised, and "
-            "applies the step once its last group is in: the batch update up "
-            "to floating-point summation order, ending one optimizer step (plus the last group's backward) after "
-            "the step's last sample. A policy with dropout is refused. False: every forward and backward runs "
-            "after the step's last group."
+            "applies the step once its last group is in: the batch update up to floating-point summation order, "
+            "ending one optimizer step (plus the last group's backward) after the step's last sample. A policy "
+            "with dropout cannot be accumulated (its update is a random draw, another one when the work is split "
+            "differently). auto: accumulate unless the policy has dropout, which the learner then names in one "
+            "log line and runs the batch update; true: accumulate, a policy with dropout refused at start; false: "
+            "every forward and backward runs after the step's last group (the batch update)."
         ),
-    ] = False
+    ] = "auto"
     accumulate_threads: Annotated[
         int,
         doc(
-            "With learner.accumulate: torch threads of a group added while its step still waits for more groups "
-            "(on-policy, the rollout generates the step's tail beside it on the same cores); the group that "
-            "completes the step and the optimizer step use learner.threads. 0: learner.threads throughout.",
+            "While the learner accumulates (learner.accumulate): torch threads of a group added while its step "
+            "still waits for more groups (on-policy, the rollout generates the step's tail beside it on the same "
+            "cores); the group that completes the step and the optimizer step use learner.threads. 0: "
+            "learner.threads throughout.",
             ge=0,
         ),
     ] = 1
     accumulate_below_rows: Annotated[
         PositiveInt | None,
         doc(
-            "With learner.accumulate: a complete group is added at once only while the rollout workers have fewer "
-            "than this many rows in flight (the sum of the rows_in_flight their registry records report); "
+            "While the learner accumulates (learner.accumulate): a complete group is added at once only while the "
+            "rollout workers have fewer than this many rows in flight (the sum of the rows_in_flight their "
+            "registry records report); "
             "otherwise complete groups wait and are added when the rows drop below it, or once the step has all "
             "its groups. The same groups, order and update either way; it keeps the learner off the cores while "
             "a busy rollout uses them. None: add every group as it completes."

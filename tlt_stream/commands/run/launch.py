@@ -10,10 +10,10 @@ first `launch.learner_gpus` (under torchrun, one rank per GPU, when more than on
 the rest. Torch threads: the machine's cores are shared out deliberately. With `max_staleness = 0` rollout and
 learning alternate (each waits for the other), so every process may use all cores; with asynchrony they
 run at once and the cores are split between the workers and the learner. An on-policy learner that
-accumulates (`learner.accumulate`) overlaps only the step's tail, when the rollout has few rows left: it
-adds those groups on `learner.accumulate_threads` (one), or holds them while the rollout still has
-`learner.accumulate_below_rows` rows in flight, and keeps all its threads for the groups left once the step's
-last group is in and for the optimizer step, when the rollout waits for it.
+accumulates (`learner.accumulate`: by default, unless the policy has dropout) overlaps only the step's tail,
+when the rollout has few rows left: it adds those groups on `learner.accumulate_threads` (one), or holds them
+while the rollout still has `learner.accumulate_below_rows` rows in flight, and keeps all its threads for the
+groups left once the step's last group is in and for the optimizer step, when the rollout waits for it.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ previous update's entries are acked (this one's after the next checkpoint, so a 
 can be fallen back from and its samples trained again), the version is published, groups the new version
 left outside the window are dropped, and the update's records are written (`records.py`).
 
-With learner.accumulate the step is built while its groups arrive (`rl/accumulate.py`): `next_step` hands
-each group complete at the front of the ready queue to the `StepAccumulator` at once (its forward and
-backward, on the loop's thread, the lease renewed first as for an update), and the update applies the
-accumulated step once it has `groups_per_step` groups. A group added while the step still waits for others
-shares the cores with the rollout generating the step's tail, so it runs on learner.accumulate_threads
-(one by default); once the step's groups are all in, they and the step itself run on all of the learner's.
+When the learner accumulates (learner.accumulate; by default unless the policy has dropout) the step is built
+while its groups arrive (`rl/accumulate.py`): `next_step` hands each group complete at the front of the ready
+queue to the `StepAccumulator` at once (its forward and backward, on the loop's thread, the lease renewed
+first as for an update), and the update applies the accumulated step once it has `groups_per_step` groups. A
+group added while the step still waits for others shares the cores with the rollout generating the step's
+tail, so it runs on learner.accumulate_threads (one by default); once the step's groups are all in, they and
+the step itself run on all of the learner's.
 With learner.accumulate_below_rows a complete group is added only while the rollout workers report fewer rows
 in flight than that (their registry records, read when groups are waiting), else it waits in the ready
 queue, in its place, until the rows drop or the step's groups are all in: the same groups in the same order.
@@ -38,7 +39,7 @@ from tlt_stream.basics.aio import sleep_or_stop
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.errors import ConfigError
 from tlt_stream.bus.registry import rollout_rows
-from tlt_stream.rl.accumulate import StepAccumulator
+from tlt_stream.rl.accumulate import StepAccumulator, dropout_of
 from tlt_stream.rl.groups import ReadyGroup
 from tlt_stream.rl.metrics import accept_by_drafter, rollout_timing, staleness_histogram
 from tlt_stream.rl.ranks import RanksOutOfStep
@@ -101,18 +102,27 @@ class Updates:
         self.last_entries: list[str] = []
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
         self.accumulator: StepAccumulator | None = None
-        """learner.accumulate: the step being built group by group (`attach`, once the policy is final)."""
+        """The step being built group by group, when the learner accumulates (`attach`, once the policy is
+        final: learner.accumulate resolved against it)."""
         self.holding = False
         """Complete groups wait in the ready queue while the rollout is busy (learner.accumulate_below_rows)."""
         self.held: set[str] = set()
         """Tasks of the step being built whose groups waited for the rollout's rows (the step's `held_groups`)."""
 
     def attach(self) -> None:
-        """Build the step accumulator around the policy the checkpoints resumed (learner.accumulate); a policy
-        with dropout is refused, naming the setting."""
-        core = self.checkpoints.core
-        if not self.config.learner.accumulate or core is None:
-            self.accumulator = None
+        """Build the step accumulator around the policy the checkpoints resumed, as learner.accumulate says:
+        auto accumulates unless the policy has dropout, which it names in one log line (the batch update runs);
+        true refuses a policy with dropout, naming the setting; false never accumulates."""
+        core, setting = self.checkpoints.core, self.config.learner.accumulate
+        self.accumulator = None
+        if setting is False or core is None:
+            return
+        if setting == "auto" and (found := dropout_of(core.model)):
+            log.info(
+                "learner.accumulate = auto: the policy has dropout (%s), so each update runs after its step's last "
+                "group (the batch update; learner.accumulate = false says so and quiets this)",
+                ", ".join(found),
+            )
             return
         try:
             self.accumulator = StepAccumulator(core, self.config.groups_per_step)
