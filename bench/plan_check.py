@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 CONFIGS = ("a_sync_plain", "b_sync_tlt", "c_stream_tlt", "g_sync_partial")
 RATIOS = {"b_over_a": "b_sync_tlt", "c_over_a": "c_stream_tlt", "g_over_a": "g_sync_partial"}
@@ -102,15 +103,82 @@ def prompt_len() -> float:
     return statistics.fmean(len(p) for p in prompts)
 
 
-def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
+def background(args: argparse.Namespace, runs: list[dict]) -> list[dict[str, dict]]:
+    """Per run and config, the cores other work kept busy over its measured steps (the steps after the first:
+    from the first version's announcement to the last's), and the worker's and learner's own, from the load
+    samples of `bench/plan_load.py` (`--load`); {} for a run the samples do not cover."""
+    from plan_load import read_samples, window_mean
+
+    from tlt_stream.rl.records import load_metrics
+
+    samples = [s for path in args.load or [] for s in read_samples(path)]
+    out = []
+    for run in runs:
+        figures = {}
+        for name in CONFIGS:
+            rows = load_metrics(Path(run["configs"][name]["run_dir"]))
+            start, end = rows[0]["time"], rows[-1]["time"]
+            other = window_mean(samples, start, end)
+            if other is not None:
+                figures[name] = {
+                    "other": round(other, 3),
+                    "worker": round(window_mean(samples, start, end, "worker") or 0.0, 3),
+                    "learner": round(window_mean(samples, start, end, "learner") or 0.0, 3),
+                }
+        out.append(figures)
+    return out
+
+
+def simulated(mode, setup, inputs: tuple, seeds: int, background: float) -> dict:
+    """The median over `seeds` simulations of `mode` with `background` cores busy with other work."""
     import dataclasses
+
+    from tlt_stream.plan.simulate import simulate
+
+    lengths, acceptance, costs = inputs
+    results = [
+        simulate(mode, dataclasses.replace(setup, seed=s, background_cores=background), lengths, acceptance, costs)
+        for s in range(seeds)
+    ]
+    summaries = [r.summary() for r in results]
+    return {
+        "step_time_s": round(statistics.median(r.step_time for r in results), 3),
+        "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
+        "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
+        "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
+    }
+
+
+def fitted_costs(path: str, contention: dict | None):
+    """The CPU model `bench/plan_fit.py` wrote to `path`; with the contention fit, its law's constants added and
+    the background the fit itself ran beside taken out (`CpuCosts.without_background`)."""
+    import dataclasses
+
+    from tlt_stream.plan.costs import CpuCosts
+
+    costs = CpuCosts.load(path)
+    if contention is None:
+        return costs
+    costs = dataclasses.replace(
+        costs,
+        engine_k=(contention["engine_t1"]["k"], contention["engine_t2"]["k"]),
+        engine_wait_s=(contention["engine_t1"]["wait_s"], contention["engine_t2"]["wait_s"]),
+        learner_k=(contention["learner_t1"]["k"], contention["learner_t2"]["k"]),
+    )
+    during = json.loads(Path(path).read_text()).get("fit", {}).get("background_cores")
+    threads = int(costs.source.rsplit(" ", 1)[-1]) if costs.source.startswith("bench/plan_fit.py") else 1
+    return costs.without_background(during["engine"], during["learner"], threads) if during else costs
+
+
+def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, dict]]) -> dict:
+    """The simulator's step times: per run, with that run's background (0 where it was not sampled), and on
+    a quiet machine (no background)."""
 
     from tlt_stream.commands.run.launch import thread_split
     from tlt_stream.plan.acceptance import Acceptance, from_reports
-    from tlt_stream.plan.costs import CpuCosts
     from tlt_stream.plan.lengths import trained_share
     from tlt_stream.plan.project import MODES
-    from tlt_stream.plan.simulate import Setup, simulate
+    from tlt_stream.plan.simulate import Setup
     from tlt_stream.rl.records import load_metrics
 
     lengths, accept = workload(runs)
@@ -120,6 +188,7 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
     if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
         acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
+    contention = json.loads(Path(args.contention).read_text())["fit"] if args.contention else None
     cores = len(os.sched_getaffinity(0))
     table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
     out = {
@@ -128,13 +197,18 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             "tokens_per_round": round(accept, 3),
             "acceptance": table,
             "trained_share": round(share, 3) if args.trained_share else 1.0,
+            "contention": contention,
+            "costs": {
+                "sync": fitted_costs(args.costs_sync, contention).describe(),
+                "stream": fitted_costs(args.costs_stream, contention).describe(),
+            },
         },
         "configs": {},
     }
     for name in CONFIGS:
         mode = MODES[name]
         worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
-        costs = CpuCosts.load(args.costs_sync if mode.max_staleness == 0 else args.costs_stream)
+        costs = fitted_costs(args.costs_sync if mode.max_staleness == 0 else args.costs_stream, contention)
         setup = Setup(
             prompts=args.prompts,
             steps=args.steps,
@@ -143,19 +217,25 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             learner_threads=learner_threads,
             trained_share=share if args.trained_share else 1.0,
         )
-        results = [
-            simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs) for s in range(args.seeds)
+
+        inputs = (lengths, acceptance, costs)
+        quiet = simulated(mode, setup, inputs, args.seeds, 0.0)
+        per_run = [
+            simulated(mode, setup, inputs, args.seeds, load[name]["other"]) if name in load else quiet for load in loads
         ]
-        summaries = [r.summary() for r in results]
         out["configs"][name] = {
-            "step_time_s": round(statistics.median(r.step_time for r in results), 3),
-            "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
-            "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
-            "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
+            "step_time_s": round(statistics.median(r["step_time_s"] for r in per_run), 3),
+            "runs": [r["step_time_s"] for r in per_run],
+            "rollout_s": round(statistics.median(r["rollout_s"] for r in per_run), 3),
+            "update_s": round(statistics.median(r["update_s"] for r in per_run), 3),
+            "quiet": quiet,
             "threads": worker_threads,
         }
-    a = out["configs"]["a_sync_plain"]["step_time_s"]
-    out["ratios"] = {k: round(a / out["configs"][v]["step_time_s"], 3) for k, v in RATIOS.items()}
+    a = out["configs"]["a_sync_plain"]["runs"]
+    out["ratios"] = {
+        k: round(statistics.median(x / y for x, y in zip(a, out["configs"][v]["runs"], strict=True)), 3)
+        for k, v in RATIOS.items()
+    }
     return out
 
 
@@ -228,6 +308,10 @@ def main() -> None:
         "(--no-trained-share: every group)",
     )
     p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
+    p.add_argument(
+        "--load", nargs="*", help="load samples beside the runs (bench/plan_load.py): each run's background cores"
+    )
+    p.add_argument("--contention", help="the contention fit (bench/plan_contention.py): k per kind and threads")
     args = p.parse_args()
     if args.e2e_json:
         runs = [json.loads(Path(f).read_text()) for f in args.e2e_json]
@@ -235,7 +319,8 @@ def main() -> None:
         args.prompts = runs[0]["prompts_per_step"]
     else:
         runs = [run_e2e(args, i) for i in range(args.runs)]
-    got, want = predict(args, runs), measured(runs)
+    loads = background(args, runs)
+    got, want = predict(args, runs, loads), measured(runs)
     table = {}
     for name in CONFIGS:
         pred, meas = got["configs"][name]["step_time_s"], want["configs"][name]["step_time_s"]
@@ -245,6 +330,10 @@ def main() -> None:
             "error": round(pred / meas - 1, 3),
             "within_15pct": abs(pred / meas - 1) <= TOLERANCE,
             "measured_spread": want["configs"][name]["spread"],
+            "predicted_runs": got["configs"][name]["runs"],
+            "measured_runs": want["configs"][name]["runs"],
+            "background_cores": [load.get(name, {}).get("other") for load in loads],
+            "quiet_predicted_s": got["configs"][name]["quiet"]["step_time_s"],
             "rollout_s": [got["configs"][name]["rollout_s"], want["configs"][name]["rollout_s"]],
             "update_s": [got["configs"][name]["update_s"], want["configs"][name]["update_s"]],
         }

@@ -35,7 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from plan_load import background_cores, cpu_seconds  # noqa: E402  (stdlib only)
 
 CLOCK = time.perf_counter
 """Wall clock, or the thread's CPU time with `--clock cpu` (one torch thread: a shared machine's neighbours
@@ -166,48 +168,52 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     return fitted, measured
 
 
-def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
+def learner_batch(world: Path, n: int, seed: int = 0) -> tuple:
+    """(the world's policy as the learner loads it, `n` synthetic groups of 8 samples of the world's lengths:
+    log-normal around 150 tokens, rewards alternating so every group has a signal)."""
     from transformers import AutoModelForCausalLM
 
     from tlt_stream.basics.messages import Sample, Tensor
     from tlt_stream.rl.groups import ReadyGroup
-    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    rng = random.Random(0)
-
-    def groups(n: int) -> list:
-        out = []
-        for g in range(n):
-            prompt = [rng.randrange(vocab) for _ in range(40)]
-            samples = []
-            for i in range(8):
-                length = max(8, int(rng.lognormvariate(5.0, 0.6)))
-                samples.append(
-                    Sample(
-                        sample_id=f"g{g}/{i}",
-                        task_id=f"g{g}",
-                        prompt_id=f"g{g}",
-                        index=i,
-                        group_size=8,
-                        prompt_ids=prompt,
-                        token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(length)], "int32"),
-                        logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(length)], "float32"),
-                        policy_version=0,
-                        drafter_version=-1,
-                        reward=float(i % 2),
-                        finish_reason="eos",
-                        worker_id="bench",
-                    )
+    rng = random.Random(seed)
+    out = []
+    for g in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(40)]
+        samples = []
+        for i in range(8):
+            length = max(8, int(rng.lognormvariate(5.0, 0.6)))
+            samples.append(
+                Sample(
+                    sample_id=f"g{g}/{i}",
+                    task_id=f"g{g}",
+                    prompt_id=f"g{g}",
+                    index=i,
+                    group_size=8,
+                    prompt_ids=prompt,
+                    token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(length)], "int32"),
+                    logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(length)], "float32"),
+                    policy_version=0,
+                    drafter_version=-1,
+                    reward=float(i % 2),
+                    finish_reason="eos",
+                    worker_id="bench",
                 )
-            out.append(ReadyGroup(f"g{g}", samples, []))
-        return out
+            )
+        out.append(ReadyGroup(f"g{g}", samples, []))
+    return model, out
 
+
+def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+
+    model, sixteen = learner_batch(world, 16)
     core = LearnerCore(model, LearnerSettings(lr=1e-6))
     rows, y, measured = [], [], []
     for n in (4, 16):
-        batch = groups(n)
+        batch = sixteen[:n]
         tokens = sum(s.response_len for g in batch for s in g.samples)
         core.step(batch)  # warm-up
         times = []
@@ -284,19 +290,31 @@ def main() -> None:
     if not (world / "policy").is_dir() or not (world / "drafter").is_dir():
         sys.exit(f"{world}: no policy/drafter; run `tlt-stream bootstrap --out {world}` first")
     started = time.time()
+    mine = {os.getpid()}
+    load, clock = cpu_seconds(), time.time()
     engine, measured = fit_engine(world, args.repeats)
+    load, clock, engine_background = (
+        cpu_seconds(),
+        time.time(),
+        background_cores(load, cpu_seconds(), time.time() - clock, mine),
+    )
     learner, measured_l = fit_learner(world, args.repeats)
+    learner_background = background_cores(load, cpu_seconds(), time.time() - clock, mine)
     publish, measured_p = fit_publish(world, args.repeats)
     cores = args.cores or len(os.sched_getaffinity(0))
     model = CpuCosts(**engine, **learner, **publish, cores=cores, source=f"bench/plan_fit.py --threads {args.threads}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    model.save(args.out)
+    background = {"engine": round(engine_background, 3), "learner": round(learner_background, 3)}
+    # what else ran while the constants were measured (`bench/plan_load.py`): `plan_check --contention` takes
+    # it out of them with the contention law
+    Path(args.out).write_text(json.dumps({**model.describe(), "fit": {"background_cores": background}}, indent=2))
     print(
         json.dumps(
             {
                 "bench": "plan_fit",
                 "model": model.describe(),
                 "measured": {**measured, **measured_l, **measured_p},
+                "background_cores": background,
                 "out": args.out,
                 "seconds": round(time.time() - started, 1),
                 "machine": {"cpus": os.cpu_count(), "threads": args.threads, "platform": platform.platform()},
