@@ -170,6 +170,19 @@ def fitted_costs(path: str, contention: dict | None):
     return costs.without_background(during["engine"], during["learner"], threads) if during else costs
 
 
+def beside(directory: Path, threads: str):
+    """The CPU model of the light fits made just before and just after a run (`DIR/{threads}-pre.json`,
+    `-post.json`): each constant their mean (the one before alone where none was made after)."""
+    from tlt_stream.plan.costs import CpuCosts
+
+    pre = CpuCosts.load(directory / f"{threads}-pre.json")
+    post = CpuCosts.load(directory / f"{threads}-post.json") if (directory / f"{threads}-post.json").exists() else pre
+    mean = {
+        k: (v + getattr(post, k)) / 2 if isinstance(v, float) else v for k, v in pre.describe().items() if k != "model"
+    }
+    return CpuCosts(**mean)
+
+
 def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, dict]]) -> dict:
     """The simulator's step times: per run, with that run's background (0 where it was not sampled), and on
     a quiet machine (no background)."""
@@ -202,6 +215,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
                 "sync": fitted_costs(args.costs_sync, contention).describe(),
                 "stream": fitted_costs(args.costs_stream, contention).describe(),
             },
+            "calibrated": args.calibrated,
         },
         "configs": {},
     }
@@ -220,9 +234,17 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
 
         inputs = (lengths, acceptance, costs)
         quiet = simulated(mode, setup, inputs, args.seeds, 0.0)
-        per_run = [
-            simulated(mode, setup, inputs, args.seeds, load[name]["other"]) if name in load else quiet for load in loads
-        ]
+        if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants
+            threads = "t2" if mode.max_staleness == 0 else "t1"
+            per_run = [
+                simulated(mode, setup, (lengths, acceptance, beside(Path(d), threads)), args.seeds, 0.0)
+                for d in args.calibrated
+            ]
+        else:
+            per_run = [
+                simulated(mode, setup, inputs, args.seeds, load[name]["other"]) if name in load else quiet
+                for load in loads
+            ]
         out["configs"][name] = {
             "step_time_s": round(statistics.median(r["step_time_s"] for r in per_run), 3),
             "runs": [r["step_time_s"] for r in per_run],
@@ -264,10 +286,28 @@ def measured(runs: list[dict]) -> dict:
     return out
 
 
-def in_situ(runs: list[dict]) -> dict:
+def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
     """Per config, the worker's own account of its engine steps in the runs (`timeline.jsonl`'s rollout reports:
-    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went."""
-    out = {}
+    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went. With
+    `engines` (per run: the synchronous cost model and the background it is slowed by), (a)'s hops beside
+    what the model says its plain steps cost (each report's rows: its tokens per forward)."""
+    from tlt_stream.plan.costs import slowdown
+
+    out: dict = {}
+    if engines:
+        ratios = []
+        for run, (costs, u) in zip(runs, engines, strict=True):
+            run_dir = Path(run["configs"]["a_sync_plain"]["run_dir"])
+            hop = model = 0.0
+            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                if entry.get("kind") == "rollout" and entry["target_forwards"]:
+                    rows = entry["tokens"] / entry["target_forwards"]
+                    step = costs.decode_s(max(1, round(rows)), prompt_len() + 90)
+                    step *= slowdown(costs, "engine", 2, u, 1 / step)
+                    hop, model = hop + entry["seconds"], model + entry["target_forwards"] * step
+            ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
+        out["a_engine_hops_vs_model"] = ratios
     for name in CONFIGS:
         hop = forwards = span = 0.0
         for run in runs:
@@ -282,6 +322,15 @@ def in_situ(runs: list[dict]) -> dict:
             "hop_share_of_rollout": round(hop / span, 3) if span else None,
         }
     return out
+
+
+def engines(args: argparse.Namespace, loads: list[dict[str, dict]]) -> list[tuple]:
+    """Per run, the synchronous configs' cost model and the background (a) ran beside, as `predict` uses them."""
+    if args.calibrated:
+        return [(beside(Path(d), "t2"), 0.0) for d in args.calibrated]
+    contention = json.loads(Path(args.contention).read_text())["fit"] if args.contention else None
+    costs = fitted_costs(args.costs_sync, contention)
+    return [(costs, load.get("a_sync_plain", {}).get("other", 0.0)) for load in loads]
 
 
 def main() -> None:
@@ -312,6 +361,13 @@ def main() -> None:
         "--load", nargs="*", help="load samples beside the runs (bench/plan_load.py): each run's background cores"
     )
     p.add_argument("--contention", help="the contention fit (bench/plan_contention.py): k per kind and threads")
+    p.add_argument(
+        "--calibrated",
+        nargs="*",
+        help="per run (in --e2e-json's order), the directory of the light fits made just before and after it in "
+        "the same lock hold (t2-pre.json, t2-post.json, t1-pre.json, t1-post.json): each run predicted with "
+        "its own machine's state",
+    )
     args = p.parse_args()
     if args.e2e_json:
         runs = [json.loads(Path(f).read_text()) for f in args.e2e_json]
@@ -354,7 +410,7 @@ def main() -> None:
                 "table": table,
                 "predicted": got,
                 "measured": want,
-                "in_situ": in_situ(runs),
+                "in_situ": in_situ(runs, engines(args, loads)),
             },
             indent=2,
         )

@@ -41,6 +41,8 @@ SPINNER = (
 )
 LOADS = ((0, 0.0), (1, 0.25), (1, 0.5), (1, 1.0), (2, 0.5), (2, 1.0), (3, 1.0))
 """(processes, duty) of the synthetic load."""
+SESSIONS = ((0, 0.0, False), (1, 0.1, False), (1, 0.1, True), (1, 0.3, False), (1, 0.3, True))
+"""`--sessions`: (processes, duty, in a session of their own) of the synthetic load."""
 
 
 def log(text: str) -> None:
@@ -118,6 +120,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--period", type=float, default=0.01, help="seconds of each load process's compute+sleep cycle")
     p.add_argument("--quick", action="store_true", help="two loads, one repeat: a smoke check, not a fit")
+    p.add_argument(
+        "--sessions",
+        action="store_true",
+        help="the engine only, beside light load started in this process's session and in a session of its own "
+        "(Linux shares the CPU between sessions' autogroups first): is the neighbours' session what hurts?",
+    )
     args = p.parse_args()
     import os
 
@@ -128,7 +136,9 @@ def main() -> None:
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 
     world = Path(args.world)
-    loads = LOADS[::3] if args.quick else LOADS
+    loads = [(n, d, False) for n, d in (LOADS[::3] if args.quick else LOADS)]
+    if args.sessions:
+        loads = list(SESSIONS)
     repeats = 1 if args.quick else args.repeats
     policy = load_model(world / "policy")
     model, groups = learner_batch(world, 4)
@@ -137,9 +147,11 @@ def main() -> None:
     mine = {os.getpid()}
     points: list[dict] = []
     started = time.time()
-    for procs, duty in loads:
+    for procs, duty, apart in loads:
         spinners = [
-            subprocess.Popen([sys.executable, "-c", SPINNER.format(period=args.period, duty=duty)])
+            subprocess.Popen(
+                [sys.executable, "-c", SPINNER.format(period=args.period, duty=duty)], start_new_session=apart
+            )
             for _ in range(procs)
         ]
         try:
@@ -149,13 +161,14 @@ def main() -> None:
                     torch.set_num_threads(threads)
                     for batch in (1, 16, 128):
                         s, u = engine_point(policy, batch, args.window, mine)
-                        points.append(
-                            {"kind": "engine", "threads": threads, "x": batch, "s": s, "u": u, "load": [procs, duty]}
-                        )
-                        log(f"engine t={threads} b={batch} load={procs}x{duty}: {1e3 * s:.2f} ms, u={u:.2f}")
+                        load = [procs, duty, apart]
+                        points.append({"kind": "engine", "threads": threads, "x": batch, "s": s, "u": u, "load": load})
+                        log(f"engine t={threads} b={batch} load={load}: {1e3 * s:.2f} ms, u={u:.2f}")
+                    if args.sessions:
+                        continue
                     s, u = measured(lambda: core.step(groups), 2 * args.window, mine)
                     points.append(
-                        {"kind": "learner", "threads": threads, "x": 4, "s": s, "u": u, "load": [procs, duty]}
+                        {"kind": "learner", "threads": threads, "x": 4, "s": s, "u": u, "load": [procs, duty, apart]}
                     )
                     log(f"learner t={threads} load={procs}x{duty}: {s:.3f} s, u={u:.2f}")
         finally:
@@ -166,7 +179,7 @@ def main() -> None:
         f"{kind}_t{threads}": fit_law(
             [q for q in points if q["kind"] == kind and q["threads"] == threads], wait=kind == "engine"
         )
-        for kind in ("engine", "learner")
+        for kind in (("engine",) if args.sessions else ("engine", "learner"))
         for threads in (1, 2)
     }
     out = {
@@ -176,7 +189,7 @@ def main() -> None:
         "points": [{**q, "s": round(q["s"], 6), "u": round(q["u"], 3)} for q in points],
         "period_s": args.period,
         "seconds": round(time.time() - started, 1),
-        "median_u_unloaded": statistics.median(q["u"] for q in points if q["load"] == [0, 0.0]),
+        "median_u_unloaded": statistics.median(q["u"] for q in points if q["load"][0] == 0),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

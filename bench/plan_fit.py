@@ -103,6 +103,8 @@ def engine_steps(policy, batch: int, *, proposer=None, arm=None, skip: int, step
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 ROUND_BATCHES = (1, 4, 16, 64)
+ARMS = ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8")
+"""The drafter arms whose rounds give the verify-cost curve and the drafter's cost."""
 LATE = 240
 """Steps into the responses of the long-context decode measurement."""
 
@@ -133,7 +135,7 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     step_s, row_s, ctx_s = lstsq(plain_rows, plain_y)
     prefill_step_s, prefill_token_s = lstsq(prefill_rows, prefill_y)
     verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
-    for label in ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8"):
+    for label in ARMS:
         arm = Arm.from_label(label)
         for batch in ROUND_BATCHES:
             runs = [
@@ -271,6 +273,12 @@ def main() -> None:
     p.add_argument("--cores", type=float, default=None, help="cores the run shares (default: this machine's)")
     p.add_argument("--out", default=str(ROOT / "artifacts" / "plan" / "cpu.json"))
     p.add_argument("--quick", action="store_true", help="fewer batches and steps: a smoke check, not a fit")
+    p.add_argument(
+        "--light",
+        action="store_true",
+        help="the whole fit on fewer points (5 batches, 3 arms at 3 batches, one repeat): ~1/3 of the time, for "
+        "fits beside each measured run on a loaded machine",
+    )
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the thread's CPU time (1 thread)")
     args = p.parse_args()
     if args.clock == "cpu":
@@ -278,8 +286,10 @@ def main() -> None:
             sys.exit("--clock cpu times the calling thread: use it with --threads 1")
         global CLOCK
         CLOCK = time.thread_time
+    global BATCHES, ROUND_BATCHES, LATE, ARMS
+    if args.light:
+        BATCHES, ROUND_BATCHES, ARMS, args.repeats = (1, 4, 16, 64, 128), (1, 16, 64), ("d2k1v2", "d6k1v6", "d4k2v8"), 1
     if args.quick:
-        global BATCHES, ROUND_BATCHES, LATE
         BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
     import torch
 
