@@ -19,6 +19,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -51,6 +52,28 @@ def run_e2e(args: argparse.Namespace, i: int) -> dict:
     (out / "e2e.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def split_reps(result: dict) -> list[dict]:
+    """An e2e result of `--reps R` as R runs, one per rotation (a, b, c, g of rep r: run directories
+    `CONFIG-r`), each config's figure the median of its steady steps' wall times (the gaps between consecutive
+    versions after the first, as `bench/e2e.py` times them); a result without reps as itself."""
+    from tlt_stream.rl.records import load_metrics
+
+    last = Path(next(iter(result["configs"].values()))["run_dir"])
+    base, _, rep = last.name.rpartition("-")
+    if not rep.isdigit() or not base:
+        return [result]
+    runs = []
+    for r in range(1, int(rep) + 1):
+        configs = {}
+        for name in result["configs"]:
+            run_dir = last.parent / f"{name}-{r}"
+            times = [row["time"] for row in load_metrics(run_dir)]
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            configs[name] = {"run_dir": str(run_dir), "step_time_s_median": round(statistics.median(gaps), 3)}
+        runs.append({**result, "configs": configs})
+    return runs
 
 
 def workload(runs: list[dict]):
@@ -364,17 +387,19 @@ def main() -> None:
     p.add_argument(
         "--calibrated",
         nargs="*",
-        help="per run (in --e2e-json's order), the directory of the light fits made just before and after it in "
-        "the same lock hold (t2-pre.json, t2-post.json, t1-pre.json, t1-post.json): each run predicted with "
-        "its own machine's state",
+        help="per run (in --e2e-json's order; one: for every run), the directory of the light fits made just "
+        "before and after it in the same lock hold (t2-pre.json, t2-post.json, t1-pre.json, t1-post.json): "
+        "the runs predicted with the machine's state around them",
     )
     args = p.parse_args()
     if args.e2e_json:
-        runs = [json.loads(Path(f).read_text()) for f in args.e2e_json]
+        runs = [run for f in args.e2e_json for run in split_reps(json.loads(Path(f).read_text()))]
         args.steps = runs[0]["steps"]
         args.prompts = runs[0]["prompts_per_step"]
     else:
         runs = [run_e2e(args, i) for i in range(args.runs)]
+    if args.calibrated and len(args.calibrated) == 1:  # one set of fits for every run (made around all of them)
+        args.calibrated = args.calibrated * len(runs)
     loads = background(args, runs)
     got, want = predict(args, runs, loads), measured(runs)
     table = {}
