@@ -18,6 +18,10 @@ the output keeps every point, so another law can be tried on the same data.
     flock /tmp/tlt-heavy.lock python bench/plan_contention.py --world artifacts/world \
         --out artifacts/plan/contention.json
 
+Run it with the OpenMP setting of the runs it is for (`OMP_WAIT_POLICY`): with the default policy a 2-thread
+step beside other work is 4-100x its quiet cost and erratic (docs/benchmarks.md, the planner's check), and the
+fit takes many minutes.
+
 Prints one JSON object and writes it to --out (`bench/plan_check.py --contention` reads it).
 """
 
