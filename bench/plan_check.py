@@ -19,6 +19,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -29,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 CONFIGS = ("a_sync_plain", "b_sync_tlt", "c_stream_tlt", "g_sync_partial")
 RATIOS = {"b_over_a": "b_sync_tlt", "c_over_a": "c_stream_tlt", "g_over_a": "g_sync_partial"}
@@ -50,6 +52,28 @@ def run_e2e(args: argparse.Namespace, i: int) -> dict:
     (out / "e2e.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def split_reps(result: dict) -> list[dict]:
+    """An e2e result of `--reps R` as R runs, one per rotation (a, b, c, g of rep r: run directories
+    `CONFIG-r`), each config's figure the median of its steady steps' wall times (the gaps between consecutive
+    versions after the first, as `bench/e2e.py` times them); a result without reps as itself."""
+    from tlt_stream.rl.records import load_metrics
+
+    last = Path(next(iter(result["configs"].values()))["run_dir"])
+    base, _, rep = last.name.rpartition("-")
+    if not rep.isdigit() or not base:
+        return [result]
+    runs = []
+    for r in range(1, int(rep) + 1):
+        configs = {}
+        for name in result["configs"]:
+            run_dir = last.parent / f"{name}-{r}"
+            times = [row["time"] for row in load_metrics(run_dir)]
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            configs[name] = {"run_dir": str(run_dir), "step_time_s_median": round(statistics.median(gaps), 3)}
+        runs.append({**result, "configs": configs})
+    return runs
 
 
 def workload(runs: list[dict]):
@@ -102,15 +126,95 @@ def prompt_len() -> float:
     return statistics.fmean(len(p) for p in prompts)
 
 
-def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
+def background(args: argparse.Namespace, runs: list[dict]) -> list[dict[str, dict]]:
+    """Per run and config, the cores other work kept busy over its measured steps (the steps after the first:
+    from the first version's announcement to the last's), and the worker's and learner's own, from the load
+    samples of `bench/plan_load.py` (`--load`); {} for a run the samples do not cover."""
+    from plan_load import read_samples, window_mean
+
+    from tlt_stream.rl.records import load_metrics
+
+    samples = [s for path in args.load or [] for s in read_samples(path)]
+    out = []
+    for run in runs:
+        figures = {}
+        for name in CONFIGS:
+            rows = load_metrics(Path(run["configs"][name]["run_dir"]))
+            start, end = rows[0]["time"], rows[-1]["time"]
+            other = window_mean(samples, start, end)
+            if other is not None:
+                figures[name] = {
+                    "other": round(other, 3),
+                    "worker": round(window_mean(samples, start, end, "worker") or 0.0, 3),
+                    "learner": round(window_mean(samples, start, end, "learner") or 0.0, 3),
+                }
+        out.append(figures)
+    return out
+
+
+def simulated(mode, setup, inputs: tuple, seeds: int, background: float) -> dict:
+    """The median over `seeds` simulations of `mode` with `background` cores busy with other work."""
     import dataclasses
+
+    from tlt_stream.plan.simulate import simulate
+
+    lengths, acceptance, costs = inputs
+    results = [
+        simulate(mode, dataclasses.replace(setup, seed=s, background_cores=background), lengths, acceptance, costs)
+        for s in range(seeds)
+    ]
+    summaries = [r.summary() for r in results]
+    return {
+        "step_time_s": round(statistics.median(r.step_time for r in results), 3),
+        "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
+        "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
+        "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
+    }
+
+
+def fitted_costs(path: str, contention: dict | None):
+    """The CPU model `bench/plan_fit.py` wrote to `path`; with the contention fit, its law's constants added and
+    the background the fit itself ran beside taken out (`CpuCosts.without_background`)."""
+    import dataclasses
+
+    from tlt_stream.plan.costs import CpuCosts
+
+    costs = CpuCosts.load(path)
+    if contention is None:
+        return costs
+    costs = dataclasses.replace(
+        costs,
+        engine_k=(contention["engine_t1"]["k"], contention["engine_t2"]["k"]),
+        engine_wait_s=(contention["engine_t1"]["wait_s"], contention["engine_t2"]["wait_s"]),
+        learner_k=(contention["learner_t1"]["k"], contention["learner_t2"]["k"]),
+    )
+    during = json.loads(Path(path).read_text()).get("fit", {}).get("background_cores")
+    threads = int(costs.source.rsplit(" ", 1)[-1]) if costs.source.startswith("bench/plan_fit.py") else 1
+    return costs.without_background(during["engine"], during["learner"], threads) if during else costs
+
+
+def beside(directory: Path, threads: str):
+    """The CPU model of the light fits made just before and just after a run (`DIR/{threads}-pre.json`,
+    `-post.json`): each constant their mean (the one before alone where none was made after)."""
+    from tlt_stream.plan.costs import CpuCosts
+
+    pre = CpuCosts.load(directory / f"{threads}-pre.json")
+    post = CpuCosts.load(directory / f"{threads}-post.json") if (directory / f"{threads}-post.json").exists() else pre
+    mean = {
+        k: (v + getattr(post, k)) / 2 if isinstance(v, float) else v for k, v in pre.describe().items() if k != "model"
+    }
+    return CpuCosts(**mean)
+
+
+def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, dict]]) -> dict:
+    """The simulator's step times: per run, with that run's background (0 where it was not sampled), and on
+    a quiet machine (no background)."""
 
     from tlt_stream.commands.run.launch import thread_split
     from tlt_stream.plan.acceptance import Acceptance, from_reports
-    from tlt_stream.plan.costs import CpuCosts
     from tlt_stream.plan.lengths import trained_share
     from tlt_stream.plan.project import MODES
-    from tlt_stream.plan.simulate import Setup, simulate
+    from tlt_stream.plan.simulate import Setup
     from tlt_stream.rl.records import load_metrics
 
     lengths, accept = workload(runs)
@@ -120,6 +224,7 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
     if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
         acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
+    contention = json.loads(Path(args.contention).read_text())["fit"] if args.contention else None
     cores = len(os.sched_getaffinity(0))
     table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
     out = {
@@ -128,13 +233,19 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             "tokens_per_round": round(accept, 3),
             "acceptance": table,
             "trained_share": round(share, 3) if args.trained_share else 1.0,
+            "contention": contention,
+            "costs": {
+                "sync": fitted_costs(args.costs_sync, contention).describe(),
+                "stream": fitted_costs(args.costs_stream, contention).describe(),
+            },
+            "calibrated": args.calibrated,
         },
         "configs": {},
     }
     for name in CONFIGS:
         mode = MODES[name]
         worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
-        costs = CpuCosts.load(args.costs_sync if mode.max_staleness == 0 else args.costs_stream)
+        costs = fitted_costs(args.costs_sync if mode.max_staleness == 0 else args.costs_stream, contention)
         setup = Setup(
             prompts=args.prompts,
             steps=args.steps,
@@ -143,19 +254,33 @@ def predict(args: argparse.Namespace, runs: list[dict]) -> dict:
             learner_threads=learner_threads,
             trained_share=share if args.trained_share else 1.0,
         )
-        results = [
-            simulate(mode, dataclasses.replace(setup, seed=s), lengths, acceptance, costs) for s in range(args.seeds)
-        ]
-        summaries = [r.summary() for r in results]
+
+        inputs = (lengths, acceptance, costs)
+        quiet = simulated(mode, setup, inputs, args.seeds, 0.0)
+        if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants
+            threads = "t2" if mode.max_staleness == 0 else "t1"
+            per_run = [
+                simulated(mode, setup, (lengths, acceptance, beside(Path(d), threads)), args.seeds, 0.0)
+                for d in args.calibrated
+            ]
+        else:
+            per_run = [
+                simulated(mode, setup, inputs, args.seeds, load[name]["other"]) if name in load else quiet
+                for load in loads
+            ]
         out["configs"][name] = {
-            "step_time_s": round(statistics.median(r.step_time for r in results), 3),
-            "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
-            "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
-            "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
+            "step_time_s": round(statistics.median(r["step_time_s"] for r in per_run), 3),
+            "runs": [r["step_time_s"] for r in per_run],
+            "rollout_s": round(statistics.median(r["rollout_s"] for r in per_run), 3),
+            "update_s": round(statistics.median(r["update_s"] for r in per_run), 3),
+            "quiet": quiet,
             "threads": worker_threads,
         }
-    a = out["configs"]["a_sync_plain"]["step_time_s"]
-    out["ratios"] = {k: round(a / out["configs"][v]["step_time_s"], 3) for k, v in RATIOS.items()}
+    a = out["configs"]["a_sync_plain"]["runs"]
+    out["ratios"] = {
+        k: round(statistics.median(x / y for x, y in zip(a, out["configs"][v]["runs"], strict=True)), 3)
+        for k, v in RATIOS.items()
+    }
     return out
 
 
@@ -184,10 +309,28 @@ def measured(runs: list[dict]) -> dict:
     return out
 
 
-def in_situ(runs: list[dict]) -> dict:
+def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
     """Per config, the worker's own account of its engine steps in the runs (`timeline.jsonl`'s rollout reports:
-    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went."""
-    out = {}
+    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went. With
+    `engines` (per run: the synchronous cost model and the background it is slowed by), (a)'s hops beside
+    what the model says its plain steps cost (each report's rows: its tokens per forward)."""
+    from tlt_stream.plan.costs import slowdown
+
+    out: dict = {}
+    if engines:
+        ratios = []
+        for run, (costs, u) in zip(runs, engines, strict=True):
+            run_dir = Path(run["configs"]["a_sync_plain"]["run_dir"])
+            hop = model = 0.0
+            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                if entry.get("kind") == "rollout" and entry["target_forwards"]:
+                    rows = entry["tokens"] / entry["target_forwards"]
+                    step = costs.decode_s(max(1, round(rows)), prompt_len() + 90)
+                    step *= slowdown(costs, "engine", 2, u, 1 / step)
+                    hop, model = hop + entry["seconds"], model + entry["target_forwards"] * step
+            ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
+        out["a_engine_hops_vs_model"] = ratios
     for name in CONFIGS:
         hop = forwards = span = 0.0
         for run in runs:
@@ -202,6 +345,15 @@ def in_situ(runs: list[dict]) -> dict:
             "hop_share_of_rollout": round(hop / span, 3) if span else None,
         }
     return out
+
+
+def engines(args: argparse.Namespace, loads: list[dict[str, dict]]) -> list[tuple]:
+    """Per run, the synchronous configs' cost model and the background (a) ran beside, as `predict` uses them."""
+    if args.calibrated:
+        return [(beside(Path(d), "t2"), 0.0) for d in args.calibrated]
+    contention = json.loads(Path(args.contention).read_text())["fit"] if args.contention else None
+    costs = fitted_costs(args.costs_sync, contention)
+    return [(costs, load.get("a_sync_plain", {}).get("other", 0.0)) for load in loads]
 
 
 def main() -> None:
@@ -228,14 +380,28 @@ def main() -> None:
         "(--no-trained-share: every group)",
     )
     p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
+    p.add_argument(
+        "--load", nargs="*", help="load samples beside the runs (bench/plan_load.py): each run's background cores"
+    )
+    p.add_argument("--contention", help="the contention fit (bench/plan_contention.py): k per kind and threads")
+    p.add_argument(
+        "--calibrated",
+        nargs="*",
+        help="per run (in --e2e-json's order; one: for every run), the directory of the light fits made just "
+        "before and after it in the same lock hold (t2-pre.json, t2-post.json, t1-pre.json, t1-post.json): "
+        "the runs predicted with the machine's state around them",
+    )
     args = p.parse_args()
     if args.e2e_json:
-        runs = [json.loads(Path(f).read_text()) for f in args.e2e_json]
+        runs = [run for f in args.e2e_json for run in split_reps(json.loads(Path(f).read_text()))]
         args.steps = runs[0]["steps"]
         args.prompts = runs[0]["prompts_per_step"]
     else:
         runs = [run_e2e(args, i) for i in range(args.runs)]
-    got, want = predict(args, runs), measured(runs)
+    if args.calibrated and len(args.calibrated) == 1:  # one set of fits for every run (made around all of them)
+        args.calibrated = args.calibrated * len(runs)
+    loads = background(args, runs)
+    got, want = predict(args, runs, loads), measured(runs)
     table = {}
     for name in CONFIGS:
         pred, meas = got["configs"][name]["step_time_s"], want["configs"][name]["step_time_s"]
@@ -245,6 +411,10 @@ def main() -> None:
             "error": round(pred / meas - 1, 3),
             "within_15pct": abs(pred / meas - 1) <= TOLERANCE,
             "measured_spread": want["configs"][name]["spread"],
+            "predicted_runs": got["configs"][name]["runs"],
+            "measured_runs": want["configs"][name]["runs"],
+            "background_cores": [load.get(name, {}).get("other") for load in loads],
+            "quiet_predicted_s": got["configs"][name]["quiet"]["step_time_s"],
             "rollout_s": [got["configs"][name]["rollout_s"], want["configs"][name]["rollout_s"]],
             "update_s": [got["configs"][name]["update_s"], want["configs"][name]["update_s"]],
         }
@@ -265,7 +435,7 @@ def main() -> None:
                 "table": table,
                 "predicted": got,
                 "measured": want,
-                "in_situ": in_situ(runs),
+                "in_situ": in_situ(runs, engines(args, loads)),
             },
             indent=2,
         )

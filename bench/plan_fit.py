@@ -35,7 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from plan_load import background_cores, cpu_seconds  # noqa: E402  (stdlib only)
 
 CLOCK = time.perf_counter
 """Wall clock, or the thread's CPU time with `--clock cpu` (one torch thread: a shared machine's neighbours
@@ -101,6 +103,8 @@ def engine_steps(policy, batch: int, *, proposer=None, arm=None, skip: int, step
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 ROUND_BATCHES = (1, 4, 16, 64)
+ARMS = ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8")
+"""The drafter arms whose rounds give the verify-cost curve and the drafter's cost."""
 LATE = 240
 """Steps into the responses of the long-context decode measurement."""
 
@@ -131,7 +135,7 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     step_s, row_s, ctx_s = lstsq(plain_rows, plain_y)
     prefill_step_s, prefill_token_s = lstsq(prefill_rows, prefill_y)
     verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
-    for label in ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8"):
+    for label in ARMS:
         arm = Arm.from_label(label)
         for batch in ROUND_BATCHES:
             runs = [
@@ -166,48 +170,52 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     return fitted, measured
 
 
-def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
+def learner_batch(world: Path, n: int, seed: int = 0) -> tuple:
+    """(the world's policy as the learner loads it, `n` synthetic groups of 8 samples of the world's lengths:
+    log-normal around 150 tokens, rewards alternating so every group has a signal)."""
     from transformers import AutoModelForCausalLM
 
     from tlt_stream.basics.messages import Sample, Tensor
     from tlt_stream.rl.groups import ReadyGroup
-    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    rng = random.Random(0)
-
-    def groups(n: int) -> list:
-        out = []
-        for g in range(n):
-            prompt = [rng.randrange(vocab) for _ in range(40)]
-            samples = []
-            for i in range(8):
-                length = max(8, int(rng.lognormvariate(5.0, 0.6)))
-                samples.append(
-                    Sample(
-                        sample_id=f"g{g}/{i}",
-                        task_id=f"g{g}",
-                        prompt_id=f"g{g}",
-                        index=i,
-                        group_size=8,
-                        prompt_ids=prompt,
-                        token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(length)], "int32"),
-                        logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(length)], "float32"),
-                        policy_version=0,
-                        drafter_version=-1,
-                        reward=float(i % 2),
-                        finish_reason="eos",
-                        worker_id="bench",
-                    )
+    rng = random.Random(seed)
+    out = []
+    for g in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(40)]
+        samples = []
+        for i in range(8):
+            length = max(8, int(rng.lognormvariate(5.0, 0.6)))
+            samples.append(
+                Sample(
+                    sample_id=f"g{g}/{i}",
+                    task_id=f"g{g}",
+                    prompt_id=f"g{g}",
+                    index=i,
+                    group_size=8,
+                    prompt_ids=prompt,
+                    token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(length)], "int32"),
+                    logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(length)], "float32"),
+                    policy_version=0,
+                    drafter_version=-1,
+                    reward=float(i % 2),
+                    finish_reason="eos",
+                    worker_id="bench",
                 )
-            out.append(ReadyGroup(f"g{g}", samples, []))
-        return out
+            )
+        out.append(ReadyGroup(f"g{g}", samples, []))
+    return model, out
 
+
+def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+
+    model, sixteen = learner_batch(world, 16)
     core = LearnerCore(model, LearnerSettings(lr=1e-6))
     rows, y, measured = [], [], []
     for n in (4, 16):
-        batch = groups(n)
+        batch = sixteen[:n]
         tokens = sum(s.response_len for g in batch for s in g.samples)
         core.step(batch)  # warm-up
         times = []
@@ -265,6 +273,12 @@ def main() -> None:
     p.add_argument("--cores", type=float, default=None, help="cores the run shares (default: this machine's)")
     p.add_argument("--out", default=str(ROOT / "artifacts" / "plan" / "cpu.json"))
     p.add_argument("--quick", action="store_true", help="fewer batches and steps: a smoke check, not a fit")
+    p.add_argument(
+        "--light",
+        action="store_true",
+        help="the whole fit on fewer points (5 batches, 3 arms at 3 batches, one repeat): ~1/3 of the time, for "
+        "fits beside each measured run on a loaded machine",
+    )
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the thread's CPU time (1 thread)")
     args = p.parse_args()
     if args.clock == "cpu":
@@ -272,8 +286,10 @@ def main() -> None:
             sys.exit("--clock cpu times the calling thread: use it with --threads 1")
         global CLOCK
         CLOCK = time.thread_time
+    global BATCHES, ROUND_BATCHES, LATE, ARMS
+    if args.light:
+        BATCHES, ROUND_BATCHES, ARMS, args.repeats = (1, 4, 16, 64, 128), (1, 16, 64), ("d2k1v2", "d6k1v6", "d4k2v8"), 1
     if args.quick:
-        global BATCHES, ROUND_BATCHES, LATE
         BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
     import torch
 
@@ -284,19 +300,31 @@ def main() -> None:
     if not (world / "policy").is_dir() or not (world / "drafter").is_dir():
         sys.exit(f"{world}: no policy/drafter; run `tlt-stream bootstrap --out {world}` first")
     started = time.time()
+    mine = {os.getpid()}
+    load, clock = cpu_seconds(), time.time()
     engine, measured = fit_engine(world, args.repeats)
+    load, clock, engine_background = (
+        cpu_seconds(),
+        time.time(),
+        background_cores(load, cpu_seconds(), time.time() - clock, mine),
+    )
     learner, measured_l = fit_learner(world, args.repeats)
+    learner_background = background_cores(load, cpu_seconds(), time.time() - clock, mine)
     publish, measured_p = fit_publish(world, args.repeats)
     cores = args.cores or len(os.sched_getaffinity(0))
     model = CpuCosts(**engine, **learner, **publish, cores=cores, source=f"bench/plan_fit.py --threads {args.threads}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    model.save(args.out)
+    background = {"engine": round(engine_background, 3), "learner": round(learner_background, 3)}
+    # what else ran while the constants were measured (`bench/plan_load.py`): `plan_check --contention` takes
+    # it out of them with the contention law
+    Path(args.out).write_text(json.dumps({**model.describe(), "fit": {"background_cores": background}}, indent=2))
     print(
         json.dumps(
             {
                 "bench": "plan_fit",
                 "model": model.describe(),
                 "measured": {**measured, **measured_l, **measured_p},
+                "background_cores": background,
                 "out": args.out,
                 "seconds": round(time.time() - started, 1),
                 "machine": {"cpus": os.cpu_count(), "threads": args.threads, "platform": platform.platform()},

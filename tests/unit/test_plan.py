@@ -14,7 +14,7 @@ import pytest
 
 from tlt_stream.plan.acceptance import Acceptance, chain_alpha, chain_mean
 from tlt_stream.plan.acceptance import from_run as plan_from_run
-from tlt_stream.plan.costs import CpuCosts, FixedCosts
+from tlt_stream.plan.costs import CpuCosts, FixedCosts, slowdown
 from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named, trained_share
 from tlt_stream.plan.project import MODES
 from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
@@ -122,6 +122,66 @@ def test_colocated_learner_stops_generation_during_the_update():
     shared = simulate(stream, Setup(**{**setup.__dict__, "colocated": True}), from_lengths([10]), Acceptance(), costs)
     assert apart.version_times == [0.0, 20.0, 30.0]  # row 1 generated 10..20 while update 0 ran
     assert shared.version_times == [0.0, 20.0, 40.0]  # row 1 waited for update 0: 20..30, then update 1
+
+
+def test_contention_law_and_its_fallback_in_closed_form():
+    """`slowdown`: 1 + k_t u with the fitted k per thread count (the last beyond the list); without k, the
+    proportional share max(1, (t + u) / cores); 1 on devices of one's own."""
+    fitted = CpuCosts(step_s=0.001, row_s=0.0, engine_k=(0.5, 2.0), learner_k=(0.1,), cores=2.0)
+    assert slowdown(fitted, "engine", 1, 0.4) == pytest.approx(1.2)
+    assert slowdown(fitted, "engine", 2, 0.4) == pytest.approx(1.8)
+    assert slowdown(fitted, "engine", 4, 0.4) == pytest.approx(1.8)
+    assert slowdown(fitted, "learner", 2, 1.5) == pytest.approx(1.15)
+    share = CpuCosts(step_s=0.001, row_s=0.0, cores=2.0)
+    assert slowdown(share, "engine", 2, 1.0) == pytest.approx(1.5) and slowdown(share, "engine", 1, 0.5) == 1.0
+    assert slowdown(FixedCosts(), "engine", 2, 5.0) == 1.0
+
+
+def test_the_wait_per_forward_and_a_fit_made_beside_load_in_closed_form():
+    """The engine's law adds w u per forward per second of work; `without_background` inverts the law for the
+    constants a fit measured beside u busy cores, so the quiet model slowed by the same u gives the fitted
+    step back (to rounding), and a decode step of the fit equals the quiet step slowed."""
+    fitted = CpuCosts(
+        step_s=0.003, row_s=0.0002, ctx_s=1e-7, draft_step_s=0.002, learn_tokens_per_s=5000.0, optimizer_s=0.1,
+        engine_k=(0.5, 2.0), engine_wait_s=(0.0, 0.001), learner_k=(0.1, 0.4), publish_s=0.3,
+    )  # fmt: skip
+    assert slowdown(fitted, "engine", 2, 0.5, forwards_per_s=100.0) == pytest.approx(1 + 2.0 * 0.5 + 0.001 * 0.5 * 100)
+    quiet = fitted.without_background(0.5, 0.25, threads=2)
+    assert quiet.step_s == pytest.approx((0.003 - 0.0005) / 2.0) and quiet.row_s == pytest.approx(0.0001)
+    assert quiet.draft_step_s == pytest.approx((0.002 - 0.0005) / 2.0)
+    assert quiet.learn_tokens_per_s == pytest.approx(5000.0 * 1.1) and quiet.optimizer_s == pytest.approx(0.1 / 1.1)
+    assert quiet.publish_s == 0.3
+    for b, ctx in [(1, 50.0), (64, 300.0)]:  # one forward: quiet x (1 + k u) + w u = the fit's step
+        assert quiet.decode_s(b, ctx) * 2.0 + 0.0005 == pytest.approx(fitted.decode_s(b, ctx))
+    with pytest.raises(ValueError, match="contention"):
+        CpuCosts(step_s=0.001, row_s=0.0).without_background(0.5, 0.5, threads=1)
+
+
+def test_background_cores_slow_every_step_and_the_update_by_the_law():
+    """One row of 100 tokens, 10 ms a step, 1000 tokens/s learned, 0.5 background cores: steps at 1 + 0.8 x 0.5,
+    the update at 1 + 0.2 x 0.5, publication unchanged; the worker's and learner's threads never overlap
+    (synchronous), so the background is all there is."""
+    costs = CpuCosts(
+        step_s=0.01, row_s=0.0, learn_tokens_per_s=1000.0, publish_s=0.25, engine_k=(0.8,), learner_k=(0.2,)
+    )
+    loaded = dataclasses.replace(one(100), background_cores=0.5)
+    r = simulate(PLAIN, loaded, from_lengths([100]), Acceptance(), costs)
+    assert r.version_times[1] == pytest.approx(100 * 0.01 * 1.4 + 0.1 * 1.1 + 0.25)
+    quiet = simulate(PLAIN, one(100), from_lengths([100]), Acceptance(), costs)
+    assert quiet.version_times[1] == pytest.approx(100 * 0.01 + 0.1 + 0.25)
+
+
+def test_a_busy_learner_counts_as_other_work_for_a_worker_step():
+    """Streaming: step 1's rollout runs beside update 0, each slowed by the other's thread (u = 1 core) while
+    both run, at the law's rates (processor sharing: the update is slowed only while the rollout runs)."""
+    costs = CpuCosts(step_s=1.0, row_s=0.0, learn_tokens_per_s=0.1, engine_k=(0.5,), learner_k=(0.25,))
+    stream = Mode("c", max_staleness=1)
+    setup = Setup(prompts=1, group_size=1, steps=2, seed=None, max_batch=1)
+    r = simulate(stream, setup, from_lengths([10]), Acceptance(), costs)
+    # row 0: 10 steps alone (0..10). From 10, update 0 (10 tokens / 0.1 = 100 s of work) beside row 1 (10 s of
+    # work): row 1 at rate 1 / 1.5 ends at 25; the update did 15 / 1.25 = 12 s of work by then, the other 88 s
+    # alone: announced at 113; update 1 alone: 213
+    assert r.version_times == pytest.approx([0.0, 113.0, 213.0])
 
 
 CPU = CpuCosts(

@@ -18,20 +18,30 @@ CPU formulas (b rows, n verified nodes, ctx tokens of context, depth d, top-k w)
     prefill_s = prefill_step_s + prefill_token_s * tokens
     learn_s   = tokens / learn_tokens_per_s
 
-`cores` shares the machine: when more single-threaded processes run than there are cores, each runs
-proportionally slower (the simulator applies it at each step's start).
+Contention (`slowdown`): work of `t` threads started while `u` cores are busy with other work (the other
+modelled processes' busy threads, plus the run's `background_cores`: services, Redis, the machine's
+neighbours) takes longer by
+
+    slowdown  = 1 + k_t * u + w_t * u * f     k_t: `engine_k[t-1]` for decode steps and rounds, `learner_k[t-1]`
+                                               for updates; w_t: `engine_wait_s[t-1]`, seconds a target or
+                                               drafter forward waits per busy core (its threads' barriers
+                                               wait for a thread the others hold); f: the work's forwards
+                                               per second unslowed (0 for the learner)
+
+(constants from `bench/plan_contention.py`) and, for a model without fitted k, by the proportional share
+max(1, (t + u) / cores).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Protocol
 
 from tlt_stream.rollout.arms import Arm
 
-__all__ = ["CpuCosts", "EngineCosts", "FixedCosts"]
+__all__ = ["CpuCosts", "EngineCosts", "FixedCosts", "slowdown"]
 
 
 class EngineCosts(Protocol):
@@ -106,6 +116,13 @@ class CpuCosts:
     load_s: float = 0.0
     """From announced to generating with it on a worker (read, verified, loaded)."""
     cores: float = 2.0
+    engine_k: tuple[float, ...] = ()
+    """Contention: an engine step's extra time per core busy with other work, per thread count (1, 2, ...;
+    beyond the last, the last); empty: the proportional share."""
+    engine_wait_s: tuple[float, ...] = ()
+    """Contention: seconds each forward of a step waits per core busy with other work, per thread count."""
+    learner_k: tuple[float, ...] = ()
+    """The learner's update's extra time per core busy with other work, per thread count."""
     source: str = "given"
 
     def decode_s(self, batch: int, context: float) -> float:
@@ -129,6 +146,31 @@ class CpuCosts:
     def describe(self) -> dict[str, object]:
         return {"model": "cpu", **asdict(self)}
 
+    def without_background(self, engine_u: float, learner_u: float, threads: int) -> CpuCosts:
+        """The constants a fit at `threads` threads would have given on a quiet machine, where `engine_u` and
+        `learner_u` cores were busy with other work while the engine's and the learner's were measured: the
+        contention law inverted (per forward: minus the wait, over 1 + k u; per row, token or context: over
+        1 + k u; the learner's rate times 1 + k u). Publication and loading are kept as measured."""
+        if not self.engine_k or not self.learner_k:
+            raise ValueError("no contention constants: set engine_k and learner_k (bench/plan_contention.py)")
+        k = self.engine_k[min(threads, len(self.engine_k)) - 1]
+        wait = self.engine_wait_s[min(threads, len(self.engine_wait_s)) - 1] if self.engine_wait_s else 0.0
+        scale, waited = 1 + k * max(0.0, engine_u), wait * max(0.0, engine_u)
+        learner = 1 + self.learner_k[min(threads, len(self.learner_k)) - 1] * max(0.0, learner_u)
+        return replace(
+            self,
+            step_s=max(0.0, self.step_s - waited) / scale,
+            row_s=self.row_s / scale,
+            ctx_s=self.ctx_s / scale,
+            round_s_fixed=self.round_s_fixed / scale,
+            draft_step_s=max(0.0, self.draft_step_s - waited) / scale,
+            draft_row_s=self.draft_row_s / scale,
+            prefill_step_s=max(0.0, self.prefill_step_s - waited) / scale,
+            prefill_token_s=self.prefill_token_s / scale,
+            learn_tokens_per_s=self.learn_tokens_per_s * learner,
+            optimizer_s=self.optimizer_s / learner,
+        )
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.describe(), indent=2) + "\n")
 
@@ -140,4 +182,20 @@ class CpuCosts:
         unknown = set(raw) - known - {"model", "fit"}
         if raw.get("model") != "cpu" or unknown:
             raise ValueError(f"{path}: not a CPU cost model (unknown keys {sorted(unknown)})")
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+        return cls(**values)
+
+
+def slowdown(costs: EngineCosts, kind: str, threads: int, other: float, forwards_per_s: float = 0.0) -> float:
+    """How much longer work of `kind` ("engine" or "learner") on `threads` threads takes while `other` cores
+    are busy with other work, for work of `forwards_per_s` forwards per (unslowed) second (the module
+    docstring's law); 1 where processes have their own devices."""
+    if costs.cores == float("inf"):
+        return 1.0
+    fitted = getattr(costs, "engine_k" if kind == "engine" else "learner_k", ())
+    if not fitted:
+        return max(1.0, (threads + other) / costs.cores)
+    u = max(0.0, other)
+    waits = getattr(costs, "engine_wait_s", ()) if kind == "engine" else ()
+    wait = waits[min(threads, len(waits)) - 1] if waits else 0.0
+    return 1.0 + fitted[min(threads, len(fitted)) - 1] * u + wait * u * forwards_per_s

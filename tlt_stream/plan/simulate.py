@@ -21,8 +21,10 @@ system's own rules.
   new version is announced `publish_s` later. Overlapped (on-policy): each group's forward and backward runs
   as soon as it is complete and the learner is free; the step ends one optimizer step after its last group.
   Colocated (verl, TLT): the learner's devices are the engines', so no engine step runs during an update.
-- Cores: where processes share `costs.cores`, each step or update started while more threads are busy than
-  there are cores takes proportionally longer.
+- Cores: where processes share `costs.cores`, every step and update in progress runs at the rate
+  `1 / costs.slowdown` of the cores busy with other work: the other modelled processes' busy threads plus
+  `background_cores`; rates are recomputed whenever a worker or the learner starts or stops (processor
+  sharing), so an update is slowed for the part of it the rollout runs beside.
 
 With `seed` set, a round's emitted tokens are drawn from the chain model (`acceptance.Acceptance.draw`) and
 lengths from the distribution; with `seed=None` every round emits its mean and lengths are used in order,
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 
 from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.plan.acceptance import Acceptance
-from tlt_stream.plan.costs import EngineCosts
+from tlt_stream.plan.costs import EngineCosts, slowdown
 from tlt_stream.plan.lengths import LengthDist
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.switch import DEFAULT_EDGES, SdSwitch, bucket_of
@@ -95,8 +97,11 @@ class Setup:
     kv_capacity_tokens: int | None = None
     worker_threads: int = 1
     learner_threads: int = 1
-    """Threads each rollout worker and the learner run with (where `costs.cores` is finite, more busy threads
-    than cores slow every step and update proportionally)."""
+    """Threads each rollout worker and the learner run with (where `costs.cores` is finite, the busy threads of
+    the others slow every step and update: `costs.slowdown`)."""
+    background_cores: float = 0.0
+    """Cores kept busy by work the simulator does not model (the policy service, Redis, the launcher, the
+    machine's neighbours): a measured input of a run (`bench/plan_load.py`), 0 on a machine of one's own."""
     macro_steps: int = 1
     """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
     responses, and delays what another event would have changed by at most that many steps)."""
@@ -186,6 +191,12 @@ class _Sim:
         self.version_times = [0.0]
         self.learner_version = 0
         self.learner_busy = False
+        self.shared = costs.cores != float("inf")
+        self.jobs: dict[int, list[float]] = {}
+        """Work in progress on shared cores, by worker id (-1: the learner): [seconds left unslowed, rate, since,
+        forwards per unslowed second]."""
+        self.learner_pending = -1
+        self.learner_started = 0.0
         self.ready: deque[tuple[int, int, float]] = deque()  # (step, version, tokens) of complete groups
         self.group_left: dict[int, int] = {}
         self.group_tokens: dict[int, float] = {}
@@ -210,18 +221,50 @@ class _Sim:
         heapq.heappush(self.events, (t, seq, kind, who))
         return seq
 
-    def step_until(self, w: _Worker, t: float) -> None:
-        w.busy = True
-        w.pending = self.at(t, "worker", w.wid)
+    def work(self, w: _Worker | None, t: float, seconds: float, forwards: float = 0.0) -> None:
+        """Start `seconds` of unslowed work of `forwards` forwards on worker `w` (None: the learner) at `t`; it
+        ends when done at the rate the cores allow (`rerate`)."""
+        if w is not None:
+            w.busy = True
+        else:
+            self.learner_busy, self.learner_started = True, t
+        if self.shared:
+            self.jobs[-1 if w is None else w.wid] = [seconds, 0.0, t, forwards / seconds if seconds > 0 else 0.0]
+            self.rerate(t)
+        elif w is not None:
+            w.pending = self.at(t + seconds, "worker", w.wid)
+        else:
+            self.learner_pending = self.at(t + seconds, "learner")
 
-    def busy_procs(self) -> float:
-        """How much slower work started now runs: busy threads over cores, at least 1 (drafter training runs
-        at the lowest priority and is not counted)."""
-        if self.costs.cores == float("inf"):
-            return 1.0
+    def rerate(self, t: float) -> None:
+        """The work in progress, charged up to `t` at its old rate, rescheduled at the rate the busy set now
+        allows (only where the rate changed)."""
+        if not self.shared:
+            return
+        for job in self.jobs.values():
+            job[0] = max(0.0, job[0] - (t - job[2]) * job[1])
+            job[2] = t
+        for key, job in self.jobs.items():
+            w = self.workers[key] if key >= 0 else None
+            rate = 1.0 / self.slowdown(w, job[3])
+            if rate == job[1]:
+                continue
+            job[1] = rate
+            if w is not None:
+                w.pending = self.at(t + job[0] / rate, "worker", w.wid)
+            else:
+                self.learner_pending = self.at(t + job[0] / rate, "learner")
+
+    def slowdown(self, worker: _Worker | None, forwards_per_s: float = 0.0) -> float:
+        """How much slower `worker`'s step (None: the learner's update) runs now: `costs.slowdown` with the
+        cores the others' busy threads and the background hold (drafter training runs at the lowest priority
+        and is not counted)."""
         s = self.setup
-        busy = sum(w.busy for w in self.workers) * s.worker_threads + self.learner_busy * s.learner_threads
-        return max(1.0, busy / self.costs.cores)
+        other = s.background_cores + sum(w.busy for w in self.workers if w is not worker) * s.worker_threads
+        if worker is None:
+            return slowdown(self.costs, "learner", s.learner_threads, other)
+        other += self.learner_busy * s.learner_threads
+        return slowdown(self.costs, "engine", s.worker_threads, other, forwards_per_s)
 
     def run(self) -> Result:
         self.dispatch(0.0)
@@ -232,11 +275,15 @@ class _Sim:
             if kind == "worker":
                 w = self.workers[who]
                 if not w.busy or seq == w.pending:  # a wake-up for a busy worker waits for its step's end
+                    self.jobs.pop(w.wid, None)
                     self.worker_event(w, t)
             elif kind == "learner":
-                self.learner_done(t)
+                if seq == self.learner_pending:  # not an end the work was rescheduled from
+                    self.jobs.pop(-1, None)
+                    self.learner_done(t)
             elif kind == "announce":
                 self.announce(t)
+            self.rerate(t)
         times = self.version_times
         spans = [self.last_finish[s] - self.first_start[s] for s in sorted(self.last_finish) if s in self.first_start]
         sd_rounds = sum(n for label, n in self.rounds.items() if label != "plain")
@@ -299,7 +346,7 @@ class _Sim:
                 self.train_s += end - w.training_since
                 w.training_since, self.lease = None, None
                 w.step = ("train", 0.0)
-                self.step_until(w, end)
+                self.work(w, t, end - t)
             return
         self.act(w, t)
 
@@ -351,7 +398,7 @@ class _Sim:
         if not w.running:
             if extra:
                 w.step = ("load", extra)
-                self.step_until(w, t + extra)
+                self.work(w, t, extra)
             else:
                 self.go_idle(w, t)
             return
@@ -367,11 +414,10 @@ class _Sim:
             drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
             repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
         seconds = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2) + costs.prefill_s(admitted * s.prompt_len)
-        w.busy = True
-        seconds *= self.busy_procs()
         w.arm, w.step, w.repeat = arm, (arm.label, seconds + extra), repeat
         self.rounds[arm.label] = self.rounds.get(arm.label, 0) + repeat
-        self.step_until(w, t + seconds + extra)
+        forwards = repeat * (1 + (arm.depth if arm.kind == "drafter" else 0)) + (1 if admitted else 0)
+        self.work(w, t, seconds + extra, forwards)
 
     def room(self, w: _Worker, group: list[_Row]) -> bool:
         s = self.setup
@@ -469,14 +515,12 @@ class _Sim:
             ctx = self.setup.prompt_len + tokens / (n * self.setup.group_size)
             seconds = self.costs.learn_s(int(tokens * self.setup.trained_share), ctx) + self.costs.optimizer_s
             self.accumulated = n
-        self.learner_busy = True
-        seconds *= self.busy_procs()
-        self.update_s += seconds
-        self.at(t + seconds, "learner")
+        self.work(None, t, seconds)
 
     def learner_done(self, t: float) -> None:
         """A group's (overlapped) or a whole update's work is done; a finished update is published, the learner
         busy until its version is announced (the checkpoint is written on its critical path)."""
+        self.update_s += t - self.learner_started
         if self.accumulated >= self.setup.prompts:
             self.accumulated, self.acc_tokens = 0, 0.0
             self.learner_version += 1
