@@ -11,7 +11,9 @@ lease (`bus/lease.py`). The holder, in state TRAINING_DRAFTER:
 3. trains one slice in a worker thread; a task watching `prompts` sets a flag the slice checks before
    every step, so new work preempts training within one step;
 4. saves the state atomically under a new name and commits it with a fenced write (a holder that lost the
-   lease cannot commit over a newer one);
+   lease cannot commit over a newer one); the state's metadata names the samples whose windows this worker
+   took into its buffer and held-out set since its previous commit (`windows_added`, `held_out_added`), so
+   an auditor can trace a published drafter to the samples it was trained on;
 5. once `judge_every_steps` steps have passed since its last judgement, measures held-out acceptance of the
    new drafter and of the one in use; only if the new one is not worse does it publish a `DrafterVersion`
    (MQTT retained + Redis mirror, forward-only). A judgement costs as much as several training steps, so it
@@ -124,6 +126,8 @@ class IdleDrafterTrainer:
             seed=_stable_hash(worker_id),
         )
         self.holdout: list[Any] = []
+        self.added: dict[str, list[str]] = {"windows_added": [], "held_out_added": []}
+        """Sample ids of the windows taken in since this worker's last committed state (its metadata)."""
         self.initial_drafter = initial_drafter
         self.trainer: Any = None
         self._unevaluated: _Slice | None = None
@@ -251,8 +255,10 @@ class IdleDrafterTrainer:
                 window = window_from_message(message)
                 if _held_out(message.sample_id, self.own.holdout_percent):
                     self.holdout = [*self.holdout, window][-self.own.holdout_max :]
+                    self.added["held_out_added"].append(message.sample_id)
                 else:
                     self.buffer.add(window, message.policy_version)
+                    self.added["windows_added"].append(message.sample_id)
             await self.hidden.ack([d.entry_id for d in deliveries])
             taken += len(deliveries)
 
@@ -287,12 +293,14 @@ class IdleDrafterTrainer:
         assert self.trainer is not None
         step = self.trainer.step_count
         path = self.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
-        await self._low(functools.partial(self.trainer.save_state, path, metadata={"worker": self.worker_id}))
+        metadata = {"worker": self.worker_id, **{key: list(ids) for key, ids in self.added.items()}}
+        await self._low(functools.partial(self.trainer.save_state, path, metadata=metadata))
         fields = {"state": str(path), "step": str(step), "policy_version": str(self.trainer.policy_version)}
         if not await self.lease.fenced_write(grant.fence, fields):
             log.warning("%s: lost the drafter lease; state %s is not committed", self.worker_id, path)
-            return
+            return  # the windows taken in since the last commit go into the next one's metadata
         self.record = fields
+        self.added = {key: [] for key in self.added}
         self.slices += 1
         done = _Slice(path, grant.fence, step, self.trainer.policy_version, result, latency)
         if step - self.judged_step < self.own.judge_every_steps:
