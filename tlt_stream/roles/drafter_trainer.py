@@ -312,7 +312,11 @@ class IdleDrafterTrainer:
 
     async def _judge_and_report(self, engine: Any, done: _Slice) -> None:
         """Measure the slice's drafter against the one in use on the held-out windows; publish it if it is
-        not worse; report the slice with the verdict."""
+        not worse; report the slice with the verdict. With no held-out window yet there is nothing to judge on:
+        the slice is reported unjudged and the next one is judged (a drafter is never published unjudged)."""
+        if not self.holdout:
+            await self._report(done)
+            return
         started = time.monotonic()
         accept_new, accept_current = await self._low(self._accepts, engine)
         self.judged_step = done.step
@@ -359,8 +363,6 @@ class IdleDrafterTrainer:
 
     def _accepts(self, engine: Any) -> tuple[float, float]:
         """Held-out acceptance of the slice's drafter and of the drafter the engine uses now."""
-        if not self.holdout:
-            return 0.0, 0.0
         new = held_out_acceptance(self.trainer.drafter, self.holdout, self.own.accept_depth)
         proposer = getattr(engine, "proposer", None)
         drafter = getattr(proposer, "drafter", None)
