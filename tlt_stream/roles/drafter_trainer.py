@@ -139,6 +139,9 @@ class IdleDrafterTrainer:
         self.idle_seconds = 0.0
         self.training_seconds = 0.0
         self.slices = 0
+        self._stopping = asyncio.Event()
+        """The worker's stop: a stopping worker publishes no drafter (its control plane is closing: a version
+        would reach the Redis mirror but not MQTT, and no other worker would hear of it)."""
         # Slices run in one low-priority thread (Linux nice is per thread, and the torch threads it starts
         # inherit it): "idle" rollout time may still be busy time for a learner sharing the machine, which
         # must not be slowed by the drafter.
@@ -157,6 +160,7 @@ class IdleDrafterTrainer:
         """Spend idle time training under the lease until work arrives (appended to `waiting`), a newer
         policy is announced, or `stop` is set."""
         started = time.monotonic()
+        self._stopping = stop
         try:
             grant = await self.lease.acquire(self.worker_id)
             if grant is None:  # another worker trains; wait for work as an ordinary idle worker would
@@ -203,13 +207,13 @@ class IdleDrafterTrainer:
             keeper = tasks.create_task(keep_lease(), name=f"{self.worker_id}-keep-drafter-lease")
             try:
                 await self.registry.set_state(WorkerStatus.TRAINING_DRAFTER, f"lease fence {grant.fence}")
-                while not preempt.is_set():
+                while not preempt.is_set() and not stop.is_set():
                     short = len(self.buffer) < self.own.min_windows  # then wait for windows (a blocking read)
                     await self._drain_hidden(block_ms=200 if short else 0)
                     if len(self.buffer) < self.own.min_windows:
                         continue
                     restored = await self._low(self._prepare, engine, policy_version)
-                    if self._unevaluated is not None:  # idle again: judge the state committed at preemption
+                    if self._unevaluated is not None and not stop.is_set():  # idle again: judge the preempted state
                         pending, self._unevaluated = self._unevaluated, None
                         if restored:  # another holder trained past it: our trainer no longer holds its drafter
                             await self._report(pending)
@@ -321,6 +325,10 @@ class IdleDrafterTrainer:
         accept_new, accept_current = await self._low(self._accepts, engine)
         self.judged_step = done.step
         adopted = accept_new >= accept_current - self.own.tolerance
+        if adopted and self._stopping.is_set():
+            log.info("%s: stopping; not publishing the slice's drafter (held-out acceptance %.3f)", self.worker_id,
+                     accept_new)  # fmt: skip
+            adopted = False
         version = -1
         if adopted:
             location = str((done.path / "drafter").resolve())
