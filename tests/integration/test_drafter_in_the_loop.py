@@ -256,3 +256,33 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
         assert [s.drafter_version for s in judged] == list(range(1, len(judged) + 1))
         assert control["w"].version("drafter") in (len(judged), len(judged) - 1)  # the last may be in flight
     await redis.aclose()
+
+
+async def test_no_drafter_is_published_before_a_window_is_held_out_to_judge_it_on(
+    bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
+) -> None:
+    """With holdout_percent 1, none of the windows t/0..t/15 is held out (by their ids' hash): slices are
+    reported unjudged and nothing is published, however lenient the tolerance. Once a held-out window (h/6)
+    arrives, the next slice is judged on it and published."""
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url)
+    training = training_settings(tmp_path, holdout_percent=1, slice_seconds=0.01)
+    config = worker_config(bus_config, init_drafter, training, max_batch=2, max_len=64)
+    async with planes(bus_config, {"w": ["drafter"]}) as control:
+        worker = RolloutWorker(config, redis, control["w"], worker_id="w", reward=reward)
+        trainer = worker.idle_trainer
+        assert trainer is not None
+        engine = sd_engine(init_policy, init_drafter)
+        windows = hidden_windows(engine)
+        await StreamProducer(redis, keys, bus_config.bus).send("hidden", windows)
+        await idle_until(trainer, engine, lambda: trainer.slices >= 3)
+        slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
+        assert not trainer.holdout and slices and not any(s.judged for s in slices)
+        assert control["w"].version("drafter") == -1
+        held = msgspec.structs.replace(windows[0], sample_id="h/6")
+        await StreamProducer(redis, keys, bus_config.bus).send("hidden", [held])
+        await idle_until(trainer, engine, lambda: control["w"].version("drafter") >= 1)
+        assert len(trainer.holdout) == 1
+        judged = [s for s in await stats_of(redis, keys, DrafterStats) if s.judged]
+        assert judged and judged[0].adopted and judged[0].drafter_version == 1
+    await redis.aclose()

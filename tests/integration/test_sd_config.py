@@ -67,7 +67,7 @@ async def test_two_workers_reports_become_one_table_that_a_late_worker_adopts(
                 report("a", 6, "d6k1v6", 99999, 1.0, drafter=-1),
             ],
         )
-        publisher = SdConfigPublisher(redis, keys, policy)
+        publisher = SdConfigPublisher(redis, keys, policy, edges=bus_config.sd.edges)
         assert await publisher.poll()
         assert not await publisher.poll(), "an unchanged table is not republished"
         mirror = (await read_mirror(redis, keys))["sd_config"]
@@ -97,6 +97,52 @@ async def test_two_workers_reports_become_one_table_that_a_late_worker_adopts(
         assert worker.drafters.sd_config == 2
         assert worker.loader.adaptive.tuner.greedy(64) == Arm.plain()
         assert worker.loader.adaptive.tuner.greedy(2) == Arm.plain(), "bucket 1 now favours plain"
+    finally:
+        stop.set()
+        await asyncio.gather(*planes, return_exceptions=True)
+        await redis.aclose()
+
+
+async def test_a_table_over_configured_edges_reaches_the_workers_buckets_unchanged(
+    bus_config: Config, init_policy: Path
+) -> None:
+    """Workers bucket with `sd.edges`; the publisher reads their reports' bucket indices with the same edges
+    and names each row by its bucket's upper edge, which the workers bucket again. With edges (3, 12) a table
+    written over the default edges would name bucket 1 by batch 2, which these workers file under bucket 0."""
+    edges = (3, 12)
+    config = override(bus_config, {"sd.edges": edges, "rollout.max_batch": 2, "rollout.max_len": 32})
+    keys = Keys(config.run)
+    redis = connect_redis(config.bus.redis_url)
+    policy = ControlPlane(config, redis, role="policy", owns=["sd_config"])
+    late = ControlPlane(config, redis, role="rollout")
+    stop = asyncio.Event()
+    planes = [asyncio.create_task(p.run(stop)) for p in (policy, late)]
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(policy.connected.wait(), late.connected.wait())
+        # Bucket 0 (batch <= 3): plain beats d4k1v4; bucket 1 (batch 4-12): d4k1v4 beats plain.
+        await StreamProducer(redis, keys, config.bus).send(
+            "stats",
+            [
+                report("a", 0, "plain", 900, 1.0),
+                report("a", 0, "d4k1v4", 500, 1.0),
+                report("a", 1, "plain", 500, 1.0),
+                report("a", 1, "d4k1v4", 900, 1.0),
+            ],
+        )
+        assert await SdConfigPublisher(redis, keys, policy, edges=edges).poll()
+        table = (await read_mirror(redis, keys))["sd_config"].table
+        assert {(c.max_batch, c.enabled) for c in table} == {(3, False), (12, True)}
+        async with asyncio.timeout(20):
+            await late.wait_for("sd_config", 1)
+        worker = RolloutWorker(config, redis, late, worker_id="late", reward=reward)
+        model = load_model(init_policy)
+        engine = GenerationEngine(model, 2, 32, proposer=EagleProposer(Drafter(model.spec).bind(model)))
+        worker.loader.adaptive = AdaptiveSd(engine, SdConfig(epsilon=0.0, edges=edges), drafter_version=0)
+        worker.drafters.adopt_sd_config(engine, worker.loader.adaptive)
+        tuner = worker.loader.adaptive.tuner
+        assert worker.drafters.sd_config == 1
+        assert [tuner.greedy(batch) for batch in (2, 3, 4, 12)] == [Arm.plain()] * 2 + [Arm.from_label("d4k1v4")] * 2
     finally:
         stop.set()
         await asyncio.gather(*planes, return_exceptions=True)

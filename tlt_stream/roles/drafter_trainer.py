@@ -11,7 +11,9 @@ lease (`bus/lease.py`). The holder, in state TRAINING_DRAFTER:
 3. trains one slice in a worker thread; a task watching `prompts` sets a flag the slice checks before
    every step, so new work preempts training within one step;
 4. saves the state atomically under a new name and commits it with a fenced write (a holder that lost the
-   lease cannot commit over a newer one);
+   lease cannot commit over a newer one); the state's metadata names the samples whose windows this worker
+   took into its buffer and held-out set since its previous commit (`windows_added`, `held_out_added`), so
+   an auditor can trace a published drafter to the samples it was trained on;
 5. once `judge_every_steps` steps have passed since its last judgement, measures held-out acceptance of the
    new drafter and of the one in use; only if the new one is not worse does it publish a `DrafterVersion`
    (MQTT retained + Redis mirror, forward-only). A judgement costs as much as several training steps, so it
@@ -124,6 +126,8 @@ class IdleDrafterTrainer:
             seed=_stable_hash(worker_id),
         )
         self.holdout: list[Any] = []
+        self.added: dict[str, list[str]] = {"windows_added": [], "held_out_added": []}
+        """Sample ids of the windows taken in since this worker's last committed state (its metadata)."""
         self.initial_drafter = initial_drafter
         self.trainer: Any = None
         self._unevaluated: _Slice | None = None
@@ -135,6 +139,9 @@ class IdleDrafterTrainer:
         self.idle_seconds = 0.0
         self.training_seconds = 0.0
         self.slices = 0
+        self._stopping = asyncio.Event()
+        """The worker's stop: a stopping worker publishes no drafter (its control plane is closing: a version
+        would reach the Redis mirror but not MQTT, and no other worker would hear of it)."""
         # Slices run in one low-priority thread (Linux nice is per thread, and the torch threads it starts
         # inherit it): "idle" rollout time may still be busy time for a learner sharing the machine, which
         # must not be slowed by the drafter.
@@ -153,6 +160,7 @@ class IdleDrafterTrainer:
         """Spend idle time training under the lease until work arrives (appended to `waiting`), a newer
         policy is announced, or `stop` is set."""
         started = time.monotonic()
+        self._stopping = stop
         try:
             grant = await self.lease.acquire(self.worker_id)
             if grant is None:  # another worker trains; wait for work as an ordinary idle worker would
@@ -199,13 +207,13 @@ class IdleDrafterTrainer:
             keeper = tasks.create_task(keep_lease(), name=f"{self.worker_id}-keep-drafter-lease")
             try:
                 await self.registry.set_state(WorkerStatus.TRAINING_DRAFTER, f"lease fence {grant.fence}")
-                while not preempt.is_set():
+                while not preempt.is_set() and not stop.is_set():
                     short = len(self.buffer) < self.own.min_windows  # then wait for windows (a blocking read)
                     await self._drain_hidden(block_ms=200 if short else 0)
                     if len(self.buffer) < self.own.min_windows:
                         continue
                     restored = await self._low(self._prepare, engine, policy_version)
-                    if self._unevaluated is not None:  # idle again: judge the state committed at preemption
+                    if self._unevaluated is not None and not stop.is_set():  # idle again: judge the preempted state
                         pending, self._unevaluated = self._unevaluated, None
                         if restored:  # another holder trained past it: our trainer no longer holds its drafter
                             await self._report(pending)
@@ -251,8 +259,10 @@ class IdleDrafterTrainer:
                 window = window_from_message(message)
                 if _held_out(message.sample_id, self.own.holdout_percent):
                     self.holdout = [*self.holdout, window][-self.own.holdout_max :]
+                    self.added["held_out_added"].append(message.sample_id)
                 else:
                     self.buffer.add(window, message.policy_version)
+                    self.added["windows_added"].append(message.sample_id)
             await self.hidden.ack([d.entry_id for d in deliveries])
             taken += len(deliveries)
 
@@ -287,12 +297,14 @@ class IdleDrafterTrainer:
         assert self.trainer is not None
         step = self.trainer.step_count
         path = self.state_dir / f"fence-{grant.fence:08d}-step-{step:08d}"
-        await self._low(functools.partial(self.trainer.save_state, path, metadata={"worker": self.worker_id}))
+        metadata = {"worker": self.worker_id, **{key: list(ids) for key, ids in self.added.items()}}
+        await self._low(functools.partial(self.trainer.save_state, path, metadata=metadata))
         fields = {"state": str(path), "step": str(step), "policy_version": str(self.trainer.policy_version)}
         if not await self.lease.fenced_write(grant.fence, fields):
             log.warning("%s: lost the drafter lease; state %s is not committed", self.worker_id, path)
-            return
+            return  # the windows taken in since the last commit go into the next one's metadata
         self.record = fields
+        self.added = {key: [] for key in self.added}
         self.slices += 1
         done = _Slice(path, grant.fence, step, self.trainer.policy_version, result, latency)
         if step - self.judged_step < self.own.judge_every_steps:
@@ -304,11 +316,19 @@ class IdleDrafterTrainer:
 
     async def _judge_and_report(self, engine: Any, done: _Slice) -> None:
         """Measure the slice's drafter against the one in use on the held-out windows; publish it if it is
-        not worse; report the slice with the verdict."""
+        not worse; report the slice with the verdict. With no held-out window yet there is nothing to judge on:
+        the slice is reported unjudged and the next one is judged (a drafter is never published unjudged)."""
+        if not self.holdout:
+            await self._report(done)
+            return
         started = time.monotonic()
         accept_new, accept_current = await self._low(self._accepts, engine)
         self.judged_step = done.step
         adopted = accept_new >= accept_current - self.own.tolerance
+        if adopted and self._stopping.is_set():
+            log.info("%s: stopping; not publishing the slice's drafter (held-out acceptance %.3f)", self.worker_id,
+                     accept_new)  # fmt: skip
+            adopted = False
         version = -1
         if adopted:
             location = str((done.path / "drafter").resolve())
@@ -351,8 +371,6 @@ class IdleDrafterTrainer:
 
     def _accepts(self, engine: Any) -> tuple[float, float]:
         """Held-out acceptance of the slice's drafter and of the drafter the engine uses now."""
-        if not self.holdout:
-            return 0.0, 0.0
         new = held_out_acceptance(self.trainer.drafter, self.holdout, self.own.accept_depth)
         proposer = getattr(engine, "proposer", None)
         drafter = getattr(proposer, "drafter", None)

@@ -394,7 +394,7 @@ def serve_policy(config: Config) -> int:
 
         with one_error():
             async with asyncio.TaskGroup() as tasks:
-                tables = SdConfigPublisher(redis, Keys(config.run), control)
+                tables = SdConfigPublisher(redis, Keys(config.run), control, edges=config.sd.edges)
                 tasks.create_task(tables.run(done), name="sd-config-publisher")
                 try:
                     await service.run(stop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -50,15 +51,19 @@ class SdConfigPublisher:
     out, so a new drafter's arms are judged on their own measurements.
     """
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, control: ControlPlane, *, window: int = 2000) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, control: ControlPlane, *, edges: Sequence[int], window: int = 2000
+    ) -> None:
+        """`edges`: the workers' batch buckets (`sd.edges`): a report's bucket index is read with them, and
+        each row of the table names its bucket by their upper edge, which workers bucket again."""
         from collections import deque
 
-        from tlt_stream.rollout.switch import DEFAULT_EDGES
+        from tlt_stream.rollout.switch import check_edges
 
         self.redis = redis
         self.keys = keys
         self.control = control
-        self.edges = DEFAULT_EDGES
+        self.edges = check_edges(edges)
         self.reports: deque[Any] = deque(maxlen=window)
         self.last_id = "0-0"
         self.published: dict[int, Any] | None = None

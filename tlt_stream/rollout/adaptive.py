@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,13 +35,28 @@ from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.switch import SdSwitch, SdTable
 from tlt_stream.rollout.tuner import SdTuner
 
-__all__ = ["AdaptiveSd", "ArmMeasurement", "arm_kinds"]
+__all__ = ["AdaptiveSd", "ArmMeasurement", "arm_kinds", "sd_tuner"]
 
 
 def arm_kinds(proposer: Any) -> frozenset[str]:
     """The arm kinds a proposer drafts: its `kinds` attribute; a proposer without one (a test's or a
     benchmark's own) drafts drafter arms."""
     return frozenset(getattr(proposer, "kinds", ("drafter",)))
+
+
+def sd_tuner(arms: Sequence[Arm], settings: SdConfig, *, drafter_version: int, contexts: int = 1) -> SdTuner:
+    """The per-bucket tuner of adaptive SD on either engine (`AdaptiveSd` here, `VllmTuning` on vLLM): `arms`
+    over `settings`' batch buckets, exploration and challenge; `drafter_version` -1 when no arm drafts with
+    an EAGLE drafter."""
+    return SdTuner(
+        arms,
+        edges=settings.edges,
+        epsilon=settings.epsilon,
+        window=settings.window,
+        drafter_version=drafter_version,
+        contexts=contexts,
+        challenge=settings.challenge,
+    )
 
 
 @dataclass
@@ -87,14 +102,11 @@ class AdaptiveSd:
         self.engine = engine
         self.settings = settings
         self.kinds = kinds
-        self.tuner = SdTuner(
+        self.tuner = sd_tuner(
             arms,
-            edges=settings.edges,
-            epsilon=settings.epsilon,
-            window=settings.window,
+            settings,
             drafter_version=drafter_version if "drafter" in kinds else -1,
             contexts=getattr(proposer, "contexts", 1) if settings.context_rows > 0 else 1,
-            challenge=settings.challenge,
         )
         self.switch = SdSwitch.from_crossover(settings.crossover, settings.margin)
         self.rng = random.Random(settings.seed)

@@ -2,18 +2,24 @@
 
 An EAGLE worker compares the announced `DrafterVersion` with its own before each engine hop and swaps a
 newer one into the engine in place (in-flight rows go on: speculative decoding is lossless whatever the
-drafter proposes), after checking its sha256. Every policy and drafter swap is judged by the acceptance
-after it (`rollout/collapse.py`): a collapse is logged, counted and shown to the monitor, and a collapsed
-drafter is answered by going back to the one before it and never swapping it in again. With adaptive SD
-the worker exploits the best-arm table the SD-config publisher announces (`roles/sd_config.py`); a vLLM
+drafter proposes), after checking its sha256; an engine that holds the draft weights in processes of its
+own (vLLM's workers) is asked for one tensor back, which must be the announced checkpoint's. Every policy
+and drafter swap is judged by the acceptance after it (`rollout/collapse.py`): a collapse is logged,
+counted and shown to the monitor, and a collapsed drafter is answered by going back to the one before it
+and never swapping it in again. With adaptive SD the worker exploits the best-arm table the SD-config
+publisher announces (`roles/sd_config.py`); a vLLM
 engine takes that table as its batch-size schedule in place (`VllmEngine.set_schedule`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import DrafterVersion, SdArmChoice, SdConfigVersion
@@ -31,9 +37,33 @@ if TYPE_CHECKING:
     from tlt_stream.rollout.adaptive import AdaptiveSd
     from tlt_stream.rollout.protocol import RolloutEngine
 
-__all__ = ["DrafterSwaps"]
+__all__ = ["DrafterSwaps", "read_back"]
 
 log = logging.getLogger("tlt_stream.roles.rollout_worker")
+
+READ_BACK = ("layer.post_attention_layernorm.weight", "model.layers.0.post_attention_layernorm.weight")
+"""The tensor read back after a swap (H values, changed by training): its name in a drafter checkpoint, and in
+vLLM's EAGLE draft model."""
+
+
+def read_back(engine: RolloutEngine, location: str) -> str | None:
+    """After a swap into an engine whose draft model lives in other processes (`draft_tensor`: vLLM's workers):
+    the sha256 of the float32 bytes of `READ_BACK` as the engine holds it; CheckpointError when it is not the
+    checkpoint's at `location`. None for an engine holding the drafter in this process."""
+    held_by = getattr(engine, "draft_tensor", None)
+    if held_by is None:
+        return None
+    from safetensors import safe_open
+
+    from tlt_stream.drafter.model import WEIGHTS
+
+    ours, theirs = READ_BACK
+    with safe_open(str(Path(location) / WEIGHTS), framework="pt") as weights:
+        announced = weights.get_tensor(ours).float().flatten()
+    held = held_by(theirs).float().flatten()
+    if not torch.equal(held, announced):
+        raise CheckpointError(f"{location}: after the swap the engine holds other {theirs} than the checkpoint")
+    return hashlib.sha256(held.numpy().tobytes()).hexdigest()
 
 
 class DrafterSwaps:
@@ -79,19 +109,22 @@ class DrafterSwaps:
         if announced.version <= self.version or announced.version in self.refused:
             return
 
-        def load() -> None:
+        def load() -> str | None:
             if problem := location_problem(announced.location, self.config.bus.store_root):
                 raise CheckpointError(problem)
             verify_directory(announced.location, announced.sha256)
             engine.load_drafter(announced.location)  # in place: in-flight requests go on
+            return read_back(engine, announced.location)
 
         try:
-            await asyncio.to_thread(load)
+            held = await asyncio.to_thread(load)
         except (ChecksumMismatch, CheckpointError, OSError, ValueError) as exc:
             log.error("refused drafter version %d: %s", announced.version, exc)
             self.registry.update_info(refused_drafter=f"{announced.version}: {exc}")
             self.drafter = announced  # do not retry the same version on every step
             return
+        if held is not None:  # what the monitor (and an auditor) can compare with the checkpoint's own bytes
+            self.registry.update_info(drafter_read_back=f"{announced.version}:{held}")
         self.drafter = announced
         self.swaps += 1
         self._before, self.in_use = self.in_use, (announced.location, announced)

@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tlt_stream.basics.config import DEFAULTS, SdConfig
-from tlt_stream.rollout.adaptive import ArmMeasurement
+from tlt_stream.rollout.adaptive import ArmMeasurement, sd_tuner
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.switch import SdSwitch, SdTable, bucket_of
-from tlt_stream.rollout.tuner import SdTuner
 
 __all__ = ["VllmTuning", "deepest_chain", "pool_steps", "tunable_arms"]
 
@@ -78,14 +77,7 @@ class VllmTuning:
         self.engine = engine
         self.settings = settings
         self.every = every
-        self.tuner = SdTuner(
-            arms,
-            edges=settings.edges,
-            epsilon=settings.epsilon,
-            window=settings.window,
-            drafter_version=drafter_version if top.kind == "drafter" else -1,
-            challenge=settings.challenge,
-        )
+        self.tuner = sd_tuner(arms, settings, drafter_version=drafter_version if top.kind == "drafter" else -1)
         self.switch = SdSwitch.from_crossover(settings.crossover, settings.margin)
         self.rng = random.Random(settings.seed)
         self.schedule: dict[int, str] | None = None
