@@ -87,8 +87,8 @@ SCHEDULE_FILE = "tlt-sd-schedule.json"
 """In the engine's work directory: the schedule `TltScheduler` reads before each step (`scheduling.py`)."""
 
 _NO_PARTIAL_ROLLOUTS = (
-    "partial rollouts (load_policy(reverify=True), ahead_limit) need a vLLM engine built with "
-    "VllmSettings(partial_rollouts=True): its requests stream their tokens for re-verification"
+    "this vLLM engine has no partial rollouts (load_policy(reverify=True), ahead_limit): build it with "
+    "VllmSettings(partial_rollouts=True), whose requests stream their tokens for re-verification"
 )
 
 
