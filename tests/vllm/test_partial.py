@@ -211,6 +211,8 @@ def test_sampled_rows_reverified_at_a_new_version_follow_its_distribution(on_a, 
     assert stat3 < chi2_threshold(df3), f"token 3: chi-square {stat3:.1f} on {df3} df"
     old_joint, _ = exact_first_three(oracle, prompt)  # what keeping A's tokens would give (the expected statistic)
     shift = sum((old_joint[c] - p) ** 2 / p for c, p in joint.items() if p * 3 * n >= 5) * 3 * n
+    print(f"chi-square: tokens 1-2 {stat:.1f} on {df} df (threshold {chi2_threshold(df):.1f}; A's distribution would "
+          f"give {shift:.0f}), token 3 {stat3:.1f} on {df3} df; tokens kept {kept}, discarded {discarded}")  # fmt: skip
     assert shift > 4 * chi2_threshold(df), "A and A' too close for this test to see a lossy re-verification"
     for r in results[:: 3 * n // 40]:  # the new version's log-probs, kept tokens included
         expected = oracle_new.logprobs(prompt, r.token_ids, 1.0)
