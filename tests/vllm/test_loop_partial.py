@@ -55,8 +55,10 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
         *("--set", f"policy.ahead_tokens={AHEAD}", "--set", "learner.lr=1e-2"),
     ]
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
-    process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    for name in ("prompts", "samples"):  # the audit's own groups: entries they never read are never trimmed
+        await redis.xgroup_create(keys.stream(name), "audit", id="0", mkstream=True)
+    process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(600):
             _, stderr = await process.communicate()
@@ -89,6 +91,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
     # Staleness 0: each sample stamped with its step's version, with that version's log-probs (transformers).
     locations = {0: root / "policy", **{v: out / "checkpoints" / f"step-{v:08d}" for v in range(1, STEPS)}}
     assert len(samples) == added_samples and all(s.policy_version == s.step for s in samples)
+    assert len(prompts) == added_prompts
     temperature = DEFAULTS.rollout.temperature
     moved = []
     for s in samples:

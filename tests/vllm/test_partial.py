@@ -201,8 +201,8 @@ def test_sampled_rows_reverified_at_a_new_version_follow_its_distribution(on_a, 
     assert len(results) == 3 * n and all(len(r.token_ids) == 3 for r in results)
     assert sum(r.reverifications for r in results) >= 2 * n
     assert sum(done[(0, i)].reverifications for i in range(n)) > 0, "no row was running with tokens at the switch"
-    kept, discarded = engine.tokens_kept, engine.tokens_discarded
-    assert kept > 0.3 * 3 * n and discarded > 0.1 * 3 * n, (kept, discarded)  # both branches ran, often
+    kept, discarded = sum(r.tokens_kept for r in results), sum(r.tokens_discarded for r in results)
+    assert kept > 0.2 * 3 * n and discarded > 0.2 * 3 * n, (kept, discarded)  # both branches ran, often
     joint, third = exact_first_three(oracle_new, prompt)
     observed = Counter((r.token_ids[0], r.token_ids[1]) for r in results)
     stat, df = chi_square(observed, joint, 3 * n)
