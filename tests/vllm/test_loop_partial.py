@@ -41,6 +41,17 @@ async def entries(redis: aioredis.Redis, keys: Keys, name: str) -> tuple[int, li
     return int(info["entries-added"]), messages
 
 
+async def audit_groups(redis: aioredis.Redis, keys: Keys, finished: asyncio.Future) -> None:
+    """The audit's own consumer groups on `prompts` and `samples` (entries a group never read are never
+    trimmed), made as soon as the run's first prompts are out (the run refuses a run name that already has
+    state): nothing is acked, so nothing trimmed, before a worker's vLLM engine has started, seconds later."""
+    # another process creates the key, and Redis sends no event for it: poll
+    while not await redis.exists(keys.stream("prompts")) and not finished.done():  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    for name in ("prompts", "samples"):
+        await redis.xgroup_create(keys.stream(name), "audit", id="0", mkstream=True)
+
+
 async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_samples_once(
     one_backend: str, bus_config: Config, tmp_path: Path
 ) -> None:
@@ -56,12 +67,12 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
     ]
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
-    for name in ("prompts", "samples"):  # the audit's own groups: entries they never read are never trimmed
-        await redis.xgroup_create(keys.stream(name), "audit", id="0", mkstream=True)
     process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(600):
-            _, stderr = await process.communicate()
+            finished = asyncio.ensure_future(process.communicate())
+            await audit_groups(redis, keys, finished)
+            _, stderr = await finished
         assert process.returncode == 0, stderr.decode()[-3000:]
         added_prompts, prompts = await entries(redis, keys, "prompts")
         added_samples, samples = await entries(redis, keys, "samples")
