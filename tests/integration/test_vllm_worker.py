@@ -11,6 +11,16 @@ from tlt_stream.basics.config import DEFAULTS, ConfigError, override
 from tlt_stream.commands.cli import main
 
 
+def test_partial_rollouts_reach_the_vllm_engines_settings() -> None:
+    """The worker's vLLM engine is built to stream its requests for re-verification (the engine itself:
+    tests/vllm/test_partial.py)."""
+    from tlt_stream.rollout.build import vllm_settings
+
+    on = override(DEFAULTS, {"rollout.backend": "vllm", "policy.partial_rollouts": True})
+    assert vllm_settings(on, None, hidden=False).partial_rollouts
+    assert not vllm_settings(override(on, {"policy.partial_rollouts": False}), None, hidden=False).partial_rollouts
+
+
 def test_adaptive_group_drafts_are_refused_on_the_vllm_backend() -> None:
     with pytest.raises(ConfigError, match="use --fixed-sd with group drafts"):
         override(DEFAULTS, {"sd.drafter": "ngram", "sd.group": True, "sd.adaptive": True, "rollout.backend": "vllm"})
@@ -24,7 +34,12 @@ def test_adaptive_group_drafts_are_refused_on_the_vllm_backend() -> None:
         ([], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),
         (["--drafter", "ngram"], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),  # adaptive
         (["--drafter", "ngram", "--set", "sd.group=true"], "configuration error: sd.adaptive: "),
-        (["--set", "policy.partial_rollouts=true"], "configuration error: policy.partial_rollouts: "),
+        # partial rollouts are accepted (then vLLM is missing); drafts held back by ahead_rows are not
+        (["--set", "policy.partial_rollouts=true"], "tlt-stream rollout-worker: the vllm rollout backend needs vLLM"),
+        (
+            ["--set", "policy.partial_rollouts=true", "--set", "policy.ahead_rows=4"],
+            "configuration error: policy.ahead_rows: ",
+        ),
     ],
 )
 def test_a_vllm_worker_is_refused_in_one_line_before_it_connects(

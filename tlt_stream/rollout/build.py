@@ -140,4 +140,5 @@ def vllm_settings(config: Config, arm: Arm | None, *, hidden: bool) -> Any:
         arm=arm.label if arm is not None else None,
         edges=config.sd.edges,
         hidden="recompute" if hidden else "none",
+        partial_rollouts=config.policy.partial_rollouts,
     )

@@ -60,12 +60,12 @@ def problems(config: Config) -> list[tuple[str, str]]:
                     "drafter: use --drafter ngram with group drafts (group/history drafts alone), or the torch backend",
                 )
             )
-        if policy.partial_rollouts:
+        if policy.partial_rollouts and policy.ahead_rows:
             found.append(
                 (
-                    "policy.partial_rollouts",
-                    "re-verifies rows under each new policy version, which the vllm backend cannot (docs/vllm.md): "
-                    "use the torch backend or turn it off",
+                    "policy.ahead_rows",
+                    "vLLM schedules its own batch, so the vllm backend starts drafts in any free slot: use 0, or "
+                    "the torch backend",
                 )
             )
         if rollout.graphs in ("cuda", "trace"):

@@ -126,7 +126,8 @@ class PolicyConfig(Section, frozen=True):
             "exactly on-policy for the version it is stamped with. With max_staleness 0 the policy service "
             "also dispatches step s + 1 one version early, as drafts a worker may start under the version "
             "before in the slots the tail leaves free, sent only once re-verified (with max_staleness > 0 "
-            "streaming fills the tail already and the window stays as it is). Torch engine only.",
+            "streaming fills the tail already and the window stays as it is). On vLLM the rows are "
+            "re-verified on the worker's copy of the policy and added to vLLM again (docs/vllm.md).",
         ),
     ] = False
     ahead_tokens: Annotated[

@@ -11,14 +11,16 @@ tested against the running engine on the CPU build (tests/vllm/).
   request's seed, but its random streams are not this project's: sampled outputs differ from the torch
   engine's for the same seed, with the same distribution.
 - **Versions in place.** `load_policy` and `load_drafter` go through `extension.TltWorkerExtension` in every
-  vLLM worker: no engine restart. A policy only between requests (every sample from one version); a
-  drafter with requests in flight (SD is lossless whatever the drafter proposes).
+  vLLM worker: no engine restart. A policy between requests (every sample from one version), or with
+  requests in flight and `reverify=True` (partial rollouts, below); a drafter with requests in flight (SD is
+  lossless whatever the drafter proposes).
 - **Speculative decoding**: EAGLE chains, n-gram lookup or group/history drafts (`group.py`, vLLM's custom
   proposer), a static arm or the batch-size schedule of an
   `sd_config` table (`config.dynamic_schedule`). docs/vllm.md lists what vLLM cannot do.
 - **Hidden states** for drafter training are recomputed (`hidden.recompute_hidden`).
-- **No partial rollouts**: `load_policy(..., reverify=True)` and `add_request(..., ahead_limit=...)` raise
-  `UnsupportedSetting`; docs/vllm.md says what vLLM would need.
+- **Partial rollouts** with `VllmSettings(partial_rollouts=True)`: `load_policy(..., reverify=True)` re-verifies
+  every request in flight losslessly and `add_request(..., ahead_limit=...)` parks drafts, on the client's side
+  of vLLM (`partial.py`); without the setting both raise `UnsupportedSetting`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.lifecycle import EngineDied, EngineWatch, exit_codes, inline_engine
 from tlt_stream.rollout.vllm.measure import Step
+from tlt_stream.rollout.vllm.partial import derived_seed, reverify_rows
 from tlt_stream.rollout.vllm.requests import Pending, Requests
 from tlt_stream.rollout.vllm.settings import (
     VllmSettings,
@@ -84,9 +87,8 @@ SCHEDULE_FILE = "tlt-sd-schedule.json"
 """In the engine's work directory: the schedule `TltScheduler` reads before each step (`scheduling.py`)."""
 
 _NO_PARTIAL_ROLLOUTS = (
-    "the vllm backend has no partial rollouts (load_policy(reverify=True), ahead_limit): it cannot park a "
-    "request, score its tokens under new weights at its temperature, or resume it with its random stream; "
-    "use the torch engine"
+    "this vLLM engine has no partial rollouts (load_policy(reverify=True), ahead_limit): build it with "
+    "VllmSettings(partial_rollouts=True), whose requests stream their tokens for re-verification"
 )
 
 
@@ -188,10 +190,20 @@ class VllmEngine:
         self.plain_steps = 0
         """Engine steps without speculation: with `rounds` (steps with it), the batched target forwards, as
         `GenerationEngine` counts them."""
+        self.reverified = 0
+        """Requests re-verified under a newly loaded policy (each time it happened to one)."""
+        self.tokens_kept = self.tokens_discarded = 0
+        """Tokens the re-verifications kept, and those they discarded."""
+        self.reverify_passes = 0
+        """Re-verification forwards of the new policy on the client (batches of rows)."""
+        self.old_policy_rows = 0
+        """Rows whose rejection needed the old policy's distribution."""
+        self._done: list[tuple[GenerationResult, Pending]] = []
+        """Requests a re-verification ended, returned by the next `step`."""
         self._recompute: Transformer | None = None
         self._drafter_source = None if drafter is None else Path(drafter)
         self.proposer: DraftHolder | None = None
-        if settings.hidden == "recompute":
+        if settings.hidden == "recompute" or settings.partial_rollouts:
             self._recompute = self._load_recompute_model(self.policy)
             self._bind_drafter()
 
@@ -266,21 +278,23 @@ class VllmEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._requests.parked) or bool(self._done)
 
     @property
     def has_work(self) -> bool:
-        return self.has_unfinished  # nothing parks on vLLM
+        """Whether `step` would do anything: requests in vLLM, or results a re-verification ended (parked
+        drafts alone: nothing until the next `load_policy(..., reverify=True)`)."""
+        return bool(self._requests) or bool(self._done)
 
     @property
     def num_running(self) -> int:
-        """Requests added and not yet returned (vLLM's running + waiting)."""
+        """Requests in vLLM (its running + waiting)."""
         return len(self._requests)
 
     @property
     def num_parked(self) -> int:
-        """Always 0: no drafts on vLLM (module docstring, partial rollouts)."""
-        return 0
+        """Drafts that used their `ahead_limit` (or ended) and wait for `load_policy(..., reverify=True)`."""
+        return len(self._requests.parked)
 
     def add_request(
         self,
@@ -296,15 +310,15 @@ class VllmEngine:
         ahead_limit: int | None = None,
     ) -> Hashable:
         """Queue a request (`GenerationEngine.add_request`'s contract) and return its id. `stop` must be a
-        `StopStrings` (`requests.py` applies it). No drafts: `ahead_limit` must be None."""
-        if ahead_limit is not None:
+        `StopStrings` (`requests.py` applies it). `ahead_limit` (a draft) needs `settings.partial_rollouts`."""
+        if ahead_limit is not None and not self.settings.partial_rollouts:
             raise UnsupportedSetting(_NO_PARTIAL_ROLLOUTS)
-        from vllm.sampling_params import RequestOutputKind
-
+        if ahead_limit is not None and ahead_limit < 1:
+            raise ValueError(f"ahead_limit must be >= 1 or None, got {ahead_limit}")
         prompt = [int(t) for t in prompt_ids]
         eos = frozenset(int(t) for t in eos_ids)
         rid = next(self._ids) if request_id is None else request_id
-        if return_hidden and self._recompute is None:
+        if return_hidden and self.settings.hidden != "recompute":
             raise ValueError("return_hidden needs VllmSettings(hidden='recompute')")
         if stop is not None and not isinstance(stop, StopStrings):
             raise UnsupportedSetting(f"the vllm backend stops on stop strings only, not on {stop!r}")
@@ -319,29 +333,54 @@ class VllmEngine:
                 f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"max_len ({self.settings.max_len})"
             )
-        params = sampling_params(max_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos)
-        pending = Pending(rid, prompt, eos, return_hidden, stop)
+        pending = Pending(
+            rid,
+            prompt,
+            eos,
+            return_hidden,
+            stop,
+            stream=self.settings.partial_rollouts,
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            seed=seed,
+            ahead_limit=ahead_limit,
+        )
+        self._submit(pending, seed)
+        return rid
+
+    def _submit(self, pending: Pending, seed: int | None) -> None:
+        """Add `pending` to vLLM: prompt + the tokens it holds as vLLM's prompt, its remaining budget (up to its
+        `ahead_limit`), sampled with `seed`."""
+        from vllm.sampling_params import RequestOutputKind
+
+        held = len(pending.token_ids)
+        budget = pending.max_new_tokens - held
+        if pending.ahead_limit is not None:
+            budget = min(budget, pending.ahead_limit - held)
+        params = sampling_params(max_tokens=budget, temperature=pending.temperature, seed=seed, eos_ids=pending.eos_ids)
         kind = RequestOutputKind.DELTA if pending.streams else RequestOutputKind.FINAL_ONLY
         key = f"tlt-{next(self._keys)}"  # vLLM wants unique str ids; ours may be any hashable
         extra = {SCHEDULE_KEY: self._schedule} if self._schedule is not None else None
         request = self._vllm.SamplingParams(**params, output_kind=kind, extra_args=extra)
-        self._call("add_request", key, {"prompt_token_ids": prompt}, request)
+        self._call("add_request", key, {"prompt_token_ids": [*pending.prompt_ids, *pending.token_ids]}, request)
+        pending.base = held
         self._requests.add(key, pending)
-        return rid
 
     def step(self) -> list[GenerationResult]:
         """One vLLM engine step; the requests that finished in it, as `GenerationResult`s. `EngineDied` when
         vLLM's engine process is gone."""
+        finished, self._done = self._done, []
         if self._requests:  # one batched target forward (a verify round with SD on; vLLM's schedule may set K=0)
             if self.arm is not None:
                 self.rounds += 1
             else:
                 self.plain_steps += 1
-        finished, abort = self._requests.collect(self._call("step"))
-        if abort:
-            self._call("abort_request", abort)
+            stepped, abort = self._requests.collect(self._call("step"))
+            if abort:
+                self._call("abort_request", abort)
+            self.tokens_generated += sum(len(r.token_ids) - pending.base for r, pending in stepped)
+            finished += stepped
         results = [result for result, _ in finished]
-        self.tokens_generated += sum(len(r.token_ids) for r in results)
         wanted = [result for result, pending in finished if pending.return_hidden]
         if wanted:
             assert self._recompute is not None
@@ -374,24 +413,63 @@ class VllmEngine:
 
     def load_policy(self, path: str | Path, *, reverify: bool = False, weights: Any = None) -> None:
         """Reload the policy's weights in place (every vLLM worker) from Hugging Face checkpoint `path`.
-        Only with nothing in flight: every sample must come from one policy version. `reverify` (lossless
-        re-verification of requests in flight) is not available on vLLM (module docstring), nor `weights`:
-        vLLM's workers read `path` in their own processes, so a caller verifies it before (a second read)."""
+        Without `reverify`, only with nothing in flight: every sample must come from one policy version. With
+        it (`settings.partial_rollouts`), every request in flight or parked is taken out of vLLM and
+        re-verified under the new weights, losslessly (`partial.py`): those that go on are added to vLLM again,
+        those it ended come from the next `step()`; drafts become ordinary requests. Not `weights`: vLLM's
+        workers read `path` in their own processes, so a caller verifies it before (a second read)."""
         if weights is not None:
             raise ValueError("vLLM's workers read the checkpoint themselves: pass its path, not its tensors")
-        if reverify:
+        if reverify and not self.settings.partial_rollouts:
             raise UnsupportedSetting(_NO_PARTIAL_ROLLOUTS)
-        if self.has_unfinished:
-            raise RuntimeError("load_policy() with requests in flight; let them finish first")
+        if self.has_unfinished and not reverify:
+            raise RuntimeError("load_policy() with requests in flight; let them finish first (or reverify=True)")
         path = Path(path)
         if checkpoint_shape(path) != checkpoint_shape(self.policy):
             raise CheckpointError(f"{path}: a different architecture than the engine's policy; build a new engine")
+        keys, rows = self._requests.take_all() if reverify else ([], [])
+        if keys:  # tokens vLLM sampled and the client has not seen are dropped: a cut by timing, not content
+            self._call("abort_request", keys)
         self._rpc("tlt_reload_policy", str(path))
-        self._call("reset_prefix_cache")
-        if self._recompute is not None:
+        if not self._call("reset_prefix_cache"):  # after the aborts: no request holds a block
+            raise RuntimeError("vLLM kept its prefix cache after a new policy (a request still holds KV blocks)")
+        old = self._recompute
+        if old is not None:
             self._recompute = self._load_recompute_model(path)
         self.policy = path
         self._bind_drafter()
+        if rows:
+            self._reverify(rows, old)
+
+    def _reverify(self, rows: list[Pending], old: Transformer | None) -> None:
+        """Judge `rows` (out of vLLM) under the newly loaded policy and add those that go on to vLLM again."""
+        assert self._recompute is not None and old is not None
+        started = [r for r in rows if r.token_ids]
+        sampled = any(r.temperature > 0 for r in started)
+        judged = reverify_rows(
+            self._recompute, old if sampled else None, started, max_tokens=self.settings.hidden_batch_tokens
+        )
+        self.reverify_passes += judged.passes
+        self.old_policy_rows += judged.old_policy_rows
+        for row, kept, token, logprob in zip(
+            started, judged.kept_logprobs, judged.next_tokens, judged.next_logprobs, strict=True
+        ):
+            total = len(row.token_ids)
+            self.tokens_generated += total - row.base
+            ended = row.reverified(kept, token, logprob)
+            self.tokens_generated += len(row.token_ids) - len(kept)  # the resampled token, if any
+            self.reverified += 1
+            self.tokens_kept += len(kept)
+            self.tokens_discarded += total - len(kept)
+            if ended:
+                row.base = len(row.token_ids)
+                self._done.append((Requests.result(row.finished_output(), row), row))
+            else:  # a stream of its own: the request's seed would replay the draws that chose its kept tokens
+                self._submit(row, derived_seed(row.seed, "continue", row.reverifications, len(row.token_ids)))
+        for row in rows:
+            if not row.token_ids:  # nothing sampled under the old version: it simply runs under the new one
+                row.ahead_limit = None
+                self._submit(row, row.seed)
 
     def load_drafter(self, path: str | Path) -> int:
         """Swap the drafter in place (a drafter checkpoint, exported here, or an EAGLE export); requests in

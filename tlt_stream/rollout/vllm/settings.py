@@ -73,6 +73,11 @@ class VllmSettings:
     hidden: Literal["recompute", "none"] = "recompute"
     """Where `return_hidden` states come from (`hidden.py`)."""
     hidden_batch_tokens: int = 16_384
+    """Padded tokens per client-side forward (hidden states, re-verification)."""
+    partial_rollouts: bool = DEFAULTS.policy.partial_rollouts
+    """Lossless partial rollouts (`partial.py`): every request streams its tokens, drafts (`ahead_limit`) park on
+    the client, and `load_policy(reverify=True)` re-verifies the rows in flight. Keeps the policy on the client
+    (the recompute model) whatever `hidden` says."""
     work_dir: str | None = None
     """Where drafter exports go (default: a temporary directory owned by the engine)."""
 
