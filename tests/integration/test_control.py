@@ -437,3 +437,25 @@ async def test_publishing_the_same_message_again_is_not_refused(bus_config: Conf
     assert not await owner._compare_and_set(other, CONTROL_CODEC.encode(other))
     assert (await read_mirror(redis, Keys(bus_config.run)))["policy"] == message
     await redis.aclose()
+
+
+async def test_a_refused_publisher_adopts_the_mirrors_version_and_its_next_one_goes_out(bus_config: Config) -> None:
+    """A publisher stopped between its compare-and-set and its MQTT publish: the mirror holds a version MQTT
+    never carried. Another publisher of the kind, numbering from what it knows, is refused once, adopts the
+    mirror's version, and its next version is accepted and reaches a worker over MQTT. Evidence: the mirror
+    read with a plain client, and the worker's adopted versions."""
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    keys = Keys(bus_config.run)
+    worker = ControlPlane(bus_config, redis, role="worker")
+    async with running(worker), running(ControlPlane(bus_config, redis, role="learner", owns=["policy"])) as other:
+        gone = ControlPlane(bus_config, redis, role="learner", owns=["policy"])
+        assert await gone._compare_and_set(policy(1), CONTROL_CODEC.encode(policy(1)))  # and then it stopped
+        assert other.version("policy") == -1, "nothing on MQTT told it of version 1"
+        assert not await other.publish(policy(max(other.version("policy") + 1, 1)))
+        assert other.version("policy") == 1, "the refused publisher took the mirror's version"
+        following = policy(other.version("policy") + 1)
+        assert await other.publish(following)
+        assert (await read_mirror(redis, keys))["policy"] == following
+        async with asyncio.timeout(10):
+            assert (await worker.wait_for("policy", 2)) == following
+    await redis.aclose()

@@ -285,12 +285,19 @@ class ControlPlane:
     async def publish(self, message: ControlMessage) -> bool:
         """Announce a new version: compare-and-set in the Redis mirror, then a retained MQTT publish.
 
-        Returns False (and publishes nothing) when the mirror already holds this or a newer version.
+        Returns False (and publishes nothing) when the mirror already holds this or a newer version; then the
+        mirror's version is adopted, so the caller's next version number follows it. (A publisher that stopped
+        between its compare-and-set and its MQTT publish left a version that only the mirror knows: without
+        this, every other publisher of the kind numbered from its MQTT-fed view and was refused again.)
         """
         kind = message.kind
         payload = CONTROL_CODEC.encode(message)
         if not await self._compare_and_set(message, payload):
             log.warning("not publishing %s version %d: the mirror holds a newer or equal one", kind, message.version)
+            mirrored = await self._read_mirror(f"catch up with {kind} after a refused publish")
+            truth = (mirrored or {}).get(kind)
+            if truth is not None:
+                self.offer(truth, "redis mirror, after a refused publish")
             return False
         self.offer(message, "self")
         client = self._client
