@@ -244,6 +244,9 @@ async def test_slices_are_judged_every_k_steps_and_each_is_reported_once(
             # Preempted by the stop: due or not, it is reported without a verdict (no next idle period to judge
             # it in).
             assert not slices.pop().judged
+        elif slices[-1].judged and not slices[-1].adopted:
+            # Judged while the worker was stopping (the stop came during the judgement): not published.
+            assert slices.pop().drafter_version == -1
         for s in slices:
             assert s.judged == (s.step - judged_at >= k), (s.step, judged_at)
             if s.judged:
@@ -285,4 +288,41 @@ async def test_no_drafter_is_published_before_a_window_is_held_out_to_judge_it_o
         assert len(trainer.holdout) == 1
         judged = [s for s in await stats_of(redis, keys, DrafterStats) if s.judged]
         assert judged and judged[0].adopted and judged[0].drafter_version == 1
+    await redis.aclose()
+
+
+async def test_a_stopping_worker_neither_judges_nor_publishes_its_pending_slice(
+    bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
+) -> None:
+    """A slice preempted by new work is judged at the start of the next idle period. When that period is the
+    worker stopping, the slice is reported unjudged and nothing is published: the worker's control plane is
+    closing, and a version published then would reach the Redis mirror but not MQTT."""
+    from tlt_stream.basics.messages import PromptGroup
+
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url)
+    config = worker_config(bus_config, init_drafter, training_settings(tmp_path, slice_seconds=60.0), max_batch=2)
+    async with planes(bus_config, {"w": ["drafter"]}) as control:
+        worker = RolloutWorker(config, redis, control["w"], worker_id="w", reward=reward)
+        trainer = worker.idle_trainer
+        assert trainer is not None
+        engine = sd_engine(init_policy, init_drafter)
+        producer = StreamProducer(redis, keys, bus_config.bus)
+        await producer.send("hidden", hidden_windows(engine))
+        waiting: list[Any] = []
+        idle = asyncio.create_task(trainer.run_idle(engine, 0, waiting, asyncio.Event()))
+        async with asyncio.timeout(120):
+            while trainer.trainer is None or trainer.trainer.step_count < 1:
+                assert not idle.done(), idle.exception()
+                await asyncio.sleep(0.05)
+        task = PromptGroup(task_id="t0", prompt_id="t0", prompt_ids=[5, 6], answer="", group_size=2)
+        await producer.send("prompts", [task])
+        await asyncio.wait_for(idle, 60)  # preempted by the task: the slice is committed, its judgement due
+        assert waiting and not await stats_of(redis, keys, DrafterStats)
+        stop = asyncio.Event()
+        stop.set()
+        await asyncio.wait_for(trainer.run_idle(engine, 0, [], stop), 60)
+        (pending,) = await stats_of(redis, keys, DrafterStats)
+        assert pending.end == "preempted" and pending.steps >= 1 and not pending.judged
+        assert control["w"].version("drafter") == -1 and "drafter" not in await read_mirror(redis, keys)
     await redis.aclose()

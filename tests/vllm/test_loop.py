@@ -117,8 +117,12 @@ async def hold_learner_for_a_drafter(redis: aioredis.Redis, keys: Keys, out: Pat
     log = out / "logs" / "learner.log"
     while not (log.is_file() and "failpoint learner.accumulated: stop" in log.read_text()):  # noqa: ASYNC110
         await asyncio.sleep(0.1)
-    while not watch.drafters:  # noqa: ASYNC110 - the mirror is polled (Watch), no event to wait on
-        await asyncio.sleep(0.1)
+    try:
+        async with asyncio.timeout(240):  # a slice of 1 s and its judgement take a few seconds
+            while not watch.drafters:  # noqa: ASYNC110 - the mirror is polled (Watch), no event to wait on
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        raise AssertionError("the idle worker published no drafter in 240 s while the learner was held") from None
     (learner,) = run_pids(run, module="services.learner")
     os.kill(learner, signal.SIGCONT)
 

@@ -17,7 +17,8 @@ lease (`bus/lease.py`). The holder, in state TRAINING_DRAFTER:
 5. once `judge_every_steps` steps have passed since its last judgement, measures held-out acceptance of the
    new drafter and of the one in use; only if the new one is not worse does it publish a `DrafterVersion`
    (MQTT retained + Redis mirror, forward-only). A judgement costs as much as several training steps, so it
-   is not made after every (often one-step) slice of a short idle period;
+   is not made after every (often one-step) slice of a short idle period. Nothing is published without a
+   held-out window to judge on, nor by a worker that is stopping (its control plane is closing);
 6. reports one `DrafterStats` entry per slice to `stats` (with the judgement when one was made), and
    releases the lease when work arrives, so another idle worker can continue from the committed state.
 
