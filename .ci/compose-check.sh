@@ -67,7 +67,7 @@ if ! docker compose version >/dev/null 2>&1; then
 fi
 phase install
 
-dockerd_pid=""
+. .ci/dockerd.sh
 watch_pid=""
 stack=""
 cleanup() {
@@ -82,10 +82,7 @@ cleanup() {
         tdc 180 --profile audit down --remove-orphans -t 60 >/dev/null 2>&1 || true
     fi
     if [ -n "$dockerd_pid" ]; then
-        kill -TERM "$dockerd_pid" 2>/dev/null || true
-        for _ in $(seq 1 300); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$dockerd_pid" 2>/dev/null || true
-        wait "$dockerd_pid" 2>/dev/null || true
+        dockerd_stop
         log "dockerd (pid $dockerd_pid) stopped"
     fi
     rm -f "$state/check.env"
@@ -95,16 +92,9 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-if ! docker info >/dev/null 2>&1; then
-    dockerd --storage-driver=overlay2 >"$state/dockerd.log" 2>&1 9>&- &
-    dockerd_pid=$!
+dockerd_start "$state"
+if [ -n "$dockerd_pid" ]; then
     log "dockerd started (pid $dockerd_pid)"
-    for _ in $(seq 1 600); do
-        docker info >/dev/null 2>&1 && break
-        kill -0 "$dockerd_pid" 2>/dev/null || { tail -n 20 "$state/dockerd.log"; exit 1; }
-        sleep 0.1
-    done
-    docker info >/dev/null
 else
     log "using the Docker engine that answers already (not stopped at the end)"
 fi

@@ -30,29 +30,19 @@ now() { date +%s.%N; }
 
 exec 9>>"${TLT_CHECK_LOCK:-/tmp/tlt-heavy.lock}"
 flock 9
-dockerd_pid=""
+. .ci/dockerd.sh
 stack=""
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
     [ -n "$stack" ] && timeout 180 "${compose[@]}" --profile audit down --remove-orphans -t 60 >/dev/null 2>&1 || true
-    if [ -n "$dockerd_pid" ]; then
-        kill -TERM "$dockerd_pid" 2>/dev/null || true
-        for _ in $(seq 1 300); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$dockerd_pid" 2>/dev/null || true
-        wait "$dockerd_pid" 2>/dev/null || true
-    fi
+    dockerd_stop
     rm -f "$state/check.env"
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-if ! docker info >/dev/null 2>&1; then
-    dockerd --storage-driver=overlay2 >"$state/dockerd.log" 2>&1 9>&- &
-    dockerd_pid=$!
-    for _ in $(seq 1 600); do docker info >/dev/null 2>&1 && break; sleep 0.1; done
-    docker info >/dev/null
-fi
+dockerd_start "$state"
 rm -f "$state/check.env"
 sh deploy/make-env.sh "$state/check.env" 2>/dev/null
 stack=1

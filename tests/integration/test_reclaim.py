@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import PromptGroup
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
@@ -160,3 +161,40 @@ async def test_a_lost_ack_is_left_to_the_resync_even_once_it_is_idle_past_the_re
     assert reader.resynced == 1 and reader.reclaimed == 0
     assert await pel(redis, keys.stream("prompts")) == {lost: ("w-stray", 2)}
     await redis.aclose()
+
+
+async def test_a_reader_looks_for_lost_acks_as_soon_as_its_client_reconnects(bus_config: Config, backend: str) -> None:
+    """A Redis restarted from an append-only file that lost its last writes brings back entries whose ack it
+    lost; the reader's client reconnects to it without a failure the reader sees (redis-py retries the
+    command on a new connection). The reader notices the new connection and looks at its next read, however
+    far off the quarter-reclaim-time look is. Here Redis drops the reader's connection (CLIENT KILL) and the
+    lost ack is an entry read into the reader's PEL behind its back; the evidence is the PEL's delivery
+    counts."""
+    if backend == "embedded":
+        pytest.skip("fakeredis has no CLIENT KILL: a real Redis drops the connection")
+    keys = Keys(bus_config.run)
+    name = f"reader-{keys.prefix.strip(':').replace(':', '-')}"
+    redis = connect_redis(bus_config.bus.redis_url or "", name=name)
+    admin = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    producer = StreamProducer(admin, keys, bus_config.bus)
+    reader: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w-reconnect")
+    await reader.ensure_group()
+    assert await reader.read(block_ms=50) == []  # past its start (where it reads its own pending history)
+    (lost,) = await producer.send("prompts", [prompt(0)])
+    await admin.xreadgroup("rollout", "w-reconnect", {keys.stream("prompts"): ">"}, count=1)  # behind its back
+    reader._next_resync = float("inf")  # the periodic look never comes due in this test
+    assert await reader.read(block_ms=50) == [], "without a reconnection the lost ack waits for the periodic look"
+
+    clients = await admin.client_list()
+    ids = [c["id"] for c in clients if c.get("name") == name]
+    assert ids, "the reader's connection is in Redis' client list"
+    for client_id in ids:
+        await admin.execute_command("CLIENT", "KILL", "ID", client_id)
+    got: list[str] = []
+    for _ in range(3):  # the read that reconnects, then the one that looks
+        got += [d.entry_id for d in await reader.read(block_ms=50)]
+    assert got == [lost], "the lost ack is handed out again right after the reconnection"
+    assert await pel(admin, keys.stream("prompts")) == {lost: ("w-reconnect", 2)}
+    assert await redis.client_getname() in (name, name.encode()), "the reconnection did the handshake (CLIENT SETNAME)"
+    await redis.aclose()
+    await admin.aclose()

@@ -24,6 +24,7 @@ __all__ = [
     "REDIS_RETRYABLE",
     "MqttParams",
     "connect_redis",
+    "connections_opened",
     "endpoints",
     "mqtt_params",
     "purge_run",
@@ -103,6 +104,26 @@ def redis_socket_timeout(block_ms: int) -> float:
     return max(10.0, 2 * block_ms / 1000 + 5.0)
 
 
+class _ConnectionsOpened:
+    """Counts the connections a client opens: its first ones, and each reconnection after an outage."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def on_connect(self, connection: Any) -> None:
+        await connection.on_connect()  # what redis-py does when no connect function is given
+        self.count += 1
+
+
+def connections_opened(redis: aioredis.Redis) -> int:
+    """How many connections `redis` (from `connect_redis`) has opened so far; 0 for any other client. A count
+    that grows after the first commands means a reconnection: perhaps to a restarted Redis, which may have
+    replayed an append-only file that lost its last writes (the readers then look for lost acks at once)."""
+    hook = redis.connection_pool.connection_kwargs.get("redis_connect_func")
+    owner = getattr(hook, "__self__", None)
+    return owner.count if isinstance(owner, _ConnectionsOpened) else 0
+
+
 def connect_redis(
     url: str,
     *,
@@ -130,6 +151,7 @@ def connect_redis(
         retry=OutageRetry(OutageBackoff(url, cap=cap_s), retries=retries),
         retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
         client_name=name,
+        redis_connect_func=_ConnectionsOpened().on_connect,
         **tls,
     )
 

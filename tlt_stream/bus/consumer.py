@@ -37,6 +37,7 @@ from tlt_stream.basics.aio import retry
 from tlt_stream.basics.common import as_text
 from tlt_stream.basics.config import BusConfig
 from tlt_stream.basics.messages import DeadLetter, codec_for
+from tlt_stream.bus.connect import connections_opened
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys, spec
 
@@ -139,6 +140,8 @@ class StreamReader(Generic[T]):
         self.abandoned: set[str] = set()
         """Entries the caller let go of (their handler failed): redelivered only after the reclaim time."""
         self._next_resync = 0.0
+        self._connections = 0
+        """`connections_opened` at the last read: when it grows, the resync is due at once."""
         self.resynced = 0
         self._group_ready = False
         self._durable = spec(stream).durable
@@ -235,7 +238,12 @@ class StreamReader(Generic[T]):
         a Redis restarted from an append-only file that lost its last writes brings back entries whose ack it
         lost. Those are handed out again at once (claimed to ourselves, which counts a delivery for them
         alone), instead of waiting out the reclaim time, so nothing stays pending and a lost task is redone
-        promptly."""
+        promptly. After the client opened a connection (a reconnection: Redis may have restarted) it looks at
+        the next read, not a quarter reclaim time later."""
+        opened = connections_opened(self.redis)
+        if opened != self._connections:  # (re)connected: maybe to a Redis restarted without our last acks
+            self._connections = opened
+            self._next_resync = 0.0
         now = time.monotonic()
         if now < self._next_resync or self._history_cursor is not None:
             return []

@@ -43,6 +43,12 @@ class EmbeddedServers:
 
         server = TcpFakeServer((host, 0), server_type="redis")
         server.daemon_threads = True
+        # socketserver leaves Nagle's algorithm on, and fakeredis writes a transaction's or pipeline's replies
+        # one by one: each reply after the first then waited for the client's delayed ACK, ~40 ms a round trip
+        # (every group a worker completes; measured 44 ms vs 0.9 ms for a 3-command transaction).
+        server.RequestHandlerClass = type(
+            "NoDelayHandler", (server.RequestHandlerClass,), {"disable_nagle_algorithm": True}
+        )
         thread = threading.Thread(target=server.serve_forever, name="embedded-redis", daemon=True)
         thread.start()
         self._redis_server = server
