@@ -309,9 +309,14 @@ def measured(runs: list[dict]) -> dict:
     return out
 
 
+OUTSIDE_GAP_MAX_S = 1.0
+"""Two rollout reports further apart than this lie across an update: left out of the time outside the hops."""
+
+
 def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
     """Per config, the worker's own account of its engine steps in the runs (`timeline.jsonl`'s rollout reports:
-    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went. With
+    engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went; the median
+    time between two consecutive reports outside the later one's hop (the worker's loop: intake, Redis, reports). With
     `engines` (per run: the synchronous cost model and the background it is slowed by), (a)'s hops beside
     what the model says its plain steps cost (each report's rows: its tokens per forward)."""
     from tlt_stream.plan.costs import slowdown
@@ -333,16 +338,22 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
         out["a_engine_hops_vs_model"] = ratios
     for name in CONFIGS:
         hop = forwards = span = 0.0
+        gaps: list[float] = []
         for run in runs:
             run_dir = Path(run["configs"][name]["run_dir"])
+            last = None
             for line in (run_dir / "timeline.jsonl").read_text().splitlines():
                 entry = json.loads(line)
                 if entry.get("kind") == "rollout":
                     hop, forwards = hop + entry["seconds"], forwards + entry["target_forwards"]
+                    if last is not None and entry["created_at"] - last < OUTSIDE_GAP_MAX_S:
+                        gaps.append(entry["created_at"] - last - entry["seconds"])
+                    last = entry["created_at"]
             span += sum(json.loads(x)["rollout_seconds"] for x in (run_dir / "metrics.jsonl").read_text().splitlines())
         out[name] = {
             "ms_per_forward": round(1e3 * hop / forwards, 3) if forwards else None,
             "hop_share_of_rollout": round(hop / span, 3) if span else None,
+            "ms_outside_hops_per_report": round(1e3 * statistics.median(gaps), 1) if gaps else None,
         }
     return out
 
