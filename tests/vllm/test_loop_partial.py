@@ -100,7 +100,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
         assert all(group.startswith(f"s{step - 1:06d}-") for group in groups), (step, groups)
 
     # Staleness 0: each sample stamped with its step's version, with that version's log-probs (transformers).
-    locations = {0: root / "policy", **{v: out / "checkpoints" / f"step-{v:08d}" for v in range(1, STEPS)}}
+    locations = {0: root / "policy", **{v: out / "checkpoints" / f"step-{v:08d}" / "policy" for v in range(1, STEPS)}}
     assert len(samples) == added_samples and all(s.policy_version == s.step for s in samples)
     assert len(prompts) == added_prompts
     temperature = DEFAULTS.rollout.temperature
