@@ -58,12 +58,23 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
     keys = Keys(bus_config.run)
     out = tmp_path / "run"
     root = world(tmp_path / "w")
+    # A reward that differs within a group (this random policy never solves the task: with the task's reward every
+    # advantage is 0, no update moves the policy, and nothing would tell a stale draft from a re-verified one).
+    reward = tmp_path / "reward.py"
+    reward.write_text("def varied(response, answer):\n    return float(len(response) % 2)\n")
     command = [
         *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", bus_config.run),
         *("--world", str(root), "--out", str(out), "--steps", str(STEPS)),
         *("--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-len", "96", "--eval", "0"),
         *("--fixed-sd", "--set", "rollout.backend=vllm", "--set", "policy.partial_rollouts=true"),
-        *("--set", f"policy.ahead_tokens={AHEAD}", "--set", "learner.lr=1e-2"),
+        *(
+            "--set",
+            f"policy.ahead_tokens={AHEAD}",
+            "--set",
+            "learner.lr=1e-2",
+            "--set",
+            f"rollout.reward={reward}:varied",
+        ),
     ]
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
