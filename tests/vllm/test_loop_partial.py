@@ -61,7 +61,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
     # A reward that differs within a group (this random policy never solves the task: with the task's reward every
     # advantage is 0, no update moves the policy, and nothing would tell a stale draft from a re-verified one).
     reward = tmp_path / "reward.py"
-    reward.write_text("def varied(response, answer):\n    return float(len(response) % 2)\n")
+    reward.write_text("def varied(response, answer):\n    return float(sum(map(ord, response)) % 2)\n")
     command = [
         *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", bus_config.run),
         *("--world", str(root), "--out", str(out), "--steps", str(STEPS)),
@@ -71,7 +71,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
             "--set",
             f"policy.ahead_tokens={AHEAD}",
             "--set",
-            "learner.lr=1e-2",
+            "learner.lr=2e-3",
             "--set",
             f"rollout.reward={reward}:varied",
         ),
