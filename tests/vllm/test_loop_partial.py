@@ -123,4 +123,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
         if s.policy_version > 0:
             older = hf_logprobs(locations[s.policy_version - 1], s.prompt_ids, response, temperature)
             moved.append(float((older - expected).abs().max()))
+    print(
+        f"largest log-prob change from the version before, per sample of versions 1..: {[round(m, 3) for m in moved]}"
+    )
     assert moved and min(moved) > 1e-2, f"versions too alike for the check to see a stale draft: {moved}"
