@@ -58,12 +58,23 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
     keys = Keys(bus_config.run)
     out = tmp_path / "run"
     root = world(tmp_path / "w")
+    # A reward that differs within a group (this random policy never solves the task: with the task's reward every
+    # advantage is 0, no update moves the policy, and nothing would tell a stale draft from a re-verified one).
+    reward = tmp_path / "reward.py"
+    reward.write_text("def varied(response, answer):\n    return float(sum(map(ord, response)) % 2)\n")
     command = [
         *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--run", bus_config.run),
         *("--world", str(root), "--out", str(out), "--steps", str(STEPS)),
         *("--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-len", "96", "--eval", "0"),
         *("--fixed-sd", "--set", "rollout.backend=vllm", "--set", "policy.partial_rollouts=true"),
-        *("--set", f"policy.ahead_tokens={AHEAD}", "--set", "learner.lr=1e-2"),
+        *(
+            "--set",
+            f"policy.ahead_tokens={AHEAD}",
+            "--set",
+            "learner.lr=2e-3",
+            "--set",
+            f"rollout.reward={reward}:varied",
+        ),
     ]
     env = {**os.environ, "TLT_REDIS_URL": bus_config.bus.redis_url, "TLT_MQTT_URL": bus_config.bus.mqtt_url}
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
@@ -100,7 +111,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
         assert all(group.startswith(f"s{step - 1:06d}-") for group in groups), (step, groups)
 
     # Staleness 0: each sample stamped with its step's version, with that version's log-probs (transformers).
-    locations = {0: root / "policy", **{v: out / "checkpoints" / f"step-{v:08d}" for v in range(1, STEPS)}}
+    locations = {0: root / "policy", **{v: out / "checkpoints" / f"step-{v:08d}" / "policy" for v in range(1, STEPS)}}
     assert len(samples) == added_samples and all(s.policy_version == s.step for s in samples)
     assert len(prompts) == added_prompts
     temperature = DEFAULTS.rollout.temperature
@@ -112,4 +123,7 @@ async def test_the_loop_on_vllm_with_partial_rollouts_trains_exact_on_policy_sam
         if s.policy_version > 0:
             older = hf_logprobs(locations[s.policy_version - 1], s.prompt_ids, response, temperature)
             moved.append(float((older - expected).abs().max()))
+    print(
+        f"largest log-prob change from the version before, per sample of versions 1..: {[round(m, 3) for m in moved]}"
+    )
     assert moved and min(moved) > 1e-2, f"versions too alike for the check to see a stale draft: {moved}"
