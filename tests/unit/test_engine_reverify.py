@@ -522,16 +522,6 @@ def test_parked_drafts_wait_for_a_reverifying_load_and_nothing_else(wide, tmp_pa
     assert done["a"].reverifications == 1 and len(done["a"].token_ids) == 10
 
 
-def test_the_vllm_backend_refuses_partial_rollouts_in_one_line() -> None:
-    from tlt_stream.rollout.vllm.backend import VllmEngine
-    from tlt_stream.rollout.vllm.config import UnsupportedSetting
-
-    with pytest.raises(UnsupportedSetting, match="no partial rollouts"):
-        VllmEngine.load_policy(object(), "v1", reverify=True)  # type: ignore[arg-type]
-    with pytest.raises(UnsupportedSetting, match="no partial rollouts"):
-        VllmEngine.add_request(object(), [1, 2], 4, ahead_limit=2)  # type: ignore[arg-type]
-
-
 def count_forwards(model: torch.nn.Module, counter: Counter) -> None:
     """Count `model`'s forward passes in `counter["forwards"]` (once per model object)."""
     if getattr(model, "_counted", False):
