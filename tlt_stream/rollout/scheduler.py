@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["eos", "stop", "length"]
 """eos: an EOS id ended it (kept); stop: a stop rule did (`rollout.stops.StopStrings`, its token kept);
@@ -33,6 +33,23 @@ class SequenceStatus(Enum):
     PARKED = auto()
     """A draft that used its `ahead_limit` (or ended): holds no slot until the next policy re-verifies it."""
     FINISHED = auto()
+
+
+def keep_prefix(row: Any, kept_logprobs: SequenceOf[float]) -> bool:
+    """A re-verified row (the torch scheduler's `Sequence`, vLLM's `Pending`) keeps its first
+    `len(kept_logprobs)` tokens with the new policy's log-probabilities and drops the rest; it counts the
+    re-verification and stops being a draft. True when tokens were dropped (an ended response is then no
+    longer ended)."""
+    kept, total = len(kept_logprobs), len(row.token_ids)
+    if not 0 <= kept <= total:
+        raise ValueError(f"request {row.request_id!r}: kept {kept} of {total} tokens")
+    row.reverifications += 1
+    row.tokens_kept += kept
+    row.tokens_discarded += total - kept
+    row.ahead_limit = None
+    del row.token_ids[kept:]
+    row.logprobs = [float(lp) for lp in kept_logprobs]
+    return kept < total
 
 
 @dataclass(eq=False)
@@ -124,16 +141,7 @@ class Sequence:
         the new policy's log-probabilities; the rest are discarded. Afterwards it is an ordinary request
         (RUNNING, ready for the next token) or, when it kept every token and had already ended, FINISHED
         (the return value)."""
-        kept, total = len(kept_logprobs), len(self.token_ids)
-        if not 0 <= kept <= total:
-            raise ValueError(f"request {self.request_id!r}: kept {kept} of {total} tokens")
-        self.reverifications += 1
-        self.tokens_kept += kept
-        self.tokens_discarded += total - kept
-        self.ahead_limit = None
-        del self.token_ids[kept:]
-        self.logprobs = [float(lp) for lp in kept_logprobs]
-        if kept < total:
+        if keep_prefix(self, kept_logprobs):
             self.finish_reason = None
         self.status = SequenceStatus.RUNNING if self.finish_reason is None else SequenceStatus.FINISHED
         return self.is_finished

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlt_stream.rollout.engine import GenerationResult
-from tlt_stream.rollout.scheduler import FinishReason
+from tlt_stream.rollout.scheduler import FinishReason, keep_prefix
 from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.vllm.outputs import FINISH_REASONS, accept_lengths, sampled_logprobs, to_generation_result
 
@@ -82,16 +82,7 @@ class Pending:
     def reverified(self, kept_logprobs: list[float], next_token: int, next_logprob: float) -> bool:
         """A new policy kept the first `len(kept_logprobs)` tokens (with its log-probs): the rest are dropped,
         and unless it kept all of a response that had ended, `next_token` follows. True: it has ended."""
-        kept, total = len(kept_logprobs), len(self.token_ids)
-        if not 0 <= kept <= total:
-            raise ValueError(f"request {self.request_id!r}: kept {kept} of {total} tokens")
-        self.reverifications += 1
-        self.tokens_kept += kept
-        self.tokens_discarded += total - kept
-        self.ahead_limit = None
-        del self.token_ids[kept:]
-        self.logprobs = [float(lp) for lp in kept_logprobs]
-        if kept < total:
+        if keep_prefix(self, kept_logprobs):
             self.finish = None
         if self.finish is None:
             self.token_ids.append(int(next_token))
