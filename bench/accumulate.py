@@ -54,35 +54,17 @@ def parse_args() -> argparse.Namespace:
 
 def workload(args: argparse.Namespace, vocab: int) -> list[Any]:
     """The step's groups in the order they complete (by their longest response)."""
-    from tlt_stream.basics.messages import Sample, Tensor
-    from tlt_stream.rl.groups import ReadyGroup
+    from _grpo import synthetic_group  # bench/, on the path as the script's directory
+
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
 
     rng = random.Random(args.seed)
     groups = []
     for g, problem in enumerate(RepeatedAddTask().problems(args.groups, args.seed, heldout=False)):
         prompt = [rng.randrange(vocab) for _ in problem.prompt]
-        samples = []
-        for i in range(args.group_size):
-            n = max(1, int(len(problem.solution) * rng.uniform(0.7, 1.3)))
-            samples.append(
-                Sample(
-                    sample_id=f"g{g}/{i}",
-                    task_id=f"g{g}",
-                    prompt_id=f"g{g}",
-                    index=i,
-                    group_size=args.group_size,
-                    prompt_ids=prompt,
-                    token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(n)], "int32"),
-                    logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(n)], "float32"),
-                    policy_version=0,
-                    drafter_version=-1,
-                    reward=float(i % 2),
-                    finish_reason="eos",
-                    worker_id="bench",
-                )
-            )
-        groups.append(ReadyGroup(f"g{g}", samples, []))
+        size = len(problem.solution)
+        length = lambda size=size: max(1, int(size * rng.uniform(0.7, 1.3)))  # noqa: E731
+        groups.append(synthetic_group(rng, g, prompt, args.group_size, length, vocab))
     return sorted(groups, key=lambda group: max(s.response_len for s in group.samples))
 
 

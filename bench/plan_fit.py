@@ -173,10 +173,8 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
 def learner_batch(world: Path, n: int, seed: int = 0) -> tuple:
     """(the world's policy as the learner loads it, `n` synthetic groups of 8 samples of the world's lengths:
     log-normal around 150 tokens, rewards alternating so every group has a signal)."""
+    from _grpo import synthetic_group  # bench/, on the path
     from transformers import AutoModelForCausalLM
-
-    from tlt_stream.basics.messages import Sample, Tensor
-    from tlt_stream.rl.groups import ReadyGroup
 
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
     vocab = int(model.get_input_embeddings().weight.shape[0])
@@ -184,27 +182,7 @@ def learner_batch(world: Path, n: int, seed: int = 0) -> tuple:
     out = []
     for g in range(n):
         prompt = [rng.randrange(vocab) for _ in range(40)]
-        samples = []
-        for i in range(8):
-            length = max(8, int(rng.lognormvariate(5.0, 0.6)))
-            samples.append(
-                Sample(
-                    sample_id=f"g{g}/{i}",
-                    task_id=f"g{g}",
-                    prompt_id=f"g{g}",
-                    index=i,
-                    group_size=8,
-                    prompt_ids=prompt,
-                    token_ids=Tensor.from_values([rng.randrange(vocab) for _ in range(length)], "int32"),
-                    logprobs=Tensor.from_values([-rng.uniform(0.1, 3.0) for _ in range(length)], "float32"),
-                    policy_version=0,
-                    drafter_version=-1,
-                    reward=float(i % 2),
-                    finish_reason="eos",
-                    worker_id="bench",
-                )
-            )
-        out.append(ReadyGroup(f"g{g}", samples, []))
+        out.append(synthetic_group(rng, g, prompt, 8, lambda: max(8, int(rng.lognormvariate(5.0, 0.6))), vocab))
     return model, out
 
 
