@@ -51,6 +51,7 @@ from safetensors.torch import load_file
 
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.basics.failpoints import failpoint
+from tlt_stream.model.threads import off_compute_thread
 from tlt_stream.rl.checkpoint_layout import (
     LATEST,
     MASTER,
@@ -211,7 +212,7 @@ def save_checkpoint(
     _write_pointer(root, final.name)
     if background:
         assert optimizer_writes is not None and state is not None
-        optimizer_writes.submit(final / OPTIMIZER, functools.partial(_write_optimizer_state, state))
+        optimizer_writes.submit(final / OPTIMIZER, off_compute_thread(functools.partial(_write_optimizer_state, state)))
     elif start_optimizer_writes is not None:
         start_optimizer_writes(final)
     busy = optimizer_writes.busy if optimizer_writes is not None else None

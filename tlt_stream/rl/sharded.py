@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from tlt_stream.basics.failpoints import failpoint
+from tlt_stream.model.threads import off_compute_thread
 from tlt_stream.rl.checkpoint import (
     OPTIMIZER,
     CheckpointInfo,
@@ -308,7 +309,7 @@ class Trainer:
             _write_piece(target.parent, rank=rank, world=world, tensors=tensors, pieces=pieces, meta=meta,
                          save_id=f"{nonce:012x}")  # fmt: skip
 
-        self.optimizer_writes.submit(rank_file(final / OPTIMIZER, rank), write, directory=False)
+        self.optimizer_writes.submit(rank_file(final / OPTIMIZER, rank), off_compute_thread(write), directory=False)
 
 
 def follow(trainer: Trainer, *, root: Path, init_policy: Path) -> None:

@@ -51,6 +51,7 @@ from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
 from tlt_stream.drafter.online import WindowBuffer, held_out_acceptance
+from tlt_stream.model.threads import one_torch_thread
 from tlt_stream.store.digest import directory_sha256
 
 __all__ = ["IdleDrafterTrainer"]
@@ -58,7 +59,8 @@ __all__ = ["IdleDrafterTrainer"]
 log = logging.getLogger(__name__)
 
 
-def _lower_priority() -> None:
+def _side_thread() -> None:
+    one_torch_thread()  # no second OpenMP team beside the engine's (`model/threads.py`)
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread (Linux semantics)
         return
@@ -143,10 +145,10 @@ class IdleDrafterTrainer:
         self._stopping = asyncio.Event()
         """The worker's stop: a stopping worker publishes no drafter (its control plane is closing: a version
         would reach the Redis mirror but not MQTT, and no other worker would hear of it)."""
-        # Slices run in one low-priority thread (Linux nice is per thread, and the torch threads it starts
-        # inherit it): "idle" rollout time may still be busy time for a learner sharing the machine, which
-        # must not be slowed by the drafter.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-train", initializer=_lower_priority)
+        # Slices run in one low-priority thread (Linux nice is per thread): "idle" rollout time may still be
+        # busy time for a learner sharing the machine, which must not be slowed by the drafter. And on one torch
+        # thread: a second OpenMP team beside the engine's would slow every decode step (`model/threads.py`).
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-train", initializer=_side_thread)
 
     async def _low(self, fn: Any, *args: Any) -> Any:
         """Run `fn(*args)` in the low-priority thread: everything the drafter's training does (rebinding,

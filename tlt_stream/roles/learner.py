@@ -47,6 +47,7 @@ from tlt_stream.bus.consumer import StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
+from tlt_stream.model.threads import in_own_thread
 from tlt_stream.rl.learner import LearnerSettings
 from tlt_stream.rl.ranks import RanksOutOfStep
 from tlt_stream.rl.sharded import Trainer, follow
@@ -104,7 +105,7 @@ class LearnerService:
         await self.lease.take()
         # Resuming (verify, build, maybe write checkpoint 0) can outlast the lease's ttl on a loaded machine:
         # keep renewing while it runs, or a restarted learner would find its own lease expired and taken.
-        loading = asyncio.create_task(asyncio.to_thread(self.checkpoints.resume), name="learner-resume")
+        loading = asyncio.create_task(in_own_thread(self.checkpoints.resume), name="learner-resume")
         while not loading.done():
             await asyncio.wait([loading], timeout=self.lease.lease.ttl_ms / 3000)
             await self.lease.renew()

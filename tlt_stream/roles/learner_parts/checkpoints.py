@@ -25,6 +25,7 @@ from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.model.loader import CheckpointError, resolve_dtype
+from tlt_stream.model.threads import in_own_thread
 from tlt_stream.rl.checkpoint import CheckpointInfo, complete_checkpoints, latest_checkpoint
 from tlt_stream.rl.learner import LearnerCore
 from tlt_stream.rl.ranks import RanksOutOfStep
@@ -151,7 +152,7 @@ class Checkpoints:
         """`save` off the loop; ranks out of step (a rank died mid-save) stop the service, since no retry can
         bring the dead rank back: the update's samples stay pending and a restart trains them."""
         try:
-            return await asyncio.to_thread(self.save, extra, ledger)
+            return await in_own_thread(self.save, extra, ledger)
         except RanksOutOfStep:
             if stop is not None:
                 stop.set()

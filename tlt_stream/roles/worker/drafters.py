@@ -13,7 +13,6 @@ engine takes that table as its batch-size schedule in place (`VllmEngine.set_sch
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from pathlib import Path
@@ -26,6 +25,7 @@ from tlt_stream.basics.messages import DrafterVersion, SdArmChoice, SdConfigVers
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.model.loader import CheckpointError
+from tlt_stream.model.threads import in_own_thread
 from tlt_stream.rl.validate import location_problem
 from tlt_stream.rollout.arms import Arm
 from tlt_stream.rollout.collapse import AcceptanceWatch
@@ -117,7 +117,7 @@ class DrafterSwaps:
             return read_back(engine, announced.location)
 
         try:
-            held = await asyncio.to_thread(load)
+            held = await in_own_thread(load)
         except (ChecksumMismatch, CheckpointError, OSError, ValueError) as exc:
             log.error("refused drafter version %d: %s", announced.version, exc)
             self.registry.update_info(refused_drafter=f"{announced.version}: {exc}")

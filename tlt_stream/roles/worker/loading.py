@@ -29,6 +29,7 @@ from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.model.loader import CheckpointError, stop_token_ids
 from tlt_stream.model.sizing import context_len
+from tlt_stream.model.threads import in_own_thread
 from tlt_stream.rl.validate import location_problem
 from tlt_stream.rollout.build import build_engine
 from tlt_stream.rollout.stops import StopStrings
@@ -92,7 +93,7 @@ class PolicyLoader:
             self._refuse(announced, problem)
             return None
         try:
-            await asyncio.to_thread(self._load, announced, drafter, drafter_version)
+            await in_own_thread(self._load, announced, drafter, drafter_version)
         except (ChecksumMismatch, CheckpointError, OSError) as exc:
             if not isinstance(exc, ChecksumMismatch) and not await asyncio.to_thread(Path(announced.location).is_dir):
                 # Not there now: pruned by the learner for a newer version (which is announced next), or its
