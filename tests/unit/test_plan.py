@@ -53,6 +53,24 @@ def test_equal_rows_in_one_batch_cost_length_times_the_batch_step():
     assert r.emitted == 32 * 50
 
 
+def test_a_padded_engine_attends_every_row_over_the_longest_context():
+    """The torch engine pads a batch's rows to its longest context (`model/layers.py`); a paged engine reads
+    each row's own. Two slots, rows of 10, 30 and 10 tokens: the third starts beside the second's 10 tokens,
+    so for 10 steps the longest context is 10 past the mean (closed form: 2 rows x 10 steps x 5 tokens more)."""
+    ctx_s, prompt = 1e-3, 8
+    setup = Setup(prompts=3, group_size=1, steps=1, max_batch=2, prompt_len=prompt, seed=None, arms=())
+    total = {}
+    for padded in (False, True):
+        costs = CpuCosts(step_s=0.0, row_s=0.0, ctx_s=ctx_s, learn_tokens_per_s=1e12, padded=padded)
+        total[padded] = simulate(PLAIN, setup, from_lengths([10, 30, 10]), Acceptance(), costs).version_times[1]
+    together = sum(2 * (prompt + k) for k in range(10))  # first and second rows
+    alone = sum(prompt + 20 + j for j in range(10))  # the second row's last 10 tokens
+    beside = {False: sum(2 * (prompt + 5 + j) for j in range(10)), True: sum(2 * (prompt + 10 + j) for j in range(10))}
+    for padded in (False, True):
+        assert total[padded] == pytest.approx(ctx_s * (together + beside[padded] + alone))
+    assert total[True] - total[False] == pytest.approx(ctx_s * 2 * 10 * 5)
+
+
 @pytest.mark.parametrize("length,tokens", [(100, 4.0), (101, 4.0), (7, 3.0)])
 def test_sd_with_constant_acceptance_takes_ceil_length_over_tokens_rounds(length, tokens):
     costs = FixedCosts(decode=1.0, round=1.5)

@@ -10,7 +10,8 @@ Every model answers, in seconds:
 - `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
 - `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it).
 
-CPU formulas (b rows, n verified nodes, ctx tokens of context, depth d, top-k w):
+CPU formulas (b rows, n verified nodes, ctx tokens of context: the batch's longest row's, since the torch
+engine attends every row over the longest, depth d, top-k w):
 
     decode_s  = step_s + row_s * b + ctx_s * b * ctx
     round_s   = step_s + round_s_fixed + row_s * b * (1 + node_frac * n) + ctx_s * b * ctx
@@ -50,6 +51,10 @@ class EngineCosts(Protocol):
     load_s: float
     cores: float
     """Cores the processes share (inf: each process has its own device)."""
+    padded: bool
+    """True: a forward attends every row over the batch's longest context (the torch engine pads its rows to
+    the longest one, `model/layers.py`), so `context` is the longest row's; False: each row over its own
+    (paged KV caches), so `context` is the rows' mean."""
 
     def decode_s(self, batch: int, context: float) -> float: ...
     def round_s(self, batch: int, arm: Arm, context: float) -> float: ...
@@ -71,6 +76,7 @@ class FixedCosts:
     publish_s: float = 0.0
     load_s: float = 0.0
     cores: float = float("inf")
+    padded: bool = False
 
     def decode_s(self, batch: int, context: float) -> float:
         return self.decode
@@ -123,6 +129,8 @@ class CpuCosts:
     """Contention: seconds each forward of a step waits per core busy with other work, per thread count."""
     learner_k: tuple[float, ...] = ()
     """The learner's update's extra time per core busy with other work, per thread count."""
+    padded: bool = True
+    """The torch engine's forward attends every row over the batch's longest context (`EngineCosts.padded`)."""
     source: str = "given"
 
     def decode_s(self, batch: int, context: float) -> float:

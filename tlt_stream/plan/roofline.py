@@ -124,6 +124,8 @@ class GpuCosts:
     optimizer_s: float = 0.0
     load_s: float = 0.0
     cores: float = float("inf")
+    padded: bool = False
+    """A GPU engine's paged KV cache: each row reads its own context (`EngineCosts.padded`)."""
 
     def _forward(self, params: float, batch: int, q: int, context: float, layers: int) -> float:
         m = self.model

@@ -406,7 +406,8 @@ class _Sim:
             w.idle_s += t - w.idle_since
             w.idle_since = None
         b = len(w.running)
-        ctx = s.prompt_len + statistics.fmean(r.done for r in w.running)
+        done = (r.done for r in w.running)
+        ctx = s.prompt_len + (max(done) if costs.padded else statistics.fmean(done))
         arm = self.choose(w, b, ctx)
         repeat = 1
         if arm.kind == "plain" and s.macro_steps > 1:
