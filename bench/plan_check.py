@@ -13,6 +13,11 @@ recorded): the inputs of runs the model was not fitted on. Measured: the median 
         --costs-sync artifacts/plan/cpu-t2.json --costs-stream artifacts/plan/cpu-t1.json
     python bench/plan_check.py --e2e-json a.json b.json c.json ...   # runs already made
 
+The check of docs/benchmarks.md: fits (`t2-pre.json`, `t1-pre.json`, ... `-post.json`) and the contention bench
+made in the same lock hold as the runs, `--calibrated DIR --contention DIR/contention.json --load load.jsonl`:
+each run predicted with the fits made around it, each fit's own background taken out and the run's own (its
+services, Redis, the broker: `bench/plan_load.py`) put back by the contention bench's measured curve.
+
 Prints one JSON object.
 """
 
@@ -172,6 +177,28 @@ def simulated(mode, setup, inputs: tuple, seeds: int, background: float) -> dict
     }
 
 
+CURVE = True
+"""Contention as `bench/plan_contention.py` measured it (its curve, interpolated) rather than its fitted law
+(`--contention-law`)."""
+
+
+def contention_of(path: str | None) -> dict | None:
+    """The contention bench's output (`fit`: the law; `curve`: the measured slowdown, made from its points
+    where an older output lacks it)."""
+    if not path:
+        return None
+    from plan_contention import fit_curve
+
+    raw = json.loads(Path(path).read_text())
+    if "curve" not in raw:
+        raw["curve"] = {
+            f"{kind}_t{t}": fit_curve([q for q in raw["points"] if q["kind"] == kind and q["threads"] == t])
+            for kind in ("engine", "learner")
+            for t in (1, 2)
+        }
+    return raw
+
+
 def fitted_costs(path: str, contention: dict | None):
     """The CPU model `bench/plan_fit.py` wrote to `path`; with the contention fit, its law's constants added and
     the background the fit itself ran beside taken out (`CpuCosts.without_background`)."""
@@ -182,24 +209,34 @@ def fitted_costs(path: str, contention: dict | None):
     costs = CpuCosts.load(path)
     if contention is None:
         return costs
+    fit, curve = contention["fit"], contention.get("curve")
     costs = dataclasses.replace(
         costs,
-        engine_k=(contention["engine_t1"]["k"], contention["engine_t2"]["k"]),
-        engine_wait_s=(contention["engine_t1"]["wait_s"], contention["engine_t2"]["wait_s"]),
-        learner_k=(contention["learner_t1"]["k"], contention["learner_t2"]["k"]),
+        engine_k=(fit["engine_t1"]["k"], fit["engine_t2"]["k"]),
+        engine_wait_s=(fit["engine_t1"]["wait_s"], fit["engine_t2"]["wait_s"]),
+        learner_k=(fit["learner_t1"]["k"], fit["learner_t2"]["k"]),
     )
+    if curve and CURVE:  # the measured slowdown, interpolated, in place of the law
+        as_points = {key: tuple(tuple(p) for p in points) for key, points in curve.items()}
+        costs = dataclasses.replace(
+            costs,
+            engine_curve=(as_points["engine_t1"], as_points["engine_t2"]),
+            learner_curve=(as_points["learner_t1"], as_points["learner_t2"]),
+        )
     during = json.loads(Path(path).read_text()).get("fit", {}).get("background_cores")
     threads = int(costs.source.rsplit(" ", 1)[-1]) if costs.source.startswith("bench/plan_fit.py") else 1
     return costs.without_background(during["engine"], during["learner"], threads) if during else costs
 
 
-def beside(directory: Path, threads: str):
-    """The CPU model of the light fits made just before and just after a run (`DIR/{threads}-pre.json`,
-    `-post.json`): each constant their mean (the one before alone where none was made after)."""
+def beside(directory: Path, threads: str, contention: dict | None = None):
+    """The CPU model of the fits made just before and just after a run (`DIR/{threads}-pre.json`, `-post.json`):
+    each constant their mean (the one before alone where none was made after); with the contention fit, each
+    fit's own background taken out first (`fitted_costs`)."""
     from tlt_stream.plan.costs import CpuCosts
 
-    pre = CpuCosts.load(directory / f"{threads}-pre.json")
-    post = CpuCosts.load(directory / f"{threads}-post.json") if (directory / f"{threads}-post.json").exists() else pre
+    pre = fitted_costs(str(directory / f"{threads}-pre.json"), contention)
+    after = directory / f"{threads}-post.json"
+    post = fitted_costs(str(after), contention) if after.exists() else pre
     mean = {
         k: (v + getattr(post, k)) / 2 if isinstance(v, float) else v for k, v in pre.describe().items() if k != "model"
     }
@@ -224,7 +261,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
     if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
         acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
-    contention = json.loads(Path(args.contention).read_text())["fit"] if args.contention else None
+    contention = contention_of(args.contention)
     cores = len(os.sched_getaffinity(0))
     table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
     out = {
@@ -257,11 +294,18 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
 
         inputs = (lengths, acceptance, costs)
         quiet = simulated(mode, setup, inputs, args.seeds, 0.0)
-        if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants
+        if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants,
+            # and the run's own background (its services: not in the fits) slows it by the law, where fitted
             threads = "t2" if mode.max_staleness == 0 else "t1"
             per_run = [
-                simulated(mode, setup, (lengths, acceptance, beside(Path(d), threads)), args.seeds, 0.0)
-                for d in args.calibrated
+                simulated(
+                    mode,
+                    setup,
+                    (lengths, acceptance, beside(Path(d), threads, contention)),
+                    args.seeds,
+                    load.get(name, {}).get("other", 0.0) if contention else 0.0,
+                )
+                for d, load in zip(args.calibrated, loads, strict=True)
             ]
         else:
             per_run = [
@@ -360,9 +404,12 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
 
 def engines(args: argparse.Namespace, loads: list[dict[str, dict]]) -> list[tuple]:
     """Per run, the synchronous configs' cost model and the background (a) ran beside, as `predict` uses them."""
+    contention = contention_of(args.contention)
     if args.calibrated:
-        return [(beside(Path(d), "t2"), 0.0) for d in args.calibrated]
-    contention = json.loads(Path(args.contention).read_text())["fit"] if args.contention else None
+        return [
+            (beside(Path(d), "t2", contention), load.get("a_sync_plain", {}).get("other", 0.0) if contention else 0.0)
+            for d, load in zip(args.calibrated, loads, strict=True)
+        ]
     costs = fitted_costs(args.costs_sync, contention)
     return [(costs, load.get("a_sync_plain", {}).get("other", 0.0)) for load in loads]
 
@@ -394,7 +441,12 @@ def main() -> None:
     p.add_argument(
         "--load", nargs="*", help="load samples beside the runs (bench/plan_load.py): each run's background cores"
     )
-    p.add_argument("--contention", help="the contention fit (bench/plan_contention.py): k per kind and threads")
+    p.add_argument("--contention", help="the contention bench's output (bench/plan_contention.py)")
+    p.add_argument(
+        "--contention-law",
+        action="store_true",
+        help="with --contention: its fitted law (1 + k u + w u f) instead of its measured curve",
+    )
     p.add_argument(
         "--calibrated",
         nargs="*",
@@ -403,6 +455,8 @@ def main() -> None:
         "the runs predicted with the machine's state around them",
     )
     args = p.parse_args()
+    global CURVE
+    CURVE = not args.contention_law
     if args.e2e_json:
         runs = [run for f in args.e2e_json for run in split_reps(json.loads(Path(f).read_text()))]
         args.steps = runs[0]["steps"]

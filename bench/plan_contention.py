@@ -116,6 +116,22 @@ def fit_law(points: list[dict], wait: bool) -> dict:
     }
 
 
+def fit_curve(points: list[dict]) -> list[list[float]]:
+    """The slowdown as measured, load by load: per synthetic load (processes, duty), the median cores busy with
+    other work and the median over batches and repeats of each point's seconds over its batch's unloaded median;
+    sorted by those cores, starting at (0, 1). `costs.slowdown` interpolates it linearly (no law assumed)."""
+    base = {
+        x: statistics.median(p["s"] for p in points if p["x"] == x and p["load"][0] == 0)
+        for x in {p["x"] for p in points}
+    }
+    curve = {}
+    for load in sorted({tuple(p["load"]) for p in points if p["load"][0] > 0}):
+        mine = [p for p in points if tuple(p["load"]) == load]
+        u = statistics.median(p["u"] for p in mine)
+        curve[load] = [round(u, 3), round(max(1.0, statistics.median(p["s"] / base[p["x"]] for p in mine)), 3)]
+    return [[0.0, 1.0], *sorted(curve.values())]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
@@ -186,8 +202,14 @@ def main() -> None:
         for kind in (("engine",) if args.sessions else ("engine", "learner"))
         for threads in (1, 2)
     }
+    curves = {
+        f"{kind}_t{threads}": fit_curve([q for q in points if q["kind"] == kind and q["threads"] == threads])
+        for kind in (("engine",) if args.sessions else ("engine", "learner"))
+        for threads in (1, 2)
+    }
     out = {
         "bench": "plan_contention",
+        "curve": curves,
         "law": "seconds(u) = seconds(0) * (1 + k * u) + wait_s * u per forward, u = cores busy with other work",
         "fit": laws,
         "points": [{**q, "s": round(q["s"], 6), "u": round(q["u"], 3)} for q in points],

@@ -175,6 +175,28 @@ def test_the_wait_per_forward_and_a_fit_made_beside_load_in_closed_form():
         CpuCosts(step_s=0.001, row_s=0.0).without_background(0.5, 0.5, threads=1)
 
 
+def test_a_measured_contention_curve_is_interpolated_and_inverted_in_closed_form(tmp_path):
+    """With the contention bench's measured curve, `slowdown` is the piecewise-linear curve through its points
+    (extended from the last two, the last thread count's curve beyond the list, never below 1) in place of the
+    law; `without_background` divides it out; a saved model keeps its curves."""
+    curve = ((0.0, 1.0), (0.2, 1.3), (0.6, 2.5))
+    fitted = CpuCosts(
+        step_s=0.003, row_s=0.0002, learn_tokens_per_s=5000.0, optimizer_s=0.1, engine_k=(9.0,), learner_k=(9.0,),
+        engine_curve=(((0.0, 1.0), (1.0, 1.1)), curve), learner_curve=(((0.0, 1.0), (0.5, 0.9)),),
+    )  # fmt: skip
+    assert slowdown(fitted, "engine", 2, 0.1) == pytest.approx(1.15)
+    assert slowdown(fitted, "engine", 2, 0.4) == pytest.approx(1.9)
+    assert slowdown(fitted, "engine", 2, 1.0) == pytest.approx(2.5 + 3.0 * 0.4)  # beyond: the last slope
+    assert slowdown(fitted, "engine", 3, 0.4) == pytest.approx(1.9)
+    assert slowdown(fitted, "engine", 1, 0.5) == pytest.approx(1.05)
+    assert slowdown(fitted, "learner", 2, 0.25) == 1.0  # a curve below 1 (noise) slows nothing
+    quiet = fitted.without_background(0.4, 0.0, threads=2)
+    assert quiet.step_s == pytest.approx(0.003 / 1.9) and quiet.row_s == pytest.approx(0.0002 / 1.9)
+    assert quiet.learn_tokens_per_s == pytest.approx(5000.0)
+    fitted.save(tmp_path / "cpu.json")
+    assert CpuCosts.load(tmp_path / "cpu.json") == fitted
+
+
 def test_background_cores_slow_every_step_and_the_update_by_the_law():
     """One row of 100 tokens, 10 ms a step, 1000 tokens/s learned, 0.5 background cores: steps at 1 + 0.8 x 0.5,
     the update at 1 + 0.2 x 0.5, publication unchanged; the worker's and learner's threads never overlap

@@ -29,12 +29,15 @@ neighbours) takes longer by
                                                wait for a thread the others hold); f: the work's forwards
                                                per second unslowed (0 for the learner)
 
-(constants from `bench/plan_contention.py`) and, for a model without fitted k, by the proportional share
-max(1, (t + u) / cores).
+(constants from `bench/plan_contention.py`); where the contention bench's measured curve is given instead
+(`engine_curve`, `learner_curve`: per thread count, the slowdown measured at each load, (u, factor) points),
+by that curve interpolated linearly in u (extended from its last two points); for a model with neither, by the
+proportional share max(1, (t + u) / cores).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -129,6 +132,11 @@ class CpuCosts:
     """Contention: seconds each forward of a step waits per core busy with other work, per thread count."""
     learner_k: tuple[float, ...] = ()
     """The learner's update's extra time per core busy with other work, per thread count."""
+    engine_curve: tuple[tuple[tuple[float, float], ...], ...] = ()
+    """Contention as measured: per thread count, (cores busy with other work, slowdown) points of an engine
+    step (`bench/plan_contention.py`); takes precedence over `engine_k`."""
+    learner_curve: tuple[tuple[tuple[float, float], ...], ...] = ()
+    """The same for the learner's update."""
     padded: bool = True
     """The torch engine's forward attends every row over the batch's longest context (`EngineCosts.padded`)."""
     source: str = "given"
@@ -157,14 +165,22 @@ class CpuCosts:
     def without_background(self, engine_u: float, learner_u: float, threads: int) -> CpuCosts:
         """The constants a fit at `threads` threads would have given on a quiet machine, where `engine_u` and
         `learner_u` cores were busy with other work while the engine's and the learner's were measured: the
-        contention law inverted (per forward: minus the wait, over 1 + k u; per row, token or context: over
-        1 + k u; the learner's rate times 1 + k u). Publication and loading are kept as measured."""
+        measured curve's slowdown divided out where given, else the contention law inverted (per forward: minus
+        the wait, over 1 + k u; per row, token or context: over 1 + k u; the learner's rate times 1 + k u).
+        Publication and loading are kept as measured."""
+        if self.engine_curve and self.learner_curve:
+            scale, waited = slowdown(self, "engine", threads, engine_u), 0.0
+            learner = slowdown(self, "learner", threads, learner_u)
+            return self._scaled(scale, waited, learner)
         if not self.engine_k or not self.learner_k:
             raise ValueError("no contention constants: set engine_k and learner_k (bench/plan_contention.py)")
         k = self.engine_k[min(threads, len(self.engine_k)) - 1]
         wait = self.engine_wait_s[min(threads, len(self.engine_wait_s)) - 1] if self.engine_wait_s else 0.0
         scale, waited = 1 + k * max(0.0, engine_u), wait * max(0.0, engine_u)
         learner = 1 + self.learner_k[min(threads, len(self.learner_k)) - 1] * max(0.0, learner_u)
+        return self._scaled(scale, waited, learner)
+
+    def _scaled(self, scale: float, waited: float, learner: float) -> CpuCosts:
         return replace(
             self,
             step_s=max(0.0, self.step_s - waited) / scale,
@@ -190,8 +206,22 @@ class CpuCosts:
         unknown = set(raw) - known - {"model", "fit"}
         if raw.get("model") != "cpu" or unknown:
             raise ValueError(f"{path}: not a CPU cost model (unknown keys {sorted(unknown)})")
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+        values = {k: _tuples(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
         return cls(**values)
+
+
+def _tuples(value: object) -> object:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], u: float) -> float:
+    """The piecewise-linear curve through `points` (sorted by u) at `u`, extended from its last two points."""
+    if len(points) == 1:
+        return points[0][1]
+    for (u0, f0), (u1, f1) in itertools.pairwise(points):
+        if u <= u1 or (u1, f1) == points[-1]:
+            return f0 + (f1 - f0) * (u - u0) / (u1 - u0) if u1 > u0 else f1
+    return points[-1][1]
 
 
 def slowdown(costs: EngineCosts, kind: str, threads: int, other: float, forwards_per_s: float = 0.0) -> float:
@@ -200,6 +230,9 @@ def slowdown(costs: EngineCosts, kind: str, threads: int, other: float, forwards
     docstring's law); 1 where processes have their own devices."""
     if costs.cores == float("inf"):
         return 1.0
+    curves = getattr(costs, "engine_curve" if kind == "engine" else "learner_curve", ())
+    if curves:
+        return max(1.0, _interpolate(curves[min(threads, len(curves)) - 1], max(0.0, other)))
     fitted = getattr(costs, "engine_k" if kind == "engine" else "learner_k", ())
     if not fitted:
         return max(1.0, (threads + other) / costs.cores)

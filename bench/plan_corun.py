@@ -1,0 +1,167 @@
+"""What a rollout engine and a learner running at once on the same cores cost each other: the planner's co-run
+constants (`CpuCosts.engine_beside_learner`, `learner_beside_engine`), fitted on microbenchmarks alone.
+
+A streaming run (`max_staleness` >= 1) gives its worker and its learner their own share of the cores (on 2:
+one thread each) and runs them at once. Besides the CPU they share the caches and the memory bus, which the
+contention bench's synthetic load (a Python spin loop) does not touch. Here the neighbour is the real thing:
+
+- the engine's plain decode steps (b = 1, 16, 128; `--worker-threads`) alone, then beside a process that runs
+  `LearnerCore.step` over 4 synthetic groups in a loop (`--learner-threads`);
+- the learner's update alone, then beside a process that runs plain decode steps of 64 rows in a loop.
+
+Alone and beside alternate `--rounds` times; each factor is the median over rounds (and batches) of beside
+over alone, so the machine's drift between minutes cancels. The machine's other load is read beside every
+point (`bench/plan_load.py`).
+
+    flock /tmp/tlt-heavy.lock python bench/plan_corun.py --out artifacts/plan/corun.json
+
+Prints one JSON object and writes it to --out. A diagnostic of the streaming config's overlap: the simulator
+does not take these factors (on 2 cores they came out near what the contention curve gives a 1-thread process
+beside one busy core; docs/benchmarks.md, the planner's check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+BATCHES = (1, 16, 128)
+NEIGHBOUR_BATCH = 64
+
+
+def log(text: str) -> None:
+    print(f"[plan_corun] {text}", file=sys.stderr, flush=True)
+
+
+def neighbour(kind: str, world: Path, threads: int) -> None:
+    """Run `kind`'s work in a loop until killed (the child process)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if kind == "learner":
+        from plan_fit import learner_batch
+
+        from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+
+        model, groups = learner_batch(world, 4)
+        core = LearnerCore(model, LearnerSettings(lr=1e-6))
+        print("ready", flush=True)
+        while True:
+            core.step(groups)
+    else:
+        from plan_contention import engine_point
+
+        from tlt_stream.model import load_model
+
+        policy = load_model(world / "policy")
+        print("ready", flush=True)
+        while True:
+            engine_point(policy, NEIGHBOUR_BATCH, 5.0, {os.getpid()})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
+    p.add_argument("--out", default=str(ROOT / "artifacts" / "plan" / "corun.json"))
+    p.add_argument("--worker-threads", type=int, default=1)
+    p.add_argument("--learner-threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--window", type=float, default=1.0, help="seconds each engine point is measured")
+    p.add_argument("--neighbour", choices=["learner", "engine"], help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    world = Path(args.world)
+    if args.neighbour:
+        neighbour(args.neighbour, world, args.threads)
+        return
+    if not (world / "policy").is_dir():
+        sys.exit(f"{world}: no policy; run `tlt-stream bootstrap --out {world}` first")
+    import torch
+    from plan_contention import engine_point, measured
+    from plan_fit import learner_batch
+
+    from tlt_stream.model import load_model
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+
+    policy = load_model(world / "policy")
+    model, groups = learner_batch(world, 4)
+    core = LearnerCore(model, LearnerSettings(lr=1e-6))
+    mine = {os.getpid()}
+
+    def beside(kind: str, threads: int) -> subprocess.Popen:
+        command = [sys.executable, __file__, "--neighbour", kind, "--threads", str(threads), "--world", str(world)]
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        child.stdout.readline()  # "ready": loaded, about to loop
+        time.sleep(1.0)
+        mine.add(child.pid)
+        return child
+
+    def stop(child: subprocess.Popen) -> None:
+        mine.discard(child.pid)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+    def engine_points() -> dict[int, tuple[float, float]]:
+        torch.set_num_threads(args.worker_threads)
+        return {b: engine_point(policy, b, args.window, mine) for b in BATCHES}
+
+    def learner_point() -> tuple[float, float]:
+        torch.set_num_threads(args.learner_threads)
+        core.step(groups)  # warm at this thread count
+        return measured(lambda: core.step(groups), 2 * args.window, mine)
+
+    started = time.time()
+    rounds = []
+    for r in range(args.rounds):
+        alone_e = engine_points()
+        child = beside("learner", args.learner_threads)
+        try:
+            beside_e = engine_points()
+        finally:
+            stop(child)
+        alone_l = learner_point()
+        child = beside("engine", args.worker_threads)
+        try:
+            beside_l = learner_point()
+        finally:
+            stop(child)
+        point = {
+            "engine": {str(b): [alone_e[b][0], beside_e[b][0]] for b in BATCHES},
+            "learner": [alone_l[0], beside_l[0]],
+            "other_cores": [alone_e[1][1], beside_e[1][1], alone_l[1], beside_l[1]],
+        }
+        rounds.append(point)
+        ratios = {b: round(v[1] / v[0], 3) for b, v in point["engine"].items()}
+        log(f"round {r + 1}/{args.rounds}: engine beside learner {ratios}, learner beside engine "
+            f"{point['learner'][1] / point['learner'][0]:.3f}")  # fmt: skip
+    engine = statistics.median(x["engine"][str(b)][1] / x["engine"][str(b)][0] for x in rounds for b in BATCHES)
+    learner = statistics.median(x["learner"][1] / x["learner"][0] for x in rounds)
+    out = {
+        "bench": "plan_corun",
+        "worker_threads": args.worker_threads,
+        "learner_threads": args.learner_threads,
+        "engine_beside_learner": round(engine, 3),
+        "learner_beside_engine": round(learner, 3),
+        "rounds": rounds,
+        "seconds": round(time.time() - started, 1),
+        "cpus": os.cpu_count(),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
