@@ -122,21 +122,19 @@ def main() -> None:
         core.step(groups)  # warm at this thread count
         return measured(lambda: core.step(groups), 2 * args.window, mine)
 
+    def alone_then_beside(measure, kind: str, threads: int):
+        alone = measure()
+        child = beside(kind, threads)
+        try:
+            return alone, measure()
+        finally:
+            stop(child)
+
     started = time.time()
     rounds = []
     for r in range(args.rounds):
-        alone_e = engine_points()
-        child = beside("learner", args.learner_threads)
-        try:
-            beside_e = engine_points()
-        finally:
-            stop(child)
-        alone_l = learner_point()
-        child = beside("engine", args.worker_threads)
-        try:
-            beside_l = learner_point()
-        finally:
-            stop(child)
+        alone_e, beside_e = alone_then_beside(engine_points, "learner", args.learner_threads)
+        alone_l, beside_l = alone_then_beside(learner_point, "engine", args.worker_threads)
         point = {
             "engine": {str(b): [alone_e[b][0], beside_e[b][0]] for b in BATCHES},
             "learner": [alone_l[0], beside_l[0]],
