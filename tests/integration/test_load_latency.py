@@ -110,3 +110,41 @@ async def test_hops_before_a_load_are_reported_under_the_version_they_ran_with(
     assert [(r.policy_version, r.tokens, r.ahead_seconds) for r in reports] == [(0, 20, 1.25), (1, 4, 0.0)]
     partial = snap["rollout"]["partial"]
     assert list(partial) == ["1"] and partial["1"]["ahead_seconds"] == pytest.approx(1.25), partial
+
+
+async def test_loading_versions_leaves_no_thread_behind(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker loads (and builds its engine for) each version off the event loop on a thread of its own that
+    ends with the load (`model/threads.py`): a pooled executor thread would outlive it with the OpenMP team its
+    torch operators made, and slow every decode step after. Counted as the process's OS threads (/proc), which
+    an OpenMP team's threads are, at 2 torch threads so that a load makes a team at all."""
+    import asyncio
+    import os
+
+    import torch
+
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    announced = versions(tmp_path, init_policy, monkeypatch)[:2]
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async with learner_and_worker_planes(bus_config) as planes:
+            # an engine big enough that building it runs parallel regions (its KV cache zeroed on 2 threads)
+            config = override(bus_config, {"rollout.max_batch": 128, "rollout.max_len": 256})
+            reward = lambda text, answer: 0.0  # noqa: E731
+            worker = RolloutWorker(config, planes.redis, planes.worker, worker_id="w0", reward=reward)
+            before = os_threads()
+            for message in announced:
+                await announce_and_load(worker, planes, message)
+            for _ in range(100):  # a load's thread settles the await, then ends with its team
+                if os_threads() <= before:
+                    break
+                await asyncio.sleep(0.05)
+            assert os_threads() <= before, f"the loads left {os_threads() - before} OS threads alive"
+            assert worker.version == announced[-1].version
+        assert torch.get_num_threads() == 2, "the compute thread's own count is untouched"
+    finally:
+        torch.set_num_threads(threads_before)
