@@ -8,8 +8,8 @@ streaming: fit both), wall clock, median of `--repeats`:
 - prefill: the first step's extra time over a decode step, b prompts -> prefill_step_s, prefill_token_s;
 - round costs: speculative rounds of the drafter arms at b = 1, 4, 16, 64, the drafter's proposals timed
   apart -> the verify-cost curve (round_s_fixed, node_frac) and draft_step_s, draft_row_s;
-- learner: `LearnerCore.step` over 4 and 16 synthetic groups of the world's lengths -> learn_tokens_per_s,
-  optimizer_s;
+- learner: `LearnerCore.step` over 2, 4, 8 and 16 synthetic groups of the world's lengths -> learn_tokens_per_s,
+  optimizer_s (least squares);
 - publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s).
 
     flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
@@ -107,6 +107,10 @@ ARMS = ("d2k1v2", "d4k1v4", "d6k1v6", "d4k2v8")
 """The drafter arms whose rounds give the verify-cost curve and the drafter's cost."""
 LATE = 240
 """Steps into the responses of the long-context decode measurement."""
+LEARNER_GROUPS = (2, 4, 8, 16)
+"""Groups per measured update: the range a step of the tiny world trains (16 prompts, fewer where groups have
+no signal). The cost per token falls as the batch grows (2026-12-05: 182, 104, 100, 90 us a token between
+these points at 2 threads), so a line through two points alone puts part of it into `optimizer_s`."""
 
 
 def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
@@ -192,7 +196,7 @@ def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
     model, sixteen = learner_batch(world, 16)
     core = LearnerCore(model, LearnerSettings(lr=1e-6))
     rows, y, measured = [], [], []
-    for n in (4, 16):
+    for n in LEARNER_GROUPS:
         batch = sixteen[:n]
         tokens = sum(s.response_len for g in batch for s in g.samples)
         core.step(batch)  # warm-up
@@ -264,9 +268,10 @@ def main() -> None:
             sys.exit("--clock cpu times the calling thread: use it with --threads 1")
         global CLOCK
         CLOCK = time.thread_time
-    global BATCHES, ROUND_BATCHES, LATE, ARMS
+    global BATCHES, ROUND_BATCHES, LATE, ARMS, LEARNER_GROUPS
     if args.light:
         BATCHES, ROUND_BATCHES, ARMS, args.repeats = (1, 4, 16, 64, 128), (1, 16, 64), ("d2k1v2", "d6k1v6", "d4k2v8"), 1
+        LEARNER_GROUPS = (4, 16)
     if args.quick:
         BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
     import torch
