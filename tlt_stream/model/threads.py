@@ -6,10 +6,8 @@ count lazily from that one global value). A service that sets its compute thread
 one operator on an executor thread (loading a checkpoint, saving one) keeps a second full team alive for as long as
 the executor thread lives. The process then has more OpenMP threads than cores, and libgomp all but stops spinning
 at its barriers (its "throttled" spin count), so every parallel region of the compute thread's own team waits for
-a sleeping thread to be woken. On 2 cores (`python bench/side_threads.py`, 2026-12-05), a rollout engine's plain
-decode step with 2 torch threads took 1.24x / 2.28x / 1.50x as long at 1 / 16 / 128 rows while an idle executor
-thread that had run one matrix product lived (16 rows: 4.64 ms against 2.04 ms), and 0.97-1.05x with that thread on
-one torch thread; the rollout workers of `bench/e2e.py` ran their steps at less than half the engine's own speed.
+a sleeping thread to be woken: a decode step takes up to twice as long for as long as the other thread lives
+(`bench/side_threads.py` measures it, with the side thread on one torch thread beside).
 
 So torch work off the compute thread takes one of two forms:
 
