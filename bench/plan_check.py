@@ -177,25 +177,18 @@ def simulated(mode, setup, inputs: tuple, seeds: int, background: float) -> dict
     }
 
 
-CURVE = True
-"""Contention as `bench/plan_contention.py` measured it (its curve, interpolated) rather than its fitted law
-(`--contention-law`)."""
-
-
-def contention_of(path: str | None) -> dict | None:
-    """The contention bench's output (`fit`: the law; `curve`: the measured slowdown, made from its points
-    where an older output lacks it)."""
-    if not path:
+def contention_of(args: argparse.Namespace) -> dict | None:
+    """The contention bench's output (`--contention`): `fit`, the law, and `curve`, the measured slowdown (made
+    from its points where an older output lacks it; left out with `--contention-law`, so the law is used)."""
+    if not args.contention:
         return None
-    from plan_contention import fit_curve
+    from plan_contention import fit_curve, per_kind
 
-    raw = json.loads(Path(path).read_text())
-    if "curve" not in raw:
-        raw["curve"] = {
-            f"{kind}_t{t}": fit_curve([q for q in raw["points"] if q["kind"] == kind and q["threads"] == t])
-            for kind in ("engine", "learner")
-            for t in (1, 2)
-        }
+    raw = json.loads(Path(args.contention).read_text())
+    if args.contention_law:
+        raw.pop("curve", None)
+    elif "curve" not in raw:
+        raw["curve"] = per_kind(raw["points"], lambda _, mine: fit_curve(mine))
     return raw
 
 
@@ -216,7 +209,7 @@ def fitted_costs(path: str, contention: dict | None):
         engine_wait_s=(fit["engine_t1"]["wait_s"], fit["engine_t2"]["wait_s"]),
         learner_k=(fit["learner_t1"]["k"], fit["learner_t2"]["k"]),
     )
-    if curve and CURVE:  # the measured slowdown, interpolated, in place of the law
+    if curve:  # the measured slowdown, interpolated, in place of the law
         as_points = {key: tuple(tuple(p) for p in points) for key, points in curve.items()}
         costs = dataclasses.replace(
             costs,
@@ -261,7 +254,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
     acceptance = Acceptance.uniform(accept, "the measured SD runs' tokens per target forward")
     if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
         acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
-    contention = contention_of(args.contention)
+    contention = contention_of(args)
     cores = len(os.sched_getaffinity(0))
     table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
     out = {
@@ -404,7 +397,7 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
 
 def engines(args: argparse.Namespace, loads: list[dict[str, dict]]) -> list[tuple]:
     """Per run, the synchronous configs' cost model and the background (a) ran beside, as `predict` uses them."""
-    contention = contention_of(args.contention)
+    contention = contention_of(args)
     if args.calibrated:
         return [
             (beside(Path(d), "t2", contention), load.get("a_sync_plain", {}).get("other", 0.0) if contention else 0.0)
@@ -455,8 +448,6 @@ def main() -> None:
         "the runs predicted with the machine's state around them",
     )
     args = p.parse_args()
-    global CURVE
-    CURVE = not args.contention_law
     if args.e2e_json:
         runs = [run for f in args.e2e_json for run in split_reps(json.loads(Path(f).read_text()))]
         args.steps = runs[0]["steps"]

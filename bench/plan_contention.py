@@ -116,6 +116,18 @@ def fit_law(points: list[dict], wait: bool) -> dict:
     }
 
 
+KINDS = ("engine", "learner")
+
+
+def per_kind(points: list[dict], fit, kinds: tuple[str, ...] = KINDS) -> dict:
+    """`fit(kind, its points)` per kind and thread count (1, 2), keyed `KIND_tTHREADS`."""
+    return {
+        f"{kind}_t{threads}": fit(kind, [q for q in points if q["kind"] == kind and q["threads"] == threads])
+        for kind in kinds
+        for threads in (1, 2)
+    }
+
+
 def fit_curve(points: list[dict]) -> list[list[float]]:
     """The slowdown as measured, load by load: per synthetic load (processes, duty), the median cores busy with
     other work and the median over batches and repeats of each point's seconds over its batch's unloaded median;
@@ -195,18 +207,9 @@ def main() -> None:
             for proc in spinners:
                 proc.kill()
                 proc.wait()
-    laws = {
-        f"{kind}_t{threads}": fit_law(
-            [q for q in points if q["kind"] == kind and q["threads"] == threads], wait=kind == "engine"
-        )
-        for kind in (("engine",) if args.sessions else ("engine", "learner"))
-        for threads in (1, 2)
-    }
-    curves = {
-        f"{kind}_t{threads}": fit_curve([q for q in points if q["kind"] == kind and q["threads"] == threads])
-        for kind in (("engine",) if args.sessions else ("engine", "learner"))
-        for threads in (1, 2)
-    }
+    kinds = ("engine",) if args.sessions else KINDS
+    laws = per_kind(points, lambda kind, mine: fit_law(mine, wait=kind == "engine"), kinds)
+    curves = per_kind(points, lambda _, mine: fit_curve(mine), kinds)
     out = {
         "bench": "plan_contention",
         "curve": curves,

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,11 +33,10 @@ def child(world: Path, setting: str, threads: int, steps: int) -> dict[str, floa
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from plan_fit import prompts_of
+    from plan_fit import engine_steps
 
     from tlt_stream.model import load_model
     from tlt_stream.model.threads import off_compute_thread
-    from tlt_stream.rollout.engine import GenerationEngine
 
     torch.set_num_threads(threads)
     policy = load_model(world / "policy")
@@ -54,15 +52,7 @@ def child(world: Path, setting: str, threads: int, steps: int) -> dict[str, floa
         side.submit(off_compute_thread(matmul)).result()
 
     def per_step(batch: int) -> float:
-        engine = GenerationEngine(policy, batch, 1408)
-        for i, p in enumerate(prompts_of(batch)):
-            engine.add_request(p, 420, 1.0, seed=i, eos_ids=())
-        for _ in range(4):
-            engine.step()
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        return 1e3 * (time.perf_counter() - started) / steps
+        return 1e3 * engine_steps(policy, batch, skip=4, steps=steps)[0]
 
     out = {str(b): statistics.median(per_step(b) for _ in range(3)) for b in BATCHES}
     side.shutdown()

@@ -137,6 +137,18 @@ async def test_an_entry_pending_for_us_that_we_do_not_hold_is_read_again_at_once
     await redis.aclose()
 
 
+async def ack_lost(
+    reader: StreamReader[PromptGroup], producer: StreamProducer, behind: aioredis.Redis, keys: Keys, consumer: str
+) -> str:
+    """A task in `consumer`'s pending list that its reader never saw (read with `behind` behind its back,
+    after the reader is past its start, where it reads its own pending history): an ack as good as lost."""
+    await reader.ensure_group()
+    assert await reader.read(block_ms=50) == []
+    (lost,) = await producer.send("prompts", [prompt(0)])
+    await behind.xreadgroup("rollout", consumer, {keys.stream("prompts"): ">"}, count=1)
+    return lost
+
+
 async def test_a_lost_ack_is_left_to_the_resync_even_once_it_is_idle_past_the_reclaim_time(bus_config: Config) -> None:
     """A stray entry of our own (its ack lost) that has been idle past the reclaim time when the reclaim
     timer comes due first: the reclaim leaves it (it takes only entries of the gone and the ones we
@@ -148,10 +160,7 @@ async def test_a_lost_ack_is_left_to_the_resync_even_once_it_is_idle_past_the_re
     redis = aioredis.Redis.from_url(config.bus.redis_url)
     producer = StreamProducer(redis, keys, config.bus)
     reader: StreamReader[PromptGroup] = StreamReader(redis, keys, config.bus, "prompts", "w-stray")
-    await reader.ensure_group()
-    assert await reader.read(block_ms=50) == []  # past its start (where it reads its own pending history)
-    (lost,) = await producer.send("prompts", [prompt(0)])
-    await redis.xreadgroup("rollout", "w-stray", {keys.stream("prompts"): ">"}, count=1)  # behind its back
+    lost = await ack_lost(reader, producer, redis, keys, "w-stray")
     await asyncio.sleep(2 * IDLE_MS / 1000)  # idle past the reclaim time
     reader._next_resync = float("inf")  # the resync not yet due; the reclaim is (it starts due)
     assert await reader.read(block_ms=50) == [], "the reclaim does not take a lost ack"
@@ -178,10 +187,7 @@ async def test_a_reader_looks_for_lost_acks_as_soon_as_its_client_reconnects(bus
     admin = aioredis.Redis.from_url(bus_config.bus.redis_url)
     producer = StreamProducer(admin, keys, bus_config.bus)
     reader: StreamReader[PromptGroup] = StreamReader(redis, keys, bus_config.bus, "prompts", "w-reconnect")
-    await reader.ensure_group()
-    assert await reader.read(block_ms=50) == []  # past its start (where it reads its own pending history)
-    (lost,) = await producer.send("prompts", [prompt(0)])
-    await admin.xreadgroup("rollout", "w-reconnect", {keys.stream("prompts"): ">"}, count=1)  # behind its back
+    lost = await ack_lost(reader, producer, admin, keys, "w-reconnect")
     reader._next_resync = float("inf")  # the periodic look never comes due in this test
     assert await reader.read(block_ms=50) == [], "without a reconnection the lost ack waits for the periodic look"
 

@@ -169,15 +169,14 @@ class CpuCosts:
         the wait, over 1 + k u; per row, token or context: over 1 + k u; the learner's rate times 1 + k u).
         Publication and loading are kept as measured."""
         if self.engine_curve and self.learner_curve:
-            scale, waited = slowdown(self, "engine", threads, engine_u), 0.0
-            learner = slowdown(self, "learner", threads, learner_u)
-            return self._scaled(scale, waited, learner)
+            return self._scaled(
+                slowdown(self, "engine", threads, engine_u), 0.0, slowdown(self, "learner", threads, learner_u)
+            )
         if not self.engine_k or not self.learner_k:
             raise ValueError("no contention constants: set engine_k and learner_k (bench/plan_contention.py)")
-        k = self.engine_k[min(threads, len(self.engine_k)) - 1]
-        wait = self.engine_wait_s[min(threads, len(self.engine_wait_s)) - 1] if self.engine_wait_s else 0.0
-        scale, waited = 1 + k * max(0.0, engine_u), wait * max(0.0, engine_u)
-        learner = 1 + self.learner_k[min(threads, len(self.learner_k)) - 1] * max(0.0, learner_u)
+        wait = _at(self.engine_wait_s, threads) if self.engine_wait_s else 0.0
+        scale, waited = 1 + _at(self.engine_k, threads) * max(0.0, engine_u), wait * max(0.0, engine_u)
+        learner = 1 + _at(self.learner_k, threads) * max(0.0, learner_u)
         return self._scaled(scale, waited, learner)
 
     def _scaled(self, scale: float, waited: float, learner: float) -> CpuCosts:
@@ -210,6 +209,11 @@ class CpuCosts:
         return cls(**values)
 
 
+def _at(per_threads: tuple, threads: int):
+    """A per-thread-count constant's value at `threads` (beyond the last, the last)."""
+    return per_threads[min(threads, len(per_threads)) - 1]
+
+
 def _tuples(value: object) -> object:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
@@ -232,11 +236,11 @@ def slowdown(costs: EngineCosts, kind: str, threads: int, other: float, forwards
         return 1.0
     curves = getattr(costs, "engine_curve" if kind == "engine" else "learner_curve", ())
     if curves:
-        return max(1.0, _interpolate(curves[min(threads, len(curves)) - 1], max(0.0, other)))
+        return max(1.0, _interpolate(_at(curves, threads), max(0.0, other)))
     fitted = getattr(costs, "engine_k" if kind == "engine" else "learner_k", ())
     if not fitted:
         return max(1.0, (threads + other) / costs.cores)
     u = max(0.0, other)
     waits = getattr(costs, "engine_wait_s", ()) if kind == "engine" else ()
-    wait = waits[min(threads, len(waits)) - 1] if waits else 0.0
-    return 1.0 + fitted[min(threads, len(fitted)) - 1] * u + wait * u * forwards_per_s
+    wait = _at(waits, threads) if waits else 0.0
+    return 1.0 + _at(fitted, threads) * u + wait * u * forwards_per_s
