@@ -3,11 +3,16 @@
 
 The cost model comes from `bench/plan_fit.py` (microbenchmarks only; one fit per thread count, since
 `tlt-stream run` gives each process all cores when synchronous and splits them when streaming). The
-workload comes from the measured runs themselves (their recorded response lengths and tokens per target
-forward, and each SD arm's tokens per round per batch bucket from their timelines' arm reports where
-recorded): the inputs of runs the model was not fitted on. Measured: the median over `--runs` e2e runs
-(each run's own figure is the median step time of its steps after the first), with the runs' spread
-(min-max over median) beside it. A prediction within 15% of the measured median passes.
+workload comes from the measured runs themselves: each run's config replays its own groups in the order they
+were dispatched, with their recorded response lengths and which of them the update trained (`--replay`: the
+same seeds make (a)'s runs generate the same responses, so they differ only in the machine; with SD the arms
+the tuner picks from measured timings, and in streaming the groups each update takes, vary with the machine,
+and the policy and its responses with them), and
+each SD arm's tokens per round per batch bucket from that run's timeline (`--no-replay`: lengths and
+acceptance pooled over every run): the inputs of runs the model was not fitted on. Measured: the median over
+`--runs` e2e runs (each run's own figure is the median step time of its steps after the first, or with
+`--step-figure mean` their mean), with the runs' spread (min-max over median) beside it. A prediction within
+15% of the measured median passes.
 
     flock /tmp/tlt-heavy.lock python bench/plan_check.py --world artifacts/world --runs 3 --steps 8 \\
         --costs-sync artifacts/plan/cpu-t2.json --costs-stream artifacts/plan/cpu-t1.json
@@ -40,6 +45,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 CONFIGS = ("a_sync_plain", "b_sync_tlt", "c_stream_tlt", "g_sync_partial")
 RATIOS = {"b_over_a": "b_sync_tlt", "c_over_a": "c_stream_tlt", "g_over_a": "g_sync_partial"}
 TOLERANCE = 0.15
+STEP_FIGURE = "median"
+"""A run's step time: the median of its steps after the first (`--step-figure median`), or their mean (`mean`:
+its span from the first version to the last over the steps between)."""
+
+
+def step_figure(times: list[float]) -> float:
+    """A run's step time from its step times (after the first), as `STEP_FIGURE` says."""
+    return statistics.median(times) if STEP_FIGURE == "median" else statistics.fmean(times)
 
 
 def log(text: str) -> None:
@@ -61,8 +74,8 @@ def run_e2e(args: argparse.Namespace, i: int) -> dict:
 
 def split_reps(result: dict) -> list[dict]:
     """An e2e result of `--reps R` as R runs, one per rotation (a, b, c, g of rep r: run directories
-    `CONFIG-r`), each config's figure the median of its steady steps' wall times (the gaps between consecutive
-    versions after the first, as `bench/e2e.py` times them); a result without reps as itself."""
+    `CONFIG-r`), each config's figure from its steady steps' wall times (the gaps between consecutive versions
+    after the first, as `bench/e2e.py` times them; `step_figure`); a result without reps as itself."""
     from tlt_stream.rl.records import load_metrics
 
     last = Path(next(iter(result["configs"].values()))["run_dir"])
@@ -76,16 +89,16 @@ def split_reps(result: dict) -> list[dict]:
             run_dir = last.parent / f"{name}-{r}"
             times = [row["time"] for row in load_metrics(run_dir)]
             gaps = [b - a for a, b in itertools.pairwise(times)]
-            configs[name] = {"run_dir": str(run_dir), "step_time_s_median": round(statistics.median(gaps), 3)}
+            configs[name] = {"run_dir": str(run_dir), "step_time_s_median": round(step_figure(gaps), 3)}
         runs.append({**result, "configs": configs})
     return runs
 
 
-def workload(runs: list[dict]):
-    """Lengths of every measured step after the first (all configs: the same task and policy), and the SD
-    configs' tokens per target forward over their longest quarter of samples, weighted by length: a sample's
-    figure mixes its plain steps (while the batch was wide) with its SD rounds, and the longest samples ran
-    mostly in the tail, where SD is on."""
+def workload(runs: list[dict], configs: tuple[str, ...] | None = None):
+    """Lengths of every measured step after the first (all configs: the same task and policy; with `configs`,
+    those alone), and the SD configs' tokens per target forward over their longest quarter of samples, weighted
+    by length: a sample's figure mixes its plain steps (while the batch was wide) with its SD rounds, and the
+    longest samples ran mostly in the tail, where SD is on."""
     from tlt_stream.plan.lengths import from_lengths
     from tlt_stream.rl.records import load_metrics
 
@@ -93,6 +106,8 @@ def workload(runs: list[dict]):
     pairs: list[tuple[float, float]] = []
     for run in runs:
         for name, figures in run["configs"].items():
+            if configs is not None and name not in configs:
+                continue
             for r in load_metrics(Path(figures["run_dir"]))[1:]:
                 lengths += [int(x) for x in r.get("response_lens", [])]
                 if name == "a_sync_plain":
@@ -105,18 +120,42 @@ def workload(runs: list[dict]):
     return from_lengths(lengths, "the measured runs' responses"), (tokens / forwards if forwards else 1.0)
 
 
+def own_workload(args: argparse.Namespace, run: dict, name: str, acceptance):
+    """One run's config as the simulator replays it (`--replay`): its groups in dispatch order with their
+    recorded lengths and trained shares, every update's (`Setup.replay`), and, for an SD config, each arm's
+    acceptance per bucket from its own timeline (the pooled table where it recorded none)."""
+    from tlt_stream.plan.acceptance import Acceptance, from_reports
+    from tlt_stream.plan.lengths import replay_groups
+    from tlt_stream.rl.records import load_metrics
+
+    run_dir = Path(run["configs"][name]["run_dir"])
+    groups = replay_groups(load_metrics(run_dir))
+    if name != "a_sync_plain":
+        _, accept = workload([run], (name,))
+        mine = Acceptance.uniform(accept, f"{run_dir.name}'s tokens per target forward")
+        if args.per_arm:
+            mine = from_reports(timeline_reports(run_dir), accept, f"{run_dir.name}'s arm reports") or mine
+        acceptance = mine
+    return groups, acceptance
+
+
+def timeline_reports(run_dir: Path) -> list[dict]:
+    from tlt_stream.plan.acceptance import timeline_reports as read
+
+    path = run_dir / "timeline.jsonl"
+    return read(path) if path.exists() else []
+
+
 def arm_reports(runs: list[dict]) -> list[dict]:
     """The SD configs' arm reports (each arm's tokens and rows per bucket) their run directories' timelines
     kept; empty for runs made before the reports counted rows."""
-    from tlt_stream.plan.acceptance import timeline_reports
-
-    reports = []
-    for run in runs:
-        for name, figures in run["configs"].items():
-            path = Path(figures["run_dir"]) / "timeline.jsonl"
-            if name != "a_sync_plain" and path.exists():
-                reports += timeline_reports(path)
-    return reports
+    return [
+        report
+        for run in runs
+        for name, figures in run["configs"].items()
+        if name != "a_sync_plain"
+        for report in timeline_reports(Path(figures["run_dir"]))
+    ]
 
 
 def prompt_len() -> float:
@@ -157,20 +196,23 @@ def background(args: argparse.Namespace, runs: list[dict]) -> list[dict[str, dic
     return out
 
 
-def simulated(mode, setup, inputs: tuple, seeds: int, background: float) -> dict:
-    """The median over `seeds` simulations of `mode` with `background` cores busy with other work."""
+def simulated(mode, setup, inputs: tuple, seeds: int, background: float, own: tuple | None = None) -> dict:
+    """The median over `seeds` simulations of `mode` with `background` cores busy with other work; with `own`
+    (`own_workload`), the run's own groups replayed and its own acceptance."""
     import dataclasses
 
     from tlt_stream.plan.simulate import simulate
 
     lengths, acceptance, costs = inputs
+    if own is not None:
+        setup, acceptance = dataclasses.replace(setup, replay=own[0]), own[1]
     results = [
         simulate(mode, dataclasses.replace(setup, seed=s, background_cores=background), lengths, acceptance, costs)
         for s in range(seeds)
     ]
     summaries = [r.summary() for r in results]
     return {
-        "step_time_s": round(statistics.median(r.step_time for r in results), 3),
+        "step_time_s": round(statistics.median(step_figure(r.step_times[1:] or r.step_times) for r in results), 3),
         "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
         "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
         "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
@@ -297,13 +339,21 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
                     (lengths, acceptance, beside(Path(d), threads, contention)),
                     args.seeds,
                     load.get(name, {}).get("other", 0.0) if contention else 0.0,
+                    own_workload(args, run, name, acceptance) if args.replay else None,
                 )
-                for d, load in zip(args.calibrated, loads, strict=True)
+                for run, d, load in zip(runs, args.calibrated, loads, strict=True)
             ]
         else:
             per_run = [
-                simulated(mode, setup, inputs, args.seeds, load[name]["other"]) if name in load else quiet
-                for load in loads
+                simulated(
+                    mode,
+                    setup,
+                    inputs,
+                    args.seeds,
+                    load.get(name, {}).get("other", 0.0),
+                    own_workload(args, run, name, acceptance) if args.replay else None,
+                )
+                for run, load in zip(runs, loads, strict=True)
             ]
         out["configs"][name] = {
             "step_time_s": round(statistics.median(r["step_time_s"] for r in per_run), 3),
@@ -430,6 +480,21 @@ def main() -> None:
         help="charge the update only the groups with a signal, as the runs' `degenerate_groups` say "
         "(--no-trained-share: every group)",
     )
+    p.add_argument(
+        "--replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="predict each run's config from its own workload: its groups' recorded lengths and trained shares "
+        "in dispatch order, and its own acceptance (--no-replay: every run from the lengths and acceptance "
+        "pooled over all runs)",
+    )
+    p.add_argument(
+        "--step-figure",
+        choices=("median", "mean"),
+        default="median",
+        help="a run's step time: the median of its steps after the first, or their mean (its span over them: "
+        "robust to a streaming run's first steady steps differing in kind)",
+    )
     p.add_argument("--e2e-json", nargs="*", help="outputs of bench/e2e.py already made (instead of --runs)")
     p.add_argument(
         "--load", nargs="*", help="load samples beside the runs (bench/plan_load.py): each run's background cores"
@@ -448,6 +513,8 @@ def main() -> None:
         "the runs predicted with the machine's state around them",
     )
     args = p.parse_args()
+    global STEP_FIGURE
+    STEP_FIGURE = args.step_figure
     if args.e2e_json:
         runs = [run for f in args.e2e_json for run in split_reps(json.loads(Path(f).read_text()))]
         args.steps = runs[0]["steps"]

@@ -105,6 +105,30 @@ async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
     await redis.aclose()
 
 
+async def test_each_update_records_what_the_planner_replays(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """metrics.jsonl keeps every trained sample's length and reward in its groups' order, so `tlt-stream plan`
+    and `bench/plan_check.py` can replay the run group by group (`plan.lengths.replay_groups`): a group with a
+    signal trains all its tokens, one whose rewards are all equal none."""
+    from tlt_stream.plan.lengths import replay_groups
+
+    run_dir = tmp_path / "run"
+    redis = connect_redis(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
+    sent = {"s000001-0001": (1.0, 0.0), "s000001-0000": (0.5, 0.5)}  # dispatched second, first (one degenerate)
+    await producer.send("samples", [sample(t, i, r) for t, rewards in sent.items() for i, r in enumerate(rewards)])
+    async with service(bus_config, run_dir, init_policy) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    (line,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert line["rewards"] == [r for t in line["trained_groups"] for r in sent[t]]
+    assert line["response_lens"] == [4, 4, 4, 4] and line["trained_tokens"] == 8.0
+    assert replay_groups([line]) == (((4, 4), 0.0), ((4, 4), 1.0))  # in dispatch order: -0000 first
+    await redis.aclose()
+
+
 async def test_a_policy_published_in_bf16_is_what_workers_get_and_a_restart_resumes_the_fp32_masters(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 from tlt_stream.plan.acceptance import Acceptance, chain_alpha, chain_mean
 from tlt_stream.plan.acceptance import from_run as plan_from_run
 from tlt_stream.plan.costs import CpuCosts, FixedCosts, slowdown
-from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named, trained_share
+from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named, replay_groups, trained_share
 from tlt_stream.plan.project import MODES
 from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
 from tlt_stream.plan.simulate import Mode, Setup, simulate
@@ -43,6 +43,33 @@ def test_the_update_costs_only_the_groups_with_a_signal():
     assert r.version_times[1] == pytest.approx(100 * 0.01 + 50 * 0.002 + 0.5 + 0.25)
     rows = [{"degenerate_groups": d, "trained_groups": ["g"] * 4} for d in (3.0, 1.0)]
     assert trained_share(rows) == 0.5 and trained_share([{"reward_mean": 1.0}]) == 1.0
+
+
+def test_a_replayed_run_gives_each_group_its_own_lengths_and_trained_share():
+    """Two steps of two groups replayed (one worker, one row a group, batch 1): each step's rollout is its
+    groups' lengths in dispatch order, each update its groups' trained tokens (closed form); a row that
+    names groups out of order, and one with rewards all equal in a group, as a run's metrics record them."""
+    rows = [
+        {
+            "trained_groups": ["s000000-0001", "s000000-0000"],
+            "response_lens": [30, 20, 10, 40],
+            "rewards": [1.0, 0.0, 0.5, 0.5],
+            "trained_tokens": 50.0,
+        },
+        {"trained_groups": ["s000001-0000", "s000001-0001"], "response_lens": [5, 5, 60, 70], "trained_tokens": 70.0},
+    ]
+    groups = replay_groups(rows)
+    assert groups == (((10, 40), 0.0), ((30, 20), 1.0), ((5, 5), 70 / 140), ((60, 70), 70 / 140))
+    costs = FixedCosts(decode=0.01, learn_per_token=0.002, optimizer_s=0.5, publish_s=0.25)
+    setup = Setup(prompts=2, group_size=2, steps=2, max_batch=2, seed=3, replay=groups)
+    r = simulate(PLAIN, setup, from_lengths([1000]), Acceptance(), costs)
+    for step, ((a, share_a), (b, share_b)) in enumerate(zip(groups[::2], groups[1::2], strict=True)):
+        rollout = (max(a) + max(b)) * 0.01  # a group's two rows side by side, one group at a time
+        update = (sum(a) * share_a + sum(b) * share_b) * 0.002 + 0.5
+        assert r.step_times[step] == pytest.approx(rollout + update + 0.25)
+    assert r.finished_tokens == sum(sum(g) for g, _ in groups)
+    with pytest.raises(ValueError, match="replayed group"):
+        simulate(PLAIN, dataclasses.replace(setup, replay=(((10,), 1.5),)), from_lengths([10]), Acceptance(), costs)
 
 
 def test_equal_rows_in_one_batch_cost_length_times_the_batch_step():

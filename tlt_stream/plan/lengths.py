@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LengthDist", "from_lengths", "from_run", "named", "trained_share"]
+__all__ = ["LengthDist", "from_lengths", "from_run", "named", "replay_groups", "trained_share"]
 
 _Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile: a log-normal's p90 / p50 = exp(sigma * z90)."""
@@ -144,3 +144,40 @@ def trained_share(rows: Sequence[dict]) -> float:
         float(r["degenerate_groups"]) for r in rows if "degenerate_groups" in r and r.get("trained_groups")
     )
     return max(0.0, 1.0 - degenerate / groups) if groups else 1.0
+
+
+def _dispatch_key(task_id: str, seen: int) -> tuple:
+    """The policy service's order of a group (`s{step:06d}-{index:04d}`); an id of another form keeps its place."""
+    head, _, index = task_id.partition("-")
+    if head[:1] == "s" and head[1:].isdigit() and index.isdigit():
+        return (0, int(head[1:]), int(index), seen)
+    return (1, 0, 0, seen)
+
+
+def replay_groups(rows: Sequence[dict]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """A run's workload group by group, in the order the policy service dispatched the groups, from its
+    `metrics.jsonl` rows (every update's, the first's included): each group's response lengths and the share
+    of its tokens the update trained on (`Setup.replay`). A row's samples are its groups' in `trained_groups`'
+    order; a group whose recorded `rewards` are all equal trained nothing, and the row's other groups share its
+    `trained_tokens` (what the overlong mask or an empty response took out is spread over them); a row without
+    rewards gives each of its groups its `trained_tokens` over its response tokens. Rows whose samples do not
+    split evenly into their groups are left out; empty: nothing to replay."""
+    out: list[tuple[tuple, tuple[tuple[int, ...], float]]] = []
+    for r in rows:
+        ids, lens = r.get("trained_groups") or [], [max(1, int(x)) for x in r.get("response_lens") or []]
+        if not ids or not lens or len(lens) % len(ids):
+            continue
+        size = len(lens) // len(ids)
+        groups = [tuple(lens[i * size : (i + 1) * size]) for i in range(len(ids))]
+        rewards = r.get("rewards")
+        if rewards is not None and len(rewards) == len(lens):
+            signal = [len(set(rewards[i * size : (i + 1) * size])) > 1 for i in range(len(ids))]
+        else:
+            signal = [True] * len(ids)
+        flagged = sum(sum(g) for g, s in zip(groups, signal, strict=True) if s)
+        trained = float(r.get("trained_tokens", flagged))
+        share = min(1.0, trained / flagged) if flagged else 0.0
+        for task_id, g, s in zip(ids, groups, signal, strict=True):
+            out.append((_dispatch_key(str(task_id), len(out)), (g, share if s else 0.0)))
+    out.sort(key=lambda pair: pair[0])
+    return tuple(group for _, group in out)

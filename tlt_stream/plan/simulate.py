@@ -17,7 +17,7 @@ system's own rules.
   that arrives preempts it within one training step and the slice's commit (`preempt_s`).
 - Learner: groups join its queue in order of completion; an update takes the first `prompts` groups inside
   the staleness window (older ones are dropped), costs `learn_s` of the `trained_share` of their tokens (groups
-  whose rewards are all equal train nothing) plus `optimizer_s`, and the
+  whose rewards are all equal train nothing; a replayed group its own share) plus `optimizer_s`, and the
   new version is announced `publish_s` later. Overlapped (on-policy): each group's forward and backward runs
   as soon as it is complete and the learner is free; the step ends one optimizer step after its last group.
   Colocated (verl, TLT): the learner's devices are the engines', so no engine step runs during an update.
@@ -28,7 +28,8 @@ system's own rules.
 
 With `seed` set, a round's emitted tokens are drawn from the chain model (`acceptance.Acceptance.draw`) and
 lengths from the distribution; with `seed=None` every round emits its mean and lengths are used in order,
-for closed-form checks.
+for closed-form checks. With `Setup.replay` (a measured run's groups in the order they were dispatched),
+each group takes its recorded lengths and trained share whatever the seed.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ class Setup:
     """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
     responses, and delays what another event would have changed by at most that many steps)."""
     seed: int | None = DEFAULTS.policy.seed
+    replay: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """A measured run's workload, group by group in the order the policy service dispatched them: each group's
+    response lengths and the share of its tokens the update trained on (0 for a group whose rewards were all
+    equal); the n-th dispatched group takes entry n (cycled where the run had fewer). Empty: lengths from the
+    distribution and `trained_share` for every group."""
 
 
 @dataclass
@@ -197,7 +203,10 @@ class _Sim:
         forwards per unslowed second]."""
         self.learner_pending = -1
         self.learner_started = 0.0
-        self.ready: deque[tuple[int, int, float]] = deque()  # (step, version, tokens) of complete groups
+        self.ready: deque[tuple[int, int, float, float, list[float]]] = deque()
+        """Complete groups: (step, version, tokens, trained tokens, the lengths of its rows the update trains)."""
+        self.group_share: dict[int, float] = {}
+        self.group_rows: dict[int, list[float]] = {}
         self.group_left: dict[int, int] = {}
         self.group_tokens: dict[int, float] = {}
         self.group_version: dict[int, int] = {}
@@ -312,13 +321,15 @@ class _Sim:
             step = self.dispatched
             for g in range(s.prompts):
                 gid = step * s.prompts + g
-                if self.rng is not None:
+                if s.replay:
+                    lens, self.group_share[gid] = s.replay[gid % len(s.replay)]
+                elif self.rng is not None:
                     lens = self.lengths.draw(s.group_size, self.length_rng)
                 else:
                     lens = [next(self._in_order) for _ in range(s.group_size)]
                 need = max(0, step - self.mode.max_staleness)
                 self.queue.append([_Row(step, gid, min(x, s.max_response), need) for x in lens])
-                self.group_left[gid] = s.group_size
+                self.group_left[gid] = len(lens)
                 self.group_tokens[gid] = 0.0
             self.dispatched += 1
         for w in self.workers:
@@ -475,10 +486,14 @@ class _Sim:
         self.finished += r.done
         self.last_finish[r.step] = t
         self.group_tokens[r.group] += r.done
+        self.group_rows.setdefault(r.group, []).append(r.done)
         self.group_version[r.group] = min(self.group_version.get(r.group, r.version), r.version)
         self.group_left[r.group] -= 1
         if self.group_left[r.group] == 0:
-            self.ready.append((r.step, self.group_version[r.group], self.group_tokens[r.group]))
+            tokens = self.group_tokens[r.group]
+            share = self.group_share.get(r.group, self.setup.trained_share)
+            rows = self.group_rows.pop(r.group)
+            self.ready.append((r.step, self.group_version[r.group], tokens, tokens * share, rows if share else []))
             self.try_learn(t)
 
     def go_idle(self, w: _Worker, t: float) -> None:
@@ -501,11 +516,10 @@ class _Sim:
         if self.mode.overlapped:
             if not self.ready or self.accumulated >= n:
                 return
-            _, _, tokens = self.ready.popleft()
+            _, _, tokens, trained, rows = self.ready.popleft()
             self.accumulated += 1
             self.acc_tokens += tokens
-            trained = int(tokens * self.setup.trained_share)
-            seconds = self.costs.learn_s(trained, self.setup.prompt_len + tokens / self.setup.group_size)
+            seconds = self.learn_s(rows, trained, self.setup.prompt_len + tokens / self.setup.group_size)
             if self.accumulated == n:
                 seconds += self.costs.optimizer_s
         else:
@@ -514,9 +528,19 @@ class _Sim:
             taken = [self.ready.popleft() for _ in range(n)]
             tokens = sum(g[2] for g in taken)
             ctx = self.setup.prompt_len + tokens / (n * self.setup.group_size)
-            seconds = self.costs.learn_s(int(tokens * self.setup.trained_share), ctx) + self.costs.optimizer_s
+            trained = sum(g[3] for g in taken)
+            seconds = self.learn_s([x for g in taken for x in g[4]], trained, ctx) + self.costs.optimizer_s
             self.accumulated = n
         self.work(None, t, seconds)
+
+    def learn_s(self, rows: list[float], trained: float, context: float) -> float:
+        """The forward and backward of an update over `trained` tokens of the rows of lengths `rows` (the groups
+        with a signal): the cost model's micro-batched cost of those rows (`CpuCosts.learn_rows_s`), scaled to
+        the share of their tokens trained, where it has one; else its cost per token at the mean context."""
+        per_rows, total = getattr(self.costs, "learn_rows_s", None), sum(rows)
+        if per_rows is None or total <= 0:
+            return self.costs.learn_s(int(trained), context)
+        return per_rows(rows, self.setup.prompt_len) * trained / total
 
     def learner_done(self, t: float) -> None:
         """A group's (overlapped) or a whole update's work is done; a finished update is published, the learner
@@ -539,4 +563,7 @@ def simulate(mode: Mode, setup: Setup, lengths: LengthDist, acceptance: Acceptan
         raise ValueError("prompts, group size, steps, workers and max batch must be positive")
     if setup.group_size > setup.max_batch:
         raise ValueError(f"a group of {setup.group_size} rows does not fit a batch of {setup.max_batch}")
+    for lens, share in setup.replay:
+        if not lens or len(lens) > setup.max_batch or min(lens) < 1 or not 0.0 <= share <= 1.0:
+            raise ValueError(f"a replayed group needs 1 to {setup.max_batch} lengths >= 1 and a share in [0, 1]")
     return _Sim(mode, setup, lengths, acceptance, costs).run()

@@ -75,6 +75,7 @@ class UpdateRecords:
             "staleness_hist": histogram,
             "response_lens": [s.response_len for s in samples],
             "accept_lengths": [round(s.accept_length or 1.0, 3) for s in samples],
+            "rewards": [float(s.reward) for s in samples],
             "trained_groups": trained,
         }
         await until_written(
