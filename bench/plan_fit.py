@@ -4,12 +4,16 @@ Never on the end-to-end runs it is checked against (`bench/plan_check.py`). On t
 drafter, with `--threads` torch threads (the e2e runs give each process 2 threads when synchronous, 1 when
 streaming: fit both), wall clock, median of `--repeats`:
 
-- decode curve: plain decode steps of b rows (b = 1 .. 128) at two context lengths -> step_s, row_s, ctx_s;
+- decode curve: plain decode steps of b rows (b = 1 .. 128) at three context lengths -> step_s, row_s, ctx_s,
+  ragged_s; beyond one row the rows' contexts differ (prompts of different lengths), as in a run, where the
+  engine builds an attention mask that rows of one context do without;
 - prefill: the first step's extra time over a decode step, b prompts -> prefill_step_s, prefill_token_s;
 - round costs: speculative rounds of the drafter arms at b = 1, 4, 16, 64, the drafter's proposals timed
   apart -> the verify-cost curve (round_s_fixed, node_frac) and draft_step_s, draft_row_s;
-- learner: `LearnerCore.step` over 2, 4, 8 and 16 synthetic groups of the world's lengths -> learn_tokens_per_s,
-  optimizer_s (least squares);
+- learner: `LearnerCore.step` over 2, 4, 8 and 16 synthetic groups of the world's lengths, and 4 and 16 of
+  shorter and of longer-tailed ones -> learn_token_s and learn_attn_s (per padded token of the micro-batches the
+  learner makes, and per padded token per token of their width), optimizer_s (least squares); the plain
+  learn_tokens_per_s of the world's lengths beside them;
 - publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s).
 
     flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
@@ -48,10 +52,30 @@ def log(text: str) -> None:
     print(f"[plan_fit] {text}", file=sys.stderr, flush=True)
 
 
+OUTLIER = 0.5
+"""A measurement off the fit through the others by more than this share of its prediction, and by more than four
+times their median miss, is left out of the fit (at most a quarter of the points): a moment the shared machine
+stalled for longer than the repeats' median can reject (2026-12-05: one of 16 decode points at 10.3 ms where
+its neighbours took 1.5-2.3 ms moved the fixed cost of a ragged batch 5x)."""
+
+
 def lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares through the points, outliers left out (`OUTLIER`; each one logged)."""
     import numpy as np
 
-    solution, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(y, dtype=float), rcond=None)
+    a, b = np.array(rows, dtype=float), np.array(y, dtype=float)
+    keep = np.ones(len(b), dtype=bool)
+    for _ in range(len(b) // 4):
+        solution, *_ = np.linalg.lstsq(a[keep], b[keep], rcond=None)
+        fitted = a @ solution
+        miss = np.abs(b - fitted) / np.maximum(np.abs(fitted), 1e-9)
+        miss[~keep] = 0.0
+        worst = int(np.argmax(miss))
+        if miss[worst] <= OUTLIER or miss[worst] <= 4 * float(np.median(miss[keep])):
+            break
+        log(f"left out of the fit: {b[worst]:.4g} where the others give {fitted[worst]:.4g} ({rows[worst]})")
+        keep[worst] = False
+    solution, *_ = np.linalg.lstsq(a[keep], b[keep], rcond=None)
     return [float(x) for x in solution]
 
 
@@ -65,12 +89,30 @@ def prompts_of(n: int) -> list[list[int]]:
     return [ids[i % len(ids)] for i in range(n)]
 
 
-def engine_steps(policy, batch: int, *, proposer=None, arm=None, skip: int, steps: int, new: int = 420):
-    """(seconds per step over `steps` steps after `skip`, the first step's seconds, mean context, draft seconds
-    per step)."""
+def ragged(prompts: list[list[int]], spread: int) -> list[list[int]]:
+    """The prompts at contexts spread evenly over `spread` tokens (the first the longest: each prompt repeated
+    and cut), so that a batch's rows differ as a run's do."""
+    n = len(prompts)
+    return [(p * (2 + spread // max(len(p), 1)))[: len(p) + (spread * (n - i)) // n] for i, p in enumerate(prompts)]
+
+
+RAGGED_SPREAD = 50
+"""Tokens over which a measured batch's contexts are spread (rows of a run's batch: prompts differ, rows join
+and finish at different times); small, so that the first measurement is at a short context, where a wide
+batch's rollout begins."""
+
+
+def engine_steps(
+    policy, batch: int, *, proposer=None, arm=None, skip: int, steps: int, new: int = 420, spread: int = 0
+):
+    """(seconds per step over `steps` steps after `skip`, the first step's seconds, the longest row's context,
+    draft seconds per step, prompt tokens); with `spread`, the rows' contexts differ by up to that many tokens
+    (`ragged`)."""
     from tlt_stream.rollout.engine import GenerationEngine
 
     prompts = prompts_of(batch)
+    if spread and batch > 1:
+        prompts = ragged(prompts, spread)
     longest = max(len(p) for p in prompts)
     engine = GenerationEngine(policy, batch, longest + new + 70, proposer=proposer, arm=arm, max_draft_nodes=64)
     drafting = [0.0]
@@ -97,8 +139,8 @@ def engine_steps(policy, batch: int, *, proposer=None, arm=None, skip: int, step
     for _ in range(steps):
         engine.step()
     seconds = (CLOCK() - started) / steps
-    context = statistics.fmean(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
-    return seconds, first, context, drafting[0] / steps
+    context = max(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
+    return seconds, first, context, drafting[0] / steps, sum(len(p) for p in prompts)
 
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -123,20 +165,19 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     drafter = load_drafter(world / "drafter", policy)
     plain_rows, plain_y, prefill_rows, prefill_y, measured = [], [], [], [], {"decode": [], "rounds": []}
     for batch in BATCHES:
-        for skip in (4, LATE):
-            runs = [engine_steps(policy, batch, skip=skip, steps=24) for _ in range(repeats)]
+        for skip in (4, LATE // 2, LATE):
+            runs = [engine_steps(policy, batch, skip=skip, steps=24, spread=RAGGED_SPREAD) for _ in range(repeats)]
             sec = statistics.median(r[0] for r in runs)
             first = statistics.median(r[1] for r in runs)
             ctx = runs[0][2]
-            plain_rows.append([1.0, batch, batch * ctx])
+            plain_rows.append([1.0, batch, batch * ctx, float(batch > 1)])
             plain_y.append(sec)
             if skip == 4:
-                tokens = sum(len(p) for p in prompts_of(batch))
-                prefill_rows.append([1.0, tokens])
+                prefill_rows.append([1.0, runs[0][4]])
                 prefill_y.append(max(0.0, first - sec))
             measured["decode"].append({"batch": batch, "context": round(ctx, 1), "ms": round(1e3 * sec, 3)})
-            log(f"decode b={batch} ctx={ctx:.0f}: {1e3 * sec:.2f} ms")
-    step_s, row_s, ctx_s = lstsq(plain_rows, plain_y)
+            log(f"decode b={batch} longest ctx={ctx:.0f}: {1e3 * sec:.2f} ms")
+    step_s, row_s, ctx_s, ragged_s = lstsq(plain_rows, plain_y)
     prefill_step_s, prefill_token_s = lstsq(prefill_rows, prefill_y)
     verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
     for label in ARMS:
@@ -164,6 +205,7 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
         "step_s": step_s,
         "row_s": row_s,
         "ctx_s": ctx_s,
+        "ragged_s": max(0.0, ragged_s),
         "node_frac": node_frac,
         "round_s_fixed": round_fixed,
         "draft_step_s": draft_step_s,
@@ -174,44 +216,73 @@ def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
     return fitted, measured
 
 
-def learner_batch(world: Path, n: int, seed: int = 0) -> tuple:
-    """(the world's policy as the learner loads it, `n` synthetic groups of 8 samples of the world's lengths:
-    log-normal around 150 tokens, rewards alternating so every group has a signal)."""
+LENGTH_LAWS = {"world": (5.0, 0.6), "short": (4.1, 0.5), "tail": (5.0, 1.0)}
+"""(mu, sigma) of the synthetic responses' log-normal lengths: the world's (median ~150 tokens), shorter ones,
+and a longer tail (wider micro-batches): the learner's cost per padded token and its attention's part apart."""
+LAW_GROUPS = {"world": LEARNER_GROUPS, "short": (4, 16), "tail": (4, 16)}
+
+
+def learner_batch(world: Path, n: int, seed: int = 0, law: str = "world") -> tuple:
+    """(the world's policy as the learner loads it, `n` synthetic groups of 8 samples of `law`'s lengths
+    (`LENGTH_LAWS`, capped at 1400 tokens), rewards alternating so every group has a signal)."""
     from _grpo import synthetic_group  # bench/, on the path
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
     vocab = int(model.get_input_embeddings().weight.shape[0])
     rng = random.Random(seed)
+    mu, sigma = LENGTH_LAWS[law]
     out = []
     for g in range(n):
         prompt = [rng.randrange(vocab) for _ in range(40)]
-        out.append(synthetic_group(rng, g, prompt, 8, lambda: max(8, int(rng.lognormvariate(5.0, 0.6))), vocab))
+        out.append(
+            synthetic_group(rng, g, prompt, 8, lambda: min(1400, max(8, int(rng.lognormvariate(mu, sigma)))), vocab)
+        )
     return model, out
 
 
 def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
+    from tlt_stream.plan.costs import micro_batches
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 
-    model, sixteen = learner_batch(world, 16)
-    core = LearnerCore(model, LearnerSettings(lr=1e-6))
-    rows, y, measured = [], [], []
-    for n in LEARNER_GROUPS:
-        batch = sixteen[:n]
-        tokens = sum(s.response_len for g in batch for s in g.samples)
-        core.step(batch)  # warm-up
-        times = []
-        for _ in range(repeats):
-            started = CLOCK()
-            core.step(batch)
-            times.append(CLOCK() - started)
-        sec = statistics.median(times)
-        rows.append([1.0, tokens])
-        y.append(sec)
-        measured.append({"groups": n, "tokens": tokens, "s": round(sec, 4)})
-        log(f"learner {n} groups, {tokens} tokens: {sec:.3f} s")
-    optimizer_s, per_token = lstsq(rows, y)
-    return {"learn_tokens_per_s": 1.0 / per_token, "optimizer_s": max(0.0, optimizer_s)}, {"learner": measured}
+    settings = LearnerSettings(lr=1e-6)
+    model, _ = learner_batch(world, 1)
+    core = LearnerCore(model, settings)
+    plain_rows, padded_rows, y, measured = [], [], [], []
+    for law, counts in LAW_GROUPS.items():
+        _, groups = learner_batch(world, max(counts), law=law)
+        for n in counts:
+            batch = groups[:n]
+            tokens = sum(s.response_len for g in batch for s in g.samples)
+            shapes = micro_batches(
+                [s.response_len for g in batch for s in g.samples], 40, settings.micro_batch_tokens
+            )  # every synthetic prompt is 40 tokens
+            core.step(batch)  # warm-up
+            times = []
+            for _ in range(repeats):
+                started = CLOCK()
+                core.step(batch)
+                times.append(CLOCK() - started)
+            sec = statistics.median(times)
+            if law == "world":
+                plain_rows.append([1.0, tokens])
+            padded_rows.append([1.0, sum(b * w for b, w in shapes), sum(b * w * w for b, w in shapes)])
+            y.append(sec)
+            measured.append({"law": law, "groups": n, "tokens": tokens, "s": round(sec, 4)})
+            log(f"learner {law} {n} groups, {tokens} tokens: {sec:.3f} s")
+    _, per_token = lstsq(plain_rows, y[: len(plain_rows)])
+    optimizer_s, token_s, attn_s = lstsq(padded_rows, y)
+    if attn_s < 0:  # noise: no attention term is better than a negative one
+        optimizer_s, token_s = lstsq([r[:2] for r in padded_rows], y)
+        attn_s = 0.0
+    fitted = {
+        "learn_tokens_per_s": 1.0 / per_token,
+        "learn_token_s": token_s,
+        "learn_attn_s": attn_s,
+        "micro_batch_tokens": settings.micro_batch_tokens,
+        "optimizer_s": max(0.0, optimizer_s),
+    }
+    return fitted, {"learner": measured}
 
 
 def fit_publish(world: Path, repeats: int) -> tuple[dict, dict]:
@@ -268,10 +339,10 @@ def main() -> None:
             sys.exit("--clock cpu times the calling thread: use it with --threads 1")
         global CLOCK
         CLOCK = time.thread_time
-    global BATCHES, ROUND_BATCHES, LATE, ARMS, LEARNER_GROUPS
+    global BATCHES, ROUND_BATCHES, LATE, ARMS, LAW_GROUPS
     if args.light:
         BATCHES, ROUND_BATCHES, ARMS, args.repeats = (1, 4, 16, 64, 128), (1, 16, 64), ("d2k1v2", "d6k1v6", "d4k2v8"), 1
-        LEARNER_GROUPS = (4, 16)
+        LAW_GROUPS = {"world": (4, 16), "short": (16,), "tail": (16,)}
     if args.quick:
         BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
     import torch

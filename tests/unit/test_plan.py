@@ -14,7 +14,7 @@ import pytest
 
 from tlt_stream.plan.acceptance import Acceptance, chain_alpha, chain_mean
 from tlt_stream.plan.acceptance import from_run as plan_from_run
-from tlt_stream.plan.costs import CpuCosts, FixedCosts, slowdown
+from tlt_stream.plan.costs import CpuCosts, FixedCosts, micro_batches, slowdown
 from tlt_stream.plan.lengths import LengthError, from_lengths, from_run, named, replay_groups, trained_share
 from tlt_stream.plan.project import MODES
 from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
@@ -72,12 +72,48 @@ def test_a_replayed_run_gives_each_group_its_own_lengths_and_trained_share():
         simulate(PLAIN, dataclasses.replace(setup, replay=(((10,), 1.5),)), from_lengths([10]), Acceptance(), costs)
 
 
+def test_the_learner_costs_the_micro_batches_it_makes_in_closed_form():
+    """`learn_rows_s` batches rows as `rl/batches.py` does (longest first, `tokens // width` rows padded to
+    the first's width) and charges each micro-batch B W (token + attn W); the shapes are the learner's own."""
+    import torch
+
+    from tlt_stream.basics.messages import Sample, Tensor
+    from tlt_stream.rl.batches import micro_batches as learner_batches
+
+    rows, prompt = [100, 50, 50, 7], 10
+    assert micro_batches(rows, prompt, 150) == [(1, 110), (2, 60), (1, 17)]
+    costs = CpuCosts(step_s=0.0, row_s=0.0, learn_token_s=1e-3, learn_attn_s=1e-5, micro_batch_tokens=150)
+    expect = 110 * (1e-3 + 1e-5 * 110) + 2 * 60 * (1e-3 + 1e-5 * 60) + 17 * (1e-3 + 1e-5 * 17)
+    assert costs.learn_rows_s(rows, prompt) == pytest.approx(expect)
+    assert CpuCosts(step_s=0.0, row_s=0.0, learn_tokens_per_s=100.0).learn_rows_s(rows, prompt) == pytest.approx(2.07)
+    samples = [
+        Sample(
+            sample_id=f"t/{i}", task_id="t", prompt_id="t", index=i, group_size=len(rows), prompt_ids=[5] * prompt,
+            token_ids=Tensor.from_values([7] * n, "int32"), logprobs=Tensor.from_values([-1.0] * n, "float32"),
+            policy_version=0, drafter_version=-1, reward=float(i % 2), finish_reason="eos", worker_id="w0",
+        )
+        for i, n in enumerate(rows)
+    ]  # fmt: skip
+    made = learner_batches(samples, torch.zeros(len(rows)), list(range(len(rows))), tokens=150, device="cpu")
+    assert [(b["ids"].shape[0], b["ids"].shape[1]) for b in made] == micro_batches(rows, prompt, 150)
+
+
 def test_equal_rows_in_one_batch_cost_length_times_the_batch_step():
     costs = CpuCosts(step_s=0.003, row_s=0.0005, learn_tokens_per_s=1e12)
     setup = Setup(prompts=4, group_size=8, steps=1, seed=None)
     r = simulate(PLAIN, setup, from_lengths([50]), Acceptance(), costs)
     assert r.version_times[1] == pytest.approx(50 * (0.003 + 0.0005 * 32))
     assert r.emitted == 32 * 50
+
+
+def test_a_batch_of_rows_pays_the_ragged_mask_and_one_row_does_not():
+    """`ragged_s` is charged to every decode step of more than one row (a run's rows differ in context, so the
+    torch engine builds a mask) and never to a lone row: a group of two rows of 40 and 10 tokens (closed form)."""
+    costs = CpuCosts(step_s=0.001, row_s=0.0001, ragged_s=0.0005, learn_tokens_per_s=1e12)
+    assert costs.decode_s(1, 100.0) == pytest.approx(0.0011) and costs.decode_s(2, 100.0) == pytest.approx(0.0017)
+    setup = Setup(prompts=1, group_size=2, steps=1, seed=None, arms=())
+    r = simulate(PLAIN, setup, from_lengths([40, 10]), Acceptance(), costs)
+    assert r.version_times[1] == pytest.approx(10 * 0.0017 + 30 * 0.0011)
 
 
 def test_a_padded_engine_attends_every_row_over_the_longest_context():
@@ -187,8 +223,8 @@ def test_the_wait_per_forward_and_a_fit_made_beside_load_in_closed_form():
     constants a fit measured beside u busy cores, so the quiet model slowed by the same u gives the fitted
     step back (to rounding), and a decode step of the fit equals the quiet step slowed."""
     fitted = CpuCosts(
-        step_s=0.003, row_s=0.0002, ctx_s=1e-7, draft_step_s=0.002, learn_tokens_per_s=5000.0, optimizer_s=0.1,
-        engine_k=(0.5, 2.0), engine_wait_s=(0.0, 0.001), learner_k=(0.1, 0.4), publish_s=0.3,
+        step_s=0.003, row_s=0.0002, ctx_s=1e-7, ragged_s=0.0004, draft_step_s=0.002, learn_tokens_per_s=5000.0,
+        optimizer_s=0.1, engine_k=(0.5, 2.0), engine_wait_s=(0.0, 0.001), learner_k=(0.1, 0.4), publish_s=0.3,
     )  # fmt: skip
     assert slowdown(fitted, "engine", 2, 0.5, forwards_per_s=100.0) == pytest.approx(1 + 2.0 * 0.5 + 0.001 * 0.5 * 100)
     quiet = fitted.without_background(0.5, 0.25, threads=2)

@@ -13,11 +13,14 @@ Every model answers, in seconds:
 CPU formulas (b rows, n verified nodes, ctx tokens of context: the batch's longest row's, since the torch
 engine attends every row over the longest, depth d, top-k w):
 
-    decode_s  = step_s + row_s * b + ctx_s * b * ctx
+    decode_s  = step_s + row_s * b + ctx_s * b * ctx + ragged_s * [b > 1]
     round_s   = step_s + round_s_fixed + row_s * b * (1 + node_frac * n) + ctx_s * b * ctx
                 + d * (draft_step_s + draft_row_s * b * w)
     prefill_s = prefill_step_s + prefill_token_s * tokens
-    learn_s   = tokens / learn_tokens_per_s
+    learn_s   = tokens / learn_tokens_per_s   (a fit without the micro-batch constants), else, over the update's
+                rows as the learner batches them (longest first, each micro-batch `micro_batch_tokens // W` rows
+                padded to its longest, W tokens of prompt and response):
+              = sum over micro-batches of B * W * (learn_token_s + learn_attn_s * W)
 
 Contention (`slowdown`): work of `t` threads started while `u` cores are busy with other work (the other
 modelled processes' busy threads, plus the run's `background_cores`: services, Redis, the machine's
@@ -39,13 +42,15 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Protocol
 
+from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.rollout.arms import Arm
 
-__all__ = ["CpuCosts", "EngineCosts", "FixedCosts", "slowdown"]
+__all__ = ["CpuCosts", "EngineCosts", "FixedCosts", "micro_batches", "slowdown"]
 
 
 class EngineCosts(Protocol):
@@ -107,6 +112,11 @@ class CpuCosts:
     """Cost per row and query token of a target forward (the part that grows with the batch)."""
     ctx_s: float = 0.0
     """Attention's cost per row per context token."""
+    ragged_s: float = 0.0
+    """A decode step's extra cost when its rows' contexts differ, as a run's always do beyond one row (prompts
+    differ, rows join and finish at different times): the torch engine then builds an attention mask
+    (`model/layers.py`; rows of one context need none). A speculative round builds its tree mask whatever the
+    rows, inside `round_s_fixed`."""
     node_frac: float = 1.0
     """A verified draft node's cost relative to the row's one decode token (the verify-cost curve's slope)."""
     round_s_fixed: float = 0.0
@@ -119,6 +129,12 @@ class CpuCosts:
     prefill_token_s: float = 0.0
     learn_tokens_per_s: float = 1e9
     """The learner's response tokens per second (forward + backward, its own process)."""
+    learn_token_s: float = 0.0
+    """The learner's forward and backward per padded token of a micro-batch (0: `learn_tokens_per_s` instead)."""
+    learn_attn_s: float = 0.0
+    """Its attention's part: per padded token per token of the micro-batch's width."""
+    micro_batch_tokens: int = DEFAULTS.learner.micro_batch_tokens
+    """Padded tokens per micro-batch (`learner.micro_batch_tokens`)."""
     optimizer_s: float = 0.0
     publish_s: float = 0.0
     """From the update's end to the new version announced (checkpoint written, hashed)."""
@@ -142,7 +158,8 @@ class CpuCosts:
     source: str = "given"
 
     def decode_s(self, batch: int, context: float) -> float:
-        return self.step_s + self.row_s * batch + self.ctx_s * batch * context
+        ragged = self.ragged_s if batch > 1 else 0.0
+        return self.step_s + self.row_s * batch + self.ctx_s * batch * context + ragged
 
     def round_s(self, batch: int, arm: Arm, context: float) -> float:
         if arm.kind == "plain":
@@ -158,6 +175,16 @@ class CpuCosts:
 
     def learn_s(self, tokens: int, context: float) -> float:
         return tokens / self.learn_tokens_per_s
+
+    def learn_rows_s(self, lengths: Sequence[float], prompt_len: float) -> float:
+        """The forward and backward over rows of these response lengths, each after `prompt_len` prompt tokens,
+        micro-batched as the learner does (`rl/batches.py`)."""
+        if not self.learn_token_s:
+            return sum(lengths) / self.learn_tokens_per_s
+        return sum(
+            b * w * (self.learn_token_s + self.learn_attn_s * w)
+            for b, w in micro_batches(lengths, prompt_len, self.micro_batch_tokens)
+        )
 
     def describe(self) -> dict[str, object]:
         return {"model": "cpu", **asdict(self)}
@@ -185,12 +212,15 @@ class CpuCosts:
             step_s=max(0.0, self.step_s - waited) / scale,
             row_s=self.row_s / scale,
             ctx_s=self.ctx_s / scale,
+            ragged_s=self.ragged_s / scale,
             round_s_fixed=self.round_s_fixed / scale,
             draft_step_s=max(0.0, self.draft_step_s - waited) / scale,
             draft_row_s=self.draft_row_s / scale,
             prefill_step_s=max(0.0, self.prefill_step_s - waited) / scale,
             prefill_token_s=self.prefill_token_s / scale,
             learn_tokens_per_s=self.learn_tokens_per_s * learner,
+            learn_token_s=self.learn_token_s / learner,
+            learn_attn_s=self.learn_attn_s / learner,
             optimizer_s=self.optimizer_s / learner,
         )
 
@@ -207,6 +237,18 @@ class CpuCosts:
             raise ValueError(f"{path}: not a CPU cost model (unknown keys {sorted(unknown)})")
         values = {k: _tuples(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
         return cls(**values)
+
+
+def micro_batches(lengths: Sequence[float], prompt_len: float, tokens: int) -> list[tuple[int, float]]:
+    """(rows, width) of each micro-batch the learner makes of rows of these response lengths after `prompt_len`
+    prompt tokens: longest first, `max(1, tokens // width)` rows padded to the first's width (`rl/batches.py`)."""
+    widths = sorted((prompt_len + x for x in lengths), reverse=True)
+    out, i = [], 0
+    while i < len(widths):
+        count = max(1, int(tokens // max(widths[i], 1.0)))
+        out.append((min(count, len(widths) - i), widths[i]))
+        i += count
+    return out
 
 
 def _at(per_threads: tuple, threads: int):
