@@ -7,7 +7,11 @@ contention bench's synthetic load (a Python spin loop) does not touch. Here the 
 
 - the engine's plain decode steps (b = 1, 16, 128; `--worker-threads`) alone, then beside a process that runs
   `LearnerCore.step` over 4 synthetic groups in a loop (`--learner-threads`);
-- the learner's update alone, then beside a process that runs plain decode steps of 64 rows in a loop.
+- the learner's update alone, then beside a process that runs plain decode steps of 64 rows in a loop;
+- with `--drafter`, the learner's update alone, then beside a process that trains the drafter in a loop on one
+  thread at the idle priority, as a rollout worker trains it in its idle time (`roles/drafter_trainer.py`):
+  in a synchronous run on shared cores that is during the learner's update (`learner_beside_training`, which
+  the simulator takes, `CpuCosts.learner_beside_training`).
 
 Alone and beside alternate `--rounds` times; each factor is the median over rounds (and batches) of beside
 over alone, so the machine's drift between minutes cancels. The machine's other load is read beside every
@@ -15,9 +19,11 @@ point (`bench/plan_load.py`).
 
     flock /tmp/tlt-heavy.lock python bench/plan_corun.py --out artifacts/plan/corun.json
 
-Prints one JSON object and writes it to --out. A diagnostic of the streaming config's overlap: the simulator
-does not take these factors (on 2 cores they came out near what the contention curve gives a 1-thread process
-beside one busy core; docs/benchmarks.md, the planner's check).
+Prints one JSON object and writes it to --out. The engine and learner pair is a diagnostic of the streaming
+config's overlap: the simulator does not take those factors (on 2 cores they came out near what the contention
+curve gives a 1-thread process beside one busy core; docs/benchmarks.md, the planner's check).
+
+    flock /tmp/tlt-heavy.lock python bench/plan_corun.py --drafter --learner-threads 2 --out DIR/corun-t2.json
 """
 
 from __future__ import annotations
@@ -49,6 +55,14 @@ def neighbour(kind: str, world: Path, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    if kind == "drafter":
+        from tlt_stream.roles.drafter_trainer import _side_thread
+
+        trainer, batch = drafter_training(world)
+        _side_thread()  # one torch thread, the idle scheduling class: the worker's own setting
+        print("ready", flush=True)
+        while True:
+            trainer.step(batch)
     if kind == "learner":
         from plan_fit import learner_batch
 
@@ -70,6 +84,31 @@ def neighbour(kind: str, world: Path, threads: int) -> None:
             engine_point(policy, NEIGHBOUR_BATCH, 5.0, {os.getpid()})
 
 
+def drafter_training(world: Path) -> tuple:
+    """(a `DrafterTrainer` of the world's drafter, one packed batch of synthetic windows of the world's lengths:
+    the default batch of pairs, random tokens and hidden states)."""
+    import random
+
+    import torch
+
+    from tlt_stream.basics.config import DEFAULTS
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.drafter.train import DrafterTrainer, Window, pack_windows
+    from tlt_stream.model import load_model
+
+    policy = load_model(world / "policy")
+    drafter = load_drafter(world / "drafter", policy)
+    rng, own = random.Random(0), DEFAULTS.drafter
+    windows, pairs = [], 0
+    while pairs < own.batch_pairs:
+        n = min(1400, max(8, int(rng.lognormvariate(5.0, 0.6))))
+        tokens = torch.tensor([rng.randrange(policy.spec.vocab_size) for _ in range(n)])
+        windows.append(Window(tokens, torch.randn(n, policy.spec.hidden_size), prompt_len=0))
+        pairs += n - 1
+    (batch,) = pack_windows(windows, own.row_tokens)
+    return DrafterTrainer(drafter, unroll=own.unroll), batch
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
@@ -78,7 +117,12 @@ def main() -> None:
     p.add_argument("--learner-threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window", type=float, default=1.0, help="seconds each engine point is measured")
-    p.add_argument("--neighbour", choices=["learner", "engine"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--drafter",
+        action="store_true",
+        help="only the learner beside idle-priority drafter training (learner_beside_training)",
+    )
+    p.add_argument("--neighbour", choices=["learner", "engine", "drafter"], help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     world = Path(args.world)
@@ -132,6 +176,23 @@ def main() -> None:
 
     started = time.time()
     rounds = []
+    if args.drafter:
+        for r in range(args.rounds):
+            alone_l, beside_l = alone_then_beside(learner_point, "drafter", 1)
+            rounds.append({"learner": [alone_l[0], beside_l[0]], "other_cores": [alone_l[1], beside_l[1]]})
+            log(f"round {r + 1}/{args.rounds}: learner beside drafter training {beside_l[0] / alone_l[0]:.3f}")
+        out = {
+            "bench": "plan_corun",
+            "learner_threads": args.learner_threads,
+            "learner_beside_training": round(statistics.median(x["learner"][1] / x["learner"][0] for x in rounds), 3),
+            "rounds": rounds,
+            "seconds": round(time.time() - started, 1),
+            "cpus": os.cpu_count(),
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out, indent=2))
+        return
     for r in range(args.rounds):
         alone_e, beside_e = alone_then_beside(engine_points, "learner", args.learner_threads)
         alone_l, beside_l = alone_then_beside(learner_point, "engine", args.worker_threads)
