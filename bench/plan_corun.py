@@ -176,24 +176,12 @@ def main() -> None:
 
     started = time.time()
     rounds = []
-    if args.drafter:
-        for r in range(args.rounds):
+    for r in range(args.rounds):
+        if args.drafter:
             alone_l, beside_l = alone_then_beside(learner_point, "drafter", 1)
             rounds.append({"learner": [alone_l[0], beside_l[0]], "other_cores": [alone_l[1], beside_l[1]]})
             log(f"round {r + 1}/{args.rounds}: learner beside drafter training {beside_l[0] / alone_l[0]:.3f}")
-        out = {
-            "bench": "plan_corun",
-            "learner_threads": args.learner_threads,
-            "learner_beside_training": round(statistics.median(x["learner"][1] / x["learner"][0] for x in rounds), 3),
-            "rounds": rounds,
-            "seconds": round(time.time() - started, 1),
-            "cpus": os.cpu_count(),
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-        print(json.dumps(out, indent=2))
-        return
-    for r in range(args.rounds):
+            continue
         alone_e, beside_e = alone_then_beside(engine_points, "learner", args.learner_threads)
         alone_l, beside_l = alone_then_beside(learner_point, "engine", args.worker_threads)
         point = {
@@ -205,14 +193,17 @@ def main() -> None:
         ratios = {b: round(v[1] / v[0], 3) for b, v in point["engine"].items()}
         log(f"round {r + 1}/{args.rounds}: engine beside learner {ratios}, learner beside engine "
             f"{point['learner'][1] / point['learner'][0]:.3f}")  # fmt: skip
-    engine = statistics.median(x["engine"][str(b)][1] / x["engine"][str(b)][0] for x in rounds for b in BATCHES)
-    learner = statistics.median(x["learner"][1] / x["learner"][0] for x in rounds)
+    learner = round(statistics.median(x["learner"][1] / x["learner"][0] for x in rounds), 3)
+    if args.drafter:
+        factors = {"learner_beside_training": learner}
+    else:
+        engine = statistics.median(x["engine"][str(b)][1] / x["engine"][str(b)][0] for x in rounds for b in BATCHES)
+        factors = {"engine_beside_learner": round(engine, 3), "learner_beside_engine": learner}
     out = {
         "bench": "plan_corun",
         "worker_threads": args.worker_threads,
         "learner_threads": args.learner_threads,
-        "engine_beside_learner": round(engine, 3),
-        "learner_beside_engine": round(learner, 3),
+        **factors,
         "rounds": rounds,
         "seconds": round(time.time() - started, 1),
         "cpus": os.cpu_count(),
