@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tlt_stream.basics.config import DEFAULTS
+from tlt_stream.rl.shapes import split_by_width
 from tlt_stream.rollout.arms import Arm
 
 __all__ = ["CpuCosts", "EngineCosts", "FixedCosts", "micro_batches", "slowdown"]
@@ -241,14 +242,9 @@ class CpuCosts:
 
 def micro_batches(lengths: Sequence[float], prompt_len: float, tokens: int) -> list[tuple[int, float]]:
     """(rows, width) of each micro-batch the learner makes of rows of these response lengths after `prompt_len`
-    prompt tokens: longest first, `max(1, tokens // width)` rows padded to the first's width (`rl/batches.py`)."""
-    widths = sorted((prompt_len + x for x in lengths), reverse=True)
-    out, i = [], 0
-    while i < len(widths):
-        count = max(1, int(tokens // max(widths[i], 1.0)))
-        out.append((min(count, len(widths) - i), widths[i]))
-        i += count
-    return out
+    prompt tokens, by the learner's own rule (`rl.shapes.split_by_width`)."""
+    widths = [prompt_len + x for x in lengths]
+    return [(len(batch), widths[batch[0]]) for batch in split_by_width(widths, tokens)]
 
 
 def _at(per_threads: tuple, threads: int):

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from tlt_stream.basics.messages import Sample
+from tlt_stream.rl.shapes import split_by_width
 
 __all__ = ["BATCH_KEYS", "deal_by_tokens", "micro_batches", "with_idle"]
 
@@ -28,11 +29,9 @@ def micro_batches(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Right-padded batches of the samples at positions `used`, longest first, about `tokens` padded tokens
     each (one row at least), on `device`."""
-    order = sorted(used, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_len, reverse=True)
-    while order:
-        width = len(samples[order[0]].prompt_ids) + samples[order[0]].response_len
-        count = max(1, tokens // width)
-        take, order = order[:count], order[count:]
+    widths = [len(samples[i].prompt_ids) + samples[i].response_len for i in used]
+    for positions in split_by_width(widths, tokens):
+        take, width = [used[j] for j in positions], widths[positions[0]]
         ids = torch.zeros(len(take), width, dtype=torch.long)  # [B, W]
         attention = torch.zeros(len(take), width, dtype=torch.long)  # [B, W]
         old = torch.zeros(len(take), width - 1)  # [B, W - 1]
