@@ -212,7 +212,7 @@ def simulated(mode, setup, inputs: tuple, seeds: int, background: float, own: tu
     ]
     summaries = [r.summary() for r in results]
     return {
-        "step_time_s": round(statistics.median(step_figure(r.step_times[1:] or r.step_times) for r in results), 3),
+        "step_time_s": round(statistics.median(step_figure(r.steady_step_times) for r in results), 3),
         "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
         "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
         "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),

@@ -223,13 +223,18 @@ LAW_GROUPS = {"world": LEARNER_GROUPS, "short": (4, 16), "tail": (4, 16)}
 
 
 def learner_batch(world: Path, n: int, seed: int = 0, law: str = "world") -> tuple:
-    """(the world's policy as the learner loads it, `n` synthetic groups of 8 samples of `law`'s lengths
-    (`LENGTH_LAWS`, capped at 1400 tokens), rewards alternating so every group has a signal)."""
-    from _grpo import synthetic_group  # bench/, on the path
+    """(the world's policy as the learner loads it, `synthetic_groups` of it)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype="float32")
-    vocab = int(model.get_input_embeddings().weight.shape[0])
+    return model, synthetic_groups(int(model.get_input_embeddings().weight.shape[0]), n, seed, law)
+
+
+def synthetic_groups(vocab: int, n: int, seed: int = 0, law: str = "world") -> list:
+    """`n` synthetic groups of 8 samples of `law`'s lengths (`LENGTH_LAWS`, capped at 1400 tokens) after prompts
+    of 40 random tokens, rewards alternating so every group has a signal."""
+    from _grpo import synthetic_group  # bench/, on the path
+
     rng = random.Random(seed)
     mu, sigma = LENGTH_LAWS[law]
     out = []
@@ -238,7 +243,7 @@ def learner_batch(world: Path, n: int, seed: int = 0, law: str = "world") -> tup
         out.append(
             synthetic_group(rng, g, prompt, 8, lambda: min(1400, max(8, int(rng.lognormvariate(mu, sigma)))), vocab)
         )
-    return model, out
+    return out
 
 
 def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
@@ -246,11 +251,12 @@ def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
     from tlt_stream.rl.learner import LearnerCore, LearnerSettings
 
     settings = LearnerSettings(lr=1e-6)
-    model, _ = learner_batch(world, 1)
+    model, _ = learner_batch(world, 0)
     core = LearnerCore(model, settings)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
     plain_rows, padded_rows, y, measured = [], [], [], []
     for law, counts in LAW_GROUPS.items():
-        _, groups = learner_batch(world, max(counts), law=law)
+        groups = synthetic_groups(vocab, max(counts), law=law)
         for n in counts:
             batch = groups[:n]
             tokens = sum(s.response_len for g in batch for s in g.samples)

@@ -158,9 +158,13 @@ class Result:
     sd_share: float
 
     @property
+    def steady_step_times(self) -> list[float]:
+        """The steps after the first (the pipeline filling), or the one step there is."""
+        return self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+
+    @property
     def step_time(self) -> float:
-        steady = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
-        return statistics.median(steady)
+        return statistics.median(self.steady_step_times)
 
     def summary(self) -> dict[str, object]:
         return {
