@@ -1,5 +1,6 @@
-"""What a rollout engine and a learner running at once on the same cores cost each other: the planner's co-run
-constants (`CpuCosts.engine_beside_learner`, `learner_beside_engine`), fitted on microbenchmarks alone.
+"""What a rollout engine and a learner running at once on the same cores cost each other, and what idle-priority
+drafter training costs a learner: diagnostics of the planner's contention model (the simulator takes none of
+these factors; it takes the contention bench's curves, `bench/plan_contention.py`).
 
 A streaming run (`max_staleness` >= 1) gives its worker and its learner their own share of the cores (on 2:
 one thread each) and runs them at once. Besides the CPU they share the caches and the memory bus, which the
@@ -10,8 +11,7 @@ contention bench's synthetic load (a Python spin loop) does not touch. Here the 
 - the learner's update alone, then beside a process that runs plain decode steps of 64 rows in a loop;
 - with `--drafter`, the learner's update alone, then beside a process that trains the drafter in a loop on one
   thread at the idle priority, as a rollout worker trains it in its idle time (`roles/drafter_trainer.py`):
-  in a synchronous run on shared cores that is during the learner's update (`learner_beside_training`, which
-  the simulator takes, `CpuCosts.learner_beside_training`).
+  in a synchronous run on shared cores that is during the learner's update (`learner_beside_training`).
 
 Alone and beside alternate `--rounds` times; each factor is the median over rounds (and batches) of beside
 over alone, so the machine's drift between minutes cancels. The machine's other load is read beside every

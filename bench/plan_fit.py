@@ -14,7 +14,11 @@ streaming: fit both), wall clock, median of `--repeats`:
   shorter and of longer-tailed ones -> learn_token_s and learn_attn_s (per padded token of the micro-batches the
   learner makes, and per padded token per token of their width), optimizer_s (least squares); the plain
   learn_tokens_per_s of the world's lengths beside them;
-- publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s).
+- publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s);
+- re-verification (partial rollouts): b rows (b = 4, 16, 64) drafted 16 or 64 tokens ahead at T = 1, then the
+  next version (one real GRPO update of the policy at the tiny-world preset's learning rate) loaded with
+  `reverify=True`, less a plain load of it -> reverify_step_s, reverify_token_s (per padded token of the rows'
+  prompts and tokens).
 
     flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
         --out artifacts/plan/cpu-t2.json
@@ -324,6 +328,62 @@ def fit_publish(world: Path, repeats: int) -> tuple[dict, dict]:
     return {"publish_s": publish_s, "load_s": load_s}, {"publish_ms": [round(1e3 * x, 2) for x in saves]}
 
 
+REVERIFY_BATCHES = (4, 16, 64)
+REVERIFY_AHEAD = (16, 64)
+"""Rows and tokens drafted ahead at each measured re-verification (`policy.ahead_tokens` is 64 by default)."""
+
+
+def fit_reverify(world: Path, repeats: int) -> tuple[dict, dict]:
+    """A partial rollout's re-verification beyond a plain load: rows parked after drafting `ahead` tokens under
+    the world's policy, re-verified under the next version (one GRPO update at the tiny-world preset's lr, so
+    the rows the old policy's forward runs over are as few as after a real update)."""
+    import shutil
+
+    from tlt_stream.basics.config.tree import PRESETS
+    from tlt_stream.model import load_model
+    from tlt_stream.rl.learner import LearnerCore, LearnerSettings
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    model, groups = learner_batch(world, 4)
+    LearnerCore(model, LearnerSettings(lr=PRESETS["tiny-world"]["learner"]["lr"])).step(groups)
+    rows, y, measured = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        following = Path(tmp) / "next"
+        shutil.copytree(world / "policy", following)
+        model.save_pretrained(following)
+        idle = GenerationEngine(load_model(world / "policy"), 1, 64)
+        plain = []
+        for _ in range(max(repeats, 3)):
+            started = CLOCK()
+            idle.load_policy(following)
+            plain.append(CLOCK() - started)
+        load = statistics.median(plain)
+        for batch in REVERIFY_BATCHES:
+            prompts = ragged(prompts_of(batch), RAGGED_SPREAD)
+            longest = max(len(q) for q in prompts)
+            for ahead in REVERIFY_AHEAD:
+                times, kept = [], []
+                for _ in range(repeats):
+                    engine = GenerationEngine(load_model(world / "policy"), batch, longest + ahead + 70)
+                    for i, q in enumerate(prompts):
+                        engine.add_request(q, ahead + 60, 1.0, seed=i, eos_ids=(), ahead_limit=ahead)
+                    while engine.has_work:  # until every row has parked
+                        engine.step()
+                    started = CLOCK()
+                    engine.load_policy(following, reverify=True)
+                    times.append(CLOCK() - started - load)
+                    kept.append(engine.tokens_kept / max(engine.tokens_kept + engine.tokens_discarded, 1))
+                sec = statistics.median(times)
+                rows.append([1.0, batch * (longest + ahead)])
+                y.append(sec)
+                measured.append(
+                    {"batch": batch, "ahead": ahead, "ms": round(1e3 * sec, 2), "kept": round(min(kept), 4)}
+                )
+                log(f"re-verify b={batch} ahead={ahead}: {1e3 * sec:.1f} ms beyond a load (kept {min(kept):.3f})")
+    step_s, token_s = lstsq(rows, y)
+    return {"reverify_step_s": max(0.0, step_s), "reverify_token_s": max(0.0, token_s)}, {"reverify": measured}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
@@ -345,12 +405,14 @@ def main() -> None:
             sys.exit("--clock cpu times the calling thread: use it with --threads 1")
         global CLOCK
         CLOCK = time.thread_time
-    global BATCHES, ROUND_BATCHES, LATE, ARMS, LAW_GROUPS
+    global BATCHES, ROUND_BATCHES, LATE, ARMS, LAW_GROUPS, REVERIFY_BATCHES, REVERIFY_AHEAD
     if args.light:
         BATCHES, ROUND_BATCHES, ARMS, args.repeats = (1, 4, 16, 64, 128), (1, 16, 64), ("d2k1v2", "d6k1v6", "d4k2v8"), 1
         LAW_GROUPS = {"world": (4, 16), "short": (16,), "tail": (16,)}
+        REVERIFY_BATCHES, REVERIFY_AHEAD = (16, 64), (64,)
     if args.quick:
         BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
+        REVERIFY_BATCHES, REVERIFY_AHEAD = (4, 16), (16,)
     import torch
 
     from tlt_stream.plan.costs import CpuCosts
@@ -371,8 +433,11 @@ def main() -> None:
     learner, measured_l = fit_learner(world, args.repeats)
     learner_background = background_cores(load, cpu_seconds(), time.time() - clock, mine)
     publish, measured_p = fit_publish(world, args.repeats)
+    reverify, measured_r = fit_reverify(world, args.repeats)
     cores = args.cores or len(os.sched_getaffinity(0))
-    model = CpuCosts(**engine, **learner, **publish, cores=cores, source=f"bench/plan_fit.py --threads {args.threads}")
+    model = CpuCosts(
+        **engine, **learner, **publish, **reverify, cores=cores, source=f"bench/plan_fit.py --threads {args.threads}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     background = {"engine": round(engine_background, 3), "learner": round(learner_background, 3)}
     # what else ran while the constants were measured (`bench/plan_load.py`): `plan_check --contention` takes
@@ -383,7 +448,7 @@ def main() -> None:
             {
                 "bench": "plan_fit",
                 "model": model.describe(),
-                "measured": {**measured, **measured_l, **measured_p},
+                "measured": {**measured, **measured_l, **measured_p, **measured_r},
                 "background_cores": background,
                 "out": args.out,
                 "seconds": round(time.time() - started, 1),

@@ -194,6 +194,27 @@ def test_overlapped_learner_ends_one_optimizer_step_after_the_last_group():
     assert overlapped.version_times[1] == pytest.approx(115.0)
 
 
+def test_partial_rollouts_draft_ahead_park_and_pay_the_reverification_in_closed_form():
+    """Partial rollouts at staleness 0: step 1's group (rows of 20 and 3 tokens) drafts beside step 0's (two of
+    10) and parks, 4 tokens ahead or at its end; at version 1 the worker loads and re-verifies both rows (the
+    engine's formula: 2 rows padded to the prompt and the longest held), the 3-token row is then done and the
+    other runs 16 more steps. Closed form with 10 ms steps whatever the batch."""
+    costs = CpuCosts(
+        step_s=0.01, row_s=0.0, learn_tokens_per_s=1000.0, optimizer_s=0.05, publish_s=0.02, load_s=0.03,
+        reverify_step_s=0.004, reverify_token_s=1e-4, cores=float("inf"),
+    )  # fmt: skip
+    setup = Setup(
+        prompts=1, group_size=2, steps=2, max_batch=4, prompt_len=8, seed=None, ahead_tokens=4, kept_share=1.0
+    )
+    r = simulate(Mode("g", partial=True), setup, from_lengths([10, 10, 20, 3]), Acceptance(), costs)
+    reverify = 0.004 + 1e-4 * 2 * (8 + 4)
+    assert costs.reverify_s([4, 3, 0], 8) == pytest.approx(reverify)  # a row holding nothing is not re-verified
+    assert r.step_times[0] == pytest.approx(10 * 0.01 + 20 / 1000 + 0.05 + 0.02)
+    assert r.step_times[1] == pytest.approx(0.03 + reverify + 16 * 0.01 + 23 / 1000 + 0.05 + 0.02)
+    assert r.emitted == r.finished_tokens == 43 and r.discarded_tokens == 0
+    assert CpuCosts(step_s=0.0, row_s=0.0, prefill_token_s=1e-3).reverify_s([4, 3], 8) == pytest.approx(7e-3)
+
+
 def test_colocated_learner_stops_generation_during_the_update():
     """Streaming with staleness 1 overlaps step 1's rollout with update 0 unless the devices are shared."""
     costs = FixedCosts(decode=1.0, learn_per_token=1.0)

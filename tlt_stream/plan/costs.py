@@ -6,7 +6,9 @@ Every model answers, in seconds:
 - `decode_s(b, ctx)`: one plain decode step of `b` rows whose mean context is `ctx` tokens;
 - `round_s(b, arm, ctx)`: one speculative round of `b` rows: the arm's drafting plus the verify forward of
   its nodes (and the round's own bookkeeping);
-- `prefill_s(tokens)`: prefilling that many prompt (or re-verified) tokens;
+- `prefill_s(tokens)`: prefilling that many prompt tokens;
+- `reverify_s(held, prompt_len)`: a partial rollout's re-verification under a new version of rows holding
+  `held` response tokens each (beyond the plain `load_s`);
 - `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
 - `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it).
 
@@ -17,6 +19,10 @@ engine attends every row over the longest, depth d, top-k w):
     round_s   = step_s + round_s_fixed + row_s * b * (1 + node_frac * n) + ctx_s * b * ctx
                 + d * (draft_step_s + draft_row_s * b * w)
     prefill_s = prefill_step_s + prefill_token_s * tokens
+    reverify_s = reverify_step_s + reverify_token_s * rows * (prompt_len + max(held))
+                (the new policy's forward over every row's prompt and tokens, padded to the longest, the old
+                policy's over the rows it rejects, the weights swapped; without those constants,
+                prefill_s of the held tokens)
     learn_s   = tokens / learn_tokens_per_s   (a fit without the micro-batch constants), else, over the update's
                 rows as the learner batches them (longest first, each micro-batch `micro_batch_tokens // W` rows
                 padded to its longest, W tokens of prompt and response):
@@ -68,6 +74,7 @@ class EngineCosts(Protocol):
     def decode_s(self, batch: int, context: float) -> float: ...
     def round_s(self, batch: int, arm: Arm, context: float) -> float: ...
     def prefill_s(self, tokens: int) -> float: ...
+    def reverify_s(self, held: Sequence[float], prompt_len: float) -> float: ...
     def learn_s(self, tokens: int, context: float) -> float: ...
     def describe(self) -> dict[str, object]: ...
 
@@ -95,6 +102,9 @@ class FixedCosts:
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill if tokens else 0.0
+
+    def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
+        return self.prefill if any(held) else 0.0
 
     def learn_s(self, tokens: int, context: float) -> float:
         return self.learn_per_token * tokens
@@ -128,6 +138,10 @@ class CpuCosts:
     """Cost per row and drafted candidate of one drafter forward."""
     prefill_step_s: float = 0.0
     prefill_token_s: float = 0.0
+    reverify_step_s: float = 0.0
+    """A re-verification's fixed cost beyond a plain load (the old weights kept aside, the passes' own work)."""
+    reverify_token_s: float = 0.0
+    """Its cost per padded token of the rows re-verified (0: `prefill_s` of the held tokens instead)."""
     learn_tokens_per_s: float = 1e9
     """The learner's response tokens per second (forward + backward, its own process)."""
     learn_token_s: float = 0.0
@@ -174,6 +188,14 @@ class CpuCosts:
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_step_s + self.prefill_token_s * tokens if tokens else 0.0
 
+    def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
+        rows = [x for x in held if x > 0]
+        if not rows:
+            return 0.0
+        if not self.reverify_token_s:
+            return self.prefill_s(int(sum(rows)))
+        return self.reverify_step_s + self.reverify_token_s * len(rows) * (prompt_len + max(rows))
+
     def learn_s(self, tokens: int, context: float) -> float:
         return tokens / self.learn_tokens_per_s
 
@@ -219,6 +241,8 @@ class CpuCosts:
             draft_row_s=self.draft_row_s / scale,
             prefill_step_s=max(0.0, self.prefill_step_s - waited) / scale,
             prefill_token_s=self.prefill_token_s / scale,
+            reverify_step_s=self.reverify_step_s / scale,
+            reverify_token_s=self.reverify_token_s / scale,
             learn_tokens_per_s=self.learn_tokens_per_s * learner,
             learn_token_s=self.learn_token_s / learner,
             learn_attn_s=self.learn_attn_s / learner,

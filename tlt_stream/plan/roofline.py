@@ -23,6 +23,7 @@ with every projection, and varied by `tlt-stream plan --vary`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from tlt_stream.basics.config import DEFAULTS
@@ -157,6 +158,11 @@ class GpuCosts:
         if not tokens:
             return 0.0
         return 2 * self.model.params * tokens / (self.tp * self.gpu.bf16_flops * self.flop_frac)
+
+    def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
+        """A prefill of every held row's prompt and tokens (paged: no padding; the old policy's forward over a
+        rejecting row's prefix left out, as the kept share of a real update is ~99%)."""
+        return self.prefill_s(int(sum(prompt_len + x for x in held if x > 0)))
 
     def learn_s(self, tokens: int, context: float) -> float:
         m = self.model

@@ -6,7 +6,7 @@ system's own rules.
   order and workers take whole groups while they have room (`max_batch` rows, or the KV cache's tokens).
 - Rollout worker (one engine): it loads an announced version once its rows in flight have finished and
   starts nothing new meanwhile; with partial rollouts it loads at once and re-verifies every row holding
-  tokens (one prefill of them; `kept_share` of the tokens survive). A draft row (a group of the version after
+  tokens (`costs.reverify_s`; `kept_share` of the tokens survive). A draft row (a group of the version after
   the worker's) runs at most `ahead_tokens` tokens, then parks without its slot; with `ahead_rows` drafts start
   only while fewer rows run. Each engine step is a plain decode or a speculative round of the arm chosen:
   the SD switch (`rollout.switch.SdSwitch`, the configured crossover and margin) and, per batch bucket, the
@@ -384,8 +384,7 @@ class _Sim:
             extra += costs.load_s
             if self.mode.partial:
                 rows = w.running + w.parked
-                held = sum(r.done for r in rows if r.done)
-                extra += costs.prefill_s(int(held))
+                extra += costs.reverify_s([r.done for r in rows], s.prompt_len)
                 for r in rows:
                     r.version = self.announced
                     kept = float(int(r.done * s.kept_share)) if self.rng is not None else r.done * s.kept_share
