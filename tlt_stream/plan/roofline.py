@@ -160,9 +160,9 @@ class GpuCosts:
         return 2 * self.model.params * tokens / (self.tp * self.gpu.bf16_flops * self.flop_frac)
 
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
-        """A prefill of every held row's prompt and tokens (paged: no padding; the old policy's forward over a
-        rejecting row's prefix left out, as the kept share of a real update is ~99%)."""
-        return self.prefill_s(int(sum(prompt_len + x for x in held if x > 0)))
+        """A prefill of the held tokens: paged, no padding, the prompts' KV kept (a prefix cache); the old
+        policy's forward over a rejecting row's prefix left out, as a real update keeps ~99% of the tokens."""
+        return self.prefill_s(int(sum(x for x in held if x > 0)))
 
     def learn_s(self, tokens: int, context: float) -> float:
         m = self.model
