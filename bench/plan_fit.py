@@ -15,7 +15,7 @@ streaming: fit both), wall clock, median of `--repeats`:
   learner makes, and per padded token per token of their width), optimizer_s (least squares); the plain
   learn_tokens_per_s of the world's lengths beside them;
 - publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s);
-- re-verification (partial rollouts): b rows (b = 4, 16, 64) drafted 16 or 64 tokens ahead at T = 1, then the
+- re-verification (partial rollouts): b rows (b = 4, 16, 64, 128) drafted 16 or 64 tokens ahead at T = 1, then the
   next version (one real GRPO update of the policy at the tiny-world preset's learning rate) loaded with
   `reverify=True`, less a plain load of it -> reverify_step_s, reverify_token_s (per padded token of the rows'
   prompts and tokens).
@@ -328,7 +328,7 @@ def fit_publish(world: Path, repeats: int) -> tuple[dict, dict]:
     return {"publish_s": publish_s, "load_s": load_s}, {"publish_ms": [round(1e3 * x, 2) for x in saves]}
 
 
-REVERIFY_BATCHES = (4, 16, 64)
+REVERIFY_BATCHES = (4, 16, 64, 128)
 REVERIFY_AHEAD = (16, 64)
 """Rows and tokens drafted ahead at each measured re-verification (`policy.ahead_tokens` is 64 by default)."""
 
