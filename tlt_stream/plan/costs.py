@@ -104,7 +104,7 @@ class FixedCosts:
         return self.prefill if tokens else 0.0
 
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
-        return self.prefill if any(held) else 0.0
+        return self.prefill_s(int(sum(x for x in held if x > 0)))
 
     def learn_s(self, tokens: int, context: float) -> float:
         return self.learn_per_token * tokens
