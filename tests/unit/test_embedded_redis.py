@@ -40,3 +40,82 @@ def test_the_embedded_redis_turns_nagle_off_on_every_connection() -> None:
         asyncio.run(use())
     finally:
         servers.close()
+
+
+def _handler_wakeups(server: object) -> int:
+    """Voluntary context switches, as the kernel counts them, of the server's connection threads."""
+    import threading
+    from pathlib import Path
+
+    total = 0
+    for thread in threading.enumerate():
+        if "process_request_thread" not in thread.name or thread.native_id is None:
+            continue
+        status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+        total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+def test_idle_embedded_redis_connections_sleep_instead_of_polling() -> None:
+    """fakeredis' own handler wakes every 10 ms per connection (~100 times a second each); an idle connection
+    here sleeps until its client sends or a reply is queued for it (one look at the shutdown flag a second)."""
+    import time
+
+    servers = EmbeddedServers()
+    url = servers.start_redis()
+
+    async def use() -> None:
+        clients = [aioredis.Redis.from_url(url) for _ in range(4)]
+        for client in clients:
+            await client.ping()
+        await asyncio.sleep(0.2)  # the handlers reach their wait
+        before = _handler_wakeups(servers._redis_server)
+        time.sleep(2.0)  # the event loop idle too: nothing is sent
+        woke = _handler_wakeups(servers._redis_server) - before
+        # 4 connections over 2 s: polling would be ~800; sleeping, ~8 (WAKE_CHECK_S) plus stray signals
+        assert woke < 60, f"idle connections woke {woke} times in 2 s"
+        for client in clients:
+            await client.aclose()
+
+    try:
+        asyncio.run(use())
+    finally:
+        servers.close()
+
+
+def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) -> None:
+    """A reply queued on a connection by another one (a pub/sub message, a producer's ack) and a blocking read
+    that another connection's write completes are both delivered, with the idle wait made an hour long: only
+    the wake-up the reply writes can have delivered them."""
+    from tlt_stream.bus import embedded
+
+    monkeypatch.setattr(embedded, "WAKE_CHECK_S", 3600.0)
+    servers = EmbeddedServers()
+    url = servers.start_redis()
+
+    async def use() -> None:
+        subscriber = aioredis.Redis.from_url(url)
+        publisher = aioredis.Redis.from_url(url)
+        reader = aioredis.Redis.from_url(url)
+        pubsub = subscriber.pubsub()
+        await pubsub.subscribe("acked")
+        assert (await pubsub.get_message(timeout=10))["type"] == "subscribe"
+        await asyncio.sleep(0.3)  # the subscriber's handler is asleep in its wait
+        await publisher.publish("acked", b"7")
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=10)
+        assert message is not None and message["data"] == b"7"
+
+        await reader.xgroup_create("s", "g", id="0", mkstream=True)
+        read = asyncio.create_task(reader.xreadgroup("g", "c", {"s": ">"}, count=1, block=20_000))
+        await asyncio.sleep(0.3)  # blocked on the server
+        entry = await publisher.xadd("s", {"k": b"v"})
+        got = await asyncio.wait_for(read, timeout=10)
+        assert got[0][1][0][0] == entry
+        await pubsub.aclose()
+        for client in (subscriber, publisher, reader):
+            await client.aclose()
+
+    try:
+        asyncio.run(use())
+    finally:
+        servers.close()
