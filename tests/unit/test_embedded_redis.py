@@ -42,15 +42,16 @@ def test_the_embedded_redis_turns_nagle_off_on_every_connection() -> None:
         servers.close()
 
 
-def _handler_wakeups(server: object) -> int:
-    """Voluntary context switches, as the kernel counts them, of the server's connection threads."""
+def _handler_wakeups(connections: int) -> int:
+    """Voluntary context switches, as the kernel counts them, of the server's connection threads (there must be
+    one per connection)."""
     import threading
     from pathlib import Path
 
+    handlers = [t for t in threading.enumerate() if "process_request_thread" in t.name and t.native_id is not None]
+    assert len(handlers) == connections, [t.name for t in threading.enumerate()]
     total = 0
-    for thread in threading.enumerate():
-        if "process_request_thread" not in thread.name or thread.native_id is None:
-            continue
+    for thread in handlers:
         status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
         total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
     return total
@@ -59,7 +60,6 @@ def _handler_wakeups(server: object) -> int:
 def test_idle_embedded_redis_connections_sleep_instead_of_polling() -> None:
     """fakeredis' own handler wakes every 10 ms per connection (~100 times a second each); an idle connection
     here sleeps until its client sends or a reply is queued for it (one look at the shutdown flag a second)."""
-    import time
 
     servers = EmbeddedServers()
     url = servers.start_redis()
@@ -69,9 +69,9 @@ def test_idle_embedded_redis_connections_sleep_instead_of_polling() -> None:
         for client in clients:
             await client.ping()
         await asyncio.sleep(0.2)  # the handlers reach their wait
-        before = _handler_wakeups(servers._redis_server)
-        time.sleep(2.0)  # the event loop idle too: nothing is sent
-        woke = _handler_wakeups(servers._redis_server) - before
+        before = _handler_wakeups(len(clients))
+        await asyncio.sleep(2.0)  # nothing is sent
+        woke = _handler_wakeups(len(clients)) - before
         # 4 connections over 2 s: polling would be ~800; sleeping, ~8 (WAKE_CHECK_S) plus stray signals
         assert woke < 60, f"idle connections woke {woke} times in 2 s"
         for client in clients:
