@@ -423,6 +423,7 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
                     hop, model = hop + entry["seconds"], model + entry["target_forwards"] * step
             ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
         out["a_engine_hops_vs_model"] = ratios
+        out["rounds_vs_model"] = rounds_vs_model(runs, engines)
     for name in CONFIGS:
         hop = forwards = span = 0.0
         gaps: list[float] = []
@@ -442,6 +443,36 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
             "hop_share_of_rollout": round(hop / span, 3) if span else None,
             "ms_outside_hops_per_report": round(1e3 * statistics.median(gaps), 1) if gaps else None,
         }
+    return out
+
+
+def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
+    """Per synchronous config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm` reports:
+    steps, row-steps and seconds per arm and batch bucket) over what the synchronous cost model (as `in_situ`
+    charges (a)'s hops, at a context of the prompt and 90 tokens) gives the same steps at the same mean rows:
+    plain steps and drafter rounds apart, per run. Streaming runs on another thread count: not here."""
+    from tlt_stream.plan.costs import slowdown
+    from tlt_stream.rollout.arms import Arm
+
+    out: dict = {}
+    for name in ("a_sync_plain", "b_sync_tlt", "g_sync_partial"):
+        per_run = []
+        for run, (costs, u) in zip(runs, engines, strict=True):
+            run_dir = Path(run["configs"][name]["run_dir"])
+            sums: dict[str, list[float]] = {}
+            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                if entry.get("kind") != "sd_arm" or not entry.get("steps"):
+                    continue
+                kind = "plain" if entry["proposer"] == "plain" else entry["proposer"]
+                arm = Arm(kind, entry["depth"], entry["topk"], entry["verify"]) if kind != "plain" else Arm("plain")
+                rows = max(1, round(entry["rows"] / entry["steps"]))
+                step = costs.round_s(rows, arm, prompt_len() + 90)
+                step *= slowdown(costs, "engine", 2, u, 1 / step)
+                measured, model = sums.setdefault(kind, [0.0, 0.0])
+                sums[kind] = [measured + entry["seconds"], model + entry["steps"] * step]
+            per_run.append({k: round(m / x, 3) for k, (m, x) in sorted(sums.items()) if x})
+        out[name] = per_run
     return out
 
 
