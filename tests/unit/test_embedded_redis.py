@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import redis.asyncio as aioredis
 
@@ -42,17 +43,16 @@ def test_the_embedded_redis_turns_nagle_off_on_every_connection() -> None:
         servers.close()
 
 
-def _handler_wakeups(connections: int) -> int:
-    """Voluntary context switches, as the kernel counts them, of the server's connection threads (there must be
-    one per connection)."""
-    import threading
+def _handler_wakeups(server: object, connections: int) -> int:
+    """Voluntary context switches, as the kernel counts them, of this server's connection threads (there must be
+    one per connection; other servers in the process are not counted)."""
     from pathlib import Path
 
-    handlers = [t for t in threading.enumerate() if "process_request_thread" in t.name and t.native_id is not None]
-    assert len(handlers) == connections, [t.name for t in threading.enumerate()]
+    handlers = list(server.quiet_handlers)  # type: ignore[attr-defined]
+    assert len(handlers) == connections
     total = 0
-    for thread in handlers:
-        status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    for handler in handlers:
+        status = Path(f"/proc/self/task/{handler.thread_id}/status").read_text()
         total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
     return total
 
@@ -69,9 +69,9 @@ def test_idle_embedded_redis_connections_sleep_instead_of_polling() -> None:
         for client in clients:
             await client.ping()
         await asyncio.sleep(0.2)  # the handlers reach their wait
-        before = _handler_wakeups(len(clients))
+        before = _handler_wakeups(servers._redis_server, len(clients))
         await asyncio.sleep(2.0)  # nothing is sent
-        woke = _handler_wakeups(len(clients)) - before
+        woke = _handler_wakeups(servers._redis_server, len(clients)) - before
         # 4 connections over 2 s: polling would be ~800; sleeping, ~8 (WAKE_CHECK_S) plus stray signals
         assert woke < 60, f"idle connections woke {woke} times in 2 s"
         for client in clients:
@@ -84,9 +84,10 @@ def test_idle_embedded_redis_connections_sleep_instead_of_polling() -> None:
 
 
 def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) -> None:
-    """A reply queued on a connection by another one (a pub/sub message, a producer's ack) and a blocking read
-    that another connection's write completes are both delivered, with the idle wait made an hour long: only
-    the wake-up the reply writes can have delivered them."""
+    """A reply queued on a connection by another one (a pub/sub message, as a producer's ack is) is delivered with
+    the idle wait made an hour long: only the wake-up the reply writes can have delivered it. A blocking read that
+    another connection's write completes is delivered too (it waits on its own handler's thread, as in fakeredis);
+    and closing the server wakes the idle handlers at once rather than after the hour."""
     from tlt_stream.bus import embedded
 
     monkeypatch.setattr(embedded, "WAKE_CHECK_S", 3600.0)
@@ -115,7 +116,22 @@ def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) ->
         for client in (subscriber, publisher, reader):
             await client.aclose()
 
-    try:
-        asyncio.run(use())
-    finally:
-        servers.close()
+    asyncio.run(use())
+    idle = EmbeddedServers()  # a server whose connection is idle when it closes
+    url = idle.start_redis()
+
+    async def connect() -> aioredis.Redis:
+        client = aioredis.Redis.from_url(url)
+        await client.ping()
+        return client
+
+    loop = asyncio.new_event_loop()
+    client = loop.run_until_complete(connect())
+    (handler,) = idle._redis_server.quiet_handlers  # type: ignore[attr-defined]
+    threads = [t for t in threading.enumerate() if t.native_id == handler.thread_id]
+    idle.close()
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive(), "the idle handler slept through the server's close"
+    loop.run_until_complete(client.aclose())
+    loop.close()
+    servers.close()

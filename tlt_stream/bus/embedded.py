@@ -45,6 +45,7 @@ class EmbeddedServers:
         server = TcpFakeServer((host, 0), server_type="redis")
         server.daemon_threads = True
         server.RequestHandlerClass = _quiet_handler(server.RequestHandlerClass)
+        server.quiet_handlers = set()  # the live connections' handlers: close() wakes them
         thread = threading.Thread(target=server.serve_forever, name="embedded-redis", daemon=True)
         thread.start()
         self._redis_server = server
@@ -89,6 +90,8 @@ class EmbeddedServers:
     def close(self) -> None:
         if self._redis_server is not None:
             self._redis_server.shutdown()  # type: ignore[attr-defined]
+            for handler in list(self._redis_server.quiet_handlers):  # type: ignore[attr-defined]
+                handler.wake.ring()  # each sees the shutdown now, not after its idle wait
             self._redis_server.server_close()  # type: ignore[attr-defined]
             self._redis_server = None
         if self._broker_loop is not None and self._broker is not None:
@@ -124,10 +127,10 @@ def _quiet_handler(base: type) -> type:
 
         def setup(self) -> None:
             super().setup()
-            self._wake_r, self._wake_w = socket.socketpair()
-            self._wake_r.setblocking(False)
-            self._wake_w.setblocking(False)
+            self.wake = _Wake()
+            self.thread_id = threading.get_native_id()
             self._hooked: object | None = None
+            self.server.quiet_handlers.add(self)
 
         def _hook(self) -> None:
             """Make every reply queued on the connection's fake socket also write to the wake-up socket (checked
@@ -135,16 +138,14 @@ def _quiet_handler(base: type) -> type:
             sock = self.current_client.get_socket()
             if sock is self._hooked:
                 return
-            sock.put_response = _waking(sock.put_response, self._wake_w)
+            sock.put_response = _waking(sock.put_response, self.wake)
             self._hooked = sock
 
         def _wait(self) -> bool:
             """Sleep until the client sends or a reply is queued; whether the client's socket is readable."""
-            ready, _, _ = select.select([self.connection, self._wake_r], [], [], WAKE_CHECK_S)
-            if self._wake_r in ready:
-                with contextlib.suppress(BlockingIOError):
-                    while self._wake_r.recv(4096):
-                        pass
+            ready, _, _ = select.select([self.connection, self.wake], [], [], WAKE_CHECK_S)
+            if self.wake in ready:
+                self.wake.drain()
             return self.connection in ready
 
         def handle(self) -> None:
@@ -178,17 +179,48 @@ def _quiet_handler(base: type) -> type:
             try:
                 super().finish()
             finally:
-                self._wake_w.close()
-                self._wake_r.close()
+                self.server.quiet_handlers.discard(self)
+                self.wake.close()
 
     return QuietHandler
 
 
-def _waking(put: Callable[[object], None], wake: socket.socket) -> Callable[[object], None]:
+class _Wake:
+    """A connection handler's wake-up: `ring` from any thread makes its `select` on this object return. Rings
+    and the close are serialized, so a ring never writes to a closed (and perhaps reused) descriptor."""
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._read.fileno()
+
+    def ring(self) -> None:
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):  # a full buffer wakes the reader anyway
+                    self._write.send(b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._read.recv(4096):
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._write.close()
+            self._read.close()
+
+
+def _waking(put: Callable[[object], None], wake: _Wake) -> Callable[[object], None]:
     def put_response(msg: object) -> None:
         put(msg)
-        with contextlib.suppress(OSError):  # a full buffer wakes the reader anyway; a closed one has none
-            wake.send(b"\0")
+        wake.ring()
 
     return put_response
 
