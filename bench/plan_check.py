@@ -29,6 +29,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -158,6 +160,7 @@ def arm_reports(runs: list[dict]) -> list[dict]:
     ]
 
 
+@functools.cache
 def prompt_len() -> float:
     from tlt_stream.tasks.repeated_add import RepeatedAddTask
     from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -406,8 +409,6 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
     time between two consecutive reports outside the later one's hop (the worker's loop: intake, Redis, reports). With
     `engines` (per run: the synchronous cost model and the background it is slowed by), (a)'s hops beside
     what the model says its plain steps cost (each report's rows: its tokens per forward)."""
-    from tlt_stream.plan.costs import slowdown
-
     out: dict = {}
     if engines:
         ratios = []
@@ -417,9 +418,7 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
             for line in (run_dir / "timeline.jsonl").read_text().splitlines():
                 entry = json.loads(line)
                 if entry.get("kind") == "rollout" and entry["target_forwards"]:
-                    rows = entry["tokens"] / entry["target_forwards"]
-                    step = costs.decode_s(max(1, round(rows)), prompt_len() + 90)
-                    step *= slowdown(costs, "engine", 2, u, 1 / step)
+                    step = modelled_round_s(costs, u, entry["tokens"] / entry["target_forwards"])
                     hop, model = hop + entry["seconds"], model + entry["target_forwards"] * step
             ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
         out["a_engine_hops_vs_model"] = ratios
@@ -446,31 +445,35 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
     return out
 
 
-def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
-    """Per synchronous config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm` reports:
-    steps, row-steps and seconds per arm and batch bucket) over what the synchronous cost model (as `in_situ`
-    charges (a)'s hops, at a context of the prompt and 90 tokens) gives the same steps at the same mean rows:
-    plain steps and drafter rounds apart, per run. Streaming runs on another thread count: not here."""
+def modelled_round_s(costs, u: float, rows: float, arm=None) -> float:
+    """What the synchronous cost model charges one engine step of `arm` (plain by default) at `rows` rows, a
+    context of the prompt and 90 tokens, beside `u` cores of other work."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.rollout.arms import Arm
 
+    step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), prompt_len() + 90)
+    return step * slowdown(costs, "engine", 2, u, 1 / step)
+
+
+def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
+    """Per synchronous SD config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm`
+    reports: steps, row-steps and seconds per arm and batch bucket) over what the synchronous cost model gives
+    the same steps at the same mean rows (`modelled_round_s`, as `in_situ` charges (a)'s hops): plain steps and
+    drafter rounds apart, per run. (a) reports no arms; streaming runs on another thread count: not here."""
+    from tlt_stream.rollout.switch import arm_of_report
+
     out: dict = {}
-    for name in ("a_sync_plain", "b_sync_tlt", "g_sync_partial"):
+    for name in ("b_sync_tlt", "g_sync_partial"):
         per_run = []
         for run, (costs, u) in zip(runs, engines, strict=True):
-            run_dir = Path(run["configs"][name]["run_dir"])
             sums: dict[str, list[float]] = {}
-            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
-                entry = json.loads(line)
-                if entry.get("kind") != "sd_arm" or not entry.get("steps"):
+            for entry in timeline_reports(Path(run["configs"][name]["run_dir"])):
+                if not entry.get("steps"):
                     continue
-                kind = "plain" if entry["proposer"] == "plain" else entry["proposer"]
-                arm = Arm(kind, entry["depth"], entry["topk"], entry["verify"]) if kind != "plain" else Arm("plain")
-                rows = max(1, round(entry["rows"] / entry["steps"]))
-                step = costs.round_s(rows, arm, prompt_len() + 90)
-                step *= slowdown(costs, "engine", 2, u, 1 / step)
-                measured, model = sums.setdefault(kind, [0.0, 0.0])
-                sums[kind] = [measured + entry["seconds"], model + entry["steps"] * step]
+                arm = arm_of_report(SimpleNamespace(**entry))
+                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm)
+                measured, model = sums.setdefault(arm.kind, [0.0, 0.0])
+                sums[arm.kind] = [measured + entry["seconds"], model + entry["steps"] * step]
             per_run.append({k: round(m / x, 3) for k, (m, x) in sorted(sums.items()) if x})
         out[name] = per_run
     return out
