@@ -123,7 +123,6 @@ def beside_decode(args: argparse.Namespace) -> dict:
             finally:
                 server_cpu[setting].append((time.process_time() - cpu) / (time.perf_counter() - wall))
                 if servers is not None:
-                    servers._redis_server.shutdown()  # type: ignore[union-attr]  # the blocked read ends with it
                     servers.close()
                 for client in clients:
                     client.close()

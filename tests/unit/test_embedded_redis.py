@@ -116,7 +116,10 @@ def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) ->
         for client in (subscriber, publisher, reader):
             await client.aclose()
 
-    asyncio.run(use())
+    try:
+        asyncio.run(use())
+    finally:
+        servers.close()
     idle = EmbeddedServers()  # a server whose connection is idle when it closes
     url = idle.start_redis()
 
@@ -134,4 +137,3 @@ def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) ->
     assert not threads[0].is_alive(), "the idle handler slept through the server's close"
     loop.run_until_complete(client.aclose())
     loop.close()
-    servers.close()
