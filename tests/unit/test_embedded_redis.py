@@ -11,6 +11,7 @@ import asyncio
 import socket
 import threading
 
+import pytest
 import redis.asyncio as aioredis
 
 from tlt_stream.bus.embedded import EmbeddedServers
@@ -137,3 +138,45 @@ def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) ->
     assert not threads[0].is_alive(), "the idle handler slept through the server's close"
     loop.run_until_complete(client.aclose())
     loop.close()
+
+
+def test_a_connection_numbered_past_1023_is_served() -> None:
+    """A process that hosts the servers for long (a test session, a long run) holds descriptors numbered past
+    1023, which `select` refuses: such a connection broke at its first wait, and its client's retries turned that
+    into a hang (a CI run's test waited 300 s). Its server-side socket is numbered past 1023 here, as the kernel
+    says, and it is served: a command, a wait, and a reply another connection pushes to it."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if soft != resource.RLIM_INFINITY else soft, hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(max(0, 1100 - len(os.listdir("/proc/self/fd"))))]
+    servers = EmbeddedServers()
+    url = servers.start_redis()
+
+    async def use() -> None:
+        subscriber = aioredis.Redis.from_url(url, socket_timeout=10)
+        publisher = aioredis.Redis.from_url(url, socket_timeout=10)
+        pubsub = subscriber.pubsub()
+        await pubsub.subscribe("acked")
+        assert (await pubsub.get_message(timeout=10))["type"] == "subscribe"
+        await publisher.ping()
+        fds = [conn._client_info["fd"] for conn in servers._redis_server.clients.values()]  # type: ignore[attr-defined]
+        assert min(fds) > 1023, fds
+        await asyncio.sleep(0.3)  # the subscriber's handler waits
+        await publisher.publish("acked", b"7")
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=10)
+        assert message is not None and message["data"] == b"7"
+        await pubsub.aclose()
+        for client in (subscriber, publisher):
+            await client.aclose()
+
+    try:
+        asyncio.run(use())
+    finally:
+        servers.close()
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

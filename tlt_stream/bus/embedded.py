@@ -113,7 +113,7 @@ def _quiet_handler(base: type) -> type:
     it (pub/sub messages, a producer's acks). With a run's ~7 idle connections that is ~800 wake-ups a second
     in the process hosting the servers, and on a small machine each one preempts a thread of the rollout
     worker's OpenMP team while its partner waits at a barrier: a synchronous step ran ~15% slower for it. Here
-    a connection sleeps in `select` on its socket and on a wake-up socket that every reply queued for it writes
+    a connection sleeps in `poll` on its socket and on a wake-up socket that every reply queued for it writes
     to, so it runs only when there is something to do.
 
     Also, socketserver leaves Nagle's algorithm on, and fakeredis writes a transaction's or pipeline's replies
@@ -128,6 +128,11 @@ def _quiet_handler(base: type) -> type:
         def setup(self) -> None:
             super().setup()
             self.wake = _Wake()
+            # poll, not select: select refuses a descriptor numbered past 1023, which a long-lived process that
+            # hosts the servers reaches (the connection then broke at its first wait and its client retried on)
+            self._poll = select.poll()
+            self._poll.register(self.connection, select.POLLIN)
+            self._poll.register(self.wake, select.POLLIN)
             self.thread_id = threading.get_native_id()
             self._hooked: object | None = None
             self.server.quiet_handlers.add(self)
@@ -143,10 +148,10 @@ def _quiet_handler(base: type) -> type:
 
         def _wait(self) -> bool:
             """Sleep until the client sends or a reply is queued; whether the client's socket is readable."""
-            ready, _, _ = select.select([self.connection, self.wake], [], [], WAKE_CHECK_S)
-            if self.wake in ready:
+            ready = {fd for fd, _ in self._poll.poll(WAKE_CHECK_S * 1000)}  # readable, hung up or failed
+            if self.wake.fileno() in ready:
                 self.wake.drain()
-            return self.connection in ready
+            return self.connection.fileno() in ready
 
         def handle(self) -> None:
             while not self.server._shutdown_event.is_set():
@@ -186,7 +191,7 @@ def _quiet_handler(base: type) -> type:
 
 
 class _Wake:
-    """A connection handler's wake-up: `ring` from any thread makes its `select` on this object return. Rings
+    """A connection handler's wake-up: `ring` from any thread makes its poll on this object return. Rings
     and the close are serialized, so a ring never writes to a closed (and perhaps reused) descriptor."""
 
     def __init__(self) -> None:
