@@ -57,7 +57,9 @@ def trainer_on(init_policy: Path) -> Trainer:
 
 
 def save(trainer: Trainer, root: Path, step: int, *, dtype: torch.dtype = torch.float32) -> CheckpointInfo:
-    """The learner's checkpoint, with the tokenizer in `policy/` (a worker builds its tokenizer from it)."""
+    """The learner's checkpoint, with the tokenizer in `policy/` (a worker builds its tokenizer from it), its
+    optimizer state written too: that write goes on in the background after `save` returns, and its `.tmp-`
+    directory, renamed when done, made a listing of the checkpoint fail now and then."""
     from transformers import AutoTokenizer
 
     from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -65,7 +67,9 @@ def save(trainer: Trainer, root: Path, step: int, *, dtype: torch.dtype = torch.
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(root.parent / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(root.parent / "tokenizer")
-    return trainer.save(root, step=step, ledger=set(), extra={}, tokenizer=tokenizer, keep=3, publish_dtype=dtype)
+    info = trainer.save(root, step=step, ledger=set(), extra={}, tokenizer=tokenizer, keep=3, publish_dtype=dtype)
+    trainer.wait_for_writes()
+    return info
 
 
 _COUNTERS: list[tuple[Callable[[Path], bool], Counter[Any]]] = []
