@@ -67,7 +67,7 @@ def test_the_next_update_runs_while_the_optimizer_state_is_written_and_that_stat
     update(trainer, "a")
     gate = Gate(monkeypatch)
     at_save = moments(trainer)
-    info = save(trainer, root, 1)
+    info = save(trainer, root, 1, wait=False)
     assert gate.started.wait(timeout=30)
     # The save returned with its write held: the version is committed without it.
     assert latest_checkpoint(root) == info and not has_optimizer_state(info.path)

@@ -56,10 +56,12 @@ def trainer_on(init_policy: Path) -> Trainer:
     return trainer
 
 
-def save(trainer: Trainer, root: Path, step: int, *, dtype: torch.dtype = torch.float32) -> CheckpointInfo:
+def save(
+    trainer: Trainer, root: Path, step: int, *, dtype: torch.dtype = torch.float32, wait: bool = True
+) -> CheckpointInfo:
     """The learner's checkpoint, with the tokenizer in `policy/` (a worker builds its tokenizer from it), its
-    optimizer state written too: that write goes on in the background after `save` returns, and its `.tmp-`
-    directory, renamed when done, made a listing of the checkpoint fail now and then."""
+    optimizer state written too unless `wait` is False: that write goes on in the background after `save`
+    returns, and its `.tmp-` directory, renamed when done, made a listing of the checkpoint fail now and then."""
     from transformers import AutoTokenizer
 
     from tlt_stream.tasks.tokenizer import build_tokenizer
@@ -68,7 +70,8 @@ def save(trainer: Trainer, root: Path, step: int, *, dtype: torch.dtype = torch.
     tokenizer.save_pretrained(root.parent / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(root.parent / "tokenizer")
     info = trainer.save(root, step=step, ledger=set(), extra={}, tokenizer=tokenizer, keep=3, publish_dtype=dtype)
-    trainer.wait_for_writes()
+    if wait:
+        trainer.wait_for_writes()
     return info
 
 
