@@ -40,8 +40,9 @@ class Planes:
 
 @contextlib.asynccontextmanager
 async def learner_and_worker_planes(config: Config) -> AsyncIterator[Planes]:
-    """A learner's control plane (owning `policy`) and a rollout worker's, connected; stopped on exit."""
-    redis = connect_redis(config.bus.redis_url)
+    """A learner's control plane (owning `policy`) and a rollout worker's, connected; stopped on exit. The client's
+    reply timeout outlasts the config's blocking reads, as a service's does."""
+    redis = connect_redis(config.bus.redis_url, block_ms=config.bus.block_ms)
     planes = Planes(
         redis,
         ControlPlane(config, redis, role="learner", owns=["policy"]),
@@ -57,6 +58,16 @@ async def learner_and_worker_planes(config: Config) -> AsyncIterator[Planes]:
         planes.stop.set()
         await asyncio.gather(*running)
         await redis.aclose()
+
+
+def awaiting(task: asyncio.Task[object]) -> str:
+    """Where a pending task waits, innermost first: its chain of awaited coroutines (a task's own `get_stack`
+    gives a suspended coroutine's outermost frame only)."""
+    where, coro = [], task.get_coro()
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        where.append(f"{Path(coro.cr_frame.f_code.co_filename).name}:{coro.cr_frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None)
+    return " < ".join(reversed(where)) or repr(task)
 
 
 def policy_service(config: Config, planes: Planes, prompts_per_step: int = 2) -> PolicyService:
@@ -347,7 +358,8 @@ async def test_a_worker_waiting_for_prompts_says_idle_not_generating(
             assert not running.done()
         finally:
             running.cancel()  # blocked in a one-minute read: nothing in flight to finish
-            await asyncio.gather(running, return_exceptions=True)
+            await asyncio.wait([running], timeout=30)
+            assert running.done(), f"the worker did not stop when cancelled; it waits at {awaiting(running)}"
 
 
 async def test_a_dispatch_whose_reply_was_lost_after_it_committed_is_not_sent_again(
