@@ -111,8 +111,8 @@ def _quiet_handler(base: type) -> type:
 
     fakeredis serves each connection on a thread that polls every 10 ms for replies other connections push to
     it (pub/sub messages, a producer's acks). With a run's ~7 idle connections that is ~800 wake-ups a second
-    in the process hosting the servers, and on a small machine each one preempts a thread of the rollout
-    worker's OpenMP team while its partner waits at a barrier: a synchronous step ran ~15% slower for it. Here
+    in the process hosting the servers, and on a small machine each one can preempt a thread of the rollout
+    worker's OpenMP team while its partner waits at a barrier (what that costs a run is not established). Here
     a connection sleeps in `poll` on its socket and on a wake-up socket that every reply queued for it writes
     to, so it runs only when there is something to do.
 
