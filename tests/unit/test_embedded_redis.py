@@ -141,10 +141,10 @@ def test_replies_pushed_by_other_connections_wake_the_connection(monkeypatch) ->
 
 
 def test_a_connection_numbered_past_1023_is_served() -> None:
-    """A process that hosts the servers for long (a test session, a long run) holds descriptors numbered past
-    1023, which `select` refuses: such a connection broke at its first wait, and its client's retries turned that
-    into a hang (a CI run's test waited 300 s). Its server-side socket is numbered past 1023 here, as the kernel
-    says, and it is served: a command, a wait, and a reply another connection pushes to it."""
+    """A process that hosts the servers may hold descriptors numbered past 1023, which `select` refuses: such a
+    connection broke at its first wait, and a `connect_redis` client then retries as in an outage, for minutes.
+    Its server-side socket is numbered past 1023 here, as the kernel says, and it is served: a command, a wait,
+    and a reply another connection pushes to it."""
     import os
     import resource
 

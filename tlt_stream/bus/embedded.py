@@ -128,8 +128,8 @@ def _quiet_handler(base: type) -> type:
         def setup(self) -> None:
             super().setup()
             self.wake = _Wake()
-            # poll, not select: select refuses a descriptor numbered past 1023, which a long-lived process that
-            # hosts the servers reaches (the connection then broke at its first wait and its client retried on)
+            # poll, not select: select refuses a descriptor numbered past 1023, which a process that hosts the
+            # servers may hold (the connection then broke at its first wait and its client retried on)
             self._poll = select.poll()
             self._poll.register(self.connection, select.POLLIN)
             self._poll.register(self.wake, select.POLLIN)
