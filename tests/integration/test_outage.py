@@ -138,3 +138,61 @@ async def test_an_outage_past_the_retry_budget_exits_with_one_line_and_a_restart
                 process.kill()
                 await process.wait()
         await redis.aclose()
+
+
+async def test_a_service_stopped_during_an_outage_exits_at_once_with_one_line(
+    tmp_path: Path, init_policy: Path
+) -> None:
+    """SIGTERM while Redis is gone: the learner does not ride the outage out first (retries here are all but
+    endless), it exits 0 with one line saying what was not drained, and nothing it had trained is lost."""
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    (tmp_path / "redis").mkdir()
+    server = await start_redis(port, tmp_path / "redis")
+    run_dir = tmp_path / "run"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TLT_")},
+        "TLT_REDIS_URL": url,
+        "TLT_RUN": "stop-in-outage",
+        "TLT_BUS__REDIS_RETRIES": "100000",
+        "PYTHONPATH": str(ROOT),
+    }
+    argv = [sys.executable, "-m", "services.learner", "--run-dir", str(run_dir), "--policy", str(init_policy)]
+    learner = await asyncio.create_subprocess_exec(
+        *argv, env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    redis = aioredis.Redis.from_url(url)
+    seen: list[str] = []
+    try:
+        async with asyncio.timeout(120):
+            while latest_checkpoint(run_dir / "checkpoints") is None or not await redis.exists(
+                Keys("stop-in-outage").versions
+            ):
+                assert learner.returncode is None
+                await asyncio.sleep(0.2)
+        await redis.aclose()
+        server.kill()
+        await server.wait()
+        assert learner.stderr is not None
+        async with asyncio.timeout(120):  # the learner riding the outage out, as its log says
+            while not any("unreachable (attempt" in line for line in seen):
+                line = await learner.stderr.readline()
+                assert line, "".join(seen)[-3000:]
+                seen.append(line.decode(errors="replace"))
+        learner.terminate()
+        async with asyncio.timeout(90):  # a bound against a hang: unstopped, the retries last for days
+            rest, _ = await asyncio.gather(learner.stderr.read(), learner.wait())
+        text = "".join(seen) + rest.decode(errors="replace")
+        assert learner.returncode == 0, text[-3000:]
+        assert "stopped while Redis" in text.strip().splitlines()[-1], text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        found = latest_checkpoint(run_dir / "checkpoints")
+        assert found is not None and found.step == 0, "the checkpoint it started from is intact"
+    finally:
+        for process in (learner, server):
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        await redis.aclose()

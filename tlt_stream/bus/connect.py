@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import copy
 import inspect
 import logging
 import ssl
@@ -73,18 +75,57 @@ def _permanent(exc: BaseException) -> bool:
 
 
 class OutageRetry(Retry):
-    """redis-py's retry loop, except for errors that are not outages (`_permanent`), which fail at once."""
+    """redis-py's retry loop, except for errors that are not outages (`_permanent`), which fail at once, and
+    for a client whose service is stopping (`stop` set): a stopping service does not ride out an outage (its
+    drain would wait minutes on a server that is gone); the command's error reaches it at once, and a backoff
+    in progress ends when `stop` is set."""
+
+    def __init__(self, backoff: AbstractBackoff, retries: int, stop: asyncio.Event | None = None) -> None:
+        super().__init__(backoff, retries)
+        self.stop = stop
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutageRetry:
+        """redis-py deep-copies the retry into each connection: the copies share the one stop event."""
+        if self.stop is not None:
+            memo[id(self.stop)] = self.stop
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            setattr(clone, key, copy.deepcopy(value, memo))
+        return clone
 
     async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-        def retryable(exc: Exception) -> bool:
-            return not _permanent(exc) and (is_retryable is None or is_retryable(exc))
+        from tlt_stream.basics.aio import sleep_or_stop
 
-        async def failed(*args: Any) -> Any:  # the error, for the backoff's log line (a silent peer: a timeout)
-            _last_error.set(f"{type(args[0]).__name__}: {redact_text(str(args[0]))[:120]}" if args else None)
-            result = fail(*args)
-            return await result if inspect.isawaitable(result) else result
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                return await do()
+            except self._supported_errors as error:
+                _last_error.set(f"{type(error).__name__}: {redact_text(str(error))[:120]}")  # for the backoff's log
+                own = getattr(self, "_is_retryable", None)  # a checker set on the Retry itself (newer redis-py)
+                if own is not None and not own(error):
+                    await _failed(fail, error, failures + 1, with_failure_count)  # connection-scoped cleanup
+                    raise
+                if _permanent(error) or (is_retryable is not None and not is_retryable(error)):
+                    raise
+                failures += 1
+                await _failed(fail, error, failures, with_failure_count)
+                if (self.stop is not None and self.stop.is_set()) or 0 <= self._retries < failures:
+                    raise
+                delay = self._backoff.compute(failures)
+                if self.stop is None:
+                    await asyncio.sleep(delay)
+                elif await sleep_or_stop(self.stop, delay):
+                    raise
 
-        return await super().call_with_retry(do, failed, retryable, with_failure_count)
+
+async def _failed(fail: Any, error: Exception, failures: int, with_failure_count: bool) -> None:
+    """redis-py's failure handler (it disconnects the connection, and may raise)."""
+    result = fail(error, failures) if with_failure_count else fail(error)
+    if inspect.isawaitable(result):
+        await result
 
 
 _last_error: contextvars.ContextVar[str | None] = contextvars.ContextVar("redis_last_error", default=None)
@@ -131,6 +172,7 @@ def connect_redis(
     name: str | None = None,
     retries: int = REDIS_OUTAGE_RETRIES,
     block_ms: int = 1000,
+    stop: asyncio.Event | None = None,
 ) -> aioredis.Redis:
     """An asyncio Redis client (bytes replies) that rides out outages: a failed command is retried with
     capped backoff (logged) for about three minutes before its error reaches the caller; tools that must
@@ -138,7 +180,8 @@ def connect_redis(
 
     Connecting is lazy; the first command opens the connection. Credentials and TLS (`rediss://`) come
     from the URL. Timeouts are explicit whatever the installed redis-py's defaults: connecting 5 s, a reply
-    `redis_socket_timeout(block_ms)`; with TLS the certificate and its hostname are always checked.
+    `redis_socket_timeout(block_ms)`; with TLS the certificate and its hostname are always checked. Once
+    `stop` (a service's stop event) is set, a failed command is no longer retried (`OutageRetry`).
     """
     tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if urlsplit(url).scheme == "rediss" else {}
     return aioredis.Redis.from_url(
@@ -148,7 +191,7 @@ def connect_redis(
         socket_keepalive=True,
         socket_connect_timeout=5,
         socket_timeout=redis_socket_timeout(block_ms),
-        retry=OutageRetry(OutageBackoff(url, cap=cap_s), retries=retries),
+        retry=OutageRetry(OutageBackoff(url, cap=cap_s), retries=retries, stop=stop),
         retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
         client_name=name,
         redis_connect_func=_ConnectionsOpened().on_connect,

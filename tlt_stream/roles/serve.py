@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -26,7 +27,7 @@ from tlt_stream.basics.config import Config, redact_text, redact_url
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.bus.control import ControlPlane
 
-__all__ = ["TEARDOWN_S", "Body", "device_or_refuse", "refuse", "serve"]
+__all__ = ["LAUNCHER_PID_ENV", "TEARDOWN_S", "Body", "device_or_refuse", "refuse", "serve", "watch_launcher"]
 
 Body = Callable[[Config, aioredis.Redis, ControlPlane, asyncio.Event], Awaitable[None]]
 
@@ -81,19 +82,31 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
     from tlt_stream.basics.aio import run as run_loop
     from tlt_stream.bus.connect import connect_redis, endpoints
 
+    stopped_in_outage: list[BaseException] = []
+
     async def main(config: Config) -> None:
         assert config.bus.redis_url is not None
+        stop = asyncio.Event()
         redis = connect_redis(
-            config.bus.redis_url, name=role, block_ms=config.bus.block_ms, retries=config.bus.redis_retries
+            config.bus.redis_url,
+            name=role,
+            block_ms=config.bus.block_ms,
+            retries=config.bus.redis_retries,
+            stop=stop,
         )
         control = ControlPlane(config, redis, role=role, owns=owns)
-        stop = asyncio.Event()
         install_stop_signals(stop)
+        launcher = asyncio.create_task(watch_launcher(stop), name=f"{role}-launcher-watch")
         plane = asyncio.create_task(control.run(stop), name=f"{role}-control-plane")
         try:
             await body(config, redis, control, stop)
+        except Exception as exc:
+            if not stop.is_set() or (outage := _outage(exc)) is None:
+                raise
+            stopped_in_outage.append(outage)  # asked to stop, and Redis is gone: nothing left to drain into
         finally:
             stop.set()
+            launcher.cancel()
             await bounded(plane, "the control plane (MQTT)")
             await bounded(redis.aclose(), "closing Redis")
 
@@ -116,7 +129,47 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
             file=sys.stderr,
         )
         return 3
+    if stopped_in_outage:
+        error = stopped_in_outage[0]
+        print(
+            f"tlt-stream {role}: stopped while Redis {redact_url(config.bus.redis_url)} was unreachable "
+            f"({type(error).__name__}: {redact_text(str(error))}); what was not acked is delivered again after a "
+            "restart, which resumes from my checkpoints",
+            file=sys.stderr,
+        )
     return 0
+
+
+LAUNCHER_PID_ENV = "TLT_LAUNCHER_PID"
+"""Set by `tlt-stream run` for the services it starts: the launcher's pid (`watch_launcher`)."""
+LAUNCHER_POLL_S = 1.0
+
+
+async def watch_launcher(stop: asyncio.Event, poll_s: float = LAUNCHER_POLL_S) -> None:
+    """For a service `tlt-stream run` started (`TLT_LAUNCHER_PID`): set `stop` once the launcher is gone, or
+    the process that started this one (a launcher killed outright cannot stop its services, and the embedded
+    servers die with it). Under torchrun the parent is torchrun's agent, so the launcher's pid is watched too."""
+    raw = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not raw.isdigit():
+        return
+    launcher, parent = int(raw), os.getppid()
+    while not stop.is_set():
+        if os.getppid() != parent or not _alive(launcher):
+            log.error("the launcher (pid %d) is gone: stopping; `tlt-stream run --resume RUN_DIR` resumes the run",
+                      launcher)  # fmt: skip
+            stop.set()
+            return
+        await asyncio.sleep(poll_s)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
 
 
 def _outage(exc: BaseException) -> BaseException | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tlt_stream.basics.config import Config, redact_url
 from tlt_stream.commands.placement import LEARNER, POLICY, place, visible_gpus, worker_name
+from tlt_stream.roles.serve import LAUNCHER_PID_ENV
 
 __all__ = [
     "RunPlan",
@@ -227,6 +228,7 @@ class Supervisor:
             "TLT_REDIS_URL": config.bus.redis_url,
             "TLT_MQTT_URL": config.bus.mqtt_url,
             "PYTHONUNBUFFERED": "1",
+            LAUNCHER_PID_ENV: str(os.getpid()),  # the services stop if this process dies without stopping them
         }
         root = str(Path(__file__).resolve().parents[1])  # services/ lives next to tlt_stream/
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)

@@ -1,0 +1,125 @@
+"""A service that is told to stop does not ride out an outage, and a service `tlt-stream run` started stops
+when its launcher is gone.
+
+The Redis side: a server that accepts every connection and closes it at once, so every command fails as in an
+outage and every attempt is counted from outside the client. The launcher side: a real process that dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+import redis.asyncio as aioredis
+
+from tlt_stream.bus.connect import OutageBackoff, OutageRetry, connect_redis
+from tlt_stream.roles.serve import LAUNCHER_PID_ENV, watch_launcher
+
+
+class Refusing:
+    """A TCP server that closes every connection it accepts: each command attempt is one accept."""
+
+    def __init__(self) -> None:
+        self.accepts = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Refusing:
+        async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.accepts += 1
+            writer.close()
+
+        self.server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def until_accepts(self, n: int) -> None:
+        async with asyncio.timeout(60):
+            while self.accepts < n:  # noqa: ASYNC110 (a count kept by the server's callback)
+                await asyncio.sleep(0.01)
+
+
+async def test_a_stop_ends_the_backoff_in_progress_and_the_command_fails_with_the_outage_error() -> None:
+    stop = asyncio.Event()
+    async with Refusing() as server:
+        # The first retry waits 300-600 s: only the stop can end it within the test's bound.
+        retry = OutageRetry(OutageBackoff(server.url, base=600.0, cap=600.0), retries=1000, stop=stop)
+        port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+        client = aioredis.Redis(
+            host="127.0.0.1", port=port, retry=retry, retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError]
+        )
+        ping = asyncio.create_task(client.ping())
+        await server.until_accepts(1)
+        await asyncio.sleep(0.2)
+        assert not ping.done(), "the outage is being ridden out"
+        stop.set()
+        async with asyncio.timeout(30):  # a bound against a hang, not a timing: unstopped, the wait is minutes
+            with pytest.raises(aioredis.ConnectionError):
+                await ping
+        assert server.accepts == 1, "no attempt after the stop"
+        await client.aclose()
+
+
+async def test_every_connection_of_a_client_shares_its_stop_event() -> None:
+    """redis-py deep-copies a client's retry into each connection; a copied event would never be set."""
+    stop = asyncio.Event()
+    async with Refusing() as server:
+        client = connect_redis(server.url, retries=10_000, stop=stop)
+        ping = asyncio.create_task(client.ping())
+        await server.until_accepts(3)
+        assert not ping.done()
+        stop.set()
+        async with asyncio.timeout(30):  # unstopped: 10,000 retries at up to 5 s each
+            with pytest.raises(aioredis.ConnectionError):
+                await ping
+        attempts = server.accepts
+        await asyncio.sleep(0.5)
+        assert server.accepts == attempts
+        await client.aclose()
+
+
+async def test_without_a_stop_a_client_keeps_retrying_an_outage() -> None:
+    async with Refusing() as server:
+        client = connect_redis(server.url, retries=10_000, stop=asyncio.Event())
+        ping = asyncio.create_task(client.ping())
+        await server.until_accepts(4)
+        assert not ping.done()
+        ping.cancel()
+        await asyncio.gather(ping, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_a_service_stops_once_its_launcher_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(600)")
+    try:
+        monkeypatch.setenv(LAUNCHER_PID_ENV, str(launcher.pid))
+        stop = asyncio.Event()
+        watch = asyncio.create_task(watch_launcher(stop, poll_s=0.02))
+        await asyncio.sleep(0.3)
+        assert not stop.is_set() and not watch.done(), "the launcher is alive: nothing to do"
+        launcher.kill()
+        await launcher.wait()  # reaped: its pid no longer names a process
+        async with asyncio.timeout(30):
+            await watch
+        assert stop.is_set()
+    finally:
+        if launcher.returncode is None:
+            launcher.kill()
+            await launcher.wait()
+
+
+async def test_a_service_no_launcher_started_watches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    stop = asyncio.Event()
+    async with asyncio.timeout(5):
+        await watch_launcher(stop, poll_s=0.02)
+    assert not stop.is_set()
