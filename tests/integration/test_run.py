@@ -218,6 +218,52 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
     assert final is not None and final.step == until
 
 
+async def test_a_launcher_killed_outright_takes_its_services_with_it(
+    reaped: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """SIGKILL (the OOM killer, a scheduler's kill -9) gives `tlt-stream run` no chance to stop its services:
+    they notice it is gone and stop themselves, instead of generating for a run nobody watches (with the
+    embedded servers gone too, they used to retry for hours). A resume to a version already reached says so."""
+    bus_config = reaped
+    world, out = world_from(init_policy, tmp_path), tmp_path / "run"
+    process = await asyncio.create_subprocess_exec(
+        *run_command(bus_config, world, out, "--steps", "1000"),
+        env=env_for(bus_config),
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(180):
+            while not (out / "metrics.jsonl").exists():  # noqa: ASYNC110 (a file, not an event)
+                await asyncio.sleep(0.5)
+        services = service_pids(bus_config.run)
+        assert len(services) == 3, services  # policy, one rollout worker, learner
+        process.kill()
+        await process.wait()
+        async with asyncio.timeout(120):  # a bound against a hang: unwatched, they would run on for good
+            while service_pids(bus_config.run):  # noqa: ASYNC110 (processes, not an event)
+                await asyncio.sleep(0.2)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    for log in sorted((out / "logs").glob("*.log")):
+        assert f"the launcher (pid {process.pid}) is gone" in log.read_text(), log.name
+    from tlt_stream.rl.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(out / "checkpoints")
+    assert found is not None and found.step >= 1
+    again = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--resume", str(out), "--steps", str(found.step)),
+        env=env_for(bus_config),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(120):
+        _, stderr = await again.communicate()
+    assert again.returncode == 0, stderr.decode()[-3000:]
+    assert f"already at policy version {found.step} of {found.step}: nothing left to train" in stderr.decode()
+    assert service_pids(bus_config.run) == [], "nothing was started"
+
+
 def test_the_plan_gives_each_process_its_threads_and_every_service_one_configuration_file(tmp_path: Path) -> None:
     from tlt_stream.basics.config import load_config, override
 

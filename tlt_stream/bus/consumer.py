@@ -365,7 +365,12 @@ class StreamReader(Generic[T]):
         found: list[tuple[str, T]] = []
         cursor = "0"
         while True:
-            reply = await self.redis.xreadgroup(self.group, self.consumer, {self.key: cursor}, count=256)
+            try:
+                reply = await self.redis.xreadgroup(self.group, self.consumer, {self.key: cursor}, count=256)
+            except aioredis.ResponseError:
+                if await self._group_exists():
+                    raise
+                return found  # the group was never made (nothing was read on these servers): nothing pending
             entries = reply[0][1] if reply else []
             if not entries:
                 return found

@@ -3,7 +3,7 @@ needs it, the checks that stop a run before any service starts, the evaluation b
 with a progress bar per step, and the end (the evaluation after, the report).
 
 Anything a user can fix stops the run with one line (`RunRefused`, its exit code: 2 for a setting, 1 for
-a failure), before a service is started where it can be.
+a failure, 0 for a resumed run with nothing left to train), before a service is started where it can be.
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ def settings_of(args: argparse.Namespace) -> tuple[Config, Path, bool]:
         newest = latest_checkpoint(out / "checkpoints")
         at = newest.step if newest is not None else 0
         config = override(config, {"policy.start_step": at})  # on fresh servers, dispatch continues from there
+        if at >= config.until_version:  # nothing to train: say so rather than start services that have no work
+            raise RunRefused(
+                f"{out} is already at policy version {at} of {config.until_version}: nothing left to train "
+                f"(a larger --steps goes on from there)",
+                code=0,
+            )
         print(f"tlt-stream run: resuming {out} at policy version {at} (run {config.run})", file=sys.stderr)
     elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
         raise RunRefused(f"{out} already holds checkpoints; choose a new --out")
