@@ -413,11 +413,9 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
     if engines:
         ratios = []
         for run, (costs, u) in zip(runs, engines, strict=True):
-            run_dir = Path(run["configs"]["a_sync_plain"]["run_dir"])
             hop = model = 0.0
-            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
-                entry = json.loads(line)
-                if entry.get("kind") == "rollout" and entry["target_forwards"]:
+            for entry in rollout_entries(Path(run["configs"]["a_sync_plain"]["run_dir"])):
+                if entry["target_forwards"]:
                     step = modelled_round_s(costs, u, entry["tokens"] / entry["target_forwards"])
                     hop, model = hop + entry["seconds"], model + entry["target_forwards"] * step
             ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
@@ -429,13 +427,11 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
         for run in runs:
             run_dir = Path(run["configs"][name]["run_dir"])
             last = None
-            for line in (run_dir / "timeline.jsonl").read_text().splitlines():
-                entry = json.loads(line)
-                if entry.get("kind") == "rollout":
-                    hop, forwards = hop + entry["seconds"], forwards + entry["target_forwards"]
-                    if last is not None and entry["created_at"] - last < OUTSIDE_GAP_MAX_S:
-                        gaps.append(entry["created_at"] - last - entry["seconds"])
-                    last = entry["created_at"]
+            for entry in rollout_entries(run_dir):
+                hop, forwards = hop + entry["seconds"], forwards + entry["target_forwards"]
+                if last is not None and entry["created_at"] - last < OUTSIDE_GAP_MAX_S:
+                    gaps.append(entry["created_at"] - last - entry["seconds"])
+                last = entry["created_at"]
             span += sum(json.loads(x)["rollout_seconds"] for x in (run_dir / "metrics.jsonl").read_text().splitlines())
         out[name] = {
             "ms_per_forward": round(1e3 * hop / forwards, 3) if forwards else None,
@@ -443,6 +439,13 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
             "ms_outside_hops_per_report": round(1e3 * statistics.median(gaps), 1) if gaps else None,
         }
     return out
+
+
+@functools.cache
+def rollout_entries(run_dir: Path) -> tuple[dict, ...]:
+    """The rollout reports of a run's `timeline.jsonl`, in order (read once per run directory)."""
+    entries = (json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines())
+    return tuple(entry for entry in entries if entry.get("kind") == "rollout")
 
 
 def modelled_round_s(costs, u: float, rows: float, arm=None) -> float:

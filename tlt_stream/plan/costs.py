@@ -76,6 +76,11 @@ class EngineCosts(Protocol):
     def prefill_s(self, tokens: int) -> float: ...
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float: ...
     def learn_s(self, tokens: int, context: float) -> float: ...
+    def learn_rows_s(self, lengths: Sequence[float], prompt_len: float) -> float | None:
+        """The forward and backward over rows of these response lengths, micro-batched as the learner does;
+        None where the model has no such curve (the simulator then charges `learn_s` per token)."""
+        ...
+
     def describe(self) -> dict[str, object]: ...
 
 
@@ -108,6 +113,9 @@ class FixedCosts:
 
     def learn_s(self, tokens: int, context: float) -> float:
         return self.learn_per_token * tokens
+
+    def learn_rows_s(self, lengths: Sequence[float], prompt_len: float) -> float | None:
+        return None
 
     def describe(self) -> dict[str, object]:
         return {"model": "fixed", **asdict(self)}

@@ -170,6 +170,10 @@ class GpuCosts:
         flops = tokens * self.learn_flops_per_param / 2 * (2 * m.total_params + attention)
         return flops / (self.learner_gpus * self.gpu.bf16_flops * self.mfu)
 
+    def learn_rows_s(self, lengths: Sequence[float], prompt_len: float) -> float | None:
+        """None: a GPU learner's cost is its FLOPs per token (`learn_s`); no micro-batch padding curve."""
+        return None
+
     @property
     def publish_s(self) -> float:
         return 2 * self.model.total_params / self.sync_bytes_per_s + self.sync_fixed_s

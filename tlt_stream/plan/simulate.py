@@ -540,10 +540,11 @@ class _Sim:
         """The forward and backward of an update over `trained` tokens of the rows of lengths `rows` (the groups
         with a signal): the cost model's micro-batched cost of those rows (`CpuCosts.learn_rows_s`), scaled to
         the share of their tokens trained, where it has one; else its cost per token at the mean context."""
-        per_rows, total = getattr(self.costs, "learn_rows_s", None), sum(rows)
-        if per_rows is None or total <= 0:
+        total = sum(rows)
+        per_rows = self.costs.learn_rows_s(rows, self.setup.prompt_len) if total > 0 else None
+        if per_rows is None:
             return self.costs.learn_s(int(trained), context)
-        return per_rows(rows, self.setup.prompt_len) * trained / total
+        return per_rows * trained / total
 
     def learner_done(self, t: float) -> None:
         """A group's (overlapped) or a whole update's work is done; a finished update is published, the learner
