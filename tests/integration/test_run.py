@@ -219,7 +219,7 @@ async def test_ctrl_c_stops_every_service_and_keeps_the_checkpoints(
 
 
 async def test_a_launcher_killed_outright_takes_its_services_with_it(
-    reaped: Config, tmp_path: Path, init_policy: Path
+    one_backend: str, reaped: Config, tmp_path: Path, init_policy: Path
 ) -> None:
     """SIGKILL (the OOM killer, a scheduler's kill -9) gives `tlt-stream run` no chance to stop its services:
     they notice it is gone and stop themselves, instead of generating for a run nobody watches (with the

@@ -74,15 +74,26 @@ def _permanent(exc: BaseException) -> bool:
     return any(isinstance(e, ssl.SSLCertVerificationError) for e in chain) or "CERTIFICATE_VERIFY_FAILED" in str(exc)
 
 
+STOPPING_RETRIES = 2
+"""Failures a connection of a stopping service gets past: enough to reconnect a dropped idle connection, far
+from riding out an outage."""
+STOPPING_DELAY_S = 0.1
+
+
 class OutageRetry(Retry):
     """redis-py's retry loop, except for errors that are not outages (`_permanent`), which fail at once, and
     for a client whose service is stopping (`stop` set): a stopping service does not ride out an outage (its
-    drain would wait minutes on a server that is gone); the command's error reaches it at once, and a backoff
-    in progress ends when `stop` is set."""
+    drain would wait minutes on a server that is gone). A backoff in progress ends when `stop` is set, and once a
+    connection has failed `STOPPING_RETRIES` + 1 times with the stop set, its commands fail at once (at most a
+    few more attempts, `STOPPING_DELAY_S` apart)."""
 
     def __init__(self, backoff: AbstractBackoff, retries: int, stop: asyncio.Event | None = None) -> None:
         super().__init__(backoff, retries)
         self.stop = stop
+        self.failed_stopping = 0
+        """Failures since `stop` was set, over every command of this copy (one connection's): redis-py nests
+        a connection's retries (a reconnect's handshake retries inside the command's), so a count per call
+        would not bound them."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OutageRetry:
         """redis-py deep-copies the retry into each connection: the copies share the one stop event."""
@@ -112,13 +123,18 @@ class OutageRetry(Retry):
                     raise
                 failures += 1
                 await _failed(fail, error, failures, with_failure_count)
-                if (self.stop is not None and self.stop.is_set()) or 0 <= self._retries < failures:
+                stopping = self.stop is not None and self.stop.is_set()
+                self.failed_stopping += stopping
+                if 0 <= self._retries < failures or self.failed_stopping > STOPPING_RETRIES:
                     raise
+                if stopping:  # a dropped idle connection, say: reconnect at once, a few times at most
+                    await asyncio.sleep(STOPPING_DELAY_S)
+                    continue
                 delay = self._backoff.compute(failures)
                 if self.stop is None:
                     await asyncio.sleep(delay)
-                elif await sleep_or_stop(self.stop, delay):
-                    raise
+                else:  # a stop in the middle ends the wait: the next failure is then one of the last few
+                    await sleep_or_stop(self.stop, delay)
 
 
 async def _failed(fail: Any, error: Exception, failures: int, with_failure_count: bool) -> None:
