@@ -53,6 +53,18 @@ async def start_redis(port: int, data: Path) -> asyncio.subprocess.Process:
     raise TimeoutError("redis-server did not start")
 
 
+def learner_env(url: str, run: str, **settings: str) -> dict[str, str]:
+    """The environment of a learner process on `url` (no MQTT URL: it starts an embedded broker of its own),
+    none of the caller's TLT_ settings, `settings` as TLT_ variables."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TLT_")},
+        "TLT_REDIS_URL": url,
+        "TLT_RUN": run,
+        **settings,
+        "PYTHONPATH": str(ROOT),
+    }
+
+
 def sample(task: str, index: int) -> Sample:
     return Sample(
         sample_id=f"{task}/{index}",
@@ -81,15 +93,8 @@ async def test_an_outage_past_the_retry_budget_exits_with_one_line_and_a_restart
     (tmp_path / "redis").mkdir()
     server = await start_redis(port, tmp_path / "redis")
     run_dir = tmp_path / "run"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TLT_")},
-        "TLT_REDIS_URL": url,  # no MQTT URL: the learner starts an embedded broker of its own
-        "TLT_RUN": "outage",
-        "TLT_BUS__REDIS_RETRIES": "2",
-        "TLT_BUS__HEARTBEAT_S": "0.5",
-        "TLT_BUS__HEARTBEAT_TTL_S": "2",
-        "PYTHONPATH": str(ROOT),
-    }
+    settings = {"TLT_BUS__REDIS_RETRIES": "2", "TLT_BUS__HEARTBEAT_S": "0.5", "TLT_BUS__HEARTBEAT_TTL_S": "2"}
+    env = learner_env(url, "outage", **settings)
     argv = [sys.executable, "-m", "services.learner", "--run-dir", str(run_dir), "--policy", str(init_policy)]
     argv += ["--groups-per-step", "1"]
 
@@ -152,13 +157,7 @@ async def test_a_service_stopped_during_an_outage_exits_at_once_with_one_line(
     (tmp_path / "redis").mkdir()
     server = await start_redis(port, tmp_path / "redis")
     run_dir = tmp_path / "run"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TLT_")},
-        "TLT_REDIS_URL": url,
-        "TLT_RUN": "stop-in-outage",
-        "TLT_BUS__REDIS_RETRIES": "100000",
-        "PYTHONPATH": str(ROOT),
-    }
+    env = learner_env(url, "stop-in-outage", TLT_BUS__REDIS_RETRIES="100000")
     argv = [sys.executable, "-m", "services.learner", "--run-dir", str(run_dir), "--policy", str(init_policy)]
     learner = await asyncio.create_subprocess_exec(
         *argv, env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE

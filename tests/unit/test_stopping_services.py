@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Self
 from urllib.parse import urlsplit
 
 import pytest
@@ -19,19 +20,22 @@ from tlt_stream.bus.connect import STOPPING_RETRIES, OutageBackoff, OutageRetry,
 from tlt_stream.roles.serve import LAUNCHER_PID_ENV, watch_launcher
 
 
-class Refusing:
-    """A TCP server that closes every connection it accepts: each command attempt is one accept."""
+class Listening:
+    """A TCP server on a free local port that counts the connections it accepts (`handle` serves each)."""
 
     def __init__(self) -> None:
         self.accepts = 0
         self.server: asyncio.Server | None = None
 
-    async def __aenter__(self) -> Refusing:
-        async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            self.accepts += 1
-            writer.close()
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
 
-        self.server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepts += 1
+        await self.handle(reader, writer)
+
+    async def __aenter__(self) -> Self:
+        self.server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -40,9 +44,20 @@ class Refusing:
         await self.server.wait_closed()
 
     @property
-    def url(self) -> str:
+    def port(self) -> int:
         assert self.server is not None
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        return self.server.sockets[0].getsockname()[1]
+
+
+class Refusing(Listening):
+    """Closes every connection it accepts: each command attempt is one accept."""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     async def until_accepts(self, n: int) -> None:
         async with asyncio.timeout(60):
@@ -55,9 +70,11 @@ async def test_a_stop_ends_the_backoff_in_progress_and_the_command_fails_with_th
     async with Refusing() as server:
         # The first retry waits 300-600 s: only the stop can end it within the test's bound.
         retry = OutageRetry(OutageBackoff(server.url, base=600.0, cap=600.0), retries=1000, stop=stop)
-        port = int(server.url.rsplit(":", 1)[1].split("/")[0])
         client = aioredis.Redis(
-            host="127.0.0.1", port=port, retry=retry, retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError]
+            host="127.0.0.1",
+            port=server.port,
+            retry=retry,
+            retry_on_error=[aioredis.ConnectionError, aioredis.TimeoutError],
         )
         ping = asyncio.create_task(client.ping())
         await server.until_accepts(1)
@@ -100,32 +117,24 @@ async def test_without_a_stop_a_client_keeps_retrying_an_outage() -> None:
         await client.aclose()
 
 
-class Proxy:
+class Proxy(Listening):
     """A TCP relay to a real Redis whose connections the test can cut, as a server's idle `timeout` or a
-    load balancer does: each accepted connection is counted."""
+    load balancer does."""
 
     def __init__(self, url: str) -> None:
+        super().__init__()
         parts = urlsplit(url)
         self.target = (parts.hostname or "127.0.0.1", parts.port or 6379)
         self.rest = url.split(f":{parts.port}", 1)[1] if parts.port else "/0"
         self.links: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
-        self.accepts = 0
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Proxy:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.cut()
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
+        await super().__aexit__(*exc)
 
     @property
     def url(self) -> str:
-        assert self.server is not None
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}{self.rest}"
+        return f"redis://127.0.0.1:{self.port}{self.rest}"
 
     def cut(self) -> None:
         for a, b in self.links:
@@ -133,8 +142,7 @@ class Proxy:
             b.transport.abort()
         self.links.clear()
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepts += 1
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self.target)
         self.links.append((writer, up_writer))
 
