@@ -206,3 +206,56 @@ async def test_a_service_no_launcher_started_watches_nothing(monkeypatch: pytest
     async with asyncio.timeout(5):
         await watch_launcher(stop, poll_s=0.02)
     assert not stop.is_set()
+
+
+async def test_a_cancellation_the_command_drops_still_cancels_its_caller() -> None:
+    """Python 3.11's `asyncio.wait_for` (redis-py sends every command through it) returns its result, dropping
+    the cancellation, when the cancel lands as the awaited send completes; the command then runs its read to
+    the end, and on a blocking read the caller never learns it was cancelled (a worker cancelled in a
+    one-minute XREADGROUP went on reading). The retry loop around every command gives the cancellation back."""
+    loop = asyncio.get_running_loop()
+    send = loop.create_future()
+    read_started = asyncio.Event()
+
+    async def command() -> str:
+        await asyncio.wait_for(send, timeout=60)  # the send, as redis-py awaits it
+        read_started.set()
+        await asyncio.sleep(0.2)  # the read (a short block)
+        return "the reply"
+
+    retry = OutageRetry(OutageBackoff("redis://127.0.0.1:1/0"), retries=3)
+    caller = asyncio.create_task(retry.call_with_retry(command, lambda error: None))
+    await asyncio.sleep(0)  # the caller waits in the send
+    send.set_result(None)
+    caller.cancel()  # in the same turn: wait_for wakes to a done send and a cancelled wait
+    await asyncio.wait([caller], timeout=30)
+    assert caller.done() and caller.cancelled(), "the caller went on as if not cancelled"
+    if sys.version_info < (3, 12):
+        assert read_started.is_set(), "the library dropped the cancellation (the case this guards)"
+
+
+async def test_an_outage_error_in_place_of_a_cancellation_is_not_retried() -> None:
+    attempts = 0
+
+    async def command() -> str:
+        nonlocal attempts
+        attempts += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if attempts == 1:  # a library closing up replaces it with an outage error
+                raise aioredis.ConnectionError("closed while cancelled") from None
+            raise
+        return "the reply"
+
+    retry = OutageRetry(OutageBackoff("redis://127.0.0.1:1/0"), retries=1000)
+    caller = asyncio.create_task(retry.call_with_retry(command, lambda error: None))
+    await asyncio.sleep(0.05)
+    caller.cancel()
+    await asyncio.wait([caller], timeout=30)
+    try:
+        assert caller.done() and caller.cancelled(), f"retried {attempts} times after the cancel"
+        assert attempts == 1
+    finally:
+        caller.cancel()  # a caller that retried is in its second attempt: this one it does not lose
+        await asyncio.wait([caller], timeout=30)

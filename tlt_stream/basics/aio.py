@@ -35,8 +35,9 @@ async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep up to `seconds`, waking early when `stop` is set. Returns True when stop is set."""
     if stop.is_set():
         return True
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=max(0.0, seconds))
+    try:  # not asyncio.wait_for: on Python 3.11 it drops a cancellation that lands as `stop` is set
+        async with asyncio.timeout(max(0.0, seconds)):
+            await stop.wait()
     except TimeoutError:
         return False
     return True

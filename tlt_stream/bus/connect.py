@@ -85,7 +85,9 @@ class OutageRetry(Retry):
     for a client whose service is stopping (`stop` set): a stopping service does not ride out an outage (its
     drain would wait minutes on a server that is gone). A backoff in progress ends when `stop` is set, and once a
     connection has failed `STOPPING_RETRIES` + 1 times with the stop set, its commands fail at once (at most a
-    few more attempts, `STOPPING_DELAY_S` apart)."""
+    few more attempts, `STOPPING_DELAY_S` apart). A cancellation of the calling task is never lost in it: a
+    command that returns, or fails as in an outage, after its task was cancelled raises CancelledError (at
+    worst one command late, where the library dropped the cancellation and ran the command to its end)."""
 
     def __init__(self, backoff: AbstractBackoff, retries: int, stop: asyncio.Event | None = None) -> None:
         super().__init__(backoff, retries)
@@ -110,10 +112,14 @@ class OutageRetry(Retry):
 
         self._backoff.reset()
         failures = 0
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         while True:
             try:
-                return await do()
+                result = await do()
             except self._supported_errors as error:
+                if task is not None and task.cancelling() > cancels:  # the error took a cancellation's place
+                    raise asyncio.CancelledError from error
                 _last_error.set(f"{type(error).__name__}: {redact_text(str(error))[:120]}")  # for the backoff's log
                 own = getattr(self, "_is_retryable", None)  # a checker set on the Retry itself (newer redis-py)
                 if own is not None and not own(error):
@@ -135,6 +141,13 @@ class OutageRetry(Retry):
                     await asyncio.sleep(delay)
                 else:  # a stop in the middle ends the wait: the next failure is then one of the last few
                     await sleep_or_stop(self.stop, delay)
+            else:
+                if task is not None and task.cancelling() > cancels:
+                    # Cancelled while the command ran, and it returned anyway: Python 3.11's asyncio.wait_for
+                    # (redis-py's send) drops a cancellation that lands as the send completes, and the command
+                    # then runs to its end (a blocking read: its whole block). The cancellation goes on here.
+                    raise asyncio.CancelledError
+                return result
 
 
 async def _failed(fail: Any, error: Exception, failures: int, with_failure_count: bool) -> None:
