@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff
 
+from tlt_stream.basics.aio import sleep_or_stop
 from tlt_stream.basics.config import Config, redact_text, redact_url
 from tlt_stream.bus.embedded import EmbeddedServers
 
@@ -108,8 +109,6 @@ class OutageRetry(Retry):
         return clone
 
     async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-        from tlt_stream.basics.aio import sleep_or_stop
-
         self._backoff.reset()
         failures = 0
         task = asyncio.current_task()
