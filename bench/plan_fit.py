@@ -8,8 +8,10 @@ streaming: fit both), wall clock, median of `--repeats`:
   ragged_s; beyond one row the rows' contexts differ (prompts of different lengths), as in a run, where the
   engine builds an attention mask that rows of one context do without;
 - prefill: the first step's extra time over a decode step, b prompts -> prefill_step_s, prefill_token_s;
-- round costs: speculative rounds of the drafter arms at b = 1, 4, 16, 64, the drafter's proposals timed
-  apart -> the verify-cost curve (round_s_fixed, node_frac) and draft_step_s, draft_row_s;
+- round costs: speculative rounds of the drafter arms at b = 1, 4, 16, 64, near the responses' start and deep in
+  them, the drafter's proposals timed apart -> the verify-cost curve (round_s_fixed, round_row_s, node_frac,
+  node_ctx_frac) and draft_step_s, draft_row_s, draft_ctx_s; decode and round points are measured alternately,
+  pass after pass (`measure_engine`), so that the machine's drift moves both alike;
 - learner: `LearnerCore.step` over 2, 4, 8 and 16 synthetic groups of the world's lengths, and 4 and 16 of
   shorter and of longer-tailed ones -> learn_token_s and learn_attn_s (per padded token of the micro-batches the
   learner makes, and per padded token per token of their width), optimizer_s (least squares); the plain
@@ -159,61 +161,118 @@ no signal). The cost per token falls as the batch grows (2026-12-05: 182, 104, 1
 these points at 2 threads), so a line through two points alone puts part of it into `optimizer_s`."""
 
 
-def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
-    from tlt_stream.drafter.model import load_drafter
-    from tlt_stream.model import load_model
+ROUND_SKIPS = (4, 60)
+"""Rounds into the responses at which rounds are measured: near their start and deep in them (contexts ~2-3x
+longer). A verified node attends the whole context, as the drafter's candidates do theirs, so a round's cost
+grows with the context faster than a decode step's (2026-12-06, 16 rows of `d6k1v6`: 11.5 ms at 179 tokens,
+15 ms at 519, where the decode line's context term adds 0.8 ms); a fit at one context cannot see it, and a run's
+tail, where speculation is on, is where the contexts are longest."""
+ROUND_NEW = 1000
+"""Tokens a measured round's rows may generate: the deepest arm's 7 a round for every skipped and timed round."""
+
+
+def interleaved(*kinds: list) -> list:
+    """The points of every kind in one order, each kind spread evenly over it (decode, round, decode, ...)."""
+    tagged = [(i / len(points), k, i) for k, points in enumerate(kinds) for i in range(len(points))]
+    return [kinds[k][i] for _, k, i in sorted(tagged)]
+
+
+def measure_engine(policy, drafter, repeats: int) -> dict[tuple, list[tuple]]:
+    """Every decode point (rows, steps skipped) and round point (arm, rows, rounds skipped), measured in
+    `repeats` passes over all of them, decode and round points alternating (`interleaved`), every other pass
+    in reverse. A shared machine's speed drifts by tens of percent within minutes (the same decode point
+    3.1-5.1 ms within 40 s, 2026-12-06), and the verify-cost curve is fitted on the rounds' excess over the decode
+    line: measured in blocks, one after the other, the drift between the blocks lands in that excess. Spread
+    over the same minutes, it moves both alike."""
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.proposers import EagleProposer
 
+    results: dict[tuple, list[tuple]] = {}
+    for point in measuring_order(repeats):
+        if point[0] == "decode":
+            _, batch, skip = point
+            measured = engine_steps(policy, batch, skip=skip, steps=24, spread=RAGGED_SPREAD)
+        else:
+            _, label, batch, skip = point
+            arm, proposer = Arm.from_label(label), EagleProposer(drafter)
+            measured = engine_steps(policy, batch, proposer=proposer, arm=arm, skip=skip, steps=16, new=ROUND_NEW)
+        results.setdefault(point, []).append(measured)
+    return results
+
+
+def measuring_order(repeats: int) -> list[tuple]:
+    """`measure_engine`'s points in the order it measures them, `repeats` passes."""
+    decode = [("decode", batch, skip) for batch in BATCHES for skip in (4, LATE // 2, LATE)]
+    rounds = [("round", label, batch, skip) for label in ARMS for batch in ROUND_BATCHES for skip in ROUND_SKIPS]
+    order = interleaved(decode, rounds)
+    return [point for r in range(repeats) for point in (order if r % 2 == 0 else order[::-1])]
+
+
+def fit_engine(world: Path, repeats: int) -> tuple[dict, dict]:
+    from tlt_stream.drafter.model import load_drafter
+    from tlt_stream.model import load_model
+
     policy = load_model(world / "policy")
-    drafter = load_drafter(world / "drafter", policy)
+    return engine_constants(measure_engine(policy, load_drafter(world / "drafter", policy), repeats))
+
+
+def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
+    """The decode line, prefill, verify-cost curve and drafter constants through `measure_engine`'s points
+    (per point, the median of its passes), and the points as measured."""
+    from tlt_stream.rollout.arms import Arm
+
+    def median(point: tuple, field: int) -> float:
+        return statistics.median(r[field] for r in results[point])
+
     plain_rows, plain_y, prefill_rows, prefill_y, measured = [], [], [], [], {"decode": [], "rounds": []}
-    for batch in BATCHES:
-        for skip in (4, LATE // 2, LATE):
-            runs = [engine_steps(policy, batch, skip=skip, steps=24, spread=RAGGED_SPREAD) for _ in range(repeats)]
-            sec = statistics.median(r[0] for r in runs)
-            first = statistics.median(r[1] for r in runs)
-            ctx = runs[0][2]
-            plain_rows.append([1.0, batch, batch * ctx, float(batch > 1)])
-            plain_y.append(sec)
-            if skip == 4:
-                prefill_rows.append([1.0, runs[0][4]])
-                prefill_y.append(max(0.0, first - sec))
-            measured["decode"].append({"batch": batch, "context": round(ctx, 1), "ms": round(1e3 * sec, 3)})
-            log(f"decode b={batch} longest ctx={ctx:.0f}: {1e3 * sec:.2f} ms")
+    for point in (p for p in results if p[0] == "decode"):
+        _, batch, skip = point
+        sec, first, ctx = median(point, 0), median(point, 1), median(point, 2)
+        plain_rows.append([1.0, batch, batch * ctx, float(batch > 1)])
+        plain_y.append(sec)
+        if skip == 4:
+            prefill_rows.append([1.0, results[point][0][4]])
+            prefill_y.append(max(0.0, first - sec))
+        measured["decode"].append({"batch": batch, "context": round(ctx, 1), "ms": round(1e3 * sec, 3)})
+        log(f"decode b={batch} longest ctx={ctx:.0f}: {1e3 * sec:.2f} ms")
     step_s, row_s, ctx_s, ragged_s = lstsq(plain_rows, plain_y)
     prefill_step_s, prefill_token_s = lstsq(prefill_rows, prefill_y)
     verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
-    for label in ARMS:
+    for point in (p for p in results if p[0] == "round"):
+        _, label, batch, _ = point
         arm = Arm.from_label(label)
-        for batch in ROUND_BATCHES:
-            runs = [
-                engine_steps(policy, batch, proposer=EagleProposer(drafter), arm=arm, skip=4, steps=16)
-                for _ in range(repeats)
-            ]
-            sec = statistics.median(r[0] for r in runs)
-            draft = statistics.median(r[3] for r in runs)
-            ctx = runs[0][2]
-            base = step_s + row_s * batch + ctx_s * batch * ctx
-            verify_rows.append([1.0, row_s * batch * arm.nodes])
-            verify_y.append(sec - draft - base)
-            draft_rows.append([arm.depth, arm.depth * batch * arm.topk])
-            draft_y.append(draft)
-            measured["rounds"].append(
-                {"arm": label, "batch": batch, "ms": round(1e3 * sec, 3), "draft_ms": round(1e3 * draft, 3)}
-            )
-            log(f"round {label} b={batch}: {1e3 * sec:.2f} ms (drafting {1e3 * draft:.2f})")
-    round_fixed, node_frac = lstsq(verify_rows, verify_y)
-    draft_step_s, draft_row_s = lstsq(draft_rows, draft_y)
+        sec, ctx, draft = median(point, 0), median(point, 2), median(point, 3)
+        base = step_s + row_s * batch + ctx_s * batch * ctx
+        verify_rows.append([1.0, batch, row_s * batch * arm.nodes, ctx_s * batch * ctx * arm.nodes])
+        verify_y.append(sec - draft - base)
+        width = arm.depth * batch * arm.topk
+        draft_rows.append([1.0, batch, arm.depth, width, width * ctx])
+        draft_y.append(draft)
+        measured["rounds"].append(
+            {
+                "arm": label,
+                "batch": batch,
+                "context": round(ctx, 1),
+                "ms": round(1e3 * sec, 3),
+                "draft_ms": round(1e3 * draft, 3),
+            }
+        )
+        log(f"round {label} b={batch} longest ctx={ctx:.0f}: {1e3 * sec:.2f} ms (drafting {1e3 * draft:.2f})")
+    # a round's fixed and per-row costs, whether the verify or the drafter pays them, are one figure each
+    verify_fixed, verify_row_s, node_frac, node_ctx_frac = lstsq(verify_rows, verify_y)
+    draft_fixed, draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s = lstsq(draft_rows, draft_y)
     fitted = {
         "step_s": step_s,
         "row_s": row_s,
         "ctx_s": ctx_s,
         "ragged_s": max(0.0, ragged_s),
         "node_frac": node_frac,
-        "round_s_fixed": round_fixed,
+        "node_ctx_frac": max(0.0, node_ctx_frac),
+        "round_s_fixed": verify_fixed + draft_fixed,
+        "round_row_s": verify_row_s + draft_round_row_s,
         "draft_step_s": draft_step_s,
         "draft_row_s": draft_row_s,
+        "draft_ctx_s": max(0.0, draft_ctx_s),
         "prefill_step_s": max(0.0, prefill_step_s),
         "prefill_token_s": max(0.0, prefill_token_s),
     }
@@ -405,13 +464,13 @@ def main() -> None:
             sys.exit("--clock cpu times the calling thread: use it with --threads 1")
         global CLOCK
         CLOCK = time.thread_time
-    global BATCHES, ROUND_BATCHES, LATE, ARMS, LAW_GROUPS, REVERIFY_BATCHES, REVERIFY_AHEAD
+    global BATCHES, ROUND_BATCHES, ROUND_SKIPS, LATE, ARMS, LAW_GROUPS, REVERIFY_BATCHES, REVERIFY_AHEAD
     if args.light:
         BATCHES, ROUND_BATCHES, ARMS, args.repeats = (1, 4, 16, 64, 128), (1, 16, 64), ("d2k1v2", "d6k1v6", "d4k2v8"), 1
         LAW_GROUPS = {"world": (4, 16), "short": (16,), "tail": (16,)}
         REVERIFY_BATCHES, REVERIFY_AHEAD = (16, 64), (64,)
     if args.quick:
-        BATCHES, ROUND_BATCHES, LATE = (1, 8, 32), (1, 8), 40
+        BATCHES, ROUND_BATCHES, LATE, ROUND_SKIPS = (1, 8, 32), (1, 8), 40, (4, 20)
         REVERIFY_BATCHES, REVERIFY_AHEAD = (4, 16), (16,)
     import torch
 

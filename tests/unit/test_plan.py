@@ -450,3 +450,18 @@ def test_acceptance_given_for_one_arm_spreads_by_the_budget_law(capsys):
     out = json.loads(capsys.readouterr().out)["inputs"]
     assert out["setup"]["arms"] == ["plain", "d8k4v8", "d8k4v48"] and out["acceptance"]["table"] == {"d8k4v48@*": 6.4}
     assert main([*argv[:-4], "--acceptance-arm", "plain", "--steps", "1", "-q"]) == 2
+
+
+def test_a_round_deep_in_a_response_pays_every_node_s_and_candidate_s_attention_over_the_context():
+    """round_s at context C, by the module docstring's formula: a verified node attends the whole context
+    (`node_ctx_frac` of the decode token's `ctx_s` each), and so does every drafted candidate (`draft_ctx_s`)."""
+    costs = dataclasses.replace(CPU, ctx_s=1e-6, node_ctx_frac=0.5, draft_ctx_s=2e-7)
+    arm, b = Arm.from_label("d4k2v8"), 16
+    for ctx in (100, 400):
+        verify = 0.004 + 0.002 + 0.0004 * b * (1 + 0.5 * arm.nodes) + 1e-6 * b * ctx * (1 + 0.5 * arm.nodes)
+        drafts = arm.depth * (0.001 + b * arm.topk * (0.0001 + 2e-7 * ctx))
+        assert costs.round_s(b, arm, ctx) == pytest.approx(verify + drafts)
+    # a quiet machine's constants (`without_background`): every cost of a round scaled alike
+    quiet = dataclasses.replace(costs, engine_curve=((), ((0.0, 1.0), (1.0, 1.5))), learner_curve=((), ((0.0, 1.0),)))
+    quiet = quiet.without_background(1.0, 0.0, 2)
+    assert quiet.round_s(b, arm, 400) == pytest.approx(costs.round_s(b, arm, 400) / 1.5)

@@ -16,8 +16,12 @@ CPU formulas (b rows, n verified nodes, ctx tokens of context: the batch's longe
 engine attends every row over the longest, depth d, top-k w):
 
     decode_s  = step_s + row_s * b + ctx_s * b * ctx + ragged_s * [b > 1]
-    round_s   = step_s + round_s_fixed + row_s * b * (1 + node_frac * n) + ctx_s * b * ctx
-                + d * (draft_step_s + draft_row_s * b * w)
+    round_s   = step_s + round_s_fixed + round_row_s * b + row_s * b * (1 + node_frac * n)
+                + ctx_s * b * ctx * (1 + node_ctx_frac * n)
+                + d * (draft_step_s + draft_row_s * b * w + draft_ctx_s * b * w * ctx)
+                (a round's own work per row: its tree, acceptance and commit, and the drafter catching up on the
+                row's accepted tokens; a verified node attends the whole context, as the drafter's candidates do
+                theirs: a round deep in a response costs more than one near its start)
     prefill_s = prefill_step_s + prefill_token_s * tokens
     reverify_s = reverify_step_s + reverify_token_s * rows * (prompt_len + max(held))
                 (the new policy's forward over every row's prompt and tokens, padded to the longest, the old
@@ -138,12 +142,21 @@ class CpuCosts:
     rows, inside `round_s_fixed`."""
     node_frac: float = 1.0
     """A verified draft node's cost relative to the row's one decode token (the verify-cost curve's slope)."""
+    node_ctx_frac: float = 0.0
+    """A verified node's attention over the context relative to the decode token's (`ctx_s`): the verify-cost
+    curve's growth with the context."""
     round_s_fixed: float = 0.0
     """A speculative round's own bookkeeping beyond its forwards (tree mask, acceptance, KV commit)."""
+    round_row_s: float = 0.0
+    """Its cost per row beyond the row's decode token and verified nodes: the row's tree, acceptance and KV
+    commit, and the drafter's forward over the tokens the row accepted (2026-12-06, 2 threads: 0.1 ms a row, 3x
+    a decode row's `row_s`, whatever the arm's nodes)."""
     draft_step_s: float = 0.0
     """Fixed cost of one drafter forward (one tree level)."""
     draft_row_s: float = 0.0
     """Cost per row and drafted candidate of one drafter forward."""
+    draft_ctx_s: float = 0.0
+    """Its attention's part: per row, drafted candidate and context token."""
     prefill_step_s: float = 0.0
     prefill_token_s: float = 0.0
     reverify_step_s: float = 0.0
@@ -187,11 +200,12 @@ class CpuCosts:
     def round_s(self, batch: int, arm: Arm, context: float) -> float:
         if arm.kind == "plain":
             return self.decode_s(batch, context)
-        verify = self.step_s + self.round_s_fixed + self.row_s * batch * (1 + self.node_frac * arm.nodes)
-        verify += self.ctx_s * batch * context
+        verify = self.step_s + self.round_s_fixed + self.round_row_s * batch
+        verify += self.row_s * batch * (1 + self.node_frac * arm.nodes)
+        verify += self.ctx_s * batch * context * (1 + self.node_ctx_frac * arm.nodes)
         width = max(arm.topk, 1)
         drafts = 0 if arm.kind in ("ngram", "group") else arm.depth
-        return verify + drafts * (self.draft_step_s + self.draft_row_s * batch * width)
+        return verify + drafts * (self.draft_step_s + batch * width * (self.draft_row_s + self.draft_ctx_s * context))
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_step_s + self.prefill_token_s * tokens if tokens else 0.0
@@ -245,8 +259,10 @@ class CpuCosts:
             ctx_s=self.ctx_s / scale,
             ragged_s=self.ragged_s / scale,
             round_s_fixed=self.round_s_fixed / scale,
+            round_row_s=self.round_row_s / scale,
             draft_step_s=max(0.0, self.draft_step_s - waited) / scale,
             draft_row_s=self.draft_row_s / scale,
+            draft_ctx_s=self.draft_ctx_s / scale,
             prefill_step_s=max(0.0, self.prefill_step_s - waited) / scale,
             prefill_token_s=self.prefill_token_s / scale,
             reverify_step_s=self.reverify_step_s / scale,

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One hold of the planner's check against this machine (issue 44, point 3 i; docs/benchmarks.md "Projections"):
+# under the heavy-work lock, the CPU model fitted on microbenchmarks before and after the measured runs (2 torch
+# threads for the synchronous configs, 1 for streaming), the contention bench, then bench/e2e.py's (a), (b), (c),
+# (g) in 3 rotations, while bench/plan_load.py samples what the runs' own services keep busy; then
+# bench/plan_check.py predicts every run from its inputs and the fits around it. ~35 min on a quiet machine.
+#
+#   bash bench/plan_hold.sh artifacts/plan/r11        # REPS=5 for five rotations
+#
+# Run it on a quiet machine (no tests, no CI): everything else on the cores is in the measurements.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bench/plan_hold.sh OUT_DIR}
+reps=${REPS:-3}
+py=${PYTHON:-.venv/bin/python}
+mkdir -p "$out"
+export PYTHONPATH=$PWD
+"$py" bench/plan_load.py --match "$out/e2e" --out "$out/load.jsonl" &
+load=$!
+trap 'kill $load 2>/dev/null || true' EXIT
+flock /tmp/tlt-heavy.lock env py="$py" out="$out" reps="$reps" sh -c '
+  set -e
+  "$py" bench/plan_fit.py --threads 2 --out "$out/t2-pre.json" > "$out/t2-pre.out" 2> "$out/t2-pre.log"
+  "$py" bench/plan_fit.py --threads 1 --out "$out/t1-pre.json" > "$out/t1-pre.out" 2> "$out/t1-pre.log"
+  "$py" bench/plan_contention.py --out "$out/contention.json" > "$out/contention.out" 2> "$out/contention.log"
+  TLT_LEARNER__ACCUMULATE=false "$py" bench/e2e.py --only a_sync_plain,b_sync_tlt,c_stream_tlt,g_sync_partial \
+      --steps 4 --eval 0 --reps "$reps" --out "$out/e2e" > "$out/e2e-reps.json" 2> "$out/e2e.log"
+  "$py" bench/plan_fit.py --threads 2 --out "$out/t2-post.json" > "$out/t2-post.out" 2> "$out/t2-post.log"
+  "$py" bench/plan_fit.py --threads 1 --out "$out/t1-post.json" > "$out/t1-post.out" 2> "$out/t1-post.log"'
+kill $load 2>/dev/null || true
+check() {
+  "$py" bench/plan_check.py --e2e-json "$out/e2e-reps.json" --calibrated "$out" \
+      --costs-sync "$out/t2-pre.json" --costs-stream "$out/t1-pre.json" \
+      --load "$out/load.jsonl" --contention "$out/contention.json" --seeds 3 "$@"
+}
+check > "$out/check.json" 2> "$out/check.log"
+check --no-replay > "$out/check-no-replay.json" 2>> "$out/check.log"
+check --step-figure mean > "$out/check-mean.json" 2>> "$out/check.log"
+echo "$out/check.json"

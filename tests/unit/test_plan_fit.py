@@ -1,0 +1,92 @@
+"""`bench/plan_fit.py`'s algebra: the constants it fits through measured points are those of a model that made
+the points (no machine involved: the points are the model's own figures), and its measuring order spreads the
+kinds of points over the same minutes."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+
+from tlt_stream.plan.costs import CpuCosts
+from tlt_stream.rollout.arms import Arm
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_fit.py"
+
+
+@pytest.fixture(scope="module")
+def plan_fit():
+    spec = importlib.util.spec_from_file_location("plan_fit_under_test", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TRUE = CpuCosts(
+    step_s=1.1e-3, row_s=3.0e-5, ctx_s=1.5e-7, ragged_s=2.0e-4, node_frac=0.7, node_ctx_frac=0.45,
+    round_s_fixed=6.0e-4, round_row_s=9.0e-5, draft_step_s=4.0e-4, draft_row_s=2.0e-5, draft_ctx_s=3.0e-8,
+    prefill_step_s=2.0e-3, prefill_token_s=2.0e-5,
+)  # fmt: skip
+
+
+def points_of(model: CpuCosts, plan_fit) -> dict[tuple, list[tuple]]:
+    """`measure_engine`'s points as `model` would time them: (seconds, first step's, longest context, drafting
+    per round, prompt tokens) per pass, two passes each."""
+    results = {}
+    for batch, skip in itertools.product(plan_fit.BATCHES, (4, plan_fit.LATE // 2, plan_fit.LATE)):
+        ctx, prompt = 60 + skip + batch % 7, 40 * batch
+        sec = model.decode_s(batch, ctx)
+        results[("decode", batch, skip)] = [(sec, sec + model.prefill_s(prompt), ctx, 0.0, prompt)] * 2
+    for label, batch, skip in itertools.product(plan_fit.ARMS, plan_fit.ROUND_BATCHES, plan_fit.ROUND_SKIPS):
+        arm = Arm.from_label(label)
+        ctx = 60 + skip * (1 + arm.depth / 2) + batch % 5
+        # the drafter's share of the round's fixed and per-row costs (the rest is the verify's)
+        catch_up = 0.25 * (model.round_s_fixed + model.round_row_s * batch)
+        draft = catch_up + arm.depth * (
+            model.draft_step_s + batch * arm.topk * (model.draft_row_s + model.draft_ctx_s * ctx)
+        )
+        results[("round", label, batch, skip)] = [(model.round_s(batch, arm, ctx), 0.0, ctx, draft, 0)] * 2
+    return results
+
+
+def test_the_fit_gives_back_the_constants_that_made_the_points(plan_fit):
+    fitted, measured = plan_fit.engine_constants(points_of(TRUE, plan_fit))
+    for name, value in fitted.items():
+        assert value == pytest.approx(getattr(TRUE, name), rel=1e-6, abs=1e-12), name
+    assert len(measured["rounds"]) == len(plan_fit.ARMS) * len(plan_fit.ROUND_BATCHES) * len(plan_fit.ROUND_SKIPS)
+
+
+def test_a_machine_drifting_during_the_fit_moves_rounds_and_decode_steps_alike(plan_fit):
+    """The machine slows steadily from 1.0x to 1.6x over the fit's measuring order (`measuring_order`): each point
+    is timed at its moment's speed. The round's cost over a decode step's, which decides what speculation buys,
+    stays the model's within 5% with the fit's order; measured in blocks (every decode point, then every round),
+    the drift between the blocks would land in the verify-cost curve (the check that the test can see that)."""
+    clean = points_of(TRUE, plan_fit)
+    arm = Arm.from_label("d4k2v8")
+
+    def drifted(order: list[tuple]) -> CpuCosts:
+        results: dict[tuple, list[tuple]] = {}
+        for i, point in enumerate(order):
+            speed = 1.0 + 0.6 * i / (len(order) - 1)
+            sec, first, ctx, draft, prompt = clean[point][0]
+            results.setdefault(point, []).append((sec * speed, first * speed, ctx, draft * speed, prompt))
+        return CpuCosts(**plan_fit.engine_constants(results)[0])
+
+    def ratio(model: CpuCosts) -> float:
+        return model.round_s(16, arm, 300) / model.decode_s(16, 300)
+
+    fit_order = plan_fit.measuring_order(3)
+    blocks = sorted(fit_order, key=lambda p: p[0] == "round")  # every decode point first, stable otherwise
+    assert ratio(drifted(fit_order)) == pytest.approx(ratio(TRUE), rel=0.05)
+    assert abs(ratio(drifted(blocks)) / ratio(TRUE) - 1) > 0.10
+
+
+def test_every_kind_of_point_is_spread_over_the_whole_measuring_order(plan_fit):
+    decode, rounds = [("d", i) for i in range(24)], [("r", i) for i in range(32)]
+    order = plan_fit.interleaved(decode, rounds)
+    assert sorted(order) == sorted(decode + rounds)
+    for part in (order[: len(order) // 2], order[len(order) // 2 :]):
+        assert sum(p[0] == "d" for p in part) == pytest.approx(12, abs=1)
+    assert max(len(list(g)) for _, g in itertools.groupby(p[0] for p in order)) <= 2
