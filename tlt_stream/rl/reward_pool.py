@@ -78,8 +78,9 @@ class RewardPool:
             for _ in range(3):
                 generation = self._generation
                 future = asyncio.wrap_future(self._executor.submit(_score, texts, answer, fields or {}))
-                try:
-                    result: Any = await asyncio.wait_for(future, self.timeout_s)
+                try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop a cancellation
+                    async with asyncio.timeout(self.timeout_s):
+                        result: Any = await future
                 except TimeoutError:
                     self.timeouts += 1
                     self._restart()

@@ -289,8 +289,9 @@ class Supervisor:
                 process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for process in live:
-            try:
-                await asyncio.wait_for(process.wait(), timeout=max(0.1, deadline - time.monotonic()))
+            try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop a cancellation
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await process.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
