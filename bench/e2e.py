@@ -58,6 +58,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -167,7 +168,23 @@ def parse_args() -> argparse.Namespace:
         "--pool", type=int, default=None, help="a fixed pool of this many training problems revisited in epochs"
     )
     p.add_argument("--backends", default="torch", help="comma-separated rollout backends, each config on each")
+    p.add_argument(
+        "--probe-dir",
+        help="before each run and after the last, a few seconds of the machine's speed (bench/plan_probe.py) "
+        "into this directory, for bench/plan_check.py --probes",
+    )
     return p.parse_args()
+
+
+def probe(directory: str | None, label: str) -> None:
+    """`bench/plan_probe.py` in a fresh process, between runs (nothing else of the bench running)."""
+    if directory:
+        out = Path(directory) / f"{label}.json"
+        subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "plan_probe.py"), "--out", str(out), "--label", label],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
 
 
 def log(message: str) -> None:
@@ -462,10 +479,12 @@ def main() -> None:
             key = name if backend == "torch" else f"{name}@{backend}"
             run_dir = out / key if args.reps == 1 else out / f"{key}-{rep + 1}"
             log(f"{key}: {steps} steps -> {run_dir}")
+            probe(args.probe_dir, f"run-{run_dir.name}")
             figures = run_tlt(
                 name, world, run_dir, config, steps=steps, prompts=prompts, seed=args.seed, cores=cores, backend=backend
             )
             results[key] = pooled(results.get(key), figures)
+    probe(args.probe_dir, "run-end")
     for key in list(results):
         if evaluate_n:
             final = latest_checkpoint(Path(results[key]["run_dir"]) / "checkpoints")

@@ -281,6 +281,39 @@ def beside(directory: Path, threads: str, contention: dict | None = None):
     return CpuCosts(**mean)
 
 
+def probe_factors(directory: Path) -> dict[str, dict[str, float]]:
+    """Per run (its run directory's name) and thread count ("t2", "t1"), how much slower the machine was beside
+    it than beside the fits (`bench/plan_probe.py`'s probes: `run-NAME.json` made before each run, the next
+    probe in time after it; `fit-tT-*.json` around the fits at T threads): the mean of the probes before and
+    after the run over the mean of the fits', per row count, the median over the row counts."""
+    probes = sorted((json.loads(f.read_text()) for f in directory.glob("*.json")), key=lambda probe: probe["at"])
+    runs = [i for i, probe in enumerate(probes) if probe["label"].startswith("run-") and probe["label"] != "run-end"]
+    out: dict[str, dict[str, float]] = {}
+    for i in runs:
+        factors = {}
+        for threads in ("t2", "t1"):
+            fits = [probe["ms"][threads] for probe in probes if probe["label"].startswith(f"fit-{threads}-")]
+            if not fits or i + 1 >= len(probes):
+                raise ValueError(f"{directory}: no fit probes at {threads} or no probe after {probes[i]['label']}")
+            beside = (probes[i]["ms"][threads], probes[i + 1]["ms"][threads])
+            factors[threads] = round(
+                statistics.median(
+                    statistics.fmean(b[rows] for b in beside) / statistics.fmean(f[rows] for f in fits)
+                    for rows in beside[0]
+                ),
+                4,
+            )
+        out[probes[i]["label"].removeprefix("run-")] = factors
+    return out
+
+
+def on_machine(costs, factors: dict[str, dict[str, float]], run: dict, name: str, threads: str):
+    """`costs` on the machine beside the run of config `name` (`probe_factors`; as they are without probes)."""
+    if not factors:
+        return costs
+    return costs.slower(factors[Path(run["configs"][name]["run_dir"]).name][threads])
+
+
 def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, dict]]) -> dict:
     """The simulator's step times: per run, with that run's background (0 where it was not sampled), and on
     a quiet machine (no background)."""
@@ -314,6 +347,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
                 "stream": fitted_costs(args.costs_stream, contention).describe(),
             },
             "calibrated": args.calibrated,
+            "probe_factors": probe_factors(Path(args.probes)) if args.probes else None,
         },
         "configs": {},
     }
@@ -335,11 +369,16 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
         if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants,
             # and the run's own background (its services: not in the fits) slows it by the law, where fitted
             threads = "t2" if mode.max_staleness == 0 else "t1"
+            factors = probe_factors(Path(args.probes)) if args.probes else {}
             per_run = [
                 simulated(
                     mode,
                     setup,
-                    (lengths, acceptance, beside(Path(d), threads, contention)),
+                    (
+                        lengths,
+                        acceptance,
+                        on_machine(beside(Path(d), threads, contention), factors, run, name, threads),
+                    ),
                     args.seeds,
                     load.get(name, {}).get("other", 0.0) if contention else 0.0,
                     own_workload(args, run, name, acceptance) if args.replay else None,
@@ -549,7 +588,15 @@ def main() -> None:
         "before and after it in the same lock hold (t2-pre.json, t2-post.json, t1-pre.json, t1-post.json): "
         "the runs predicted with the machine's state around them",
     )
+    p.add_argument(
+        "--probes",
+        help="with --calibrated: the directory of `bench/plan_probe.py`'s probes made beside the runs "
+        "(`bench/e2e.py --probe-dir`) and the fits (`bench/plan_hold.sh`): each run's model scaled by how much "
+        "slower the machine was beside it than beside the fits (`probe_factors`)",
+    )
     args = p.parse_args()
+    if args.probes and not args.calibrated:
+        p.error("--probes needs --calibrated (the fits the probes stand beside)")
     global STEP_FIGURE
     STEP_FIGURE = args.step_figure
     if args.e2e_json:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,39 @@ def test_every_kind_of_point_is_spread_over_the_whole_measuring_order(plan_fit):
     for part in (order[: len(order) // 2], order[len(order) // 2 :]):
         assert sum(p[0] == "d" for p in part) == pytest.approx(12, abs=1)
     assert max(len(list(g)) for _, g in itertools.groupby(p[0] for p in order)) <= 2
+
+
+@pytest.fixture(scope="module")
+def plan_check():
+    spec = importlib.util.spec_from_file_location("plan_check_under_test", BENCH.parent / "plan_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_run_s_machine_factor_is_its_neighbouring_probes_over_the_fits(plan_check, tmp_path):
+    """Probes in the order a hold makes them: around the fits at 2 threads (2.0 and 2.2 ms at 16 rows; 1.0 and
+    1.1 at 1 row), then one before each run and one after the last. A run's factor is the mean of the probe
+    before it and the next one, over the fits' mean, per row count; the median over the row counts."""
+
+    def probe(label: str, at: float, t2: tuple[float, float], t1: tuple[float, float] = (1.0, 2.0)) -> None:
+        ms = {"t2": {"1": t2[0], "16": t2[1]}, "t1": {"1": t1[0], "16": t1[1]}}
+        (tmp_path / f"{label}.json").write_text(json.dumps({"label": label, "at": at, "ms": ms}))
+
+    probe("fit-t2-pre-before", 1, (1.0, 2.0))
+    probe("fit-t2-pre-after", 2, (1.1, 2.2))
+    probe("fit-t1-pre-before", 3, (9.0, 9.0), (1.0, 2.0))  # the t2 figures of t1's fits are not the t2 reference
+    probe("run-a_sync_plain-1", 10, (1.26, 2.52))
+    probe("run-b_sync_tlt-1", 20, (1.47, 2.94))
+    probe("run-end", 30, (1.05, 2.1), (2.0, 4.0))
+    factors = plan_check.probe_factors(tmp_path)
+    assert set(factors) == {"a_sync_plain-1", "b_sync_tlt-1"}
+    assert factors["a_sync_plain-1"]["t2"] == pytest.approx(((1.26 + 1.47) / 2) / 1.05, rel=1e-3)
+    assert factors["b_sync_tlt-1"]["t2"] == pytest.approx(((1.47 + 1.05) / 2) / 1.05, rel=1e-3)
+    assert factors["b_sync_tlt-1"]["t1"] == pytest.approx(1.5, rel=1e-3)
+    # the model on that machine: every engine and learner cost times the factor, publication as measured
+    costs = TRUE.slower(1.2)
+    arm = Arm.from_label("d4k2v8")
+    assert costs.round_s(16, arm, 300) == pytest.approx(1.2 * TRUE.round_s(16, arm, 300))
+    assert costs.decode_s(64, 300) == pytest.approx(1.2 * TRUE.decode_s(64, 300))
+    assert costs.publish_s == TRUE.publish_s

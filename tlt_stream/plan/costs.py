@@ -251,6 +251,13 @@ class CpuCosts:
         learner = 1 + _at(self.learner_k, threads) * max(0.0, learner_u)
         return self._scaled(scale, waited, learner)
 
+    def slower(self, factor: float) -> CpuCosts:
+        """The constants on a machine `factor` times slower (faster below 1): every engine and learner cost
+        times it; publication and loading as measured."""
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        return self._scaled(1 / factor, 0.0, 1 / factor)
+
     def _scaled(self, scale: float, waited: float, learner: float) -> CpuCosts:
         return replace(
             self,
