@@ -487,20 +487,22 @@ def rollout_entries(run_dir: Path) -> tuple[dict, ...]:
     return tuple(entry for entry in entries if entry.get("kind") == "rollout")
 
 
-def modelled_round_s(costs, u: float, rows: float, arm=None) -> float:
+def modelled_round_s(costs, u: float, rows: float, arm=None, context: float | None = None) -> float:
     """What the synchronous cost model charges one engine step of `arm` (plain by default) at `rows` rows, a
-    context of the prompt and 90 tokens, beside `u` cores of other work."""
+    context of `context` tokens (None: the prompt and 90), beside `u` cores of other work."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.rollout.arms import Arm
 
-    step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), prompt_len() + 90)
+    context = prompt_len() + 90 if context is None else context
+    step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), context)
     return step * slowdown(costs, "engine", 2, u, 1 / step)
 
 
 def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
     """Per synchronous SD config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm`
-    reports: steps, row-steps and seconds per arm and batch bucket) over what the synchronous cost model gives
-    the same steps at the same mean rows (`modelled_round_s`, as `in_situ` charges (a)'s hops): plain steps and
+    reports: steps, row-steps, contexts and seconds per arm and batch bucket) over what the synchronous cost
+    model gives the same steps at the same mean rows and longest context (`modelled_round_s`; the prompt and 90
+    tokens for reports without contexts, as `in_situ` charges (a)'s hops): plain steps and
     drafter rounds apart, per run. (a) reports no arms; streaming runs on another thread count: not here."""
     from tlt_stream.rollout.switch import arm_of_report
 
@@ -513,7 +515,9 @@ def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
                 if not entry.get("steps"):
                     continue
                 arm = arm_of_report(SimpleNamespace(**entry))
-                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm)
+                # the steps' own longest context where the worker counted it (reports since 2026-12-06)
+                context = entry["contexts"] / entry["steps"] if entry.get("contexts") else None
+                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm, context)
                 measured, model = sums.setdefault(arm.kind, [0.0, 0.0])
                 sums[arm.kind] = [measured + entry["seconds"], model + entry["steps"] * step]
             per_run.append({k: round(m / x, 3) for k, (m, x) in sorted(sums.items()) if x})

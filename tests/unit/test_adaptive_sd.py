@@ -184,3 +184,30 @@ def test_each_arms_reports_count_the_rows_its_rounds_ran_as_the_requests_own_rou
     assert sum(r.rows for r in sd) + first_rows == sum(len(r.accept_lengths) for r in results)
     assert sum(r.tokens for r in sd) + first_tokens == sum(sum(r.accept_lengths) for r in results)
     assert all(r.tokens == r.rows for r in plain)
+
+
+def test_each_arms_reports_count_the_context_its_steps_attended_over_as_the_rows_own_tokens_show(
+    init_policy: Path,
+) -> None:
+    """`contexts` in the arm reports (`contexts / steps`: the longest running row's context at a step's start,
+    what the planner's check charges a round at) against the running rows' own prompts and tokens, read before
+    every step: the KV cache holds a row's prompt and every token but the last, which the step feeds."""
+    model = load_model(init_policy)
+    torch.manual_seed(0)
+    engine = GenerationEngine(model, 6, 160, proposer=EagleProposer(Drafter(model.spec).bind(model)))
+    adaptive = AdaptiveSd(engine, SdConfig(crossover=5, margin=1, epsilon=0.5, seed=1), clock=SteadyClock())
+    prompts, lengths = [[5 + i, 9, 12, 7] + [3] * (7 * i) for i in range(6)], [4, 8, 14, 20, 30, 44]
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(p, n, 0.0, request_id=i)
+    adaptive.step()  # admits and prefills all 6: not measured
+    adaptive.drain_reports()
+    longest, steps = [], 0
+    while engine.has_unfinished:
+        longest.append(max(len(s.prompt_ids) + len(s.token_ids) - 1 for s in engine.scheduler.running))
+        adaptive.step()
+        steps += 1
+    reports = adaptive.drain_reports()
+    assert sum(r.steps for r in reports) == steps
+    assert sum(r.contexts for r in reports) == sum(longest)
+    assert {r.arm.kind for r in reports} >= {"plain", "drafter"}
+    assert min(longest) >= len(prompts[-1]) and max(longest) > min(longest)

@@ -69,6 +69,9 @@ class ArmMeasurement:
     rows: int = 0
     """Rounds of single rows: the running rows summed over the steps, so `tokens / rows` is what one row's
     round emitted (the arm's acceptance; 1 for plain decoding)."""
+    contexts: int = 0
+    """The longest running row's context (tokens in the KV cache) at each step's start, summed over the steps
+    (0: not counted), so `contexts / steps` is the context a step's forward attended over."""
 
 
 @dataclass
@@ -133,6 +136,8 @@ class AdaptiveSd:
         engine.arm = None if arm.kind == "plain" else arm
         self.arm = arm
         waiting, tokens = scheduler.num_waiting, engine.tokens_generated
+        cache = getattr(engine, "cache", None)  # running rows hold slots 0..running-1
+        longest = int(cache.lengths[:running].max()) if cache is not None and running else 0
         started = self.clock()
         results = engine.step()
         seconds = self.clock() - started
@@ -146,6 +151,7 @@ class AdaptiveSd:
             pending.seconds += seconds
             pending.steps += 1
             pending.rows += running
+            pending.contexts += longest
         return results
 
     def drain_reports(self) -> list[ArmMeasurement]:

@@ -97,6 +97,9 @@ class SdArmReport(Entry, tag="sd_arm"):
     rows: NonNegInt = 0
     """Running rows summed over the `steps`: `tokens / rows` is the tokens one row's round emitted (0: a
     worker that does not count them)."""
+    contexts: NonNegInt = 0
+    """The longest running row's context at each step's start, summed over the `steps`: `contexts / steps` is
+    the context the steps attended over (0: a worker or engine that does not count it)."""
 
 
 class LearnerStats(Entry, tag="learner"):

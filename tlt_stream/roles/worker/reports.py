@@ -73,6 +73,7 @@ class RolloutReports:
                     steps=m.steps,
                     group=m.arm.group_nodes,
                     rows=m.rows,
+                    contexts=m.contexts,
                 )
                 for m in measured
             ]
