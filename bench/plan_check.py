@@ -21,7 +21,10 @@ acceptance pooled over every run): the inputs of runs the model was not fitted o
 The check of docs/benchmarks.md: fits (`t2-pre.json`, `t1-pre.json`, ... `-post.json`) and the contention bench
 made in the same lock hold as the runs, `--calibrated DIR --contention DIR/contention.json --load load.jsonl`:
 each run predicted with the fits made around it, each fit's own background taken out and the run's own (its
-services, Redis, the broker: `bench/plan_load.py`) put back by the contention bench's measured curve.
+services, Redis, the broker: `bench/plan_load.py`) put back by the contention bench's measured curve. With
+`--probes DIR` (`bench/plan_hold.sh` makes them), each run's model is also scaled by how much slower the machine
+was beside the run than beside its fits, from a few seconds of bare decode steps (`bench/plan_probe.py`) before
+and after every fit and between the runs.
 
 Prints one JSON object.
 """
