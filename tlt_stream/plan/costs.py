@@ -148,9 +148,8 @@ class CpuCosts:
     round_s_fixed: float = 0.0
     """A speculative round's own bookkeeping beyond its forwards (tree mask, acceptance, KV commit)."""
     round_row_s: float = 0.0
-    """Its cost per row beyond the row's decode token and verified nodes: the row's tree, acceptance and KV
-    commit, and the drafter's forward over the tokens the row accepted (2026-12-06, 2 threads: 0.1 ms a row, 3x
-    a decode row's `row_s`, whatever the arm's nodes)."""
+    """Its cost per row beyond the row's decode token and verified nodes, whatever the arm's nodes: the row's
+    tree, acceptance and KV commit, and the drafter's forward over the tokens the row accepted."""
     draft_step_s: float = 0.0
     """Fixed cost of one drafter forward (one tree level)."""
     draft_row_s: float = 0.0
