@@ -336,6 +336,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
     if args.per_arm:  # each arm's acceptance per bucket as the runs measured it, where they recorded it
         acceptance = from_reports(arm_reports(runs), accept, "the SD runs' arm reports") or acceptance
     contention = contention_of(args)
+    factors = probe_factors(Path(args.probes)) if args.probes else {}
     cores = len(os.sched_getaffinity(0))
     table = {f"{arm}@{'*' if b is None else b}": round(v, 3) for (arm, b), v in acceptance.table.items()}
     out = {
@@ -350,7 +351,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
                 "stream": fitted_costs(args.costs_stream, contention).describe(),
             },
             "calibrated": args.calibrated,
-            "probe_factors": probe_factors(Path(args.probes)) if args.probes else None,
+            "probe_factors": factors or None,
         },
         "configs": {},
     }
@@ -372,7 +373,6 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
         if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants,
             # and the run's own background (its services: not in the fits) slows it by the law, where fitted
             threads = "t2" if mode.max_staleness == 0 else "t1"
-            factors = probe_factors(Path(args.probes)) if args.probes else {}
             per_run = [
                 simulated(
                     mode,

@@ -17,12 +17,17 @@ from tlt_stream.rollout.arms import Arm
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_fit.py"
 
 
-@pytest.fixture(scope="module")
-def plan_fit():
-    spec = importlib.util.spec_from_file_location("plan_fit_under_test", BENCH)
+def bench_module(name: str):
+    """`bench/NAME.py` imported as a module (the bench directory is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def plan_fit():
+    return bench_module("plan_fit")
 
 
 TRUE = CpuCosts(
@@ -95,10 +100,7 @@ def test_every_kind_of_point_is_spread_over_the_whole_measuring_order(plan_fit):
 
 @pytest.fixture(scope="module")
 def plan_check():
-    spec = importlib.util.spec_from_file_location("plan_check_under_test", BENCH.parent / "plan_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("plan_check")
 
 
 def test_each_run_s_machine_factor_is_its_neighbouring_probes_over_the_fits(plan_check, tmp_path):
