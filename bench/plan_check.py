@@ -217,12 +217,55 @@ def simulated(mode, setup, inputs: tuple, seeds: int, background: float, own: tu
         for s in range(seeds)
     ]
     summaries = [r.summary() for r in results]
+    spent = [as_states(x["worker_s_per_step"]) for x in summaries]
     return {
+        "worker_s": {k: round(statistics.median(x.get(k, 0.0) for x in spent), 3) for k in STATES},
         "step_time_s": round(statistics.median(step_figure(r.steady_step_times) for r in results), 3),
         "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
         "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
         "sd_step_share": round(statistics.median(x["sd_step_share"] for x in summaries), 3),
     }
+
+
+STATES = ("generating", "loading", "idle")
+"""A worker's time per step as the check compares it: generating (engine steps and what the worker's loop does
+between them), loading (a version verified and loaded, and with partial rollouts the rows in flight
+re-verified) and idle (training the drafter, or waiting for work)."""
+
+
+def as_states(parts: dict[str, float]) -> dict[str, float]:
+    """The simulator's `worker_s_per_step` parts summed into `STATES`."""
+    out = dict.fromkeys(STATES, 0.0)
+    for label, seconds in parts.items():
+        key = "loading" if label in ("load", "reverify") else "idle" if label in ("idle", "train") else "generating"
+        out[key] += seconds
+    return out
+
+
+def worker_states(run_dir: Path) -> dict[str, float]:
+    """A run's worker time per steady step by `STATES`, from its workers' state changes (`timeline.jsonl`; from
+    the first version's announcement to the last's, summed over workers), with `hops`, the engine hops' own
+    seconds (the rollout reports') inside `generating`."""
+    from tlt_stream.rl.records import load_metrics
+
+    rows = load_metrics(run_dir)
+    start, end = rows[0]["time"], rows[-1]["time"]
+    steps = max(len(rows) - 1, 1)
+    entries = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    changes: dict[str, list[tuple[float, str]]] = {}
+    for e in entries:
+        if e.get("kind") == "worker_state":
+            changes.setdefault(e["worker_id"], []).append((e["created_at"], e["state"]))
+    out = dict.fromkeys(STATES, 0.0)
+    for seq in changes.values():
+        seq.sort()
+        for (t0, state), (t1, _) in itertools.pairwise([*seq, (end, "")]):
+            overlap = min(t1, end) - max(t0, start)
+            key = {"GENERATING": "generating", "LOADING": "loading"}.get(state, "idle")
+            if overlap > 0 and state != "STOPPED":
+                out[key] += overlap
+    hops = sum(e["seconds"] for e in rollout_entries(run_dir) if start <= e["created_at"] <= end)
+    return {k: round(v / steps, 3) for k, v in [*out.items(), ("hops", hops)]}
 
 
 def contention_of(args: argparse.Namespace) -> dict | None:
@@ -405,6 +448,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
             "runs": [r["step_time_s"] for r in per_run],
             "rollout_s": round(statistics.median(r["rollout_s"] for r in per_run), 3),
             "update_s": round(statistics.median(r["update_s"] for r in per_run), 3),
+            "worker_s": {k: round(statistics.median(r["worker_s"][k] for r in per_run), 3) for k in STATES},
             "quiet": quiet,
             "threads": worker_threads,
         }
@@ -422,6 +466,7 @@ def measured(runs: list[dict]) -> dict:
     out: dict = {"configs": {}, "ratios": {}}
     for name in CONFIGS:
         values = [r["configs"][name]["step_time_s_median"] for r in runs if name in r["configs"]]
+        states = [worker_states(Path(r["configs"][name]["run_dir"])) for r in runs if name in r["configs"]]
         med = statistics.median(values)
         rows = [
             row for r in runs if name in r["configs"] for row in load_metrics(Path(r["configs"][name]["run_dir"]))[1:]
@@ -432,6 +477,7 @@ def measured(runs: list[dict]) -> dict:
             "spread": round((max(values) - min(values)) / med, 3),
             "rollout_s": round(statistics.median(x["rollout_seconds"] for x in rows), 3) if rows else None,
             "update_s": round(statistics.median(x.get("update_seconds", 0.0) for x in rows), 3) if rows else None,
+            "worker_s": {k: round(statistics.median(x[k] for x in states), 3) for k in (*STATES, "hops")},
         }
     for key, name in RATIOS.items():
         values = [
@@ -631,6 +677,10 @@ def main() -> None:
             "quiet_predicted_s": got["configs"][name]["quiet"]["step_time_s"],
             "rollout_s": [got["configs"][name]["rollout_s"], want["configs"][name]["rollout_s"]],
             "update_s": [got["configs"][name]["update_s"], want["configs"][name]["update_s"]],
+            "worker_s_per_step": {
+                "predicted": got["configs"][name]["worker_s"],
+                "measured": want["configs"][name]["worker_s"],
+            },
         }
     for key in RATIOS:
         pred, meas = got["ratios"][key], want["ratios"][key]["median"]

@@ -213,6 +213,14 @@ def test_partial_rollouts_draft_ahead_park_and_pay_the_reverification_in_closed_
     assert r.step_times[1] == pytest.approx(0.03 + reverify + 16 * 0.01 + 23 / 1000 + 0.05 + 0.02)
     assert r.emitted == r.finished_tokens == 43 and r.discarded_tokens == 0
     assert CpuCosts(step_s=0.0, row_s=0.0, prefill_token_s=1e-3).reverify_s([4, 3], 8) == pytest.approx(7e-3)
+    # where the worker's time went over step 1 (version 1 to 2): the load, the re-verification, 16 plain steps,
+    # and idle through the update and its publication
+    spent = r.worker_seconds(r.version_times[1], r.version_times[2])
+    idle = 23 / 1000 + 0.05 + 0.02
+    assert spent == pytest.approx({"load": 0.03, "reverify": reverify, "plain": 0.16, "idle": idle})
+    assert r.summary()["worker_s_per_step"] == pytest.approx(
+        {"load": 0.03, "reverify": reverify, "plain": 0.16, "idle": idle}, abs=1e-4
+    )
 
 
 def test_colocated_learner_stops_generation_during_the_update():

@@ -139,6 +139,8 @@ class _Worker:
     training_since: float | None = None
     idle_s: float = 0.0
     idle_since: float | None = 0.0
+    began: float = 0.0  # when the step in progress started
+    parts: dict[str, float] = field(default_factory=dict)  # its unslowed seconds by what they were spent on
 
 
 @dataclass
@@ -156,6 +158,24 @@ class Result:
     drafter_train_s: float
     rounds: dict[str, int]
     sd_share: float
+    activity: list[tuple[float, float, dict[str, float]]] = field(default_factory=list)
+    """The workers' time, step by step: (start, end, the step's unslowed seconds by part: `plain` or an SD arm's
+    label, `prefill`, `load`, `reverify`, `train`), each step's wall time shared among its parts."""
+    workers: int = 1
+
+    def worker_seconds(self, start: float, end: float) -> dict[str, float]:
+        """The workers' wall seconds between `start` and `end` by what they were spent on (`activity`'s parts;
+        `idle` the rest), summed over workers."""
+        out: dict[str, float] = {}
+        for a, b, parts in self.activity:
+            overlap = min(b, end) - max(a, start)
+            total = sum(parts.values())
+            if overlap <= 0 or total <= 0:
+                continue
+            for label, seconds in parts.items():
+                out[label] = out.get(label, 0.0) + overlap * seconds / total
+        out["idle"] = max(0.0, self.workers * (end - start) - sum(out.values()))
+        return out
 
     @property
     def steady_step_times(self) -> list[float]:
@@ -166,6 +186,17 @@ class Result:
     def step_time(self) -> float:
         return statistics.median(self.steady_step_times)
 
+    def steady_worker_seconds(self) -> dict[str, float]:
+        """`worker_seconds` per step over the steady steps (from the first version after the pipeline filled
+        to the last), rounded; over the one step there is where the run made only one."""
+        times = self.version_times
+        first = 1 if len(times) > 2 else 0
+        steps = len(times) - 1 - first
+        if steps < 1:
+            return {}
+        spent = self.worker_seconds(times[first], times[-1])
+        return {k: round(v / steps, 4) for k, v in sorted(spent.items())}
+
     def summary(self) -> dict[str, object]:
         return {
             "mode": self.mode,
@@ -175,6 +206,7 @@ class Result:
             "learner_s": round(statistics.median(self.learner_s), 4) if self.learner_s else None,
             "sd_step_share": round(self.sd_share, 3),
             "drafter_train_s_per_step": round(self.drafter_train_s / max(len(self.step_times), 1), 3),
+            "worker_s_per_step": self.steady_worker_seconds(),
             "dropped_groups": self.dropped_groups,
             "discarded_tokens": round(self.discarded_tokens, 1),
         }
@@ -225,6 +257,7 @@ class _Sim:
         self.dropped = 0
         self.train_s = 0.0
         self.rounds: dict[str, int] = {}
+        self.activity: list[tuple[float, float, dict[str, float]]] = []
         self.done = False
 
     # ------------------------------------------------------------------------------------------ scheduling
@@ -314,6 +347,8 @@ class _Sim:
             drafter_train_s=self.train_s,
             rounds=self.rounds,
             sd_share=sd_rounds / max(sum(self.rounds.values()), 1),
+            activity=self.activity,
+            workers=len(self.workers),
         )
 
     # ------------------------------------------------------------------------------------------ policy service
@@ -354,13 +389,16 @@ class _Sim:
 
     def worker_event(self, w: _Worker, t: float) -> None:
         if w.step is not None:
+            self.activity.append((w.began, t, w.parts))
             self.finish_step(w, t)
         if w.training_since is not None:  # preempted: the slice in progress ends first
             if self.has_work(w):
                 end = t + self.setup.preempt_s
                 self.train_s += end - w.training_since
+                self.activity.append((w.training_since, t, {"train": 1.0}))
                 w.training_since, self.lease = None, None
                 w.step = ("train", 0.0)
+                self.begin(w, t, {"train": end - t})
                 self.work(w, t, end - t)
             return
         self.act(w, t)
@@ -379,12 +417,13 @@ class _Sim:
 
     def act(self, w: _Worker, t: float) -> None:
         s, costs = self.setup, self.costs
-        extra = 0.0
+        extra = reverify = 0.0
         if self.announced > w.version and (self.mode.partial or not w.running):
             extra += costs.load_s
             if self.mode.partial:
                 rows = w.running + w.parked
-                extra += costs.reverify_s([r.done for r in rows], s.prompt_len)
+                reverify = costs.reverify_s([r.done for r in rows], s.prompt_len)
+                extra += reverify
                 for r in rows:
                     r.version = self.announced
                     kept = float(int(r.done * s.kept_share)) if self.rng is not None else r.done * s.kept_share
@@ -412,6 +451,7 @@ class _Sim:
         if not w.running:
             if extra:
                 w.step = ("load", extra)
+                self.begin(w, t, {"load": extra - reverify, "reverify": reverify})
                 self.work(w, t, extra)
             else:
                 self.go_idle(w, t)
@@ -428,11 +468,19 @@ class _Sim:
             left = min(r.length - r.done for r in w.running)
             drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
             repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
-        seconds = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2) + costs.prefill_s(admitted * s.prompt_len)
+        rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2)
+        prefill = costs.prefill_s(admitted * s.prompt_len)
+        seconds = rounds_s + prefill
         w.arm, w.step, w.repeat = arm, (arm.label, seconds + extra), repeat
+        self.begin(w, t, {arm.label: rounds_s, "prefill": prefill, "load": extra - reverify, "reverify": reverify})
         self.rounds[arm.label] = self.rounds.get(arm.label, 0) + repeat
         forwards = repeat * (1 + (arm.depth if arm.kind == "drafter" else 0)) + (1 if admitted else 0)
         self.work(w, t, seconds + extra, forwards)
+
+    @staticmethod
+    def begin(w: _Worker, t: float, parts: dict[str, float]) -> None:
+        """What the step `w` starts at `t` spends its unslowed seconds on (`Result.activity`)."""
+        w.began, w.parts = t, {k: v for k, v in parts.items() if v > 0}
 
     def room(self, w: _Worker, group: list[_Row]) -> bool:
         s = self.setup
