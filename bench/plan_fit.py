@@ -20,7 +20,9 @@ streaming: fit both), wall clock, median of `--repeats`:
 - re-verification (partial rollouts): b rows (b = 4, 16, 64, 128) drafted 16 or 64 tokens ahead at T = 1, then the
   next version (one real GRPO update of the policy at the tiny-world preset's learning rate) loaded with
   `reverify=True`, less a plain load of it -> reverify_step_s, reverify_token_s (per padded token of the rows'
-  prompts and tokens).
+  prompts and tokens);
+- the rollout worker's loop (`fit_loop`, an embedded Redis in its own process): a hop's poll for new tasks ->
+  hop_s; a finished group's output (decoded, scored, its samples and a report sent, the task acked) -> group_s.
 
     flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
         --out artifacts/plan/cpu-t2.json
@@ -443,6 +445,136 @@ def fit_reverify(world: Path, repeats: int) -> tuple[dict, dict]:
     return {"reverify_step_s": max(0.0, step_s), "reverify_token_s": max(0.0, token_s)}, {"reverify": measured}
 
 
+LOOP_POLLS = 100
+"""Empty reads timed for the worker loop's per-hop cost."""
+LOOP_HOP = 8
+"""Decode steps of 64 rows run before each timed poll or group output (`rollout.steps_per_hop`), untimed: the
+loop runs right after the engine's threads, which a bare poll would not see."""
+LOOP_GROUPS = 40
+"""Finished groups whose output is timed for its per-group cost."""
+
+
+def fit_loop(world: Path, repeats: int) -> tuple[dict, dict]:
+    """The rollout worker's own loop beside its engine steps, on an embedded Redis in its own process (as a
+    `tlt-stream run` on the embedded defaults has it, in the launcher's): a hop's poll for new tasks (a
+    non-blocking read of the prompts stream, `StreamReader.read`) -> hop_s; a finished group's output (its 8
+    responses decoded and scored with the world's reward, made samples, sent to `samples` in one pipeline, the
+    task acked, a rollout report sent to `stats`) -> group_s. The responses are real ones of the world's policy."""
+    import asyncio
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from tlt_stream.basics.config import DEFAULTS
+    from tlt_stream.model import load_model
+    from tlt_stream.model.loader import stop_token_ids
+    from tlt_stream.rl.rewards import resolve_reward
+    from tlt_stream.rollout.engine import GenerationEngine
+
+    group_size = DEFAULTS.policy.group_size
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    reward = resolve_reward(DEFAULTS.rollout.reward)
+    prompt = prompts_of(1)[0]
+    policy = load_model(world / "policy")
+    engine = GenerationEngine(policy, group_size, len(prompt) + 400)
+    for i in range(group_size):
+        engine.add_request(prompt, 300, 1.0, seed=i, eos_ids=stop_token_ids(world / "policy", tokenizer))
+    results = []
+    while engine.has_work:
+        results += engine.step()
+    results.sort(key=lambda r: r.request_id)
+    rows = prompts_of(64)
+    busy = GenerationEngine(policy, len(rows), max(len(q) for q in rows) + 1000)
+    for i, q in enumerate(rows):
+        busy.add_request(q, 990, 1.0, seed=i, eos_ids=())
+
+    def hop() -> None:
+        for _ in range(LOOP_HOP):
+            if busy.has_work:
+                busy.step()
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDED_REDIS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        url = server.stdout.readline().strip()
+        polls, groups = asyncio.run(_loop_times(url, results, tokenizer, reward, hop))
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+    hop_s, group_s = statistics.median(polls), statistics.median(groups)
+    log(f"worker loop: {hop_s * 1e3:.2f} ms a poll, {group_s * 1e3:.1f} ms a group's output")
+    return {"hop_s": hop_s, "group_s": group_s}, {
+        "loop": {"poll_ms": round(hop_s * 1e3, 3), "group_ms": round(group_s * 1e3, 2), "rows": group_size}
+    }
+
+
+EMBEDDED_REDIS = """
+import sys
+from tlt_stream.bus.embedded import EmbeddedServers
+servers = EmbeddedServers()
+print(servers.start_redis(), flush=True)
+sys.stdin.read()
+servers.close()
+"""
+"""A child process hosting the embedded Redis until its stdin closes (its URL on the first line of stdout)."""
+
+
+async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[list[float], list[float]]:
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    from tlt_stream.basics.config import BusConfig
+    from tlt_stream.basics.messages import PromptGroup, RolloutStats
+    from tlt_stream.bus.consumer import StreamReader
+    from tlt_stream.bus.producer import StreamProducer
+    from tlt_stream.bus.streams import Keys
+    from tlt_stream.rl.rewards import call_reward
+    from tlt_stream.rl.samples import make_sample
+
+    redis = aioredis.Redis.from_url(url)
+    keys, bus = Keys(f"planfit-{uuid.uuid4().hex[:8]}"), BusConfig()
+    reader = StreamReader(redis, keys, bus, "prompts", "worker")
+    producer = StreamProducer(redis, keys, bus)
+    await reader.ensure_group()
+    polls, groups = [], []
+    for _ in range(LOOP_POLLS):
+        hop()
+        started = CLOCK()
+        await reader.read(count=bus.read_count, block_ms=0)
+        polls.append(CLOCK() - started)
+    tasks = [
+        PromptGroup(task_id=f"t{i}", prompt_id=f"p{i}", prompt_ids=list(results[0].prompt_ids), answer="42",
+                    group_size=len(results))
+        for i in range(LOOP_GROUPS)
+    ]  # fmt: skip
+    await producer.send("prompts", tasks)
+    deliveries = []
+    while len(deliveries) < len(tasks):
+        deliveries += await reader.read(count=len(tasks), block_ms=100)
+    for delivery in deliveries:
+        hop()
+        started = CLOCK()
+        group = delivery.message
+        samples = []
+        for index, result in enumerate(results):
+            text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            score = call_reward(reward, text, group.answer, group.fields)
+            samples.append(make_sample(result, group, index, reward=score, policy_version=1, drafter_version=0,
+                                       worker_id="worker", gen_seconds=1.0))  # fmt: skip
+        await producer.send("samples", samples)
+        await reader.ack([delivery.entry_id])
+        report = RolloutStats(worker_id="worker", policy_version=1, drafter_version=0, batch_size=64,
+                              tokens=1000, seconds=0.5, target_forwards=100)  # fmt: skip
+        await producer.send("stats", [report])
+        groups.append(CLOCK() - started)
+    for stream in ("prompts", "samples", "stats"):
+        await redis.delete(keys.stream(stream))
+    await redis.aclose()
+    return polls, groups
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
@@ -493,9 +625,16 @@ def main() -> None:
     learner_background = background_cores(load, cpu_seconds(), time.time() - clock, mine)
     publish, measured_p = fit_publish(world, args.repeats)
     reverify, measured_r = fit_reverify(world, args.repeats)
+    loop, measured_w = fit_loop(world, args.repeats)
     cores = args.cores or len(os.sched_getaffinity(0))
     model = CpuCosts(
-        **engine, **learner, **publish, **reverify, cores=cores, source=f"bench/plan_fit.py --threads {args.threads}"
+        **engine,
+        **learner,
+        **publish,
+        **reverify,
+        **loop,
+        cores=cores,
+        source=f"bench/plan_fit.py --threads {args.threads}",
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     background = {"engine": round(engine_background, 3), "learner": round(learner_background, 3)}
@@ -507,7 +646,7 @@ def main() -> None:
             {
                 "bench": "plan_fit",
                 "model": model.describe(),
-                "measured": {**measured, **measured_l, **measured_p, **measured_r},
+                "measured": {**measured, **measured_l, **measured_p, **measured_r, **measured_w},
                 "background_cores": background,
                 "out": args.out,
                 "seconds": round(time.time() - started, 1),

@@ -129,3 +129,31 @@ def test_each_run_s_machine_factor_is_its_neighbouring_probes_over_the_fits(plan
     assert costs.round_s(16, arm, 300) == pytest.approx(1.2 * TRUE.round_s(16, arm, 300))
     assert costs.decode_s(64, 300) == pytest.approx(1.2 * TRUE.decode_s(64, 300))
     assert costs.publish_s == TRUE.publish_s
+
+
+def test_a_run_s_worker_time_per_step_comes_from_its_workers_state_changes(plan_check, tmp_path):
+    """`worker_states`: the workers' states between the first version's announcement and the last's, per step,
+    summed over workers (a state begun before the window counts from its start), with the rollout reports'
+    hop seconds inside the window."""
+    rows = [{"version": v, "time": t} for v, t in ((1, 100.0), (2, 110.0), (3, 120.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    changes = [
+        ("w0", 95.0, "GENERATING"),
+        ("w0", 104.0, "IDLE"),
+        ("w0", 104.5, "TRAINING_DRAFTER"),
+        ("w0", 109.0, "LOADING"),
+        ("w0", 110.5, "GENERATING"),
+        ("w0", 118.0, "IDLE"),
+        ("w0", 125.0, "STOPPED"),
+        ("w1", 100.0, "GENERATING"),
+        ("w1", 120.0, "IDLE"),
+    ]
+    entries = [{"kind": "worker_state", "worker_id": w, "created_at": t, "state": s} for w, t, s in changes]
+    entries += [
+        {"kind": "rollout", "created_at": t, "seconds": x, "target_forwards": 8, "tokens": 64}
+        for t, x in ((99.0, 5.0), (103.0, 2.5), (115.0, 4.0), (121.0, 1.0))
+    ]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    got = plan_check.worker_states(tmp_path)
+    # w0: generating 4 + 7.5, loading 1.5, idle 0.5 + 4.5 + 2; w1: generating 20
+    assert got == pytest.approx({"generating": 31.5 / 2, "loading": 0.75, "idle": 3.5, "hops": 3.25})

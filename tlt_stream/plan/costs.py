@@ -10,7 +10,9 @@ Every model answers, in seconds:
 - `reverify_s(held, prompt_len)`: a partial rollout's re-verification under a new version of rows holding
   `held` response tokens each (beyond the plain `load_s`);
 - `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
-- `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it).
+- `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it);
+- `hop_s`, `group_s`: the rollout worker's own loop beside its engine: its poll for new tasks after every hop of
+  engine steps, and a finished group's output (decoded, scored, its samples and a report sent, the task acked).
 
 CPU formulas (b rows, n verified nodes, ctx tokens of context: the batch's longest row's, since the torch
 engine attends every row over the longest, depth d, top-k w):
@@ -68,6 +70,12 @@ class EngineCosts(Protocol):
     optimizer_s: float
     publish_s: float
     load_s: float
+    hop_s: float
+    """The worker's loop after each hop of engine steps (`rollout.steps_per_hop`, fewer when a row finishes):
+    its poll for new tasks."""
+    group_s: float
+    """A finished group's output: its responses decoded and scored, its samples and a report sent, the task
+    acked (on the worker, before its next hop; the learner sees the group after it)."""
     cores: float
     """Cores the processes share (inf: each process has its own device)."""
     padded: bool
@@ -100,6 +108,8 @@ class FixedCosts:
     optimizer_s: float = 0.0
     publish_s: float = 0.0
     load_s: float = 0.0
+    hop_s: float = 0.0
+    group_s: float = 0.0
     cores: float = float("inf")
     padded: bool = False
 
@@ -175,6 +185,11 @@ class CpuCosts:
     """From the update's end to the new version announced (checkpoint written, hashed)."""
     load_s: float = 0.0
     """From announced to generating with it on a worker (read, verified, loaded)."""
+    hop_s: float = 0.0
+    """The worker's poll for new tasks after a hop of engine steps (one read of the prompts stream, right after
+    the engine's threads ran)."""
+    group_s: float = 0.0
+    """A finished group's output on the worker (`EngineCosts.group_s`)."""
     cores: float = 2.0
     engine_k: tuple[float, ...] = ()
     """Contention: an engine step's extra time per core busy with other work, per thread count (1, 2, ...;

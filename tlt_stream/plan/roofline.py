@@ -124,6 +124,10 @@ class GpuCosts:
     """Share of each rollout GPU's memory the engine may use (weights + KV cache)."""
     optimizer_s: float = 0.0
     load_s: float = 0.0
+    hop_s: float = 0.0
+    """The worker's loop beside its engine (`EngineCosts.hop_s`, `group_s`): not modelled on a GPU node, where a
+    hop of engine steps takes far longer than a poll of Redis or a group's output."""
+    group_s: float = 0.0
     cores: float = float("inf")
     padded: bool = False
     """A GPU engine's paged KV cache: each row reads its own context (`EngineCosts.padded`)."""

@@ -103,6 +103,9 @@ class Setup:
     background_cores: float = 0.0
     """Cores kept busy by work the simulator does not model (the policy service, Redis, the launcher, the
     machine's neighbours): a measured input of a run (`bench/plan_load.py`), 0 on a machine of one's own."""
+    steps_per_hop: int = DEFAULTS.rollout.steps_per_hop
+    """Engine steps a worker runs before its loop polls for work (fewer when a row finishes): `costs.hop_s` is
+    charged per hop."""
     macro_steps: int = 1
     """Plain decode steps simulated as one event while no row finishes (1: every step; more is faster for long
     responses, and delays what another event would have changed by at most that many steps)."""
@@ -140,6 +143,9 @@ class _Worker:
     idle_s: float = 0.0
     idle_since: float | None = 0.0
     began: float = 0.0  # when the step in progress started
+    hop_steps: int = 0  # engine steps since the loop's last poll
+    owed: float = 0.0  # the loop's polls not yet charged
+    outbox: list = field(default_factory=list)  # complete groups whose output (`costs.group_s`) is not yet sent
     parts: dict[str, float] = field(default_factory=dict)  # its unslowed seconds by what they were spent on
 
 
@@ -390,7 +396,13 @@ class _Sim:
     def worker_event(self, w: _Worker, t: float) -> None:
         if w.step is not None:
             self.activity.append((w.began, t, w.parts))
+            label = w.step[0]
             self.finish_step(w, t)
+            if label == "send":
+                self.deliver(w, t)
+            elif w.outbox or w.owed:  # the loop's polls and the finished groups' output, before the next hop
+                self.send(w, t)
+                return
         if w.training_since is not None:  # preempted: the slice in progress ends first
             if self.has_work(w):
                 end = t + self.setup.preempt_s
@@ -434,7 +446,7 @@ class _Sim:
                 complete = [r for r in w.running if r.done >= r.length - 1e-9]
                 w.running = [r for r in w.running if r.done < r.length - 1e-9]
                 for r in complete:
-                    self.row_finished(r, t + extra)
+                    self.row_finished(r, t + extra, w)
             w.version = self.announced
         if self.setup.colocated and self.learner_busy:
             self.go_idle(w, t)
@@ -453,6 +465,8 @@ class _Sim:
                 w.step = ("load", extra)
                 self.begin(w, t, {"load": extra - reverify, "reverify": reverify})
                 self.work(w, t, extra)
+            elif w.outbox:  # rows a re-verification ended, with nothing to load
+                self.send(w, t)
             else:
                 self.go_idle(w, t)
             return
@@ -512,12 +526,13 @@ class _Sim:
     def finish_step(self, w: _Worker, t: float) -> None:
         label, _ = w.step
         w.step, w.busy = None, False
-        if label in ("train", "load"):
+        if label in ("train", "load", "send"):
             return
         arm = w.arm or self.plain
         b = len(w.running)
         bucket = bucket_of(b, self.setup.edges)
         keep = []
+        ended = False
         for r in w.running:
             e = min(self.acc.draw(arm, bucket, self.rng) * w.repeat, r.length - r.done)
             if r.draft_of > w.version:
@@ -528,12 +543,17 @@ class _Sim:
             if drafting and (r.done >= r.length - 1e-9 or r.done >= self.setup.ahead_tokens - 1e-9):
                 w.parked.append(r)  # a draft is sent only once re-verified
             elif r.done >= r.length - 1e-9:
-                self.row_finished(r, t)
+                self.row_finished(r, t, w)
+                ended = True
             else:
                 keep.append(r)
         w.running = keep
+        w.hop_steps += w.repeat
+        if ended or w.hop_steps >= self.setup.steps_per_hop:  # a hop ends: the loop polls for work
+            w.owed += self.costs.hop_s * max(1, w.hop_steps // self.setup.steps_per_hop)
+            w.hop_steps = 0
 
-    def row_finished(self, r: _Row, t: float) -> None:
+    def row_finished(self, r: _Row, t: float, w: _Worker) -> None:
         self.finished += r.done
         self.last_finish[r.step] = t
         self.group_tokens[r.group] += r.done
@@ -544,8 +564,23 @@ class _Sim:
             tokens = self.group_tokens[r.group]
             share = self.group_share.get(r.group, self.setup.trained_share)
             rows = self.group_rows.pop(r.group)
-            self.ready.append((r.step, self.group_version[r.group], tokens, tokens * share, rows if share else []))
-            self.try_learn(t)
+            w.outbox.append((r.step, self.group_version[r.group], tokens, tokens * share, rows if share else []))
+            if not self.costs.group_s:
+                self.deliver(w, t)
+
+    def send(self, w: _Worker, t: float) -> None:
+        """`w`'s loop: the polls it owes and its finished groups' output, then `deliver`."""
+        seconds = w.owed + self.costs.group_s * len(w.outbox)
+        w.owed = 0.0
+        w.step = ("send", seconds)
+        self.begin(w, t, {"loop": seconds})
+        self.work(w, t, seconds)
+
+    def deliver(self, w: _Worker, t: float) -> None:
+        """The groups `w` has sent reach the learner."""
+        self.ready.extend(w.outbox)
+        w.outbox = []
+        self.try_learn(t)
 
     def go_idle(self, w: _Worker, t: float) -> None:
         if w.idle_since is None:
