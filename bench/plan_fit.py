@@ -16,11 +16,12 @@ streaming: fit both), wall clock, median of `--repeats`:
   shorter and of longer-tailed ones -> learn_token_s and learn_attn_s (per padded token of the micro-batches the
   learner makes, and per padded token per token of their width), optimizer_s (least squares); the plain
   learn_tokens_per_s of the world's lengths beside them;
-- publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s);
+- publication: `Trainer.save` (publish_s) and a worker's `read_weights` + `load_policy` (load_s), on a thread of
+  its own as the worker loads (`in_worker_thread`);
 - re-verification (partial rollouts): b rows (b = 4, 16, 64, 128) drafted 16 or 64 tokens ahead at T = 1, then the
   next version (one real GRPO update of the policy at the tiny-world preset's learning rate) loaded with
-  `reverify=True`, less a plain load of it -> reverify_step_s, reverify_token_s (per padded token of the rows'
-  prompts and tokens);
+  `reverify=True` on a thread of its own, less a plain load of it -> reverify_step_s, reverify_token_s (per
+  padded token of the rows' prompts and tokens);
 - the rollout worker's loop (`fit_loop`, an embedded Redis in its own process): a hop's poll for new tasks ->
   hop_s; a finished group's output (decoded, scored, its samples and a report sent, the task acked) -> group_s.
 
@@ -356,6 +357,23 @@ def fit_learner(world: Path, repeats: int) -> tuple[dict, dict]:
     return fitted, {"learner": measured}
 
 
+def in_worker_thread(fn, *args, **kwargs) -> float:
+    """Seconds `fn(*args, **kwargs)` takes on a thread of its own, as a rollout worker loads a version and
+    re-verifies its rows (`PolicyLoader.load`, `model.threads.in_own_thread`), with this thread's OpenMP team
+    alive beside it as the worker's compute thread's is: two teams on the cores throttle libgomp's spinning,
+    and the same re-verification ran ~1.26x longer so than on the compute thread (2 threads, 128 rows)."""
+    import asyncio
+
+    from tlt_stream.model.threads import in_own_thread
+
+    def timed() -> float:
+        started = CLOCK()
+        fn(*args, **kwargs)
+        return CLOCK() - started
+
+    return asyncio.run(in_own_thread(timed))
+
+
 def fit_publish(world: Path, repeats: int) -> tuple[dict, dict]:
     import torch
 
@@ -380,10 +398,12 @@ def fit_publish(world: Path, repeats: int) -> tuple[dict, dict]:
             info = trainer.save(root, step=step, ledger=set(), **common)
             saves.append(CLOCK() - started)
             trainer.wait_for_writes()
-            started = CLOCK()
-            weights = read_weights(info.policy_dir, info.policy_sha256, scheme=info.digest)
-            engine.load_policy(str(info.policy_dir), weights=weights)
-            loads.append(CLOCK() - started)
+
+            def load(info=info) -> None:
+                weights = read_weights(info.policy_dir, info.policy_sha256, scheme=info.digest)
+                engine.load_policy(str(info.policy_dir), weights=weights)
+
+            loads.append(in_worker_thread(load))
     publish_s, load_s = statistics.median(saves), statistics.median(loads)
     log(f"publish {publish_s * 1e3:.1f} ms, load {load_s * 1e3:.1f} ms")
     return {"publish_s": publish_s, "load_s": load_s}, {"publish_ms": [round(1e3 * x, 2) for x in saves]}
@@ -415,9 +435,7 @@ def fit_reverify(world: Path, repeats: int) -> tuple[dict, dict]:
         idle = GenerationEngine(load_model(world / "policy"), 1, 64)
         plain = []
         for _ in range(max(repeats, 3)):
-            started = CLOCK()
-            idle.load_policy(following)
-            plain.append(CLOCK() - started)
+            plain.append(in_worker_thread(idle.load_policy, following))
         load = statistics.median(plain)
         for batch in REVERIFY_BATCHES:
             prompts = ragged(prompts_of(batch), RAGGED_SPREAD)
@@ -430,9 +448,7 @@ def fit_reverify(world: Path, repeats: int) -> tuple[dict, dict]:
                         engine.add_request(q, ahead + 60, 1.0, seed=i, eos_ids=(), ahead_limit=ahead)
                     while engine.has_work:  # until every row has parked
                         engine.step()
-                    started = CLOCK()
-                    engine.load_policy(following, reverify=True)
-                    times.append(CLOCK() - started - load)
+                    times.append(in_worker_thread(engine.load_policy, following, reverify=True) - load)
                     kept.append(engine.tokens_kept / max(engine.tokens_kept + engine.tokens_discarded, 1))
                 sec = statistics.median(times)
                 rows.append([1.0, batch * (longest + ahead)])

@@ -13,6 +13,9 @@ system's own rules.
   tuner's converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost),
   explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
   beats plain (`above_crossover = "measure"`) or never (`"plain"`).
+- The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
+  work (`costs.hop_s`), and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
+  learner sees the group once it is sent.
 - Drafter training: a worker with nothing to generate holds the training lease (one holder at a time); work
   that arrives preempts it within one training step and the slice's commit (`preempt_s`).
 - Learner: groups join its queue in order of completion; an update takes the first `prompts` groups inside
