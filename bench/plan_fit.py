@@ -23,7 +23,8 @@ streaming: fit both), wall clock, median of `--repeats`:
   `reverify=True` on a thread of its own, less a plain load of it -> reverify_step_s, reverify_token_s (per
   padded token of the rows' prompts and tokens);
 - the rollout worker's loop (`fit_loop`, an embedded Redis in its own process): a hop's poll for new tasks ->
-  hop_s; a finished group's output (decoded, scored, its samples and a report sent, the task acked) -> group_s.
+  hop_s; the rows in flight published after a hop in which rows finished -> finish_s; a finished group's output
+  (decoded, scored, its samples and a report sent, the task acked) -> group_s.
 
     flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
         --out artifacts/plan/cpu-t2.json
@@ -473,7 +474,9 @@ LOOP_GROUPS = 40
 def fit_loop(world: Path, repeats: int) -> tuple[dict, dict]:
     """The rollout worker's own loop beside its engine steps, on an embedded Redis in its own process (as a
     `tlt-stream run` on the embedded defaults has it, in the launcher's): a hop's poll for new tasks (a
-    non-blocking read of the prompts stream, `StreamReader.read`) -> hop_s; a finished group's output (its 8
+    non-blocking read of the prompts stream, `StreamReader.read`) -> hop_s; after a hop in which rows finished,
+    the rows in flight published to the worker's registry record (`WorkerRegistry.publish`) -> finish_s; a
+    finished group's output (its 8
     responses decoded and scored with the world's reward, made samples, sent to `samples` in one pipeline, the
     task acked, a rollout report sent to `stats`) -> group_s. The responses are real ones of the world's policy."""
     import asyncio
@@ -514,14 +517,22 @@ def fit_loop(world: Path, repeats: int) -> tuple[dict, dict]:
     )
     try:
         url = server.stdout.readline().strip()
-        polls, groups = asyncio.run(_loop_times(url, results, tokenizer, reward, hop))
+        polls, finishes, groups = asyncio.run(_loop_times(url, results, tokenizer, reward, hop))
     finally:
         server.stdin.close()
         server.wait(timeout=30)
-    hop_s, group_s = statistics.median(polls), statistics.median(groups)
-    log(f"worker loop: {hop_s * 1e3:.2f} ms a poll, {group_s * 1e3:.1f} ms a group's output")
-    return {"hop_s": hop_s, "group_s": group_s}, {
-        "loop": {"poll_ms": round(hop_s * 1e3, 3), "group_ms": round(group_s * 1e3, 2), "rows": group_size}
+    hop_s, finish_s, group_s = (statistics.median(x) for x in (polls, finishes, groups))
+    log(
+        f"worker loop: {hop_s * 1e3:.2f} ms a poll, {finish_s * 1e3:.2f} ms the rows in flight published, "
+        f"{group_s * 1e3:.1f} ms a group's output"
+    )
+    return {"hop_s": hop_s, "finish_s": finish_s, "group_s": group_s}, {
+        "loop": {
+            "poll_ms": round(hop_s * 1e3, 3),
+            "finish_ms": round(finish_s * 1e3, 3),
+            "group_ms": round(group_s * 1e3, 2),
+            "rows": group_size,
+        }
     }
 
 
@@ -536,7 +547,7 @@ servers.close()
 """A child process hosting the embedded Redis until its stdin closes (its URL on the first line of stdout)."""
 
 
-async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[list[float], list[float]]:
+async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[list[float], ...]:
     import uuid
 
     import redis.asyncio as aioredis
@@ -545,6 +556,7 @@ async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[
     from tlt_stream.basics.messages import PromptGroup, RolloutStats
     from tlt_stream.bus.consumer import StreamReader
     from tlt_stream.bus.producer import StreamProducer
+    from tlt_stream.bus.registry import WorkerRegistry
     from tlt_stream.bus.streams import Keys
     from tlt_stream.rl.rewards import call_reward
     from tlt_stream.rl.samples import make_sample
@@ -553,13 +565,18 @@ async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[
     keys, bus = Keys(f"planfit-{uuid.uuid4().hex[:8]}"), BusConfig()
     reader = StreamReader(redis, keys, bus, "prompts", "worker")
     producer = StreamProducer(redis, keys, bus)
+    registry = WorkerRegistry(redis, keys, bus, producer, "worker", role="rollout")
     await reader.ensure_group()
-    polls, groups = [], []
-    for _ in range(LOOP_POLLS):
+    polls, finishes, groups = [], [], []
+    for i in range(LOOP_POLLS):
         hop()
         started = CLOCK()
         await reader.read(count=bus.read_count, block_ms=0)
         polls.append(CLOCK() - started)
+        hop()
+        started = CLOCK()
+        await registry.publish(rows_in_flight=LOOP_POLLS - i)
+        finishes.append(CLOCK() - started)
     tasks = [
         PromptGroup(task_id=f"t{i}", prompt_id=f"p{i}", prompt_ids=list(results[0].prompt_ids), answer="42",
                     group_size=len(results))
@@ -587,8 +604,9 @@ async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[
         groups.append(CLOCK() - started)
     for stream in ("prompts", "samples", "stats"):
         await redis.delete(keys.stream(stream))
+    await redis.delete(keys.worker("worker"))
     await redis.aclose()
-    return polls, groups
+    return polls, finishes, groups
 
 
 def main() -> None:

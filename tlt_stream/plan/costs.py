@@ -11,8 +11,9 @@ Every model answers, in seconds:
   `held` response tokens each (beyond the plain `load_s`);
 - `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
 - `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it);
-- `hop_s`, `group_s`: the rollout worker's own loop beside its engine: its poll for new tasks after every hop of
-  engine steps, and a finished group's output (decoded, scored, its samples and a report sent, the task acked).
+- `hop_s`, `finish_s`, `group_s`: the rollout worker's own loop beside its engine: its poll for new tasks after
+  every hop of engine steps, the rows in flight published after a hop in which rows finished, and a finished
+  group's output (decoded, scored, its samples and a report sent, the task acked).
 
 CPU formulas (b rows, n verified nodes, ctx tokens of context: the batch's longest row's, since the torch
 engine attends every row over the longest, depth d, top-k w):
@@ -73,6 +74,8 @@ class EngineCosts(Protocol):
     hop_s: float
     """The worker's loop after each hop of engine steps (`rollout.steps_per_hop`, fewer when a row finishes):
     its poll for new tasks."""
+    finish_s: float
+    """After a hop in which rows finished: the rows in flight written to the worker's registry record."""
     group_s: float
     """A finished group's output: its responses decoded and scored, its samples and a report sent, the task
     acked (on the worker, before its next hop; the learner sees the group after it)."""
@@ -109,6 +112,7 @@ class FixedCosts:
     publish_s: float = 0.0
     load_s: float = 0.0
     hop_s: float = 0.0
+    finish_s: float = 0.0
     group_s: float = 0.0
     cores: float = float("inf")
     padded: bool = False
@@ -188,6 +192,8 @@ class CpuCosts:
     hop_s: float = 0.0
     """The worker's poll for new tasks after a hop of engine steps (one read of the prompts stream, right after
     the engine's threads ran)."""
+    finish_s: float = 0.0
+    """The rows in flight published after a hop in which rows finished (`EngineCosts.finish_s`)."""
     group_s: float = 0.0
     """A finished group's output on the worker (`EngineCosts.group_s`)."""
     cores: float = 2.0

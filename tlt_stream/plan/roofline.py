@@ -125,8 +125,9 @@ class GpuCosts:
     optimizer_s: float = 0.0
     load_s: float = 0.0
     hop_s: float = 0.0
-    """The worker's loop beside its engine (`EngineCosts.hop_s`, `group_s`): not modelled on a GPU node, where a
-    hop of engine steps takes far longer than a poll of Redis or a group's output."""
+    """The worker's loop beside its engine (`EngineCosts.hop_s`, `finish_s`, `group_s`): not modelled on a GPU
+    node, where a hop of engine steps takes far longer than a poll of Redis or a group's output."""
+    finish_s: float = 0.0
     group_s: float = 0.0
     cores: float = float("inf")
     padded: bool = False

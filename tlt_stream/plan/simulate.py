@@ -14,7 +14,8 @@ system's own rules.
   explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
   beats plain (`above_crossover = "measure"`) or never (`"plain"`).
 - The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
-  work (`costs.hop_s`), and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
+  work (`costs.hop_s`), after a hop in which rows finished it publishes its rows in flight (`costs.finish_s`),
+  and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
   learner sees the group once it is sent.
 - Drafter training: a worker with nothing to generate holds the training lease (one holder at a time); work
   that arrives preempts it within one training step and the slice's commit (`preempt_s`).
@@ -554,6 +555,7 @@ class _Sim:
         w.hop_steps += w.repeat
         if ended or w.hop_steps >= self.setup.steps_per_hop:  # a hop ends: the loop polls for work
             w.owed += self.costs.hop_s * max(1, w.hop_steps // self.setup.steps_per_hop)
+            w.owed += self.costs.finish_s if ended else 0.0
             w.hop_steps = 0
 
     def row_finished(self, r: _Row, t: float, w: _Worker) -> None:
