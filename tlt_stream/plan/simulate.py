@@ -170,7 +170,8 @@ class Result:
     sd_share: float
     activity: list[tuple[float, float, dict[str, float]]] = field(default_factory=list)
     """The workers' time, step by step: (start, end, the step's unslowed seconds by part: `plain` or an SD arm's
-    label, `prefill`, `load`, `reverify`, `train`), each step's wall time shared among its parts."""
+    label, `prefill`, `load`, `reverify`, `loop` (the worker's polls and groups' output), `train`), each step's
+    wall time shared among its parts."""
     workers: int = 1
 
     def worker_seconds(self, start: float, end: float) -> dict[str, float]:
