@@ -168,11 +168,12 @@ class Result:
     drafter_train_s: float
     rounds: dict[str, int]
     sd_share: float
+    workers: int
+    """Rollout workers simulated (`worker_seconds` counts the idle time of each)."""
     activity: list[tuple[float, float, dict[str, float]]] = field(default_factory=list)
     """The workers' time, step by step: (start, end, the step's unslowed seconds by part: `plain` or an SD arm's
     label, `prefill`, `load`, `reverify`, `loop` (the worker's polls and groups' output), `train`), each step's
     wall time shared among its parts."""
-    workers: int = 1
 
     def worker_seconds(self, start: float, end: float) -> dict[str, float]:
         """The workers' wall seconds between `start` and `end` by what they were spent on (`activity`'s parts;
