@@ -44,7 +44,7 @@ from tlt_stream.roles.worker.follow import SampleFollower
 from tlt_stream.roles.worker.generation import Generation
 from tlt_stream.roles.worker.intake import TaskIntake
 from tlt_stream.roles.worker.loading import PolicyLoader
-from tlt_stream.roles.worker.reports import RolloutReports
+from tlt_stream.roles.worker.reports import LoopClock, RolloutReports
 from tlt_stream.roles.worker.tasks import InFlight
 from tlt_stream.store.durable import describe_write_error, disk_full
 
@@ -136,20 +136,32 @@ class RolloutWorker:
         done_before = self.generation.tasks_done
         partial = self.config.policy.partial_rollouts
         while not stop.is_set() and (max_tasks is None or self.generation.tasks_done - done_before < max_tasks):
+            clock = LoopClock()  # where a pass that runs a hop spends its time beside it (the stats' `loop_s`)
             await self.reader.maybe_refresh()  # what we hold stays ours however long it generates
+            clock.lap("refresh")
             if not self.flight.started or partial:  # partial: rows in flight are re-verified
+                version = self.loader.version
                 await self.load_announced()
+                clock.lap("policy" if self.loader.version == version else None)  # a load: LOADING time
             engine = self.loader.engine
             await self.drafters.maybe_swap(engine, self.loader.adaptive)
             self.drafters.adopt_sd_config(engine, self.loader.adaptive)
+            clock.lap("drafter")
             await self.intake.admit()
+            clock.lap("admit")
             await self.generation.report_rows()
+            clock.lap("rows")
             await self.generation.send_scored()
+            clock.lap("scored")
             if engine.has_work:
                 if self.registry.state != WorkerStatus.GENERATING:
                     await self.registry.set_state(WorkerStatus.GENERATING)
-                await self.generation.hop()
+                    clock.lap("state")
+                await self.generation.hop()  # its steps counted as the report's `seconds`, the rest as "output"
+                clock.lap(None)
                 self.drafters.judge(engine)
+                clock.lap("judge")
+                self.reports.count_loop(clock.parts)
             elif self.generation.scoring:  # nothing to decode but groups being scored: their samples go first
                 await self.generation.wait_for_scores()
             elif not self.intake.any_startable():

@@ -75,6 +75,9 @@ class RolloutStats(Entry, tag="rollout"):
     """Policy versions loaded since the last report (by version number, as a string): wall-clock seconds from
     the version's `PolicyVersion.published_at` to this worker having it loaded (publisher and worker clocks:
     skew shifts it; a negative difference is reported as 0)."""
+    loop_s: dict[str, Annotated[float, Meta(ge=0)]] = {}
+    """The worker's seconds outside its engine hops in the interval, per part of its loop, over the passes
+    that ran a hop (`roles/worker/reports.py`, `LOOP_PARTS`): what generating costs beside `seconds`."""
 
 
 class SdArmReport(Entry, tag="sd_arm"):

@@ -116,6 +116,7 @@ class Generation:
             await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
             await self.reports.send()
+        self.reports.count_loop({"output": time.perf_counter() - started - seconds})
 
     async def report_rows(self) -> None:
         """The rows in flight to the worker's registry record, now, when they changed: the learner holds

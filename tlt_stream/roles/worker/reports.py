@@ -6,10 +6,15 @@ batch, whether SD is on, per-source drafted and accepted nodes and the tokens re
 discarded (deltas of the engine's cumulative counters), the seconds with a draft group in flight, and how
 long each policy version loaded since took from its announcement. The monitor and `tlt-stream report` read
 these entries; the SD-config publisher pools the arm reports of every worker into its table.
+
+A report also says where the worker's loop spent its time outside the hops (`loop_s`, by `LOOP_PARTS`), over
+the passes of its loop that ran a hop: with `seconds`, the time the worker was generating. A version's load
+is not in it (the worker's LOADING time), nor are passes that found nothing to decode (IDLE).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tlt_stream.basics.messages import RolloutStats, SdArmReport
@@ -18,7 +23,35 @@ from tlt_stream.roles.worker.drafters import DrafterSwaps
 from tlt_stream.roles.worker.loading import PolicyLoader
 from tlt_stream.roles.worker.tasks import InFlight
 
-__all__ = ["RolloutReports"]
+__all__ = ["LOOP_PARTS", "LoopClock", "RolloutReports"]
+
+LOOP_PARTS = {
+    "refresh": "the tasks held kept claimed (`StreamReader.maybe_refresh`)",
+    "policy": "an announced policy looked for (loads themselves are LOADING time, not counted)",
+    "drafter": "an announced drafter or SD config looked for and swapped in",
+    "admit": "new tasks polled for and started",
+    "rows": "the rows in flight written to the registry",
+    "scored": "groups the reward pool scored, sent",
+    "state": "the change to GENERATING written",
+    "output": "a hop's finished rows decoded, scored, their windows and whole groups sent, reports sent",
+    "judge": "a swap's acceptance judged",
+}
+"""The parts of the worker's loop outside its engine hops, as `RolloutStats.loop_s` names them."""
+
+
+class LoopClock:
+    """Seconds per part of one pass of the worker's loop: `lap(part)` charges the time since the last lap."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, part: str | None) -> None:
+        """The time since the last lap to `part` (None: to nothing, e.g. a hop, counted on its own)."""
+        now = time.perf_counter()
+        if part is not None:
+            self.parts[part] = self.parts.get(part, 0.0) + now - self._last
+        self._last = now
 
 
 class RolloutReports:
@@ -41,6 +74,8 @@ class RolloutReports:
         """The engine's (tokens kept, tokens discarded) by re-verification at the last stats report."""
         self.load_latencies: dict[str, float] = {}
         """Versions loaded since the last stats report: seconds from their announcement to loaded."""
+        self.loop: dict[str, float] = {}
+        """Seconds per `LOOP_PARTS` part since the last stats report."""
 
     def count_hop(self, tokens: int, forwards: int, seconds: float) -> None:
         """One hop of engine steps into the next report (its seconds also as ahead time while a draft runs)."""
@@ -49,6 +84,11 @@ class RolloutReports:
         self.seconds += seconds
         if self.flight.drafting(self.loader.version):
             self.ahead_seconds += seconds
+
+    def count_loop(self, parts: dict[str, float]) -> None:
+        """Seconds the loop spent outside hops, per part, into the next report."""
+        for part, seconds in parts.items():
+            self.loop[part] = self.loop.get(part, 0.0) + seconds
 
     def loaded(self, version: int, latency: float) -> None:
         self.load_latencies[str(version)] = latency
@@ -94,6 +134,7 @@ class RolloutReports:
     def rollout_stats(self) -> RolloutStats:
         """The report of the steps since the last one (`send` restarts the counters after it is sent)."""
         latencies, self.load_latencies = self.load_latencies, {}
+        loop, self.loop = self.loop, {}
         engine = self.loader.engine
         return RolloutStats(
             worker_id=self.worker_id,
@@ -106,6 +147,7 @@ class RolloutReports:
             sd_on=engine is not None and engine.arm is not None,
             collapses=self.drafters.collapses,
             load_latency_s=latencies,
+            loop_s={part: round(seconds, 6) for part, seconds in loop.items()},
             **self._source_counts(engine),
             **self._reverify_counts(engine),
         )
