@@ -24,7 +24,12 @@ each run predicted with the fits made around it, each fit's own background taken
 services, Redis, the broker: `bench/plan_load.py`) put back by the contention bench's measured curve. With
 `--probes DIR` (`bench/plan_hold.sh` makes them), each run's model is also scaled by how much slower the machine
 was beside the run than beside its fits, from a few seconds of bare decode steps (`bench/plan_probe.py`) before
-and after every fit and between the runs.
+and after every fit and between the runs. With `--engine-factor in-run`, a diagnostic and not the check: each
+run's engine made as fast as its own hops were (its measured hop seconds over the model's), so that what is
+left of the error is the rest of the model (the worker's loop, loading, the learner, the schedule).
+
+Each config's row also sets the worker's time per step beside the model's: generating (its engine hops and its
+loop beside them, the loop by part as the worker's reports give it), loading and idle.
 
 Prints one JSON object.
 """
@@ -219,7 +224,7 @@ def simulated(mode, setup, inputs: tuple, seeds: int, background: float, own: tu
     summaries = [r.summary() for r in results]
     spent = [as_states(x["worker_s_per_step"]) for x in summaries]
     return {
-        "worker_s": {k: round(statistics.median(x.get(k, 0.0) for x in spent), 3) for k in STATES},
+        "worker_s": {k: round(statistics.median(x.get(k, 0.0) for x in spent), 3) for k in WORKER_FIGURES},
         "step_time_s": round(statistics.median(step_figure(r.steady_step_times) for r in results), 3),
         "rollout_s": round(statistics.median(x["rollout_span_s"] for x in summaries), 3),
         "update_s": round(statistics.median(x["learner_s"] for x in summaries), 3),
@@ -233,27 +238,33 @@ between them), loading (a version verified and loaded, and with partial rollouts
 re-verified) and idle (training the drafter, or waiting for work)."""
 
 
+WORKER_FIGURES = (*STATES, "hops", "loop")
+"""`STATES`, and inside `generating` the engine's hops (steps and prefill) and the worker's loop beside them."""
+
+
 def as_states(parts: dict[str, float]) -> dict[str, float]:
-    """The simulator's `worker_s_per_step` parts summed into `STATES`."""
-    out = dict.fromkeys(STATES, 0.0)
+    """The simulator's `worker_s_per_step` parts summed into `WORKER_FIGURES`."""
+    out = dict.fromkeys(WORKER_FIGURES, 0.0)
     for label, seconds in parts.items():
         key = "loading" if label in ("load", "reverify") else "idle" if label in ("idle", "train") else "generating"
         out[key] += seconds
+        if key == "generating":
+            out["loop" if label == "loop" else "hops"] += seconds
     return out
 
 
-def worker_states(run_dir: Path) -> dict[str, float]:
+def worker_states(run_dir: Path) -> dict:
     """A run's worker time per steady step by `STATES`, from its workers' state changes (`timeline.jsonl`; from
     the first version's announcement to the last's, summed over workers), with `hops`, the engine hops' own
-    seconds (the rollout reports') inside `generating`."""
+    seconds (the rollout reports') inside `generating`, and `loop`, the worker's loop beside them (the reports'
+    `loop_s`, summed; reports made before the worker kept it have none), its parts in `loop_parts`."""
     from tlt_stream.rl.records import load_metrics
 
     rows = load_metrics(run_dir)
     start, end = rows[0]["time"], rows[-1]["time"]
     steps = max(len(rows) - 1, 1)
-    entries = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
     changes: dict[str, list[tuple[float, str]]] = {}
-    for e in entries:
+    for e in timeline_entries(run_dir):
         if e.get("kind") == "worker_state":
             changes.setdefault(e["worker_id"], []).append((e["created_at"], e["state"]))
     out = dict.fromkeys(STATES, 0.0)
@@ -264,8 +275,14 @@ def worker_states(run_dir: Path) -> dict[str, float]:
             key = {"GENERATING": "generating", "LOADING": "loading"}.get(state, "idle")
             if overlap > 0 and state != "STOPPED":
                 out[key] += overlap
-    hops = sum(e["seconds"] for e in rollout_entries(run_dir) if start <= e["created_at"] <= end)
-    return {k: round(v / steps, 3) for k, v in [*out.items(), ("hops", hops)]}
+    reports = [e for e in rollout_entries(run_dir) if start <= e["created_at"] <= end]
+    parts: dict[str, float] = {}
+    for e in reports:
+        for part, seconds in e.get("loop_s", {}).items():
+            parts[part] = parts.get(part, 0.0) + seconds
+    hops, loop = sum(e["seconds"] for e in reports), sum(parts.values())
+    figures = {k: round(v / steps, 3) for k, v in [*out.items(), ("hops", hops), ("loop", loop)]}
+    return {**figures, "loop_parts": {k: round(v / steps, 4) for k, v in sorted(parts.items())}}
 
 
 def contention_of(args: argparse.Namespace) -> dict | None:
@@ -411,44 +428,31 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
             trained_share=share if args.trained_share else 1.0,
         )
 
-        inputs = (lengths, acceptance, costs)
-        quiet = simulated(mode, setup, inputs, args.seeds, 0.0)
-        if args.calibrated:  # each run's own fits, made beside it: the machine's state is in their constants,
-            # and the run's own background (its services: not in the fits) slows it by the law, where fitted
-            threads = "t2" if mode.max_staleness == 0 else "t1"
-            per_run = [
-                simulated(
-                    mode,
-                    setup,
-                    (
-                        lengths,
-                        acceptance,
-                        on_machine(beside(Path(d), threads, contention), factors, run, name, threads),
-                    ),
-                    args.seeds,
-                    load.get(name, {}).get("other", 0.0) if contention else 0.0,
-                    own_workload(args, run, name, acceptance) if args.replay else None,
-                )
-                for run, d, load in zip(runs, args.calibrated, loads, strict=True)
-            ]
-        else:
-            per_run = [
-                simulated(
-                    mode,
-                    setup,
-                    inputs,
-                    args.seeds,
-                    load.get(name, {}).get("other", 0.0),
-                    own_workload(args, run, name, acceptance) if args.replay else None,
-                )
-                for run, load in zip(runs, loads, strict=True)
-            ]
+        quiet = simulated(mode, setup, (lengths, acceptance, costs), args.seeds, 0.0)
+        threads = "t2" if mode.max_staleness == 0 else "t1"
+        per_run, in_run = [], []
+        for i, (run, load) in enumerate(zip(runs, loads, strict=True)):
+            if args.calibrated:  # the run's own fits, made beside it: the machine's state is in their constants,
+                # and the run's own background (its services: not in the fits) slows it by the law, where fitted
+                model = on_machine(beside(Path(args.calibrated[i]), threads, contention), factors, run, name, threads)
+                u = load.get(name, {}).get("other", 0.0) if contention else 0.0
+            else:
+                model, u = costs, load.get(name, {}).get("other", 0.0)
+            own = own_workload(args, run, name, acceptance) if args.replay else None
+            result = simulated(mode, setup, (lengths, acceptance, model), args.seeds, u, own)
+            if args.engine_factor == "in-run":  # a diagnostic: the engine as fast as the run's own hops were
+                measured_hops = worker_states(Path(run["configs"][name]["run_dir"]))["hops"]
+                factor = measured_hops / result["worker_s"]["hops"]
+                in_run.append(round(factor, 3))
+                result = simulated(mode, setup, (lengths, acceptance, model.engine_slower(factor)), args.seeds, u, own)
+            per_run.append(result)
         out["configs"][name] = {
             "step_time_s": round(statistics.median(r["step_time_s"] for r in per_run), 3),
             "runs": [r["step_time_s"] for r in per_run],
             "rollout_s": round(statistics.median(r["rollout_s"] for r in per_run), 3),
             "update_s": round(statistics.median(r["update_s"] for r in per_run), 3),
-            "worker_s": {k: round(statistics.median(r["worker_s"][k] for r in per_run), 3) for k in STATES},
+            "worker_s": {k: round(statistics.median(r["worker_s"][k] for r in per_run), 3) for k in WORKER_FIGURES},
+            "engine_factors": in_run or None,
             "quiet": quiet,
             "threads": worker_threads,
         }
@@ -477,7 +481,11 @@ def measured(runs: list[dict]) -> dict:
             "spread": round((max(values) - min(values)) / med, 3),
             "rollout_s": round(statistics.median(x["rollout_seconds"] for x in rows), 3) if rows else None,
             "update_s": round(statistics.median(x.get("update_seconds", 0.0) for x in rows), 3) if rows else None,
-            "worker_s": {k: round(statistics.median(x[k] for x in states), 3) for k in (*STATES, "hops")},
+            "worker_s": {k: round(statistics.median(x[k] for x in states), 3) for k in WORKER_FIGURES},
+            "loop_parts": {
+                part: round(statistics.median(x["loop_parts"].get(part, 0.0) for x in states), 4)
+                for part in sorted({part for x in states for part in x["loop_parts"]})
+            },
         }
     for key, name in RATIOS.items():
         values = [
@@ -530,10 +538,15 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
 
 
 @functools.cache
+def timeline_entries(run_dir: Path) -> tuple[dict, ...]:
+    """The entries of a run's `timeline.jsonl`, in order (read once per run directory)."""
+    return tuple(json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines())
+
+
+@functools.cache
 def rollout_entries(run_dir: Path) -> tuple[dict, ...]:
-    """The rollout reports of a run's `timeline.jsonl`, in order (read once per run directory)."""
-    entries = (json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines())
-    return tuple(entry for entry in entries if entry.get("kind") == "rollout")
+    """The rollout reports of a run's `timeline.jsonl`, in order."""
+    return tuple(entry for entry in timeline_entries(run_dir) if entry.get("kind") == "rollout")
 
 
 def modelled_round_s(costs, u: float, rows: float, arm=None, context: float | None = None) -> float:
@@ -647,6 +660,14 @@ def main() -> None:
         "(`bench/e2e.py --probe-dir`) and the fits (`bench/plan_hold.sh`): each run's model scaled by how much "
         "slower the machine was beside it than beside the fits (`probe_factors`)",
     )
+    p.add_argument(
+        "--engine-factor",
+        choices=("model", "in-run"),
+        default="model",
+        help="the engine's speed: the fitted model's (the check), or, as a diagnostic of everything else the "
+        "simulator models, each run's own (its measured hop seconds over the model's for the same work, the "
+        "engine's constants scaled by it: not a prediction)",
+    )
     args = p.parse_args()
     if args.probes and not args.calibrated:
         p.error("--probes needs --calibrated (the fits the probes stand beside)")
@@ -681,6 +702,8 @@ def main() -> None:
                 "predicted": got["configs"][name]["worker_s"],
                 "measured": want["configs"][name]["worker_s"],
             },
+            "loop_parts_measured": want["configs"][name]["loop_parts"],
+            "engine_factors": got["configs"][name]["engine_factors"],
         }
     for key in RATIOS:
         pred, meas = got["ratios"][key], want["ratios"][key]["median"]

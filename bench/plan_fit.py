@@ -471,7 +471,7 @@ LOOP_GROUPS = 40
 """Finished groups whose output is timed for its per-group cost."""
 
 
-def fit_loop(world: Path, repeats: int) -> tuple[dict, dict]:
+def fit_loop(world: Path) -> tuple[dict, dict]:
     """The rollout worker's own loop beside its engine steps, on an embedded Redis in its own process (as a
     `tlt-stream run` on the embedded defaults has it, in the launcher's): a hop's poll for new tasks (a
     non-blocking read of the prompts stream, `StreamReader.read`) -> hop_s; after a hop in which rows finished,
@@ -659,7 +659,7 @@ def main() -> None:
     learner_background = background_cores(load, cpu_seconds(), time.time() - clock, mine)
     publish, measured_p = fit_publish(world, args.repeats)
     reverify, measured_r = fit_reverify(world, args.repeats)
-    loop, measured_w = fit_loop(world, args.repeats)
+    loop, measured_w = fit_loop(world)
     cores = args.cores or len(os.sched_getaffinity(0))
     model = CpuCosts(
         **engine,

@@ -6,7 +6,8 @@
 # the machine's speed (bench/plan_probe.py) before and after each fit and between the runs. Then
 # bench/plan_check.py predicts every run from its inputs and the fits around it: check.json, and with the runs'
 # inputs pooled (check-no-replay.json), each run's step figure the mean of its steps (check-mean.json), and each
-# run's model scaled by the probes beside it (check-probes.json). ~35 min on a quiet machine.
+# run's model scaled by the probes beside it (check-probes.json), and as a diagnostic each run's engine as fast
+# as its own hops were (check-in-run.json). ~35 min on a quiet machine.
 #
 #   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations
 #
@@ -45,4 +46,5 @@ check > "$out/check.json" 2> "$out/check.log"
 check --no-replay > "$out/check-no-replay.json" 2>> "$out/check.log"
 check --step-figure mean > "$out/check-mean.json" 2>> "$out/check.log"
 check --probes "$out/probes" > "$out/check-probes.json" 2>> "$out/check.log"
+check --engine-factor in-run > "$out/check-in-run.json" 2>> "$out/check.log"
 echo "$out/check.json"

@@ -489,3 +489,19 @@ def test_a_round_deep_in_a_response_pays_every_node_s_and_candidate_s_attention_
     quiet = dataclasses.replace(costs, engine_curve=((), ((0.0, 1.0), (1.0, 1.5))), learner_curve=((), ((0.0, 1.0),)))
     quiet = quiet.without_background(1.0, 0.0, 2)
     assert quiet.round_s(b, arm, 400) == pytest.approx(costs.round_s(b, arm, 400) / 1.5)
+
+
+def test_an_engine_made_slower_leaves_the_learner_publication_and_loading_as_measured():
+    from tlt_stream.rollout.arms import Arm
+
+    costs = CpuCosts(
+        step_s=0.002, row_s=1e-4, ctx_s=1e-6, prefill_token_s=1e-4, learn_tokens_per_s=100.0, load_s=0.3, publish_s=0.2
+    )
+    slow = costs.engine_slower(1.5)
+    assert slow.round_s(8, Arm("plain"), 40) == pytest.approx(1.5 * costs.round_s(8, Arm("plain"), 40))
+    assert slow.prefill_s(30) == pytest.approx(1.5 * costs.prefill_s(30))
+    assert slow.reverify_s([4, 3], 8) == pytest.approx(1.5 * costs.reverify_s([4, 3], 8))
+    assert slow.learn_rows_s([10, 20], 8) == costs.learn_rows_s([10, 20], 8)
+    assert (slow.load_s, slow.publish_s) == (0.3, 0.2)
+    with pytest.raises(ValueError):
+        costs.engine_slower(0.0)

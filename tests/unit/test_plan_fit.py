@@ -149,11 +149,20 @@ def test_a_run_s_worker_time_per_step_comes_from_its_workers_state_changes(plan_
         ("w1", 120.0, "IDLE"),
     ]
     entries = [{"kind": "worker_state", "worker_id": w, "created_at": t, "state": s} for w, t, s in changes]
+    loops = {103.0: {"admit": 0.25, "output": 0.5}, 115.0: {"output": 0.75}, 121.0: {"admit": 9.0}}
     entries += [
         {"kind": "rollout", "created_at": t, "seconds": x, "target_forwards": 8, "tokens": 64}
+        | ({"loop_s": loops[t]} if t in loops else {})  # the first report as an older worker wrote it: no loop
         for t, x in ((99.0, 5.0), (103.0, 2.5), (115.0, 4.0), (121.0, 1.0))
     ]
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
     got = plan_check.worker_states(tmp_path)
-    # w0: generating 4 + 7.5, loading 1.5, idle 0.5 + 4.5 + 2; w1: generating 20
-    assert got == pytest.approx({"generating": 31.5 / 2, "loading": 0.75, "idle": 3.5, "hops": 3.25})
+    parts = got.pop("loop_parts")
+    # w0: generating 4 + 7.5, loading 1.5, idle 0.5 + 4.5 + 2; w1: generating 20; the report at 121 is outside
+    assert got == pytest.approx({"generating": 31.5 / 2, "loading": 0.75, "idle": 3.5, "hops": 3.25, "loop": 0.75})
+    assert parts == pytest.approx({"admit": 0.125, "output": 0.625})
+
+
+def test_the_simulators_parts_sum_into_the_states_with_hops_and_loop_apart(plan_check):
+    got = plan_check.as_states({"plain": 2.0, "prefill": 0.5, "loop": 0.25, "load": 1.0, "reverify": 0.5, "idle": 3.0})
+    assert got == {"generating": 2.75, "loading": 1.5, "idle": 3.0, "hops": 2.5, "loop": 0.25}

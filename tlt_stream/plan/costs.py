@@ -278,6 +278,13 @@ class CpuCosts:
             raise ValueError(f"factor must be > 0, got {factor}")
         return self._scaled(1 / factor, 0.0, 1 / factor)
 
+    def engine_slower(self, factor: float) -> CpuCosts:
+        """The constants with the engine `factor` times slower (faster below 1): its steps, drafts, prefill and
+        re-verification; the learner, publication and loading as measured."""
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        return self._scaled(1 / factor, 0.0, 1.0)
+
     def _scaled(self, scale: float, waited: float, learner: float) -> CpuCosts:
         return replace(
             self,
