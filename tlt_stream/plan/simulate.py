@@ -26,7 +26,8 @@ system's own rules.
   as soon as it is complete and the learner is free; the step ends one optimizer step after its last group.
   Colocated (verl, TLT): the learner's devices are the engines', so no engine step runs during an update.
 - Cores: where processes share `costs.cores`, every step and update in progress runs at the rate
-  `1 / costs.slowdown` of the cores busy with other work: the other modelled processes' busy threads plus
+  `1 / costs.slowdown` of the cores busy with other work: the other modelled processes' busy threads, the
+  drafter's training where the others leave it a core (one thread at the lowest priority), plus
   `background_cores`; rates are recomputed whenever a worker or the learner starts or stops (processor
   sharing), so an update is slowed for the part of it the rollout runs beside.
 
@@ -315,14 +316,24 @@ class _Sim:
 
     def slowdown(self, worker: _Worker | None, forwards_per_s: float = 0.0) -> float:
         """How much slower `worker`'s step (None: the learner's update) runs now: `costs.slowdown` with the
-        cores the others' busy threads and the background hold (drafter training runs at the lowest priority
-        and is not counted)."""
+        cores the others' busy threads, the background and the drafter's training hold."""
         s = self.setup
         other = s.background_cores + sum(w.busy for w in self.workers if w is not worker) * s.worker_threads
         if worker is None:
-            return slowdown(self.costs, "learner", s.learner_threads, other)
+            return slowdown(
+                self.costs, "learner", s.learner_threads, other + self.training_cores(other + s.learner_threads)
+            )
         other += self.learner_busy * s.learner_threads
+        other += self.training_cores(other + s.worker_threads)
         return slowdown(self.costs, "engine", s.worker_threads, other, forwards_per_s)
+
+    def training_cores(self, taken: float) -> float:
+        """Cores the drafter's training holds beside work that keeps `taken` cores busy: it trains on one
+        thread at the lowest priority, so it gets a core only where the others leave one free (streaming on
+        two cores: the learner's one thread leaves it one; synchronous: the learner's threads take them all)."""
+        if self.lease is None or self.workers[self.lease].training_since is None:
+            return 0.0
+        return min(1.0, max(0.0, self.costs.cores - taken))
 
     def run(self) -> Result:
         self.dispatch(0.0)
