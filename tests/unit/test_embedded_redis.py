@@ -180,3 +180,67 @@ def test_a_connection_numbered_past_1023_is_served() -> None:
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_fakeredis_without_the_internals_the_quiet_loop_uses_still_serves(monkeypatch, caplog) -> None:
+    """The quiet loop reaches into fakeredis' connection handler (not its public API). A release that moved one
+    of those internals is stood in for by one more required attribute that no handler has: every connection is
+    then served by fakeredis' own loop (each handler says so), with one warning naming what is missing, and the
+    server still answers commands, a blocking read another connection completes, and a pushed pub/sub reply."""
+    import logging
+
+    from tlt_stream.bus import embedded
+
+    monkeypatch.setattr(embedded, "QUIET_NEEDS", (*embedded.QUIET_NEEDS, ("writer", "no_such_internal")))
+    monkeypatch.setattr(embedded, "_warned", threading.Event())
+    servers = EmbeddedServers()
+    url = servers.start_redis()
+
+    async def use() -> None:
+        subscriber = aioredis.Redis.from_url(url, socket_timeout=10)
+        publisher = aioredis.Redis.from_url(url, socket_timeout=10)
+        reader = aioredis.Redis.from_url(url, socket_timeout=30)
+        pubsub = subscriber.pubsub()
+        await pubsub.subscribe("acked")
+        assert (await pubsub.get_message(timeout=10))["type"] == "subscribe"
+        await publisher.publish("acked", b"7")
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=10)
+        assert message is not None and message["data"] == b"7"
+        await reader.xgroup_create("s", "g", id="0", mkstream=True)
+        read = asyncio.create_task(reader.xreadgroup("g", "c", {"s": ">"}, count=1, block=20_000))
+        await asyncio.sleep(0.3)
+        entry = await publisher.xadd("s", {"k": b"v"})
+        got = await asyncio.wait_for(read, timeout=10)
+        assert got[0][1][0][0] == entry
+        handlers = list(servers._redis_server.quiet_handlers)  # type: ignore[attr-defined]
+        assert len(handlers) == 3 and not any(h.quiet for h in handlers)
+        await pubsub.aclose()
+        for client in (subscriber, publisher, reader):
+            await client.aclose()
+
+    with caplog.at_level(logging.WARNING, logger=embedded.__name__):
+        try:
+            asyncio.run(use())
+        finally:
+            servers.close()
+    warnings = [r.getMessage() for r in caplog.records if "no_such_internal" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
+def test_the_installed_fakeredis_has_every_internal_the_quiet_loop_uses() -> None:
+    """Against the fakeredis installed: every connection runs the quiet loop (a fakeredis that moved an internal
+    fails here, in the tests, rather than only slowing a run)."""
+    servers = EmbeddedServers()
+    url = servers.start_redis()
+
+    async def use() -> None:
+        client = aioredis.Redis.from_url(url)
+        await client.ping()
+        handlers = list(servers._redis_server.quiet_handlers)  # type: ignore[attr-defined]
+        assert handlers and all(h.quiet for h in handlers)
+        await client.aclose()
+
+    try:
+        asyncio.run(use())
+    finally:
+        servers.close()

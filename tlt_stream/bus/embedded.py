@@ -120,13 +120,19 @@ def _quiet_handler(base: type) -> type:
     one by one: each reply after the first then waited for the client's delayed ACK, ~40 ms a round trip
     (every group a worker completes; `bench/embedded_redis.py` compares the two).
     """
-    from fakeredis._typing import RaiseErrorTypes
+    try:
+        from fakeredis._typing import RaiseErrorTypes
+    except ImportError:  # another fakeredis layout: the error replies redis-py raises
+        import redis
+
+        RaiseErrorTypes = (redis.ResponseError, redis.AuthenticationError)
 
     class QuietHandler(base):  # type: ignore[misc, valid-type]
         disable_nagle_algorithm = True
 
         def setup(self) -> None:
             super().setup()
+            self.quiet = _quiet_fits(self)
             self.wake = _Wake()
             # poll, not select: select refuses a descriptor numbered past 1023, which a process that hosts the
             # servers may hold (the connection then broke at its first wait and its client retried on)
@@ -154,6 +160,9 @@ def _quiet_handler(base: type) -> type:
             return self.connection.fileno() in ready
 
         def handle(self) -> None:
+            if not self.quiet:  # fakeredis' own loop: it polls, but it serves
+                super().handle()
+                return
             while not self.server._shutdown_event.is_set():
                 try:
                     self._hook()
@@ -188,6 +197,55 @@ def _quiet_handler(base: type) -> type:
                 self.wake.close()
 
     return QuietHandler
+
+
+QUIET_NEEDS = (
+    ("server", "_shutdown_event", "is_set"),
+    ("writer", "dump"),
+    ("current_client", "can_read"),
+    ("current_client", "read_response"),
+    ("current_client", "get_socket"),
+    ("rfile", "readline"),
+)
+"""What the quiet handler uses of a fakeredis connection handler (attribute paths from the handler), beside
+the fake socket's `put_response` and `sendall`."""
+
+_warned = threading.Event()
+
+
+def _quiet_fits(handler: object) -> bool:
+    """Whether `handler` (a fakeredis connection handler, set up) has every internal the quiet loop uses. They are
+    not fakeredis' public API: where a release moved one, the connection is served by fakeredis' own loop (with
+    its 10 ms polls) and one warning says so, rather than the embedded server failing every command."""
+    missing = []
+    for path in QUIET_NEEDS:
+        obj = handler
+        for name in path:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if obj is None or not callable(obj):
+            missing.append(".".join(path))
+    if not missing:
+        sock = handler.current_client.get_socket()  # type: ignore[attr-defined]
+        missing += [n for n in ("put_response", "sendall") if not callable(getattr(sock, n, None))]
+    if missing and not _warned.is_set():
+        _warned.set()
+        log.warning(
+            "this fakeredis (%s) lacks %s: the embedded Redis serves with its own polling loop",
+            _fakeredis_version(),
+            ", ".join(missing),
+        )
+    return not missing
+
+
+def _fakeredis_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fakeredis")
+    except PackageNotFoundError:
+        return "unknown version"
 
 
 class _Wake:
