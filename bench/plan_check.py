@@ -253,11 +253,13 @@ def as_states(parts: dict[str, float]) -> dict[str, float]:
     return out
 
 
+@functools.cache
 def worker_states(run_dir: Path) -> dict:
     """A run's worker time per steady step by `STATES`, from its workers' state changes (`timeline.jsonl`; from
     the first version's announcement to the last's, summed over workers), with `hops`, the engine hops' own
     seconds (the rollout reports') inside `generating`, and `loop`, the worker's loop beside them (the reports'
-    `loop_s`, summed; reports made before the worker kept it have none), its parts in `loop_parts`."""
+    `loop_s`, summed; reports made before the worker kept it have none), its parts in `loop_parts`. Computed once
+    per run directory (`predict` and `measured` both ask): callers only read it."""
     from tlt_stream.rl.records import load_metrics
 
     rows = load_metrics(run_dir)
