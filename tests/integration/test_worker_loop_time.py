@@ -51,6 +51,6 @@ async def test_the_loops_time_beside_the_hops_is_reported_by_part_within_the_wal
             loop[part] = loop.get(part, 0.0) + seconds
     hops = sum(r.seconds for r in reports)
     assert hops > 0 and sum(r.tokens for r in reports) > 0
-    for part in ("refresh", "drafter", "admit", "rows", "scored", "output", "judge"):  # every pass with a hop
+    for part in ("refresh", "drafter", "admit", "rows", "scored", "tasks", "output", "judge"):  # every pass with a hop
         assert loop.get(part, 0.0) > 0, (part, loop)
     assert hops + sum(loop.values()) <= wall, (hops, loop, wall)

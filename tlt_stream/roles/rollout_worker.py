@@ -157,7 +157,8 @@ class RolloutWorker:
                 if self.registry.state != WorkerStatus.GENERATING:
                     await self.registry.set_state(WorkerStatus.GENERATING)
                     clock.lap("state")
-                await self.generation.hop()  # its steps counted as the report's `seconds`, the rest as "output"
+                # the hop's steps count as the report's `seconds`, the rest as "tasks" and "output"
+                await self.generation.hop()
                 clock.lap(None)
                 self.drafters.judge(engine)
                 clock.lap("judge")

@@ -75,8 +75,9 @@ class Generation:
         # time, then the loop gets control back: torch's OpenMP pool runs markedly slower driven from a
         # secondary thread on the CPU, and a hop (tens of ms) is far below any heartbeat or keepalive period.
         finished, tokens, forwards = self._steps()
-        await asyncio.sleep(0)
         seconds = time.perf_counter() - started
+        await asyncio.sleep(0)  # the loop's other tasks run now: their time is the loop's, not the engine's
+        ran = time.perf_counter() - started
         version = self.loader.version
         complete = []
         windows: list[HiddenWindow] = []
@@ -116,7 +117,7 @@ class Generation:
             await self._send_task(task)
         if complete:  # one stats entry per batch of completed tasks, covering the steps since the last
             await self.reports.send()
-        self.reports.count_loop({"output": time.perf_counter() - started - seconds})
+        self.reports.count_loop({"tasks": ran - seconds, "output": time.perf_counter() - started - ran})
 
     async def report_rows(self) -> None:
         """The rows in flight to the worker's registry record, now, when they changed: the learner holds

@@ -33,6 +33,7 @@ LOOP_PARTS = {
     "rows": "the rows in flight written to the registry",
     "scored": "groups the reward pool scored, sent",
     "state": "the change to GENERATING written",
+    "tasks": "the event loop's other tasks, run when a hop hands control back (buffered sends, heartbeats, messages)",
     "output": "a hop's finished rows decoded, scored, their windows and whole groups sent, reports sent",
     "judge": "a swap's acceptance judged",
 }
