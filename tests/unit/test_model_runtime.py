@@ -294,8 +294,10 @@ def test_checkpoint_errors_are_clear(tmp_path: Path) -> None:
         load_model(path)
 
     _, qwen = make_checkpoint(tmp_path, "qwen2-mha-untied")
-    _edit_config(qwen, use_sliding_window=True, sliding_window=4)
+    _edit_config(qwen, use_sliding_window=True, sliding_window=4, max_window_layers=0, layer_types=None)
     assert load_spec(qwen).sliding_window == 4  # refused by an engine whose rows outgrow it
+    _edit_config(qwen, layer_types=["full_attention"] * 2)  # transformers' layers then slide nowhere
+    assert load_spec(qwen).sliding_window is None
 
 
 def test_forward_rejects_overflowing_the_cache() -> None:

@@ -39,12 +39,11 @@ def handle(args: argparse.Namespace) -> int:
     import json
 
     import torch
-    from transformers import AutoTokenizer
 
     from tlt_stream.basics.config import redact_text
     from tlt_stream.basics.errors import ConfigError
     from tlt_stream.basics.progress import PhaseProgress
-    from tlt_stream.model import load_spec, stop_token_ids
+    from tlt_stream.model import CheckpointError, load_spec, load_tokenizer, stop_token_ids
     from tlt_stream.model.sizing import context_len
     from tlt_stream.rl.datasets import DatasetError, pool_from_config
     from tlt_stream.rollout.warmup import policy_windows, warm_up_drafter
@@ -56,11 +55,11 @@ def handle(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     torch.set_num_threads(args.threads)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.learner.policy)
+        tokenizer = load_tokenizer(data.tokenizer or config.learner.policy)
         positions = load_spec(config.learner.policy).max_position_embeddings
         max_len = context_len(config.rollout.max_len, positions, config.learner.policy)
         pool = pool_from_config(data.dataset, config, tokenizer, seed=args.seed, max_len=max_len)
-    except (ConfigError, DatasetError, OSError, ValueError) as exc:
+    except (CheckpointError, ConfigError, DatasetError, OSError, ValueError) as exc:
         print(f"tlt-stream drafter init: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG
     prompts = [ids for _, _, ids, _ in pool.prompts(0, min(args.samples, len(pool)))]

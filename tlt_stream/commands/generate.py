@@ -46,6 +46,8 @@ class GenerateOptions:
 
 def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
     """Token ids of every input row, validated."""
+    from tlt_stream.model.loader import encode_prompt
+
     tokenizer = None
     prompts: list[list[int]] = []
     try:
@@ -79,7 +81,7 @@ def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[
                 raise InputError(f"{where}: 'prompt' must be a non-empty string")
             if tokenizer is None:
                 tokenizer = _tokenizer(tokenizer_dir, where)
-            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            ids = encode_prompt(tokenizer, row["prompt"])
             if not ids:
                 raise InputError(f"{where}: the prompt tokenises to nothing")
             prompts.append(list(ids))
@@ -91,11 +93,11 @@ def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[
 
 
 def _tokenizer(directory: Path, where: str) -> Any:
-    from transformers import AutoTokenizer
+    from tlt_stream.model import CheckpointError, load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as exc:
+        return load_tokenizer(directory)
+    except CheckpointError as exc:
         raise InputError(
             f"{where}: a text prompt needs the checkpoint's tokenizer, which failed to load ({exc})"
         ) from None

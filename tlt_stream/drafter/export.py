@@ -71,7 +71,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -215,7 +214,7 @@ def eagle_tensors(drafter: Drafter, *, embedding: torch.Tensor | None = None) ->
 
 def _policy_embedding(policy: Path, spec: ModelSpec) -> torch.Tensor:
     """The embedding of the Hugging Face policy checkpoint at `policy`, checked against the drafter."""
-    from tlt_stream.model.loader import load_spec
+    from tlt_stream.model.loader import embedding_tensor, load_spec
 
     target = load_spec(policy)
     if (target.hidden_size, target.vocab_size) != (spec.hidden_size, spec.vocab_size):
@@ -223,22 +222,7 @@ def _policy_embedding(policy: Path, spec: ModelSpec) -> torch.Tensor:
             f"{policy}: policy (hidden {target.hidden_size}, vocab {target.vocab_size}) does not fit the drafter "
             f"(hidden {spec.hidden_size}, vocab {spec.vocab_size})"
         )
-    name = "model.embed_tokens.weight"
-    index = policy / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shard = json.loads(index.read_text())["weight_map"][name]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: no shard holds {name} ({exc})") from None
-        file = policy / shard
-    else:
-        file = policy / "model.safetensors"
-    if not file.is_file():
-        raise CheckpointError(f"{policy}: {file.name} is missing")
-    with safe_open(file, framework="pt") as f:
-        if name not in f.keys():  # noqa: SIM118 (safe_open handles have keys(), not __contains__)
-            raise CheckpointError(f"{file}: no {name}")
-        return f.get_tensor(name)
+    return embedding_tensor(policy, target)
 
 
 def _sha256(path: Path) -> str:

@@ -119,13 +119,30 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     return mscale(factor)
 
 
+QWEN_WINDOW_LAYERS = 28
+"""transformers' `max_window_layers` for a Qwen2 or Qwen3 config that does not say (the layer from which the
+window applies)."""
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """The attention window the checkpoint's layers use, or None when attention is full everywhere."""
+    """The attention window some layer of the checkpoint uses, or None when attention is full everywhere, as
+    transformers reads the config: Qwen2 and Qwen3 keep `sliding_window` only with `use_sliding_window`, and
+    without `layer_types` slide the layers from `max_window_layers` on (none, when that is past the last);
+    Mistral without `layer_types` slides every layer; elsewhere the layers `layer_types` names slide."""
     window = cfg.get("sliding_window")
-    windowed = "sliding_attention" in (cfg.get("layer_types") or []) or bool(cfg.get("use_sliding_window"))
-    if arch == "mistral" and "layer_types" not in cfg:  # Mistral applies `sliding_window` to every layer
-        windowed = window is not None
-    return int(window) if windowed and window else None
+    if not window:
+        return None
+    types = cfg.get("layer_types")
+    if arch in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            return None
+        if types is None:
+            layers = cfg.get("num_hidden_layers")
+            first = cfg.get("max_window_layers", QWEN_WINDOW_LAYERS)
+            return int(window) if isinstance(layers, int) and isinstance(first, int) and first < layers else None
+    elif arch == "mistral" and types is None:
+        return int(window)
+    return int(window) if "sliding_attention" in (types or []) else None
 
 
 def spec_from_hf_config(cfg: dict[str, Any], path: Path | str = "<config>") -> ModelSpec:

@@ -9,7 +9,7 @@ with `CheckpointError`, never half-supported. Weights come only from safetensors
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,18 +99,34 @@ def _read_tensors(files: dict[str, Path], names: list[str], path: Path) -> dict[
     return out
 
 
-def _fused_state_dict(spec: ModelSpec, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> this runtime's names, with q/k/v and gate/up concatenated; `read(names)` gives
-    the Hugging Face tensors."""
-    prefix = "model."
-    names = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
+def _embedding_name(spec: ModelSpec, have: Collection[str]) -> str:
+    """The checkpoint's name of the token embedding: its own, or with tied embeddings saved under the head's
+    name alone (`lm_head.weight`, as some exports write them; transformers loads those too), that one."""
+    own = "model.embed_tokens.weight"
+    if spec.tie_word_embeddings and own not in have and "lm_head.weight" in have:
+        return "lm_head.weight"
+    return own
+
+
+def _hf_names(spec: ModelSpec, have: Collection[str]) -> list[str]:
+    """The Hugging Face tensors this runtime reads of a checkpoint holding `have`."""
+    names = [_embedding_name(spec, have), "model.norm.weight"]
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(spec.num_layers):
-        names += layer_tensor_names(f"{prefix}layers.{i}.", spec)
-    hf = read(names)
+        names += layer_tensor_names(f"model.layers.{i}.", spec)
+    return names
+
+
+def _fused_state_dict(
+    spec: ModelSpec, have: Collection[str], read: Callable[[list[str]], dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this runtime's names, with q/k/v and gate/up concatenated; `read(names)` gives
+    the Hugging Face tensors, of the names in `have`."""
+    prefix = "model."
+    hf = read(_hf_names(spec, have))
     sd = {
-        "embed_tokens.weight": hf[f"{prefix}embed_tokens.weight"],
+        "embed_tokens.weight": hf[_embedding_name(spec, have)],
         "norm.weight": hf[f"{prefix}norm.weight"],
     }
     if not spec.tie_word_embeddings:
@@ -179,7 +195,7 @@ def load_model(
     path = Path(path)
     if weights is not None:
         spec = spec_from_hf_config(weights.config, path)
-        tensors = weights.tensors
+        tensors = have = weights.tensors
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
             _missing(tensors, names, path)
@@ -188,12 +204,12 @@ def load_model(
         if not path.is_dir():
             raise CheckpointError(f"{path}: checkpoint directory does not exist")
         spec = load_spec(path)
-        files = _weight_files(path)
+        files = have = _weight_files(path)
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
             return _read_tensors(files, names, path)
 
-    sd = _fused_state_dict(spec, read)
+    sd = _fused_state_dict(spec, have, read)
     with torch.device("meta"):
         model = Transformer(spec)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -207,6 +223,26 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
+def embedding_tensor(path: Path, spec: ModelSpec) -> torch.Tensor:
+    """The token embedding of the checkpoint at `path` (whose spec is `spec`), read alone."""
+    files = _weight_files(path)
+    name = _embedding_name(spec, files)
+    return _read_tensors(files, [name], path)[name]
+
+
+def check_checkpoint(path: Path | str) -> ModelSpec:
+    """What loading `path` into the torch runtime would refuse, found without reading a tensor: no directory,
+    its config (an architecture or a feature the runtime does not run), its safetensors files and every tensor
+    the runtime reads; `CheckpointError` in one line. The attention window is `ModelSpec.check_window`'s."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    spec = load_spec(path)
+    files = _weight_files(path)
+    _missing(files, _hf_names(spec, files), path)
+    return spec
+
+
 def checkpoint_positions(model_dir: str | Path) -> int | None:
     """The `max_position_embeddings` of `model_dir/config.json` (None when unreadable or absent)."""
     try:
@@ -214,6 +250,53 @@ def checkpoint_positions(model_dir: str | Path) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt", "spiece.model")
+"""Files one of which a directory must hold for its tokenizer to load (a fast tokenizer's, SentencePiece's or
+tiktoken's model, a BPE's or WordPiece's vocabulary)."""
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer saved in `directory` (a checkpoint's, or `data.tokenizer`), from local files only, or
+    `CheckpointError` in one line. transformers builds an empty tokenizer for a directory without tokenizer
+    files rather than raising: every prompt and response would then be empty text, scored and trained on."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such tokenizer directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); set data.tokenizer "
+            "(--set data.tokenizer=DIR) to a directory that has them"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: the tokenizer does not load ({reason})") from exc
+    if len(tokenizer) < 2:
+        raise CheckpointError(f"{path}: the tokenizer has {len(tokenizer)} token(s): not a usable vocabulary")
+    return tokenizer
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """`text`'s token ids as the model sees a prompt: special tokens written in the text are their own ids (a
+    chat template writes the BOS itself), and where the tokenizer begins every sequence with a BOS of its own
+    (Llama's, Mistral's; Qwen's adds none) and the text does not start with it, it is added, as `tokenizer(text)`
+    and transformers' `generate` on it do."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if isinstance(bos, int) and ids[:1] != [bos] and _adds_bos(tokenizer, bos):
+        ids.insert(0, bos)
+    return ids
+
+
+def _adds_bos(tokenizer: Any, bos: int) -> bool:
+    """Whether `tokenizer` puts `bos` before a sequence when asked for its special tokens."""
+    with_special = tokenizer("a")["input_ids"]
+    return len(with_special) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) and with_special[0] == bos
 
 
 def stop_token_ids(model_dir: str | Path, tokenizer: Any = None) -> list[int]:

@@ -90,9 +90,7 @@ def _render(
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt is empty")
         if templated:
-            return tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, **extra
-            )
+            return _templated(tokenizer, [{"role": "user", "content": prompt}], where, extra)
         return prompt
     if (
         isinstance(prompt, list)
@@ -102,9 +100,19 @@ def _render(
         )
     ):
         if templated:
-            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
+            return _templated(tokenizer, prompt, where, extra)
         return "\n".join(f"{m['role']}: {m['content']}" for m in prompt) + "\nassistant:"
     raise DatasetError(f"{where}: the prompt must be a string or a list of {{role, content}} messages")
+
+
+def _templated(tokenizer: Any, messages: list[dict[str, str]], where: str, extra: dict[str, Any]) -> str:
+    """The messages rendered by the tokenizer's chat template; a template that refuses them (some raise on a
+    role they do not take, as Mistral's on a system turn) is the row's error, in one line."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    except Exception as exc:  # jinja2's TemplateError and whatever the template itself raises
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DatasetError(f"{where}: the tokenizer's chat template refused the prompt ({reason})") from None
 
 
 def load_examples(
@@ -164,8 +172,10 @@ class PromptPool:
         self.fields: dict[str, dict[str, Any]] = {}
         """prompt_id -> the row's other fields (`PromptGroup.fields`)."""
         self.skipped = 0
+        from tlt_stream.model.loader import encode_prompt
+
         for example in examples:
-            ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+            ids = encode_prompt(tokenizer, example.prompt)
             if not ids or len(ids) > max_prompt_len:
                 self.skipped += 1
                 continue

@@ -21,16 +21,14 @@ __all__ = ["evaluate_dataset"]
 
 def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_size: int = 32) -> dict[str, Any]:
     """pass@1 and mean reward of `policy_dir` on `config.data.eval_dataset` (its first `n` usable prompts)."""
-    from transformers import AutoTokenizer
-
-    from tlt_stream.model import load_model, stop_token_ids
+    from tlt_stream.model import load_model, load_tokenizer, stop_token_ids
     from tlt_stream.model.sizing import context_len
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.stops import StopStrings
 
     data = config.data
     assert data.eval_dataset is not None
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = load_tokenizer(data.tokenizer or policy_dir)
     model = load_model(policy_dir)
     max_len = context_len(config.rollout.max_len, model.spec.max_position_embeddings, policy_dir)
     pool = pool_from_config(data.eval_dataset, config, tokenizer, seed=0, max_len=max_len)

@@ -341,16 +341,14 @@ def task_source(config: Config) -> TaskSource:
         if config.data.pool_size is not None:
             return tiny_world_pool(build_tokenizer(), config.data.pool_size, seed=config.policy.seed)
         return RepeatedAddSource(build_tokenizer(), seed=config.policy.seed)
-    from transformers import AutoTokenizer
-
-    from tlt_stream.model.loader import checkpoint_positions
+    from tlt_stream.model.loader import checkpoint_positions, load_tokenizer
     from tlt_stream.model.sizing import context_len
     from tlt_stream.rl.datasets import pool_from_config
 
     where = config.data.tokenizer or config.learner.policy
     if where is None:
         raise ValueError("data.dataset needs a tokenizer: set data.tokenizer or learner.policy (--policy)")
-    tokenizer = AutoTokenizer.from_pretrained(where)
+    tokenizer = load_tokenizer(where)
     policy = config.learner.policy
     max_len = context_len(config.rollout.max_len, checkpoint_positions(policy), policy) if policy else None
     pool = pool_from_config(config.data.dataset, config, tokenizer, seed=config.policy.seed, max_len=max_len)
@@ -367,12 +365,13 @@ def serve_policy(config: Config) -> int:
     dispatched and trained."""
     import sys
 
+    from tlt_stream.model import CheckpointError
     from tlt_stream.rl.datasets import DatasetError
     from tlt_stream.roles.serve import refuse, serve
 
     try:
         source = task_source(config)
-    except (DatasetError, ValueError, OSError) as exc:
+    except (CheckpointError, DatasetError, ValueError, OSError) as exc:
         return refuse("tlt-stream policy", str(exc))
 
     async def body(config: Config, redis: aioredis.Redis, control: ControlPlane, stop: asyncio.Event) -> None:

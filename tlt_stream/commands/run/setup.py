@@ -119,7 +119,7 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
     dataset's rows, the GPUs' placement."""
     from tlt_stream.commands.placement import describe
     from tlt_stream.commands.run.launch import placement, service_config
-    from tlt_stream.model import resolve_device
+    from tlt_stream.model import CheckpointError, resolve_device
     from tlt_stream.rl.datasets import DatasetError
     from tlt_stream.rl.tracking import require_trackers
 
@@ -128,6 +128,7 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         resolve_device(config.learner.device)
         require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
         plan = RunPlan(world=Path(config.launch.world), run_dir=out, config=config, cores=cores)
+        check_policy(plan.policy_dir, config)  # what a worker would refuse of it: now, not a silent wait
         if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
             from tlt_stream.roles.policy import task_source
 
@@ -137,7 +138,7 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
                 "limit skipped (data.max_prompt_len)",
                 file=sys.stderr,
             )
-    except (FileNotFoundError, ValueError, DatasetError) as exc:
+    except (CheckpointError, FileNotFoundError, ValueError, DatasetError) as exc:
         raise RunRefused(redact_text(str(exc))) from None
     print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
     if placed := placement(plan, config):  # a ConfigError (too few GPUs) stops the run here, exit code 2
@@ -145,6 +146,21 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
     if own and plan.sd != config.launch.sd:
         print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
     return plan
+
+
+def check_policy(policy: Path, config: Config) -> None:
+    """What the services would refuse of the policy checkpoint, checked before they start (a worker that
+    refuses version 0 has no other to run, and would wait for one): its tokenizer (`data.tokenizer` where
+    set) and, on the torch backend, its architecture and features, its safetensors and tensors, and the
+    attention window at the run's `rollout.max_len`. Raises `CheckpointError` or `ValueError` in one line."""
+    from tlt_stream.model import load_tokenizer
+    from tlt_stream.model.loader import check_checkpoint
+    from tlt_stream.model.sizing import context_len
+
+    load_tokenizer(config.data.tokenizer or policy)
+    if config.rollout.backend == "torch":  # vLLM runs architectures of its own and reads its own files
+        spec = check_checkpoint(policy)
+        spec.check_window(context_len(config.rollout.max_len, spec.max_position_embeddings, str(policy)))
 
 
 def evaluate_before(plan: RunPlan, config: Config, own: bool) -> int:

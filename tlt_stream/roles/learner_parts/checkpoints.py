@@ -120,7 +120,7 @@ class Checkpoints:
     def _build(self, source: Path, *, step: int = -1) -> None:
         """The policy (safetensors only: a pickled `pytorch_model.bin` is refused, never unpickled), its
         tokenizer when it has one, and the learner core around them; `step` is the checkpoint `source` is in."""
-        from transformers import AutoTokenizer
+        from tlt_stream.model import load_tokenizer
 
         if not source.is_dir():
             raise FileNotFoundError(f"{source}: initial policy directory does not exist")
@@ -129,9 +129,10 @@ class Checkpoints:
         except (OSError, ValueError, KeyError) as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{source}: cannot load the policy ({reason})") from exc
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError):  # a checkpoint without a tokenizer is fine; workers bring their own
+        try:  # saved into every version it publishes, where the workers load it
+            self.tokenizer = load_tokenizer(self.config.data.tokenizer or source)
+        except CheckpointError as exc:  # none to train with: the workers, which need one, say so
+            log.warning("no tokenizer to publish with the policy: %s", exc)
             self.tokenizer = None
         model = self.core.model
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])

@@ -132,8 +132,7 @@ class PolicyLoader:
         """Verify and load `announced`. On torch each file is read once: hashed, and its tensors parsed from
         those same bytes (`store/weights.py`), so nothing reaches the engine before the whole directory
         matched; vLLM's processes read the checkpoint themselves, so it is verified first (a second read)."""
-        from transformers import AutoTokenizer
-
+        from tlt_stream.model import load_tokenizer
         from tlt_stream.store.weights import read_weights
 
         own = self.config.rollout
@@ -147,7 +146,7 @@ class PolicyLoader:
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
-            self.tokenizer = AutoTokenizer.from_pretrained(announced.location)
+            self.tokenizer = load_tokenizer(self.config.data.tokenizer or announced.location)
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
         if own.stop and self.stop_rule is None:
             self.stop_rule = StopStrings(self.tokenizer, own.stop)
