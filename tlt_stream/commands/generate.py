@@ -1,16 +1,18 @@
 """`tlt-stream generate`: batch generation from a JSONL file with the rollout engine (plain or speculative).
 
 Input rows are `{"prompt_ids": [...]}` or `{"prompt": "..."}` (tokenised with the checkpoint's tokenizer);
-output rows, in input order, are `{"token_ids", "logprobs", "finish_reason", "accept_lengths"}`. A bad row
-stops the command before any generation with one line naming the file and line. `--backend vllm` runs the
-same rows on vLLM (`rollout/vllm/backend.py`; EAGLE chains and n-gram only), refused in one line when vLLM
-is not installed.
+output rows, in input order, are `{"token_ids", "logprobs", "finish_reason", "accept_lengths"}`. A bad row, a
+prompt that leaves the model's context no room for a response, or an `--output` that cannot be written stops
+the command before the model loads, in one line; a response that would run past the context is cut at it, as
+a rollout worker's is, with a warning. `--backend vllm` runs the same rows on vLLM (`rollout/vllm/backend.py`;
+EAGLE chains and n-gram only), refused in one line when vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ __all__ = ["InputError", "handle", "read_prompts", "register", "run_generate"]
 
 
 class InputError(Exception):
-    """An input row is malformed; the message names the file and line."""
+    """The input file or one of its rows is unusable, or `--output` cannot be written; the message names the
+    file (and line)."""
 
 
 @dataclass(frozen=True)
@@ -44,19 +47,15 @@ class GenerateOptions:
     """"torch" (this project's engine) or "vllm"."""
 
 
-def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
-    """Token ids of every input row, validated."""
+def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int, context: int | None = None) -> list[list[int]]:
+    """Token ids of every input row, validated; with `context` (the model's positions), each prompt leaves
+    room for one response token at least."""
     from tlt_stream.model.loader import encode_prompt
+    from tlt_stream.rl.datasets import jsonl_lines
 
     tokenizer = None
     prompts: list[list[int]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(path, InputError, lambda n: f"{path}:{n}"):
         where = f"{path}:{number}"
         try:
             row = json.loads(line)
@@ -87,6 +86,11 @@ def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[
             prompts.append(list(ids))
         else:
             raise InputError(f"{where}: expected 'prompt_ids' or 'prompt', got keys {sorted(row)}")
+        if context is not None and len(prompts[-1]) >= context:
+            raise InputError(
+                f"{where}: the prompt is {len(prompts[-1])} tokens and the model's context {context} "
+                "(max_position_embeddings): no room for a response"
+            )
     if not prompts:
         raise InputError(f"{path}: no prompts")
     return prompts
@@ -103,11 +107,41 @@ def _tokenizer(directory: Path, where: str) -> Any:
         ) from None
 
 
-def _generate_with_progress(engine: Any, prompts: list[list[int]], opts: GenerateOptions, eos: list[int]) -> list:
+def _check_output(path: Path) -> None:
+    """Refuse an `--output` that cannot be written before any work is done, rather than lose the results."""
+    if path.is_dir():
+        raise InputError(f"--output {path}: is a directory; name a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--output {path}: cannot make its folder ({exc.strerror or exc})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"--output {path}: not writable")
+
+
+def _response_budgets(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> list[int]:
+    """Each prompt's response budget: `max_new_tokens`, cut where prompt + response would pass `context` (the
+    worker's rule for rollouts); a warning on stderr says how many were cut."""
+    if context is None:
+        return [max_new_tokens] * len(prompts)
+    budgets = [min(max_new_tokens, context - len(p)) for p in prompts]
+    if cut := sum(b < max_new_tokens for b in budgets):
+        print(
+            f"tlt-stream generate: warning: {cut} of {len(prompts)} prompts + --max-new-tokens {max_new_tokens} "
+            f"pass the model's context {context} (max_position_embeddings): their responses stop at it",
+            file=sys.stderr,
+        )
+    return budgets
+
+
+def _generate_with_progress(
+    engine: Any, prompts: list[list[int]], budgets: list[int], opts: GenerateOptions, eos: list[int]
+) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     ids = [
-        engine.add_request(p, opts.max_new_tokens, opts.temperature, opts.seed + i, eos) for i, p in enumerate(prompts)
+        engine.add_request(p, budget, opts.temperature, opts.seed + i, eos)
+        for i, (p, budget) in enumerate(zip(prompts, budgets, strict=True))
     ]
     done: dict[Any, Any] = {}
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -146,7 +180,8 @@ def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
 def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     import torch
 
-    from tlt_stream.model import load_model, load_spec, stop_token_ids
+    from tlt_stream.model import CheckpointError, load_model, load_spec, stop_token_ids
+    from tlt_stream.model.loader import checkpoint_positions
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import build_proposer
@@ -157,16 +192,20 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
         from tlt_stream.rollout.vllm.backend import require_vllm
 
         require_vllm()  # before reading anything: one line when it is missing
+    _check_output(opts.output)
+    if not opts.model.is_dir():
+        raise CheckpointError(f"{opts.model}: checkpoint directory does not exist")
+    context = checkpoint_positions(opts.model)
+    prompts = read_prompts(opts.input, opts.model, load_spec(opts.model).vocab_size, context)
+    budgets = _response_budgets(prompts, opts.max_new_tokens, context)
+    max_len = max(len(p) + b for p, b in zip(prompts, budgets, strict=True))
     arm = None
     if opts.drafter is not None:
         arm = Arm.drafter(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
     if opts.backend == "vllm":
-        prompts = read_prompts(opts.input, opts.model, load_spec(opts.model).vocab_size)
-        engine = _vllm_engine(opts, max(len(p) for p in prompts) + opts.max_new_tokens, arm)
+        engine = _vllm_engine(opts, max_len, arm)
     else:
         model = load_model(opts.model, dtype=getattr(torch, opts.dtype))
-        prompts = read_prompts(opts.input, opts.model, model.spec.vocab_size)
-        max_len = max(len(p) for p in prompts) + opts.max_new_tokens
         proposer = build_proposer(opts.drafter, model) if opts.drafter is not None else None
         engine = GenerationEngine(
             model,
@@ -177,18 +216,14 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
             max_draft_nodes=max(64, arm.verify if arm else 0),
         )
     start = time.perf_counter()
-    results = _generate_with_progress(engine, prompts, opts, stop_token_ids(opts.model))
+    results = _generate_with_progress(engine, prompts, budgets, opts, stop_token_ids(opts.model))
     seconds = time.perf_counter() - start
-    opts.output.parent.mkdir(parents=True, exist_ok=True)
-    with opts.output.open("w") as out:
-        for r in results:
-            row = {
-                "token_ids": r.token_ids,
-                "logprobs": r.logprobs,
-                "finish_reason": r.finish_reason,
-                "accept_lengths": r.accept_lengths,
-            }
-            out.write(json.dumps(row) + "\n")
+    keys = ("token_ids", "logprobs", "finish_reason", "accept_lengths")
+    try:
+        with opts.output.open("w") as out:
+            out.writelines(json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in results)
+    except OSError as exc:
+        raise InputError(f"--output {opts.output}: cannot write ({exc.strerror or exc})") from None
     tokens = sum(len(r.token_ids) for r in results)
     rounds = sum(len(r.accept_lengths) for r in results)
     summary = {

@@ -10,14 +10,25 @@ one line naming the file, the row and the field.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.common import stable_hex
 
-__all__ = ["ANSWER_FIELDS", "DatasetError", "Example", "PromptPool", "load_examples", "pool_from_config"]
+__all__ = [
+    "ANSWER_FIELDS",
+    "DatasetError",
+    "Example",
+    "PromptPool",
+    "jsonl_lines",
+    "load_examples",
+    "pool_from_config",
+]
 
 ANSWER_FIELDS = ("answer", "reward_model.ground_truth")
 """Where a row's reference answer is looked for when no field is named: a plain row's, then verl's."""
@@ -36,15 +47,27 @@ class Example:
     """The row's other top-level fields, handed to a reward that asks for them by name."""
 
 
+def jsonl_lines(path: Path, error: type[Exception], where: Callable[[int], str]) -> list[tuple[int, str]]:
+    """(line number, line) of every non-blank line of the JSONL file `path`, read as UTF-8 (a leading BOM
+    dropped) and split at line feeds only, a carriage return before one dropped: `str.splitlines` also splits
+    at U+2028, U+0085 and other characters a JSON string may hold raw. A file that cannot be read or is not UTF-8 raises
+    `error` in one line, `where(line)` naming the line that is not."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise error(f"{where(line)}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
+    lines = enumerate(text.split("\n"), start=1)
+    return [(number, line.removesuffix("\r")) for number, line in lines if line.strip()]
+
+
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     if path.suffix == ".jsonl":
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as exc:
-            raise DatasetError(f"{path}: cannot read ({exc.strerror or exc})") from None
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+        for number, line in jsonl_lines(path, DatasetError, lambda n: f"{path}: row {n}"):
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -115,6 +138,20 @@ def _templated(tokenizer: Any, messages: list[dict[str, str]], where: str, extra
         raise DatasetError(f"{where}: the tokenizer's chat template refused the prompt ({reason})") from None
 
 
+def _number_text(value: numbers.Real | Decimal, where: str) -> str:
+    """A numeric reference answer as text: a whole number as an integer ("67", not "67.0", which an exact
+    reward would never match), another as its shortest form; NaN and infinities (a null of a float column)
+    are refused."""
+    finite = value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)
+    if not finite:
+        raise DatasetError(f"{where} is {value}: a reference answer must be a finite number")
+    if value == int(value):
+        return str(int(value))
+    if isinstance(value, Decimal):
+        return format(value.normalize(), "f")
+    return str(value)
+
+
 def load_examples(
     path: str | Path,
     *,
@@ -127,11 +164,16 @@ def load_examples(
     """Every row of a JSONL or Parquet file as an `Example`. `answer_field` None: the first of
     `ANSWER_FIELDS` the first row has (verl-style parquet keeps it in `reward_model.ground_truth`). String
     prompts are rendered as one user turn with the tokenizer's chat template when `chat_template` and the
-    tokenizer has one; message lists always are. `enable_thinking` goes to the template when not None."""
+    tokenizer has one; message lists always are. `enable_thinking` goes to the template when not None.
+
+    A row's id is a hash of its rendered prompt and answer, and of its row number when an earlier row has the
+    same two: the same file gives the same ids on every load (a restarted service finds its prompts again),
+    and every row its own id, so its other fields (`PromptPool.fields`) are its own."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file does not exist")
     examples = []
+    seen: set[str] = set()
     for number, row in _rows(path):
         where = f"{path}: row {number}"
         if not isinstance(row, dict):
@@ -146,12 +188,14 @@ def load_examples(
             answer = _field(row, answer_field)
         except KeyError:
             raise DatasetError(f"{where}: missing field {answer_field!r}") from None
-        if isinstance(answer, int | float) and not isinstance(answer, bool):
-            answer = str(answer)
+        if isinstance(answer, numbers.Real | Decimal) and not isinstance(answer, bool):
+            answer = _number_text(answer, f"{where}: field {answer_field!r}")
         if not isinstance(answer, str) or not answer.strip():
             raise DatasetError(f"{where}: field {answer_field!r} must be a non-empty string or number")
         text = _render(prompt, tokenizer, f"{where}: field {prompt_field!r}", chat_template, enable_thinking)
-        prompt_id = stable_hex(f"{text}\x00{answer}", 16)
+        key = f"{text}\x00{answer}"
+        prompt_id = stable_hex(key if key not in seen else f"{key}\x00{number}", 16)
+        seen.add(key)
         used = {prompt_field.split(".")[0], answer_field.split(".")[0]}
         examples.append(Example(prompt_id, text, answer, {k: v for k, v in row.items() if k not in used}))
     if not examples:
@@ -220,7 +264,8 @@ class PromptPool:
 def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_len: int | None = None) -> PromptPool:
     """The prompts of the dataset file `path` as the configuration reads them (`data.*`: fields, chat
     template, prompt limit; the limit defaults to `PROMPT_LEN` tokens, at most half of the context `max_len`,
-    else of `rollout.max_len`)."""
+    else of `rollout.max_len`). Whatever `data.max_prompt_len` says, a prompt kept leaves the context room
+    for one response token at least: a longer one would only be dead-lettered by the worker."""
     data = config.data
     examples = load_examples(
         path,
@@ -232,5 +277,8 @@ def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_l
     )
     from tlt_stream.model.sizing import prompt_limit
 
-    limit = prompt_limit(data.max_prompt_len, max_len or config.rollout.max_len)
+    context = max_len or config.rollout.max_len
+    limit = prompt_limit(data.max_prompt_len, context)
+    if context is not None:
+        limit = min(limit, context - 1)
     return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path)
