@@ -488,7 +488,10 @@ async def test_a_group_with_a_bad_member_is_trained_without_it(
     producer = StreamProducer(redis, keys, bus_config.bus)
     field = {"reward": math.nan} if bad == "poison" else {"accept_length": -2.5}  # encoding does not validate
     member = msgspec.structs.replace(sample("c", 1, 0.0), **field)
-    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), member, sample("a", 1, 0.0)])
+    # Group d's members are both bad: nothing of it can train, and it is recorded as lost (`Keys.lost`) for the
+    # policy service to send another prompt in its place (tests/integration/test_lost_groups.py).
+    lost = [msgspec.structs.replace(sample("d", i, 0.0), **field) for i in range(2)]
+    await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), member, *lost, sample("a", 1, 0.0)])
     if bad == "undecodable":
         await redis.xadd(keys.stream("samples"), {b"m": b"\xc1 not msgpack"})
     async with service(bus_config, run_dir, init_policy) as learner:
@@ -502,8 +505,9 @@ async def test_a_group_with_a_bad_member_is_trained_without_it(
     dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
     assert dead[0].payload == codec_for("samples").encode(member), "the entry as it came, in `dead`"
     reason = "invalid sample" if bad == "poison" else "undecodable samples entry"
-    assert len(dead) == (1 if bad == "poison" else 2) and all(reason in d.reason for d in dead)
+    assert len(dead) == (3 if bad == "poison" else 4) and all(reason in d.reason for d in dead)
     assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    assert await redis.hgetall(keys.lost) == {b"d": str(lost[0].step).encode()}
     await redis.aclose()
 
 

@@ -11,6 +11,7 @@ import pytest
 from tests.integration.test_rl_loop import learner_and_worker_planes, redis_entries
 from tlt_stream.basics.config import Config, override
 from tlt_stream.basics.messages import PromptGroup, codec_for
+from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.streams import Keys
 from tlt_stream.rl.reward_pool import RewardPool
@@ -73,3 +74,6 @@ async def test_a_raising_and_a_hanging_reward_cost_their_groups_whole_and_nothin
     assert "the reward raised: ValueError: cannot score this one" in reasons["raise"]
     assert "ran past its timeout of 3 s" in reasons["hang"]
     assert worker.generation.reward_failures == 2 and worker.intake.invalid_tasks == 2 and pool.timeouts == 1
+    redis = connect_redis(bus_config.bus.redis_url)  # recorded for the policy service to replace
+    assert await redis.hgetall(keys.lost) == {b"raise": b"0", b"hang": b"0"}
+    await redis.aclose()

@@ -164,9 +164,11 @@ def test_a_group_completes_without_its_dead_lettered_members() -> None:
     assembler.consume(offer.group)
     assert {"a/0", "a/2"} <= assembler.ledger and "a/1" not in assembler.ledger, "the ledger holds what trained"
     assert assembler.offer(sample("a", 1, size=3), "9-1", 0).status == "duplicate", "a late copy reopens nothing"
-    # A group of poison only is forgotten, counted; a bogus copy (another group size) marks nothing.
+    # A group of poison only is forgotten, counted, and said lost (its step needs another group); a bogus copy
+    # (another group size) marks nothing.
     assert assembler.mark_dead(sample("b", 0, size=2)).status == "waiting"
-    assert assembler.mark_dead(sample("b", 1, size=2)).status == "waiting"
+    assert assembler.mark_dead(sample("b", 1, size=2)).status == "lost"
+    assert assembler.mark_dead(sample("b", 1, size=2)).status == "waiting", "said once"
     assert assembler.dead_groups == 1 and assembler.open_groups == 0 and not {"b/0", "b/1"} & assembler.ledger
     assembler.offer(sample("c", 0, size=2), "2-0", 0)
     assert assembler.mark_dead(sample("c", 1, size=5)).status == "waiting"

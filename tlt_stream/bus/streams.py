@@ -87,6 +87,13 @@ class Keys:
         return f"{self.prefix}dropped"
 
     @property
+    def lost(self) -> str:
+        """Hash: task id of a group none of whose samples can be trained -> its step: the task dead-lettered by a
+        worker (a prompt that fails the checks, a reward that raised or hung) or every member dead-lettered by
+        the learner. Written before the dead letter; the policy service sends another prompt in its place."""
+        return f"{self.prefix}lost"
+
+    @property
     def replaced(self) -> str:
         """Hash: dropped task id -> the task id the policy service sent in its place (with that XADD, atomically)."""
         return f"{self.prefix}replaced"

@@ -81,11 +81,12 @@ class Offer:
     of a sample already accounted for: ack this entry now, nothing else), "waiting" (keep the entry un-acked;
     its group is incomplete), "ready" (`group` is complete and within the window: train on it, then ack its
     entries), "stale" (`group` fell outside the window, or is a late member of a group that did: ack its
-    entries; the assembler has counted the drop) or "invalid" (the sample contradicts its siblings: dead-
-    letter this entry with `reason`; its siblings are kept).
+    entries; the assembler has counted the drop), "invalid" (the sample contradicts its siblings: dead-
+    letter this entry with `reason`; its siblings are kept) or "lost" (a dead member completed a group with
+    no member left to train: nothing of it will be trained, and its step needs another group).
     """
 
-    status: Literal["held", "duplicate", "waiting", "ready", "stale", "invalid"]
+    status: Literal["held", "duplicate", "waiting", "ready", "stale", "invalid", "lost"]
     group: ReadyGroup | None = None
     reason: str = ""
 
@@ -163,8 +164,8 @@ class GroupAssembler:
     def mark_dead(self, sample: Sample) -> Offer:
         """Count a member that was dead-lettered as poison (its entry is already acked): its group completes
         without it, so one poison sample does not keep its siblings waiting forever (an on-policy run would
-        stall). "ready" when that completed a group with members left to train on; "waiting" otherwise (a
-        group of poison only is forgotten, counted in `dead_groups`)."""
+        stall). "ready" when that completed a group with members left to train on; "lost" when it completed a
+        group of poison only (forgotten, counted in `dead_groups`); "waiting" otherwise."""
         if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger or sample.sample_id in self._dead:
             return Offer("waiting")
         group = self._open.get(sample.task_id)
@@ -183,7 +184,7 @@ class GroupAssembler:
         ready = _ready(task_id, group)
         if not ready.samples:
             self.dead_groups += 1
-            return Offer("waiting")
+            return Offer("lost")
         self._issued.update(ready.sample_ids)
         self._issued_groups[task_id] = ready
         return Offer("ready", ready)

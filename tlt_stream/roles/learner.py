@@ -167,6 +167,7 @@ class LearnerService:
             to_ack: list[str] = []
             for delivery in deliveries:
                 to_ack += await intake.take(delivery)
+            await intake.record_lost()  # groups the read's own refusals left with nothing to train
             await intake.ack(to_ack)
             while max_updates is None or applied < max_updates:
                 groups = await self.updates.next_step()

@@ -15,6 +15,11 @@ no part of it happen, so it is retried with capped backoff until Redis has room;
 A cursor found *behind* the steps this service sent means Redis lost its newest writes (restarted from an
 append-only file fsynced once a second): those steps are sent again, with the same task ids.
 
+A step also waits for groups that will never come: one the learner dropped as too stale (streaming) is sent
+again with its prompt (`<id>.r`); one lost to dead letters (a prompt the checks refuse, a reward that raised
+or hung, every member poison) is replaced by another prompt of the step (`<id>.n`), at most `LOST_TRIES`
+times over (`replace_dropped`).
+
 After each dispatch the service trims `prompts` of the tasks every consumer group has acked (`trim_acked`:
 never a pending or undelivered one), which keeps the stream's memory at the tasks in flight.
 """
@@ -49,6 +54,10 @@ CURSOR_CHECK_S = 1.0
 WATCH_ATTEMPTS = 30
 """Tries of one step's dispatch transaction (jittered backoff capped at 4 s: about a minute in all, and a
 Redis restart takes seconds)."""
+
+LOST_TRIES = 3
+"""How many times a task's group may be lost to dead letters, each time with another prompt, before the policy
+service stops replacing it: the reward or the data then fails whatever the prompt, and the step waits."""
 
 
 class TaskSource(Protocol):
@@ -183,13 +192,16 @@ class PolicyService:
         return [r.decode() if isinstance(r, bytes) else r for r in replies]
 
     async def replace_dropped(self) -> int:
-        """Send again, once each, the tasks the learner dropped as too stale (`Keys.dropped`, streaming only):
-        the same prompt under the task id `<id>.r`, asking for the newest policy version, recorded in
-        `Keys.replaced` in the same transaction (a restarted service sends none twice). Without this a
-        streaming run that dropped a group would wait for ever for the groups its last step needs. Returns
-        how many it sent."""
+        """Send, once each, a task in place of every task the learner dropped as too stale (`Keys.dropped`:
+        the same prompt under the task id `<id>.r`) and of every task lost to dead letters (`Keys.lost`: a
+        prompt the checks refused, a reward that raised or hung, every member poison; another prompt, under
+        `<id>.n`), asking for the newest policy version, each recorded in `Keys.replaced` in the same
+        transaction (a restarted service sends none twice). Without this a step would wait for ever for the
+        group it lost. A task lost `LOST_TRIES` times over is not replaced again (its step cannot complete:
+        the reward or the data fails whatever the prompt; said once, as an error). Returns how many it sent."""
         dropped = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.dropped)).items()}
-        if not dropped:
+        lost = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.lost)).items()}
+        if not dropped and not lost:
             return 0
         key = self.keys.stream("prompts")
 
@@ -197,26 +209,58 @@ class PolicyService:
             async with self.redis.pipeline(transaction=True) as pipe:
                 await pipe.watch(self.keys.replaced)
                 done = {k.decode() for k in await pipe.hkeys(self.keys.replaced)}
-                todo = sorted(task for task in dropped if task not in done)
+                todo = sorted(task for task in {**dropped, **lost} if task not in done)
                 if not todo:
                     return 0
                 version = max(0, self.control.version("policy"))
                 pipe.multi()
+                sent, given_up = [], []
                 for task_id in todo:
-                    again = self._again(task_id, dropped[task_id], version)
+                    if task_id in lost and task_id.split(".").count("n") + 1 >= LOST_TRIES:
+                        pipe.hset(self.keys.replaced, task_id, "")  # given up: said once
+                        given_up.append(task_id)
+                        continue
+                    again = self._instead(task_id, lost[task_id], version) if task_id in lost else None
+                    again = again or self._again(task_id, dropped[task_id], version)
                     pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(again)})
                     pipe.hset(self.keys.replaced, task_id, again.task_id)
+                    sent.append(task_id)
                 await pipe.execute()
-                log.warning("sent %d group(s) again that the learner dropped as too stale: %s", len(todo), todo)
-                return len(todo)
+                if stale := [t for t in sent if t not in lost]:
+                    log.warning("sent %d group(s) again that the learner dropped as too stale: %s", len(stale), stale)
+                if instead := [t for t in sent if t in lost]:
+                    log.warning(
+                        "sent another prompt in place of %d group(s) lost to dead letters: %s", len(instead), instead
+                    )
+                for task_id in given_up:
+                    log.error(
+                        "task %s: its group was lost to dead letters %d times, with different prompts; its step "
+                        "cannot complete (see the dead stream: tlt-stream monitor, doctor)",
+                        task_id,
+                        LOST_TRIES,
+                    )
+                return len(sent)
 
         return await retry(transaction, retry_on=(WatchError,), what="re-sending dropped groups", cap=4.0)
 
+    def _instead(self, task_id: str, step: int, version: int) -> PromptGroup:
+        """Another prompt in place of task `task_id` of step `step`, lost to dead letters, under `<id>.n`
+        (`_prompt_of` says which)."""
+        return self._task(f"{task_id}.n", step, self._prompt_of(f"{task_id}.n", step), version)
+
     def _again(self, task_id: str, step: int, version: int) -> PromptGroup:
-        """Task `task_id` of step `step` (a dispatched `s{step}-{i}`, or a re-sent one: `...r`) sent again: the
-        same prompt (a pure function of (seed, step)), for policy `version` or newer."""
-        index = int(task_id.split(".")[0].rsplit("-", 1)[1])
-        return self._task(f"{task_id}.r", step, self.source.prompts(step, self.prompts_per_step)[index], version)
+        """Task `task_id` of step `step` sent again: the same prompt (`_prompt_of`), for policy `version` or
+        newer, under `<id>.r`."""
+        return self._task(f"{task_id}.r", step, self._prompt_of(task_id, step), version)
+
+    def _prompt_of(self, task_id: str, step: int) -> tuple[str, str, list[int], str]:
+        """The prompt of task `task_id` of step `step`: a dispatched `s{step}-{i}` has the step's i-th, and each
+        `.r` after it keeps its task's; one sent in place of a lost task (its n-th `.n`) has the source's last
+        of the step's prompts and n more (a pure function of (seed, step, n))."""
+        base, *marks = task_id.split(".")
+        if tries := marks.count("n"):
+            return self.source.prompts(step, self.prompts_per_step + tries)[-1]
+        return self.source.prompts(step, self.prompts_per_step)[int(base.rsplit("-", 1)[1])]
 
     def _task(
         self,
@@ -276,8 +320,7 @@ class PolicyService:
         checked every `CURSOR_CHECK_S`, and steps Redis lost are sent again."""
         step = await self.next_step()
         while not stop.is_set():
-            if self.max_staleness > 0:
-                await self.replace_dropped()
+            await self.replace_dropped()
             if (at := await self.next_step()) < step:
                 step = await self._resend_from(at, step, stop)
                 continue

@@ -7,7 +7,9 @@ policy's context, a policy version newer than any published, or contradicting it
 sample comes out of it (undecodable: a field out of its range; too large; delivered too often), when its
 payload still names its group and place in it (`_refused`). A group too stale for the window is dropped and
 recorded in Redis (`Keys.dropped`) for the policy service to send its task again, and its responses' lengths
-are remembered for the next update's metrics (whether streaming drops the long ones shows there). A sample
+are remembered for the next update's metrics (whether streaming drops the long ones shows there). A group
+whose members were all dead-lettered is recorded as lost (`Keys.lost`), for the policy service to send another
+prompt in its place. A sample
 whose group is incomplete or waits for an update keeps its entry pending until a checkpoint covers it
 (`updates.py`): a crash before that loses nothing. Held entries that Redis lost are replaced by their next
 copies, and entries every consumer group has acked are trimmed.
@@ -44,6 +46,7 @@ class _Member(msgspec.Struct):
     index: Annotated[int, msgspec.Meta(ge=0)]
     group_size: Annotated[int, msgspec.Meta(ge=1)]
     policy_version: int = 0
+    step: int = 0
 
 
 _MEMBER = msgspec.msgpack.Decoder(_Member)
@@ -79,6 +82,8 @@ class SampleIntake:
         self.invalid = 0
         self.trimmed = 0
         self.reader.on_refused = self._refused
+        self._lost: dict[str, int] = {}
+        """Task id -> step of groups left with nothing to train, not yet recorded in Redis (`record_lost`)."""
 
     def resume(self, ledger: set[str]) -> None:
         """Start from the ledger of the checkpoint resumed: its samples are recognised as trained."""
@@ -86,6 +91,7 @@ class SampleIntake:
 
     async def take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
+        await self.record_lost()  # what the reader's refusals left (`_refused` runs where it cannot write)
         sample = delivery.message
         # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
         # the update whose version the workers already generate with.
@@ -101,9 +107,10 @@ class SampleIntake:
                 problem = offer.reason
         if problem is not None:  # poison: the same entry would fail the same way on every restart
             self.invalid += 1
-            await self.reader.give_up(delivery, f"invalid sample: {problem}")
             if offer is None:  # its group is trained without it (or, if it contradicted its siblings, ignores it)
                 self._mark_dead(sample)
+                await self.record_lost()  # before the dead letter: a crash between them loses no record
+            await self.reader.give_up(delivery, f"invalid sample: {problem}")
             return []
         assert offer is not None
         if offer.status == "duplicate":
@@ -133,9 +140,24 @@ class SampleIntake:
         self.invalid += 1
         self._mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
 
+    async def record_lost(self) -> None:
+        """Record the groups left with nothing to train (`Keys.lost`, once per task) for the policy service to
+        send another prompt in their place: a step waits for the groups it needs, and nothing else would
+        replace these."""
+        if not self._lost:
+            return
+        lost, self._lost = self._lost, {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task_id, step in lost.items():
+                pipe.hsetnx(self.keys.lost, task_id, step)
+            await pipe.execute()
+        log.warning("group(s) %s lost every member to dead letters: another prompt is asked for each", sorted(lost))
+
     def _mark_dead(self, sample: Sample) -> None:
-        """A dead-lettered member: its group completes without it (and is ready if members are left)."""
+        """A dead-lettered member: its group completes without it (ready if members are left, else lost)."""
         offer = self.assembler.mark_dead(sample)
+        if offer.status == "lost":
+            self._lost[sample.task_id] = sample.step
         if offer.status == "ready":
             assert offer.group is not None
             log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)

@@ -138,8 +138,7 @@ class Generation:
         `dead` whole instead."""
         group = task.group
         if task.failed is not None:
-            self.intake.invalid_tasks += 1
-            await self.reader.give_up(task.delivery, f"invalid task: {task.failed}")
+            await self.intake.lose(task.delivery, f"invalid task: {task.failed}")
             del self.flight.started[group.task_id]
             return
         samples = [task.samples[i] for i in range(group.group_size)]

@@ -52,6 +52,16 @@ class TaskIntake:
         self._group_hint = 1
         """Group size of the last task read (how many tasks fit in the free rows)."""
 
+    async def lose(self, delivery: Delivery[PromptGroup], reason: str) -> None:
+        """Dead-letter a task that no worker can turn into a group (`reason`), recorded first as lost
+        (`Keys.lost`, once per task) for the policy service to send another prompt in its place: its step
+        would wait for ever for the group. Recorded before the dead letter and ack, so a worker that dies
+        between the two leaves the task pending (another worker takes it), never lost unrecorded."""
+        task = delivery.message
+        self.invalid_tasks += 1
+        await self.reader.redis.hsetnx(self.reader.keys.lost, task.task_id, task.step)
+        await self.reader.give_up(delivery, reason)
+
     def room(self) -> int:
         """How many tasks to read now: as many as fit at once (admitting one per engine hop would fill the
         batch over dozens of steps and stretch every rollout), 0 when the engine is full."""
@@ -67,8 +77,7 @@ class TaskIntake:
         usable = []
         for delivery in deliveries:
             if problem := await self._problem(delivery.message):
-                self.invalid_tasks += 1
-                await self.reader.give_up(delivery, f"invalid task: {problem}")
+                await self.lose(delivery, f"invalid task: {problem}")
                 continue
             usable.append(delivery)
         if usable:
@@ -133,8 +142,7 @@ class TaskIntake:
             return
         for delivery in [d for d in self.flight.waiting if len(d.message.prompt_ids) >= limit]:
             self.flight.waiting.remove(delivery)
-            self.invalid_tasks += 1
-            await self.reader.give_up(
+            await self.lose(
                 delivery, f"invalid task: prompt of {len(delivery.message.prompt_ids)} tokens within max_len={limit}"
             )
 

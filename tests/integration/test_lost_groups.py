@@ -1,0 +1,135 @@
+"""A group lost to dead letters (a reward that raised on it) is replaced by another prompt, so its step still
+gets the groups it needs: an on-policy run used to wait for ever for it. Evidence from Redis and the learner's
+ledger: the lost task's dead letter, the `lost` and `replaced` records, the replacement's samples trained and
+none of the lost task's."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.integration.loop import keep_for_audit, until_first_done
+from tlt_stream.basics.config import Config, override
+from tlt_stream.basics.messages import PromptGroup, codec_for
+from tlt_stream.bus.connect import connect_redis
+from tlt_stream.bus.control import ControlPlane
+from tlt_stream.bus.streams import Keys
+from tlt_stream.roles.learner import LearnerService
+from tlt_stream.roles.policy import LOST_TRIES, PolicyService, RepeatedAddSource
+from tlt_stream.roles.rollout_worker import RolloutWorker
+from tlt_stream.tasks.repeated_add import reward
+from tlt_stream.tasks.tokenizer import build_tokenizer
+
+pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
+
+STEPS, PROMPTS, GROUP, SEED = 2, 2, 2, 1
+
+
+def _source() -> RepeatedAddSource:
+    return RepeatedAddSource(build_tokenizer(), seed=SEED)
+
+
+async def _tasks(redis, keys: Keys) -> list[PromptGroup]:
+    codec = codec_for("prompts")
+    return [codec.decode(fields[b"m"]) for _, fields in await redis.xrange(keys.stream("prompts"))]
+
+
+async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after_its_tries(bus_config: Config) -> None:
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url)
+
+    def service() -> PolicyService:
+        control = ControlPlane(bus_config, redis, role="policy")
+        return PolicyService(bus_config, redis, control, _source(), prompts_per_step=PROMPTS, group_size=GROUP)
+
+    first = service()
+    await first.dispatch(0)
+    original = {t.task_id: t for t in await _tasks(redis, keys)}
+    await redis.hsetnx(keys.lost, "s000000-0001", 0)  # what a worker writes before dead-lettering the task
+    assert await first.replace_dropped() == 1
+    instead = (await _tasks(redis, keys))[-1]
+    expected = _source().prompts(0, PROMPTS + 1)[-1]
+    assert instead.task_id == "s000000-0001.n" and instead.step == 0 and instead.group_size == GROUP
+    assert (instead.prompt_id, instead.prompt_ids, instead.answer) == (expected[0], expected[2], expected[3])
+    assert instead.prompt_id != original["s000000-0001"].prompt_id, "another prompt, not the one that failed"
+    assert await service().replace_dropped() == 0, "a restarted policy service sends none twice"
+
+    await redis.hsetnx(keys.dropped, "s000000-0001.n", 0)  # the replacement went stale: sent again as it was
+    assert await service().replace_dropped() == 1
+    again = (await _tasks(redis, keys))[-1]
+    assert again.task_id == "s000000-0001.n.r" and again.prompt_ids == instead.prompt_ids
+
+    chain = "s000000-0001.n.r"
+    for _ in range(LOST_TRIES - 2):  # lost again and again, each time replaced with yet another prompt
+        await redis.hsetnx(keys.lost, chain, 0)
+        assert await service().replace_dropped() == 1
+        chain = (await _tasks(redis, keys))[-1].task_id
+    await redis.hsetnx(keys.lost, chain, 0)  # its LOST_TRIES-th loss: not replaced again
+    sent = len(await _tasks(redis, keys))
+    assert await service().replace_dropped() == 0 and len(await _tasks(redis, keys)) == sent
+    assert (await redis.hget(keys.replaced, chain)) == b""
+    await redis.aclose()
+
+
+async def test_an_on_policy_run_replaces_a_group_its_reward_failed_on_and_finishes(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    keys = Keys(bus_config.run)
+    doomed = _source().prompts(1, PROMPTS)[1][3]  # the answer of step 1's second prompt: its reward raises
+    replacement = _source().prompts(1, PROMPTS + 1)[-1][3]
+    others = {p[3] for p in _source().prompts(0, PROMPTS)} | {_source().prompts(1, PROMPTS)[0][3]}
+    assert replacement != doomed and doomed not in others, "the seed's prompts: only the doomed one fails"
+
+    def scored(response: str, answer: str) -> float:
+        if answer == doomed:
+            raise ValueError("this answer breaks the reward")
+        return reward(response, answer)
+
+    redis = connect_redis(bus_config.bus.redis_url, block_ms=bus_config.bus.block_ms)
+    await keep_for_audit(redis, keys)
+    planes = {
+        role: ControlPlane(bus_config, redis, role=role, owns=["policy"] if role == "learner" else [])
+        for role in ("learner", "policy", "rollout")
+    }
+    stop = asyncio.Event()
+    running = [asyncio.create_task(plane.run(stop)) for plane in planes.values()]
+    services: list[asyncio.Task[None]] = []
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(plane.connected.wait() for plane in planes.values()))
+        config = override(bus_config, {"learner.groups_per_step": PROMPTS, "policy.max_staleness": 0})
+        learner = LearnerService(config, redis, planes["learner"], run_dir=tmp_path / "run", init_policy=init_policy)
+        dispatcher = PolicyService(
+            config, redis, planes["policy"], _source(), prompts_per_step=PROMPTS, group_size=GROUP, total_steps=STEPS
+        )
+        shape = {"rollout.max_batch": 4, "rollout.max_len": 96, "rollout.max_response_len": 24}
+        worker = RolloutWorker(override(config, shape), redis, planes["rollout"], worker_id="w0", reward=scored)
+        await learner.start()
+        services = [
+            asyncio.create_task(learner.run(stop, max_updates=STEPS)),
+            asyncio.create_task(dispatcher.run(stop)),
+            asyncio.create_task(worker.run(stop)),
+        ]
+        await until_first_done(services, 120)
+        assert learner.version == STEPS
+        trained = learner.intake.assembler.ledger
+        lost = "s000001-0001"
+        expected = {f"s{s:06d}-{i:04d}/{g}" for s in range(STEPS) for i in range(PROMPTS) for g in range(GROUP)}
+        expected = {i for i in expected if not i.startswith(lost)} | {f"{lost}.n/{g}" for g in range(GROUP)}
+        assert trained == expected
+        dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+        assert [codec_for("prompts").decode(d.payload).task_id for d in dead] == [lost]
+        assert "the reward raised: ValueError: this answer breaks the reward" in dead[0].reason
+        assert await redis.hgetall(keys.lost) == {lost.encode(): b"1"}
+        assert await redis.hgetall(keys.replaced) == {lost.encode(): f"{lost}.n".encode()}
+        samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
+        assert sorted(s.sample_id for s in samples) == sorted(expected)
+        assert [t.answer for t in await _tasks(redis, keys) if t.task_id == f"{lost}.n"] == [replacement]
+        assert all(s.policy_version == s.step for s in samples), "still on-policy"
+    finally:
+        stop.set()
+        await asyncio.gather(*services, return_exceptions=True)
+        await asyncio.gather(*running, return_exceptions=True)
+        await redis.aclose()
