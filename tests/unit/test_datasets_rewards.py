@@ -149,3 +149,25 @@ def test_repeated_add_worked_solution_is_arithmetically_consistent() -> None:
     )
     with pytest.raises(ValueError, match="bad problem"):
         RepeatedAddTask().make(start=1, increment=0, steps=2)
+
+
+@pytest.mark.parametrize("returned", ["1.0", None, float("nan"), float("inf"), [1.0]])
+def test_a_reward_that_returns_no_finite_number_fails_like_one_that_raises(returned) -> None:
+    """`float` would take "1.0" and pass NaN on to the learner, which then dead-letters members one by one (the
+    group trained without them); here it is the reward's failure, which costs the whole group."""
+    from tlt_stream.rl.rewards import RewardError, call_reward
+
+    with pytest.raises(RewardError, match="the reward returned"):
+        call_reward(lambda response, answer: returned, "x", "y")
+    with pytest.raises(RewardError, match="the reward returned"):
+        call_reward(lambda response, answer, **fields: returned, "x", "y", {"id": 1})
+
+
+def test_a_reward_may_return_any_real_number_or_a_bool() -> None:
+    import numpy as np
+    import torch
+
+    from tlt_stream.rl.rewards import call_reward
+
+    for returned, score in [(1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5), (torch.tensor(2.0), 2.0), (True, 1.0)]:
+        assert call_reward(lambda response, answer, r=returned: r, "x", "y") == score

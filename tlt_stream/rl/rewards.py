@@ -122,9 +122,27 @@ def _wants(fn: RewardFn) -> tuple[bool, frozenset[str]]:
 
 def call_reward(fn: RewardFn, response: str, answer: str, fields: dict | None = None) -> float:
     """`fn(response, answer, ...)` with the dataset row's other fields a reward asks for: all of them to one
-    that takes `**kwargs`, those it names as parameters otherwise (none to the built-ins)."""
+    that takes `**kwargs`, those it names as parameters otherwise (none to the built-ins). What it returns must
+    be a finite real number or a bool (text, None, NaN or an infinity raises `RewardError`, as the reward
+    raising would: its group goes to `dead` whole rather than trained with one member scored wrong)."""
     if not fields:
-        return float(fn(response, answer))
+        return _score(fn(response, answer))
     var_keyword, named = _wants(fn)
     extra = dict(fields) if var_keyword else {k: v for k, v in fields.items() if k in named}
-    return float(fn(response, answer, **extra))  # type: ignore[call-arg]
+    return _score(fn(response, answer, **extra))  # type: ignore[call-arg]
+
+
+def _score(value: object) -> float:
+    """A reward's return as a score: any real number (numpy's and torch's scalars too; a bool is 1 or 0), not
+    text, which `float` would read."""
+    import math
+
+    try:
+        if isinstance(value, str | bytes) or value is None:
+            raise TypeError
+        score = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise RewardError(f"the reward returned {type(value).__name__} {value!r:.60}, not a number") from None
+    if not math.isfinite(score):
+        raise RewardError(f"the reward returned {score}, not a finite number")
+    return score
