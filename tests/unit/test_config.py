@@ -52,6 +52,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"environ": {"TLT_MQTT_URL": "http://user:hunter2@h"}}, "mqtt_url must start with one of mqtt://, mqtts://"),
         ({"environ": {"TLT_REDIS_URL": "http://h/0?password=hunter2"}}, "redis_url must start with one of redis://"),
         ({"environ": {"TLT_BUS__HEARTBEAT_S": "60"}}, "heartbeat_ttl_s must be greater than heartbeat_s"),
+        (
+            {"overrides": ["policy.prompts_per_step=2", "learner.groups_per_step=4"]},
+            "learner.groups_per_step: is 4, more than the 2 groups",
+        ),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(kwargs: dict, expected: str) -> None:

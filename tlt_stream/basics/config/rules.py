@@ -70,6 +70,16 @@ def problems(config: Config) -> list[tuple[str, str]]:
             )
         if rollout.graphs in ("cuda", "trace"):
             found.append(("rollout.graphs", "is the torch engine's (vLLM captures its own CUDA graphs): use off"))
+    window = policy.prompts_per_step * (policy.max_staleness + 1)
+    if config.groups_per_step > window:
+        found.append(
+            (
+                "learner.groups_per_step",
+                f"is {config.groups_per_step}, more than the {window} groups policy.prompts_per_step x "
+                "(policy.max_staleness + 1) lets out before the next version: the first update would wait for "
+                "ever; use at most that",
+            )
+        )
     own = config.drafter
     if own.train and own.state_dir is not None and sd.drafter in (None, "ngram"):
         found.append(
