@@ -262,6 +262,20 @@ async def test_a_launcher_killed_outright_takes_its_services_with_it(
     assert again.returncode == 0, stderr.decode()[-3000:]
     assert f"already at policy version {found.step} of {found.step}: nothing left to train" in stderr.decode()
     assert service_pids(bus_config.run) == [], "nothing was started"
+    # One step more, on the same servers, which hold the run's state: it goes on from there (a resumed run is
+    # not refused as a new run in a used namespace), from another working directory.
+    more = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tlt_stream.commands.cli", "run", "--resume", str(out.resolve())),
+        *("--steps", str(found.step + 1)),
+        env=env_for(bus_config),
+        stderr=asyncio.subprocess.PIPE,
+        cwd="/",
+    )
+    async with asyncio.timeout(240):
+        _, stderr = await more.communicate()
+    assert more.returncode == 0, stderr.decode()[-3000:]
+    final = latest_checkpoint(out / "checkpoints")
+    assert final is not None and final.step == found.step + 1
 
 
 def test_the_plan_gives_each_process_its_threads_and_every_service_one_configuration_file(tmp_path: Path) -> None:
@@ -310,3 +324,34 @@ def test_a_world_without_a_drafter_is_refused_with_one_line(tmp_path: Path, init
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "no drafter for --sd eagle" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_run_directorys_configuration_names_every_path_absolute(tmp_path: Path, monkeypatch) -> None:
+    """`--resume RUN_DIR` reads RUN_DIR/config.toml from wherever it is started: paths given relative to where
+    the run began (the world, the dataset, a reward file, a tokenizer) are written absolute, and a reward named
+    by module stays as it is."""
+    from tlt_stream.basics.config import load_config, override
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w" / "policy").mkdir(parents=True)
+    values = {
+        "launch.world": "w", "launch.sd": "off", "data.dataset": "d/train.jsonl", "data.eval_dataset": "d/test.jsonl",
+        "data.tokenizer": "tok", "rollout.reward": "rewards/mine.py:score",
+    }  # fmt: skip
+    config = override(Config(run="r2"), values)
+    path = write_service_config(RunPlan(world=Path("w"), run_dir=Path("runs/r2"), config=config), config)
+    path = path.resolve()
+    monkeypatch.chdir("/")
+    seen = load_config(path, environ={})
+    assert seen.launch.world == str(tmp_path / "w") and seen.learner.policy == str(tmp_path / "w" / "policy")
+    assert seen.learner.run_dir == str(tmp_path / "runs" / "r2")
+    assert (seen.data.dataset, seen.data.eval_dataset) == (
+        str(tmp_path / "d/train.jsonl"),
+        str(tmp_path / "d/test.jsonl"),
+    )
+    assert seen.data.tokenizer == str(tmp_path / "tok")
+    assert seen.rollout.reward == f"{tmp_path / 'rewards/mine.py'}:score"
+    modular = override(config, {"rollout.reward": "mypackage.rewards:score"})
+    assert service_config(
+        RunPlan(world=tmp_path / "w", run_dir=tmp_path / "r", config=modular), modular
+    ).rollout.reward == ("mypackage.rewards:score")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from tlt_stream.commands.args import add_config_args, load
+from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, load
 
 __all__ = ["handle", "register"]
 
@@ -24,6 +25,12 @@ def register(commands: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from tlt_stream.basics.config import redact_text
     from tlt_stream.commands.doctor_checks import doctor
 
-    return doctor(load(args), as_json=args.json, timeout=args.timeout)
+    config = load(args)
+    try:
+        return doctor(config, as_json=args.json, timeout=args.timeout)
+    except ValueError as exc:  # a URL the Redis or MQTT client refuses (an option it cannot read): one line
+        print(f"tlt-stream doctor: {redact_text(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -19,7 +20,9 @@ def register(commands: Any) -> None:
     ev.add_argument("--model", required=True, help="policy checkpoint directory")
     ev.add_argument("--drafter", help="drafter checkpoint directory, or 'ngram'")
     ev.add_argument("--n", type=positive, default=200, help="held-out prompts")
-    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument(
+        "--temperature", type=temperature, default=1.0, help="sampling temperature (0: greedy; default 1.0)"
+    )
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--batch-size", type=positive, default=32)
     ev.add_argument("--depth", type=positive, default=4)
@@ -28,6 +31,17 @@ def register(commands: Any) -> None:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.add_argument("-v", "--verbose", action="count", default=0)
     ev.set_defaults(handler=handle)
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a finite float >= 0, what the engine samples at (0 is greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
+    return value
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ __all__ = [
     "last_boxed",
     "math_reward",
     "resolve_reward",
+    "reward_fields",
 ]
 
 RewardFn = Callable[[str, str], float]
@@ -125,11 +126,16 @@ def call_reward(fn: RewardFn, response: str, answer: str, fields: dict | None = 
     that takes `**kwargs`, those it names as parameters otherwise (none to the built-ins). What it returns must
     be a finite real number or a bool (text, None, NaN or an infinity raises `RewardError`, as the reward
     raising would: its group goes to `dead` whole rather than trained with one member scored wrong)."""
+    return _score(fn(response, answer, **reward_fields(fn, fields)))  # type: ignore[call-arg]
+
+
+def reward_fields(fn: RewardFn, fields: dict | None) -> dict:
+    """The row's other fields `fn` is called with (`call_reward`): all of them to a reward that takes
+    `**kwargs`, those it names as parameters otherwise."""
     if not fields:
-        return _score(fn(response, answer))
+        return {}
     var_keyword, named = _wants(fn)
-    extra = dict(fields) if var_keyword else {k: v for k, v in fields.items() if k in named}
-    return _score(fn(response, answer, **extra))  # type: ignore[call-arg]
+    return dict(fields) if var_keyword else {k: v for k, v in fields.items() if k in named}
 
 
 def _score(value: object) -> float:

@@ -34,12 +34,27 @@ def check_device(value: str, name: str) -> None:
 
 
 def check_url(value: str | None, schemes: tuple[str, ...], name: str) -> None:
+    """`value` must start with one of `schemes` and parse as a URL: a port that is a number, and nothing after
+    the host that a password cut short would leave (a `#`, an `@`). A password with `/ # ? @ :` in it, not
+    percent-encoded, would otherwise be split at that character and reach an error message or a host name;
+    so the parse error names the setting and quotes nothing of the URL."""
     if value is None:
         return
-    scheme = urlsplit(value).scheme
-    if scheme not in schemes:
+    unparsable = ValueError(
+        f"{name} does not parse as a URL; a password holding / # ? @ or : must be percent-encoded "
+        "(/ as %2F, # as %23, ? as %3F, @ as %40, : as %3A)"
+    )
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+        parts.hostname  # noqa: B018
+    except ValueError:
+        raise unparsable from None
+    if parts.scheme not in schemes:
         allowed = ", ".join(f"{s}://" for s in schemes)
         raise ValueError(f"{name} must start with one of {allowed} (got {redact_url(value)!r})")
+    if "#" in value or "@" in parts.path or "@" in parts.query:
+        raise unparsable
 
 
 class Section(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

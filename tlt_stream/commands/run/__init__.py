@@ -106,7 +106,7 @@ def handle(args: argparse.Namespace) -> int:
             plan = check_plan(config, out, own, cores)
             evals = evaluate_before(plan, config, own)
             started = time.perf_counter()
-            code = run_services(plan, config, evals, progress)
+            code = run_services(plan, config, evals, progress, resume=args.resume is not None)
     except RunRefused as refused:
         print(f"tlt-stream run: {refused}", file=sys.stderr)
         return refused.code

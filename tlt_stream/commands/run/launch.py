@@ -134,10 +134,20 @@ def service_config(plan: RunPlan, config: Config) -> Config:
 
     sd = plan.sd
     train = sd == "eagle" and config.drafter.train
+    data, launch = config.data, config.launch
+    drafter = _absolute(str(plan.drafter_dir)) if plan.drafter_dir is not None else None
     values: dict[str, object] = {
-        "learner.run_dir": str(plan.run_dir),
-        "learner.policy": str(plan.policy_dir),
-        "sd.drafter": {"off": None, "ngram": "ngram", "eagle": str(plan.drafter_dir)}[sd],
+        "learner.run_dir": str(plan.run_dir.resolve()),
+        "learner.policy": str(plan.policy_dir.resolve()),
+        "sd.drafter": {"off": None, "ngram": "ngram", "eagle": drafter}[sd],
+        # Every path absolute: `--resume RUN_DIR` reads this file from wherever it is started.
+        "data.dataset": _absolute(data.dataset),
+        "data.eval_dataset": _absolute(data.eval_dataset),
+        "data.tokenizer": _absolute(data.tokenizer),
+        "launch.world": _absolute(launch.world),
+        "launch.policy": _absolute(launch.policy),
+        "launch.drafter": _absolute(launch.drafter),
+        "rollout.reward": _absolute_reward(config.rollout.reward),
         "drafter.state_dir": str(plan.run_dir / "drafter-states") if train else None,
         # Hidden-state windows (~40 KB a sample) only feed drafter training: without it, nobody reads them.
         "rollout.stream_hidden": config.rollout.stream_hidden and train,
@@ -145,6 +155,16 @@ def service_config(plan: RunPlan, config: Config) -> Config:
     if config.bus.store_root is None:  # every checkpoint the run announces lives under its run directory
         values["bus.store_root"] = str(plan.run_dir.resolve())
     return override(config, values)
+
+
+def _absolute(path: str | None) -> str | None:
+    return str(Path(path).resolve()) if path else path
+
+
+def _absolute_reward(name: str) -> str:
+    """A reward named as `path/to/file.py:function` with its file's path absolute; any other name as it is."""
+    where, sep, function = name.rpartition(":")
+    return f"{_absolute(where)}{sep}{function}" if sep and where.endswith(".py") else name
 
 
 @dataclass(frozen=True)
@@ -408,7 +428,9 @@ async def save_timeline(config: Config, path: Path) -> int:
     return written
 
 
-async def run_plan(plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = None, purge: bool = False) -> int:
+async def run_plan(
+    plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = None, purge: bool = False, resume: bool = False
+) -> int:
     """Run the services of `plan` until the learner has made `policy.steps` updates (exit code 0) or `stop`
     is set (130). Raises RuntimeError when a service fails.
 
@@ -416,6 +438,7 @@ async def run_plan(plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = 
     service is stopped on the way out, whatever happened: SIGTERM, so the learner finishes the update in
     hand and its checkpoints stay intact. `purge`: once the timeline is saved, delete the run's keys and
     retained messages from the servers (benchmarks on shared servers; the run directory keeps the figures).
+    `resume`: the run goes on from its own state in Redis (`--resume`), which a new run must not find.
     """
     from redis.exceptions import RedisError
 
@@ -425,7 +448,8 @@ async def run_plan(plan: RunPlan, *, on_step=None, stop: asyncio.Event | None = 
 
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     with endpoints(plan.config) as resolved:
-        await ensure_new_run(resolved)
+        if not resume:
+            await ensure_new_run(resolved)
         write_service_config(plan, resolved)
         supervisor = Supervisor(service_commands(plan, resolved), resolved, plan.run_dir / "logs")
         seen = len(load_metrics(plan.run_dir))

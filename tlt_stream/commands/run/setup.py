@@ -18,9 +18,11 @@ from typing import Any
 
 import msgspec
 
-from tlt_stream.basics.config import DEFAULTS, Config, override, redact_text
+from tlt_stream.basics.config import DEFAULTS, Config, override, redact_text, redact_url
+from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.commands.args import EXIT_CONFIG, load
 from tlt_stream.commands.run.launch import RunPlan
+from tlt_stream.rl.datasets import DatasetError
 
 __all__ = [
     "RunRefused",
@@ -33,6 +35,9 @@ __all__ = [
 ]
 
 DEFAULT_WORLD = DEFAULTS.launch.world
+EVAL_ERRORS = (OSError, ValueError, CheckpointError, DatasetError)
+"""What a held-out evaluation may raise that is one line to the user (a checkpoint pruned while read, a file
+changed since `check_plan` read it), not a traceback."""
 
 
 class RunRefused(Exception):
@@ -75,12 +80,17 @@ def settings_of(args: argparse.Namespace) -> tuple[Config, Path, bool]:
             )
         print(f"tlt-stream run: resuming {out} at policy version {at} (run {config.run})", file=sys.stderr)
     elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
-        raise RunRefused(f"{out} already holds checkpoints; choose a new --out")
+        raise RunRefused(f"{out} already holds checkpoints; choose a new --out, or go on with --resume {out}")
     if resume is None and config.bus.redis_url is not None:  # a configured server may hold this run's state
+        from redis.exceptions import RedisError
+
         try:
             asyncio.run(ensure_new_run(config))
         except RuntimeError as exc:
             raise RunRefused(redact_text(str(exc)), code=1) from None
+        except (RedisError, OSError, ValueError) as exc:  # unreachable, refused credentials, a URL redis-py refuses
+            where = redact_url(config.bus.redis_url)
+            raise RunRefused(redact_text(f"cannot use Redis at {where}: {exc}")) from None
     return config, out, own
 
 
@@ -116,11 +126,11 @@ def world_to_build(world: Path, sd: str) -> str | None:
 
 def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
     """The run's plan, once what would stop a service later is checked now: the devices, the trackers, the
-    dataset's rows, the GPUs' placement."""
+    datasets' rows (the held-out one too), the reward and how it is called, the GPUs' placement."""
     from tlt_stream.commands.placement import describe
     from tlt_stream.commands.run.launch import placement, service_config
-    from tlt_stream.model import CheckpointError, resolve_device
-    from tlt_stream.rl.datasets import DatasetError
+    from tlt_stream.model import resolve_device
+    from tlt_stream.rl.rewards import resolve_reward
     from tlt_stream.rl.tracking import require_trackers
 
     try:
@@ -129,15 +139,22 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
         plan = RunPlan(world=Path(config.launch.world), run_dir=out, config=config, cores=cores)
         check_policy(plan.policy_dir, config)  # what a worker would refuse of it: now, not a silent wait
+        reward = resolve_reward(config.rollout.reward)  # a missing module, file or function: before any service
+        rows: list[dict] = []  # the other fields of every row the reward will score
         if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
             from tlt_stream.roles.policy import task_source
 
             pool = task_source(service_config(plan, config))
+            rows += [pool.fields.get(prompt_id) or {} for prompt_id, *_ in pool.rows]
             print(
                 f"tlt-stream run: {config.data.dataset}: {len(pool)} prompts, {pool.skipped} over the prompt "
                 "limit skipped (data.max_prompt_len)",
                 file=sys.stderr,
             )
+        if config.launch.eval and config.data.eval_dataset is not None:  # read as the evaluations will read it
+            held_out = eval_pool(plan.policy_dir, config)
+            rows += [held_out.fields.get(prompt_id) or {} for prompt_id, *_ in held_out.rows[: config.launch.eval]]
+        check_reward_call(reward, config.rollout.reward, rows or [{}])
     except (CheckpointError, FileNotFoundError, ValueError, DatasetError) as exc:
         raise RunRefused(redact_text(str(exc))) from None
     print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
@@ -146,6 +163,46 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
     if own and plan.sd != config.launch.sd:
         print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
     return plan
+
+
+def eval_pool(policy: Path, config: Config) -> Any:
+    """The held-out prompts as `rl.evaluate` reads them: the policy's tokenizer (or `data.tokenizer`) and
+    its context length."""
+    from tlt_stream.model.loader import checkpoint_positions, load_tokenizer
+    from tlt_stream.model.sizing import context_len
+    from tlt_stream.rl.datasets import pool_from_config
+
+    assert config.data.eval_dataset is not None
+    tokenizer = load_tokenizer(config.data.tokenizer or policy)
+    max_len = context_len(config.rollout.max_len, checkpoint_positions(policy), str(policy))
+    return pool_from_config(config.data.eval_dataset, config, tokenizer, seed=0, max_len=max_len)
+
+
+def check_reward_call(reward: Any, name: str, rows: list[dict]) -> None:
+    """Raise `ValueError` in one line when `reward` cannot take the call the rollout workers make
+    (`rewards.call_reward`) on one of `rows` (each row's fields beside the prompt and the answer):
+    `(response, answer)`, plus all the row's fields to a reward that takes `**kwargs` and those it names
+    otherwise. Each distinct set of field names is tried once."""
+    import inspect
+
+    from tlt_stream.rl.rewards import reward_fields
+
+    try:
+        signature = inspect.signature(reward)
+    except (TypeError, ValueError):  # a builtin or a C function: nothing to check before calling it
+        return
+    shapes = {frozenset(fields): fields for fields in rows}
+    for fields in shapes.values():
+        extra = reward_fields(reward, fields)
+        try:
+            signature.bind("", "", **extra)
+        except TypeError as exc:
+            given = ", ".join(["response", "answer", *(f"{k}=..." for k in extra)])
+            others = ", ".join(sorted(fields)) or "none"
+            raise ValueError(
+                f"reward {name!r} cannot be called as f({given}), as the rollout workers call it: {exc} "
+                f"(the rows' other fields: {others})"
+            ) from None
 
 
 def check_policy(policy: Path, config: Config) -> None:
@@ -173,14 +230,20 @@ def evaluate_before(plan: RunPlan, config: Config, own: bool) -> int:
         return 0
     if evals and not (plan.run_dir / "eval.jsonl").exists():
         seed = config.policy.seed
-        row = evaluate_version(plan.run_dir, 0, plan.policy_dir, n=evals, seed=seed, threads=plan.cores, config=config)
+        try:
+            row = evaluate_version(
+                plan.run_dir, 0, plan.policy_dir, n=evals, seed=seed, threads=plan.cores, config=config
+            )
+        except EVAL_ERRORS as exc:  # check_plan read the dataset and the reward: what is left is one line too
+            raise RunRefused(redact_text(f"evaluation before training failed: {exc}"), code=1) from None
         shown = row["prompts"]
         print(f"held-out accuracy before training: {row['accuracy']:.3f} ({shown} prompts)", file=sys.stderr)
     return evals
 
 
-def run_services(plan: RunPlan, config: Config, evals: int, progress: Any) -> int:
-    """The services until the learner's last version (a bar per step), a stop (130), or a failure."""
+def run_services(plan: RunPlan, config: Config, evals: int, progress: Any, *, resume: bool = False) -> int:
+    """The services until the learner's last version (a bar per step), a stop (130), or a failure. `resume`:
+    a stopped run goes on, from its own state where its servers kept it."""
     from tlt_stream.basics.aio import install_stop_signals
     from tlt_stream.commands.run.launch import run_plan
 
@@ -205,7 +268,7 @@ def run_services(plan: RunPlan, config: Config, evals: int, progress: Any) -> in
     async def main() -> int:
         stop = asyncio.Event()
         install_stop_signals(stop)
-        code = await run_plan(plan, on_step=on_step, stop=stop)
+        code = await run_plan(plan, on_step=on_step, stop=stop, resume=resume)
         if code == 130:
             print("tlt-stream run: stopped; every service was shut down, checkpoints are intact", file=sys.stderr)
         return code
@@ -227,10 +290,13 @@ def finish(plan: RunPlan, config: Config, code: int, evals: int, seconds: float)
         final = latest_checkpoint(out / "checkpoints")
         if final is not None:
             seed = config.policy.seed
-            row = evaluate_version(
-                out, final.step, final.policy_dir, n=evals, seed=seed, threads=plan.cores, config=config
-            )
-            print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
+            try:
+                row = evaluate_version(
+                    out, final.step, final.policy_dir, n=evals, seed=seed, threads=plan.cores, config=config
+                )
+                print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
+            except EVAL_ERRORS as exc:  # the run is done: its report is still written
+                print(redact_text(f"tlt-stream run: evaluation after training failed: {exc}"), file=sys.stderr)
     try:
         where = f"report: {write_report(out)}"
     except FileNotFoundError:  # stopped before the first update
@@ -242,7 +308,6 @@ def finish(plan: RunPlan, config: Config, code: int, evals: int, seconds: float)
 def _evaluate_during(out: Path, version: int, n: int, config: Config) -> None:
     """Held-out evaluation of the checkpoint of `version` while the run goes on (one thread: the services
     have the cores); a checkpoint already pruned is skipped."""
-    from tlt_stream.basics.errors import CheckpointError
     from tlt_stream.commands.run.launch import evaluate_version
     from tlt_stream.rl.checkpoint import complete_checkpoints
 
@@ -252,7 +317,7 @@ def _evaluate_during(out: Path, version: int, n: int, config: Config) -> None:
     seed = config.policy.seed
     try:
         row = evaluate_version(out, version, found.policy_dir, n=n, seed=seed, threads=1, config=config)
-    except (OSError, ValueError, CheckpointError) as exc:  # pruned while read: the next evaluation will do
+    except EVAL_ERRORS as exc:  # pruned while read: the next evaluation will do
         print(f"tlt-stream run: evaluation of version {version} skipped ({exc})", file=sys.stderr)
         return
     print(f"held-out accuracy at version {version}: {row['accuracy']:.3f}", file=sys.stderr)
