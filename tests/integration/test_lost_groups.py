@@ -70,6 +70,11 @@ async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after
     sent = len(await _tasks(redis, keys))
     assert await service().replace_dropped() == 0 and len(await _tasks(redis, keys)) == sent
     assert (await redis.hget(keys.replaced, chain)) == b""
+
+    await redis.hsetnx(keys.lost, "poison-long", 0)  # a task no policy service sent (written into prompts by hand)
+    await redis.hsetnx(keys.lost, "s000000-0007", 0)  # not one of step 0's PROMPTS tasks
+    assert await service().replace_dropped() == 0 and len(await _tasks(redis, keys)) == sent
+    assert await redis.hmget(keys.replaced, ["poison-long", "s000000-0007"]) == [b"", b""]
     await redis.aclose()
 
 

@@ -139,6 +139,7 @@ async def run_pipeline(
             await asyncio.gather(*(plane.connected.wait() for plane in planes.values()))
         learning = {
             "learner.groups_per_step": prompts,
+            "policy.prompts_per_step": prompts,  # what the policy service below dispatches
             "policy.max_staleness": max_staleness,
             "learner.keep_checkpoints": steps + 2,
             "learner.lr": lr,

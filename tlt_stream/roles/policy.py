@@ -60,6 +60,12 @@ LOST_TRIES = 3
 service stops replacing it: the reward or the data then fails whatever the prompt, and the step waits."""
 
 
+def task_id(step: int, index: int) -> str:
+    """The id of step `step`'s `index`-th task as dispatched (`s000012-0003`); one sent in its place adds `.r`
+    (the same prompt) or `.n` (another)."""
+    return f"s{step:06d}-{index:04d}"
+
+
 class TaskSource(Protocol):
     def prompts(self, step: int, count: int) -> list[tuple[str, str, list[int], str]]:
         """`count` (prompt_id, prompt text, prompt token ids, reference answer) for `step`, deterministic."""
@@ -140,7 +146,7 @@ class PolicyService:
         """Send step `step`'s tasks and move the cursor past it, atomically; returns the entry ids."""
         version, draft = max(0, step - self.max_staleness), self._draft_version(step)
         tasks = [
-            self._task(f"s{step:06d}-{i:04d}", step, prompt, version, draft)
+            self._task(task_id(step, i), step, prompt, version, draft)
             for i, prompt in enumerate(self.source.prompts(step, self.prompts_per_step))
         ]
         key = self.keys.stream("prompts")
@@ -214,18 +220,24 @@ class PolicyService:
                     return 0
                 version = max(0, self.control.version("policy"))
                 pipe.multi()
-                sent, given_up = [], []
-                for task_id in todo:
-                    if task_id in lost and task_id.split(".").count("n") + 1 >= LOST_TRIES:
-                        pipe.hset(self.keys.replaced, task_id, "")  # given up: said once
-                        given_up.append(task_id)
+                sent, given_up, strangers = [], [], []
+                for task in todo:
+                    step = lost[task] if task in lost else dropped[task]
+                    if not self._ours(task, step):  # a task this service never sent (written by hand): not ours
+                        pipe.hset(self.keys.replaced, task, "")
+                        strangers.append(task)
                         continue
-                    again = self._instead(task_id, lost[task_id], version) if task_id in lost else None
-                    again = again or self._again(task_id, dropped[task_id], version)
+                    if task in lost and task.split(".").count("n") + 1 >= LOST_TRIES:
+                        pipe.hset(self.keys.replaced, task, "")  # given up: said once
+                        given_up.append(task)
+                        continue
+                    again = self._instead(task, step, version) if task in lost else self._again(task, step, version)
                     pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(again)})
-                    pipe.hset(self.keys.replaced, task_id, again.task_id)
-                    sent.append(task_id)
+                    pipe.hset(self.keys.replaced, task, again.task_id)
+                    sent.append(task)
                 await pipe.execute()
+                if strangers:
+                    log.warning("not replacing %s: tasks this policy service did not dispatch", strangers)
                 if stale := [t for t in sent if t not in lost]:
                     log.warning("sent %d group(s) again that the learner dropped as too stale: %s", len(stale), stale)
                 if instead := [t for t in sent if t in lost]:
@@ -247,6 +259,11 @@ class PolicyService:
         """Another prompt in place of task `task_id` of step `step`, lost to dead letters, under `<id>.n`
         (`_prompt_of` says which)."""
         return self._task(f"{task_id}.n", step, self._prompt_of(f"{task_id}.n", step), version)
+
+    def _ours(self, task: str, step: int) -> bool:
+        """Whether `task` of step `step` is one this service dispatched, or sent in place of one."""
+        base, *marks = task.split(".")
+        return all(m in ("r", "n") for m in marks) and base in {task_id(step, i) for i in range(self.prompts_per_step)}
 
     def _again(self, task_id: str, step: int, version: int) -> PromptGroup:
         """Task `task_id` of step `step` sent again: the same prompt (`_prompt_of`), for policy `version` or
