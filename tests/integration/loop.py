@@ -43,6 +43,12 @@ async def until_first_done(services: list[asyncio.Task[None]], seconds: float) -
                 task.result()
 
 
+async def prompt_tasks(redis: aioredis.Redis, keys: Keys) -> list:
+    """The `PromptGroup` tasks `prompts` holds, in order."""
+    codec = codec_for("prompts")
+    return [codec.decode(fields[b"m"]) for _, fields in await redis.xrange(keys.stream("prompts"))]
+
+
 async def stats_of(redis: aioredis.Redis, keys: Keys, kind: type) -> list:
     entries = [codec_for("stats").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("stats"))]
     return [e for e in entries if isinstance(e, kind)]

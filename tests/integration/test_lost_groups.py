@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.loop import keep_for_audit, until_first_done
+from tests.integration.loop import keep_for_audit, prompt_tasks, until_first_done
 from tlt_stream.basics.config import Config, override
-from tlt_stream.basics.messages import PromptGroup, codec_for
+from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.connect import connect_redis
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.streams import Keys
@@ -31,11 +31,6 @@ def _source() -> RepeatedAddSource:
     return RepeatedAddSource(build_tokenizer(), seed=SEED)
 
 
-async def _tasks(redis, keys: Keys) -> list[PromptGroup]:
-    codec = codec_for("prompts")
-    return [codec.decode(fields[b"m"]) for _, fields in await redis.xrange(keys.stream("prompts"))]
-
-
 async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after_its_tries(bus_config: Config) -> None:
     keys = Keys(bus_config.run)
     redis = connect_redis(bus_config.bus.redis_url)
@@ -46,10 +41,10 @@ async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after
 
     first = service()
     await first.dispatch(0)
-    original = {t.task_id: t for t in await _tasks(redis, keys)}
+    original = {t.task_id: t for t in await prompt_tasks(redis, keys)}
     await redis.hsetnx(keys.lost, "s000000-0001", 0)  # what a worker writes before dead-lettering the task
     assert await first.replace_dropped() == 1
-    instead = (await _tasks(redis, keys))[-1]
+    instead = (await prompt_tasks(redis, keys))[-1]
     expected = _source().prompts(0, PROMPTS + 1)[-1]
     assert instead.task_id == "s000000-0001.n" and instead.step == 0 and instead.group_size == GROUP
     assert (instead.prompt_id, instead.prompt_ids, instead.answer) == (expected[0], expected[2], expected[3])
@@ -58,22 +53,22 @@ async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after
 
     await redis.hsetnx(keys.dropped, "s000000-0001.n", 0)  # the replacement went stale: sent again as it was
     assert await service().replace_dropped() == 1
-    again = (await _tasks(redis, keys))[-1]
+    again = (await prompt_tasks(redis, keys))[-1]
     assert again.task_id == "s000000-0001.n.r" and again.prompt_ids == instead.prompt_ids
 
     chain = "s000000-0001.n.r"
     for _ in range(LOST_TRIES - 2):  # lost again and again, each time replaced with yet another prompt
         await redis.hsetnx(keys.lost, chain, 0)
         assert await service().replace_dropped() == 1
-        chain = (await _tasks(redis, keys))[-1].task_id
+        chain = (await prompt_tasks(redis, keys))[-1].task_id
     await redis.hsetnx(keys.lost, chain, 0)  # its LOST_TRIES-th loss: not replaced again
-    sent = len(await _tasks(redis, keys))
-    assert await service().replace_dropped() == 0 and len(await _tasks(redis, keys)) == sent
+    sent = len(await prompt_tasks(redis, keys))
+    assert await service().replace_dropped() == 0 and len(await prompt_tasks(redis, keys)) == sent
     assert (await redis.hget(keys.replaced, chain)) == b""
 
     await redis.hsetnx(keys.lost, "poison-long", 0)  # a task no policy service sent (written into prompts by hand)
     await redis.hsetnx(keys.lost, "s000000-0007", 0)  # not one of step 0's PROMPTS tasks
-    assert await service().replace_dropped() == 0 and len(await _tasks(redis, keys)) == sent
+    assert await service().replace_dropped() == 0 and len(await prompt_tasks(redis, keys)) == sent
     assert await redis.hmget(keys.replaced, ["poison-long", "s000000-0007"]) == [b"", b""]
     await redis.aclose()
 
@@ -131,7 +126,7 @@ async def test_an_on_policy_run_replaces_a_group_its_reward_failed_on_and_finish
         assert await redis.hgetall(keys.replaced) == {lost.encode(): f"{lost}.n".encode()}
         samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("samples"))]
         assert sorted(s.sample_id for s in samples) == sorted(expected)
-        assert [t.answer for t in await _tasks(redis, keys) if t.task_id == f"{lost}.n"] == [replacement]
+        assert [t.answer for t in await prompt_tasks(redis, keys) if t.task_id == f"{lost}.n"] == [replacement]
         assert all(s.policy_version == s.step for s in samples), "still on-policy"
     finally:
         stop.set()
