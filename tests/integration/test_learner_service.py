@@ -573,3 +573,35 @@ async def test_groups_dropped_as_too_stale_are_counted_with_their_response_lengt
     # Recorded in Redis for the policy service to send again (tests/integration/test_dropped_groups.py).
     assert await redis.hgetall(Keys(bus_config.run).dropped) == {b"old": b"0"}
     await redis.aclose()
+
+
+async def test_groups_an_update_keeps_failing_on_are_dead_lettered_and_recorded_as_lost(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An update that raises on its groups `bus.max_deliveries` times dead-letters them (one group must not stop
+    the run); each is recorded as lost first (`Keys.lost`), so the policy service sends other prompts in their
+    place and the step is not left waiting for them. Evidence: the dead letters and the record, in Redis."""
+    from tlt_stream.rl.learner import LearnerCore
+
+    def broken(self, groups):  # a fault of the update itself, before its optimizer step
+        raise RuntimeError("the update cannot take these groups")
+
+    monkeypatch.setattr(LearnerCore, "step", broken)
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    await producer.send("samples", [sample("a", 0, 1.0), sample("a", 1, 0.0), sample("c", 0, 1.0), sample("c", 1, 0.0)])
+    more = {"bus.max_deliveries": 1, "learner.accumulate": False}
+    async with service(bus_config, tmp_path / "run", init_policy, more) as learner:
+        await learner.start()
+        stop = asyncio.Event()
+        running = asyncio.create_task(learner.run(stop, max_updates=1))  # never reached: every update fails
+        async with asyncio.timeout(60):
+            while await redis.xlen(keys.stream("dead")) < 4:  # noqa: ASYNC110 (a stream, not an event)
+                await asyncio.sleep(0.1)
+        stop.set()
+        await running
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+    assert all("the update failed 1 times on this group" in d.reason for d in dead) and len(dead) == 4
+    assert {k.decode() for k in await redis.hkeys(keys.lost)} == {"a", "c"}
+    await redis.aclose()

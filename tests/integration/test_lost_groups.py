@@ -35,9 +35,17 @@ async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after
     keys = Keys(bus_config.run)
     redis = connect_redis(bus_config.bus.redis_url)
 
-    def service() -> PolicyService:
+    def service(max_staleness: int = 1) -> PolicyService:
         control = ControlPlane(bus_config, redis, role="policy")
-        return PolicyService(bus_config, redis, control, _source(), prompts_per_step=PROMPTS, group_size=GROUP)
+        return PolicyService(
+            bus_config,
+            redis,
+            control,
+            _source(),
+            prompts_per_step=PROMPTS,
+            group_size=GROUP,
+            max_staleness=max_staleness,
+        )
 
     first = service()
     await first.dispatch(0)
@@ -45,7 +53,7 @@ async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after
     await redis.hsetnx(keys.lost, "s000000-0001", 0)  # what a worker writes before dead-lettering the task
     assert await first.replace_dropped() == 1
     instead = (await prompt_tasks(redis, keys))[-1]
-    expected = _source().prompts(0, PROMPTS + 1)[-1]
+    expected = _source().prompts(0, 2 * PROMPTS)[PROMPTS + 1]  # task 1's in the step's next block of prompts
     assert instead.task_id == "s000000-0001.n" and instead.step == 0 and instead.group_size == GROUP
     assert (instead.prompt_id, instead.prompt_ids, instead.answer) == (expected[0], expected[2], expected[3])
     assert instead.prompt_id != original["s000000-0001"].prompt_id, "another prompt, not the one that failed"
@@ -70,6 +78,16 @@ async def test_a_lost_task_is_replaced_by_another_prompt_once_and_given_up_after
     await redis.hsetnx(keys.lost, "s000000-0007", 0)  # not one of step 0's PROMPTS tasks
     assert await service().replace_dropped() == 0 and len(await prompt_tasks(redis, keys)) == sent
     assert await redis.hmget(keys.replaced, ["poison-long", "s000000-0007"]) == [b"", b""]
+
+    # Two lost tasks of one step get two other prompts; on-policy, a group an update left over is not sent again
+    # (the step's spare), a lost one is.
+    await redis.hsetnx(keys.dropped, "s000000-0000", 0)
+    assert await service(max_staleness=0).replace_dropped() == 0
+    await redis.hsetnx(keys.lost, "s000000-0000", 0)
+    assert await service(max_staleness=0).replace_dropped() == 1
+    task0, task1 = (await prompt_tasks(redis, keys))[-1], instead
+    assert task0.task_id == "s000000-0000.n" and task0.prompt_id != task1.prompt_id
+    assert task0.prompt_id == _source().prompts(0, 2 * PROMPTS)[PROMPTS][0]
     await redis.aclose()
 
 
@@ -78,7 +96,7 @@ async def test_an_on_policy_run_replaces_a_group_its_reward_failed_on_and_finish
 ) -> None:
     keys = Keys(bus_config.run)
     doomed = _source().prompts(1, PROMPTS)[1][3]  # the answer of step 1's second prompt: its reward raises
-    replacement = _source().prompts(1, PROMPTS + 1)[-1][3]
+    replacement = _source().prompts(1, 2 * PROMPTS)[PROMPTS + 1][3]
     others = {p[3] for p in _source().prompts(0, PROMPTS)} | {_source().prompts(1, PROMPTS)[0][3]}
     assert replacement != doomed and doomed not in others, "the seed's prompts: only the doomed one fails"
 

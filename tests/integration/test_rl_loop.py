@@ -459,6 +459,10 @@ async def test_poison_tasks_are_dead_lettered_and_the_worker_generates_on(
         good = build_tokenizer().encode("Start at 1 and add 2, 1 times.\n")
         poison = [task("long", [5] * 96), task("vocab", [5, vocab + 1]), task("future", good, min_version=2**40)]
         poison.append(task("reward", good, answer="not a number"))
+        # An entry the reader itself refuses (a group size out of range: it does not decode), which still names
+        # its task and step.
+        refused = msgspec.msgpack.encode({"task_id": "refused", "step": 3, "group_size": -1, "prompt_ids": good})
+        await redis.xadd(keys.stream("prompts"), {b"m": refused})
         await StreamProducer(redis, keys, bus_config.bus).send("prompts", [*poison, task("good", good)])
         async with asyncio.timeout(60):
             while not (worker.generation.tasks_done == 1 and worker.intake.invalid_tasks == 4):
@@ -466,11 +470,18 @@ async def test_poison_tasks_are_dead_lettered_and_the_worker_generates_on(
     samples = [codec_for("samples").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "samples")]
     assert sorted(s.sample_id for s in samples) == ["good/0", "good/1"], "nothing of the reward's task was sent"
     dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis_entries(bus_config, keys, "dead")]
-    by_task = {codec_for("prompts").decode(d.payload).task_id: d for d in dead}
+    assert [d.payload for d in dead if d.payload == refused] == [refused], "refused by the reader, as it came"
+    by_task = {codec_for("prompts").decode(d.payload).task_id: d for d in dead if d.payload != refused}
     assert set(by_task) == {"long", "vocab", "future", "reward"} and all(d.origin == "rollout/w0" for d in dead)
     assert "max_len=96" in by_task["long"].reason and "vocabulary" in by_task["vocab"].reason
     assert "newer than the newest published" in by_task["future"].reason
     assert "the reward raised: ValueError" in by_task["reward"].reason
+    # Each task lost, recorded (before its dead letter, or at the read that refused it) for the policy service
+    # to replace: tests/integration/test_lost_groups.py.
+    redis = connect_redis(bus_config.bus.redis_url)
+    lost = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.lost)).items()}
+    await redis.aclose()
+    assert lost == {"long": 0, "vocab": 0, "future": 0, "reward": 0, "refused": 3}
 
 
 async def redis_entries(config: Config, keys: Keys, stream: str) -> list:

@@ -273,7 +273,7 @@ def load_tokenizer(directory: str | Path) -> Any:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, ImportError) as exc:  # ImportError: sentencepiece or protobuf missing
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: the tokenizer does not load ({reason})") from exc
     if len(tokenizer) < 2:

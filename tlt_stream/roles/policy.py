@@ -17,8 +17,8 @@ append-only file fsynced once a second): those steps are sent again, with the sa
 
 A step also waits for groups that will never come: one the learner dropped as too stale (streaming) is sent
 again with its prompt (`<id>.r`); one lost to dead letters (a prompt the checks refuse, a reward that raised
-or hung, every member poison) is replaced by another prompt of the step (`<id>.n`), at most `LOST_TRIES`
-times over (`replace_dropped`).
+or hung, every member poison) is replaced by another prompt of the step (`<id>.n`) until it has been lost
+`LOST_TRIES` times (`replace_dropped`).
 
 After each dispatch the service trims `prompts` of the tasks every consumer group has acked (`trim_acked`:
 never a pending or undelivered one), which keeps the stream's memory at the tasks in flight.
@@ -57,7 +57,8 @@ Redis restart takes seconds)."""
 
 LOST_TRIES = 3
 """How many times a task's group may be lost to dead letters, each time with another prompt, before the policy
-service stops replacing it: the reward or the data then fails whatever the prompt, and the step waits."""
+service stops replacing it (it is replaced `LOST_TRIES - 1` times): the reward or the data then fails whatever
+the prompt, and the step waits."""
 
 
 def task_id(step: int, index: int) -> str:
@@ -201,11 +202,16 @@ class PolicyService:
         """Send, once each, a task in place of every task the learner dropped as too stale (`Keys.dropped`:
         the same prompt under the task id `<id>.r`) and of every task lost to dead letters (`Keys.lost`: a
         prompt the checks refused, a reward that raised or hung, every member poison; another prompt, under
-        `<id>.n`), asking for the newest policy version, each recorded in `Keys.replaced` in the same
-        transaction (a restarted service sends none twice). Without this a step would wait for ever for the
-        group it lost. A task lost `LOST_TRIES` times over is not replaced again (its step cannot complete:
-        the reward or the data fails whatever the prompt; said once, as an error). Returns how many it sent."""
-        dropped = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.dropped)).items()}
+        `<id>.n`), asking for the version its step asks for or the newest, each recorded in `Keys.replaced` in
+        the same transaction (a restarted service sends none twice). Without this a step would wait for ever
+        for the group it lost. Stale groups are sent again only when streaming: on-policy, a group an update
+        left over (learner.groups_per_step below the prompts per step) is the step's spare, not a loss. A task
+        lost `LOST_TRIES` times, each time with another prompt, is not replaced again (its step cannot
+        complete: the reward or the data fails whatever the prompt; said once, as an error). Returns how many
+        it sent."""
+        dropped = {}
+        if self.max_staleness > 0:
+            dropped = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.dropped)).items()}
         lost = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.lost)).items()}
         if not dropped and not lost:
             return 0
@@ -218,7 +224,7 @@ class PolicyService:
                 todo = sorted(task for task in {**dropped, **lost} if task not in done)
                 if not todo:
                     return 0
-                version = max(0, self.control.version("policy"))
+                newest = max(0, self.control.version("policy"))
                 pipe.multi()
                 sent, given_up, strangers = [], [], []
                 for task in todo:
@@ -231,7 +237,7 @@ class PolicyService:
                         pipe.hset(self.keys.replaced, task, "")  # given up: said once
                         given_up.append(task)
                         continue
-                    again = self._instead(task, step, version) if task in lost else self._again(task, step, version)
+                    again = self._instead(task, step, newest) if task in lost else self._again(task, step, newest)
                     pipe.xadd(key, {PAYLOAD_FIELD: self.codec.encode(again)})
                     pipe.hset(self.keys.replaced, task, again.task_id)
                     sent.append(task)
@@ -255,29 +261,37 @@ class PolicyService:
 
         return await retry(transaction, retry_on=(WatchError,), what="re-sending dropped groups", cap=4.0)
 
-    def _instead(self, task_id: str, step: int, version: int) -> PromptGroup:
+    def _instead(self, task_id: str, step: int, newest: int) -> PromptGroup:
         """Another prompt in place of task `task_id` of step `step`, lost to dead letters, under `<id>.n`
-        (`_prompt_of` says which)."""
-        return self._task(f"{task_id}.n", step, self._prompt_of(f"{task_id}.n", step), version)
+        (`_prompt_of` says which), for the version its step asks for (`_asked`)."""
+        return self._task(f"{task_id}.n", step, self._prompt_of(f"{task_id}.n", step), *self._asked(step, newest))
+
+    def _asked(self, step: int, newest: int) -> tuple[int, int | None]:
+        """(min_policy_version, draft_version) of a task sent in place of one of step `step` while `newest` is
+        published: the step's own version where it is still ahead (a draft, with partial rollouts, as the step
+        went out), else the newest."""
+        wanted = step - self.max_staleness
+        return (wanted, self._draft_version(step)) if wanted > newest else (newest, None)
 
     def _ours(self, task: str, step: int) -> bool:
         """Whether `task` of step `step` is one this service dispatched, or sent in place of one."""
         base, *marks = task.split(".")
         return all(m in ("r", "n") for m in marks) and base in {task_id(step, i) for i in range(self.prompts_per_step)}
 
-    def _again(self, task_id: str, step: int, version: int) -> PromptGroup:
-        """Task `task_id` of step `step` sent again: the same prompt (`_prompt_of`), for policy `version` or
-        newer, under `<id>.r`."""
-        return self._task(f"{task_id}.r", step, self._prompt_of(task_id, step), version)
+    def _again(self, task_id: str, step: int, newest: int) -> PromptGroup:
+        """Task `task_id` of step `step` sent again: the same prompt (`_prompt_of`), under `<id>.r`, for the
+        version its step asks for (`_asked`)."""
+        return self._task(f"{task_id}.r", step, self._prompt_of(task_id, step), *self._asked(step, newest))
 
     def _prompt_of(self, task_id: str, step: int) -> tuple[str, str, list[int], str]:
         """The prompt of task `task_id` of step `step`: a dispatched `s{step}-{i}` has the step's i-th, and each
-        `.r` after it keeps its task's; one sent in place of a lost task (its n-th `.n`) has the source's last
-        of the step's prompts and n more (a pure function of (seed, step, n))."""
+        `.r` after it keeps its task's; one sent in place of a lost task, its n-th `.n`, has the i-th of the n-th
+        block of `prompts_per_step` the source gives for the step past its own (a pure function of (seed, step,
+        i, n): another prompt for each lost task of a step)."""
         base, *marks = task_id.split(".")
-        if tries := marks.count("n"):
-            return self.source.prompts(step, self.prompts_per_step + tries)[-1]
-        return self.source.prompts(step, self.prompts_per_step)[int(base.rsplit("-", 1)[1])]
+        index, tries = int(base.rsplit("-", 1)[1]), marks.count("n")
+        per_step = self.prompts_per_step
+        return self.source.prompts(step, per_step * (tries + 1))[per_step * tries + index]
 
     def _task(
         self,

@@ -146,11 +146,13 @@ class SampleIntake:
         replace these."""
         if not self._lost:
             return
-        lost, self._lost = self._lost, {}
+        lost = dict(self._lost)
         async with self.redis.pipeline(transaction=False) as pipe:
             for task_id, step in lost.items():
                 pipe.hsetnx(self.keys.lost, task_id, step)
             await pipe.execute()
+        for task_id in lost:  # forgotten once Redis has them (a failed write is tried again at the next read)
+            self._lost.pop(task_id, None)
         log.warning("group(s) %s lost every member to dead letters: another prompt is asked for each", sorted(lost))
 
     def _mark_dead(self, sample: Sample) -> None:
@@ -183,7 +185,11 @@ class SampleIntake:
             )
 
     async def dead_group(self, group: ReadyGroup, reason: str) -> None:
-        """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised)."""
+        """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised). It
+        is recorded as lost first, for the policy service to send another prompt in its place."""
+        if group.samples:
+            self._lost[group.task_id] = group.samples[0].step
+            await self.record_lost()
         for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
             await self.reader.give_up(Delivery(entry_id, sample, 0), reason)
         self.assembler.drop(group)

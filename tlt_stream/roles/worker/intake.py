@@ -15,6 +15,8 @@ import contextlib
 import logging
 import time
 
+import msgspec
+
 from tlt_stream.basics.common import stable_int
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import PromptGroup
@@ -27,6 +29,17 @@ from tlt_stream.roles.worker.tasks import GroupTask, InFlight, streams_hidden
 __all__ = ["TaskIntake"]
 
 log = logging.getLogger("tlt_stream.roles.rollout_worker")
+
+
+class _Task(msgspec.Struct):
+    """What a `prompts` entry the reader refused (undecodable, too large, delivered too often) may still say:
+    which task of which step it was (every other field ignored)."""
+
+    task_id: str
+    step: int = 0
+
+
+_TASK = msgspec.msgpack.Decoder(_Task)
 
 
 class TaskIntake:
@@ -49,8 +62,33 @@ class TaskIntake:
         self.worker_id = worker_id
         self.partial = config.policy.partial_rollouts
         self.invalid_tasks = 0
+        self._lost: dict[str, int] = {}
+        """Task id -> step of tasks the reader refused, not yet recorded as lost (`record_lost`)."""
+        reader.on_refused = self._refused
         self._group_hint = 1
         """Group size of the last task read (how many tasks fit in the free rows)."""
+
+    def _refused(self, payload: bytes) -> None:
+        """A task the reader dead-lettered itself (one that, say, killed every worker that took it, delivered
+        too often): recorded as lost at the next `record_lost`, so its step gets another prompt."""
+        try:
+            task = _TASK.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("%s: a dead-lettered prompts entry names no task: its step may wait for it", self.worker_id)
+            return
+        self._lost[task.task_id] = task.step
+
+    async def record_lost(self) -> None:
+        """Record the tasks the reader refused as lost (`Keys.lost`, once each); kept until Redis has them."""
+        if not self._lost:
+            return
+        lost = dict(self._lost)
+        async with self.reader.redis.pipeline(transaction=False) as pipe:
+            for task_id, step in lost.items():
+                pipe.hsetnx(self.reader.keys.lost, task_id, step)
+            await pipe.execute()
+        for task_id in lost:
+            self._lost.pop(task_id, None)
 
     async def lose(self, delivery: Delivery[PromptGroup], reason: str) -> None:
         """Dead-letter a task that no worker can turn into a group (`reason`), recorded first as lost
@@ -74,6 +112,7 @@ class TaskIntake:
         """Read up to `count` tasks into `waiting`; poison (it would fail the same way on every worker and
         every redelivery) is dead-lettered, and the worker goes on."""
         deliveries = await self.reader.read(count=count, block_ms=block_ms)
+        await self.record_lost()  # what the read itself refused
         usable = []
         for delivery in deliveries:
             if problem := await self._problem(delivery.message):

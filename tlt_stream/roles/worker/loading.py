@@ -146,7 +146,7 @@ class PolicyLoader:
         if self.tokenizer is None:
             if not Path(announced.location).is_dir():  # pruned since verified: say so, not "bad repo id"
                 raise CheckpointError(f"{announced.location}: vanished while loading (pruned by the learner?)")
-            self.tokenizer = load_tokenizer(self.config.data.tokenizer or announced.location)
+            self.tokenizer = load_tokenizer(announced.location)  # the learner publishes data.tokenizer with it
         self.stop_ids = stop_token_ids(announced.location, self.tokenizer)
         if own.stop and self.stop_rule is None:
             self.stop_rule = StopStrings(self.tokenizer, own.stop)
