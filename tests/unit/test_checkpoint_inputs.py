@@ -15,7 +15,7 @@ import torch
 
 from tests.families import LLAMA3_SPECIALS, build_family, chat_tokenizer, family_config
 from tlt_stream.model import CheckpointError, load_model, load_tokenizer, spec_from_hf_config
-from tlt_stream.model.loader import encode_prompt
+from tlt_stream.model.loader import prompt_encoder
 from tlt_stream.rl.datasets import DatasetError, load_examples
 
 WINDOWED = [
@@ -96,13 +96,13 @@ def test_a_raw_prompt_begins_with_the_bos_its_tokenizer_adds() -> None:
     kind) gets none."""
     llama = _bos_tokenizer()
     text = "Question: what is 12 plus 3? Answer:"
-    assert encode_prompt(llama, text) == llama(text)["input_ids"]
-    assert encode_prompt(llama, text)[0] == llama.bos_token_id
+    assert prompt_encoder(llama)(text) == llama(text)["input_ids"]
+    assert prompt_encoder(llama)(text)[0] == llama.bos_token_id
     templated = "<|begin_of_text|>" + text
-    assert encode_prompt(llama, templated) == llama(templated, add_special_tokens=False)["input_ids"]
-    assert encode_prompt(llama, templated).count(llama.bos_token_id) == 1
+    assert prompt_encoder(llama)(templated) == llama(templated, add_special_tokens=False)["input_ids"]
+    assert prompt_encoder(llama)(templated).count(llama.bos_token_id) == 1
     plain = chat_tokenizer(["<pad>", "<eos>"], "<eos>", "")
-    assert encode_prompt(plain, text) == plain(text)["input_ids"] == plain(text, add_special_tokens=False)["input_ids"]
+    assert prompt_encoder(plain)(text) == plain(text)["input_ids"] == plain(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_chat_template_that_refuses_a_prompt_is_the_rows_error(tmp_path: Path) -> None:

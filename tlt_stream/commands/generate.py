@@ -50,10 +50,10 @@ class GenerateOptions:
 def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int, context: int | None = None) -> list[list[int]]:
     """Token ids of every input row, validated; with `context` (the model's positions), each prompt leaves
     room for one response token at least."""
-    from tlt_stream.model.loader import encode_prompt
+    from tlt_stream.model.loader import prompt_encoder
     from tlt_stream.rl.datasets import jsonl_lines
 
-    tokenizer = None
+    encode = None
     prompts: list[list[int]] = []
     for number, line in jsonl_lines(path, InputError, lambda n: f"{path}:{n}"):
         where = f"{path}:{number}"
@@ -78,9 +78,9 @@ def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int, context: int 
         elif "prompt" in row:
             if not isinstance(row["prompt"], str) or not row["prompt"]:
                 raise InputError(f"{where}: 'prompt' must be a non-empty string")
-            if tokenizer is None:
-                tokenizer = _tokenizer(tokenizer_dir, where)
-            ids = encode_prompt(tokenizer, row["prompt"])
+            if encode is None:
+                encode = prompt_encoder(_tokenizer(tokenizer_dir, where))
+            ids = encode(row["prompt"])
             if not ids:
                 raise InputError(f"{where}: the prompt tokenises to nothing")
             prompts.append(list(ids))

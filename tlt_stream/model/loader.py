@@ -281,16 +281,21 @@ def load_tokenizer(directory: str | Path) -> Any:
     return tokenizer
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """`text`'s token ids as the model sees a prompt: special tokens written in the text are their own ids (a
+def prompt_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A text's token ids as the model sees a prompt: special tokens written in the text are their own ids (a
     chat template writes the BOS itself), and where the tokenizer begins every sequence with a BOS of its own
     (Llama's, Mistral's; Qwen's adds none) and the text does not start with it, it is added, as `tokenizer(text)`
-    and transformers' `generate` on it do."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    and transformers' `generate` on it do. Whether it adds one is asked of the tokenizer once, here."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    if isinstance(bos, int) and ids[:1] != [bos] and _adds_bos(tokenizer, bos):
-        ids.insert(0, bos)
-    return ids
+    adds_bos = isinstance(bos, int) and _adds_bos(tokenizer, bos)
+
+    def encode(text: str) -> list[int]:
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if adds_bos and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    return encode
 
 
 def _adds_bos(tokenizer: Any, bos: int) -> bool:

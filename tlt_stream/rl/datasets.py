@@ -216,10 +216,11 @@ class PromptPool:
         self.fields: dict[str, dict[str, Any]] = {}
         """prompt_id -> the row's other fields (`PromptGroup.fields`)."""
         self.skipped = 0
-        from tlt_stream.model.loader import encode_prompt
+        from tlt_stream.model.loader import prompt_encoder
 
+        encode = prompt_encoder(tokenizer)
         for example in examples:
-            ids = encode_prompt(tokenizer, example.prompt)
+            ids = encode(example.prompt)
             if not ids or len(ids) > max_prompt_len:
                 self.skipped += 1
                 continue
