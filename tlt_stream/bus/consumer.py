@@ -41,7 +41,7 @@ from tlt_stream.bus.connect import connections_opened
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys, spec
 
-__all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "StreamReader", "dead_letter"]
+__all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "LostTasks", "StreamReader", "dead_letter"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,6 +105,33 @@ async def dead_letter(
         cap=5.0,
     )
     log.warning("dead-lettered %s entry %s from %s: %s", stream, entry_id, origin, reason)
+
+
+class LostTasks:
+    """Tasks whose groups none of whose samples can be trained (a worker's refused task, a reward that raised or
+    hung, a group of poison only), to record in `Keys.lost` (task id -> step, once per task) for the policy
+    service to send another prompt in their place. A task noted is held until Redis has it: a failed write is
+    tried again at the next `record`."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+        self.pending: dict[str, int] = {}
+
+    def note(self, task_id: str, step: int) -> None:
+        self.pending[task_id] = step
+
+    async def record(self) -> list[str]:
+        """Write the tasks noted; the ids written, sorted."""
+        if not self.pending:
+            return []
+        lost = dict(self.pending)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task_id, step in lost.items():
+                pipe.hsetnx(self.keys.lost, task_id, step)
+            await pipe.execute()
+        for task_id in lost:
+            self.pending.pop(task_id, None)
+        return sorted(lost)
 
 
 class StreamReader(Generic[T]):

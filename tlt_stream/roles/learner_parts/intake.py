@@ -24,7 +24,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from tlt_stream.basics.messages import Sample
-from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.consumer import Delivery, LostTasks, StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import trim_acked
 from tlt_stream.bus.streams import Keys
@@ -82,8 +82,8 @@ class SampleIntake:
         self.invalid = 0
         self.trimmed = 0
         self.reader.on_refused = self._refused
-        self._lost: dict[str, int] = {}
-        """Task id -> step of groups left with nothing to train, not yet recorded in Redis (`record_lost`)."""
+        self.lost = LostTasks(redis, keys)
+        """Groups left with nothing to train, recorded in Redis by `record_lost`."""
 
     def resume(self, ledger: set[str]) -> None:
         """Start from the ledger of the checkpoint resumed: its samples are recognised as trained."""
@@ -144,22 +144,14 @@ class SampleIntake:
         """Record the groups left with nothing to train (`Keys.lost`, once per task) for the policy service to
         send another prompt in their place: a step waits for the groups it needs, and nothing else would
         replace these."""
-        if not self._lost:
-            return
-        lost = dict(self._lost)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for task_id, step in lost.items():
-                pipe.hsetnx(self.keys.lost, task_id, step)
-            await pipe.execute()
-        for task_id in lost:  # forgotten once Redis has them (a failed write is tried again at the next read)
-            self._lost.pop(task_id, None)
-        log.warning("group(s) %s lost every member to dead letters: another prompt is asked for each", sorted(lost))
+        if lost := await self.lost.record():
+            log.warning("group(s) %s lost every member to dead letters: another prompt is asked for each", lost)
 
     def _mark_dead(self, sample: Sample) -> None:
         """A dead-lettered member: its group completes without it (ready if members are left, else lost)."""
         offer = self.assembler.mark_dead(sample)
         if offer.status == "lost":
-            self._lost[sample.task_id] = sample.step
+            self.lost.note(sample.task_id, sample.step)
         if offer.status == "ready":
             assert offer.group is not None
             log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
@@ -188,7 +180,7 @@ class SampleIntake:
         """Dead-letter every entry of `group`; its sample ids join the ledger (later copies are recognised). It
         is recorded as lost first, for the policy service to send another prompt in its place."""
         if group.samples:
-            self._lost[group.task_id] = group.samples[0].step
+            self.lost.note(group.task_id, group.samples[0].step)
             await self.record_lost()
         for sample, entry_id in zip(group.samples, group.entry_ids, strict=True):
             await self.reader.give_up(Delivery(entry_id, sample, 0), reason)

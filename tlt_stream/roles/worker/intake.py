@@ -20,7 +20,7 @@ import msgspec
 from tlt_stream.basics.common import stable_int
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import PromptGroup
-from tlt_stream.bus.consumer import Delivery, StreamReader
+from tlt_stream.bus.consumer import Delivery, LostTasks, StreamReader
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.rl.validate import prompt_problem
 from tlt_stream.roles.worker.loading import PolicyLoader
@@ -62,33 +62,21 @@ class TaskIntake:
         self.worker_id = worker_id
         self.partial = config.policy.partial_rollouts
         self.invalid_tasks = 0
-        self._lost: dict[str, int] = {}
-        """Task id -> step of tasks the reader refused, not yet recorded as lost (`record_lost`)."""
+        self.lost = LostTasks(reader.redis, reader.keys)
+        """Tasks dead-lettered here, recorded as lost before their dead letter or at the next read."""
         reader.on_refused = self._refused
         self._group_hint = 1
         """Group size of the last task read (how many tasks fit in the free rows)."""
 
     def _refused(self, payload: bytes) -> None:
         """A task the reader dead-lettered itself (one that, say, killed every worker that took it, delivered
-        too often): recorded as lost at the next `record_lost`, so its step gets another prompt."""
+        too often): recorded as lost at the next read, so its step gets another prompt."""
         try:
             task = _TASK.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("%s: a dead-lettered prompts entry names no task: its step may wait for it", self.worker_id)
             return
-        self._lost[task.task_id] = task.step
-
-    async def record_lost(self) -> None:
-        """Record the tasks the reader refused as lost (`Keys.lost`, once each); kept until Redis has them."""
-        if not self._lost:
-            return
-        lost = dict(self._lost)
-        async with self.reader.redis.pipeline(transaction=False) as pipe:
-            for task_id, step in lost.items():
-                pipe.hsetnx(self.reader.keys.lost, task_id, step)
-            await pipe.execute()
-        for task_id in lost:
-            self._lost.pop(task_id, None)
+        self.lost.note(task.task_id, task.step)
 
     async def lose(self, delivery: Delivery[PromptGroup], reason: str) -> None:
         """Dead-letter a task that no worker can turn into a group (`reason`), recorded first as lost
@@ -97,7 +85,8 @@ class TaskIntake:
         between the two leaves the task pending (another worker takes it), never lost unrecorded."""
         task = delivery.message
         self.invalid_tasks += 1
-        await self.reader.redis.hsetnx(self.reader.keys.lost, task.task_id, task.step)
+        self.lost.note(task.task_id, task.step)
+        await self.lost.record()
         await self.reader.give_up(delivery, reason)
 
     def room(self) -> int:
@@ -112,7 +101,7 @@ class TaskIntake:
         """Read up to `count` tasks into `waiting`; poison (it would fail the same way on every worker and
         every redelivery) is dead-lettered, and the worker goes on."""
         deliveries = await self.reader.read(count=count, block_ms=block_ms)
-        await self.record_lost()  # what the read itself refused
+        await self.lost.record()  # what the read itself refused
         usable = []
         for delivery in deliveries:
             if problem := await self._problem(delivery.message):
