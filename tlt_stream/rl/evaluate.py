@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.config import Config
-from tlt_stream.rl.datasets import pool_from_config
+from tlt_stream.rl.datasets import PromptPool, pool_from_config
 from tlt_stream.rl.rewards import RewardFn, call_reward, resolve_reward
 
-__all__ = ["evaluate_dataset", "score"]
+__all__ = ["evaluate_dataset", "held_out_pool", "score"]
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +26,13 @@ log = logging.getLogger(__name__)
 def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_size: int = 32) -> dict[str, Any]:
     """pass@1 and mean reward of `policy_dir` on `config.data.eval_dataset` (its first `n` usable prompts)."""
     from tlt_stream.model import load_model, load_tokenizer, stop_token_ids
-    from tlt_stream.model.sizing import context_len
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.stops import StopStrings
 
     data = config.data
-    assert data.eval_dataset is not None
     tokenizer = load_tokenizer(data.tokenizer or policy_dir)
+    pool, max_len = held_out_pool(policy_dir, config, tokenizer)
     model = load_model(policy_dir)
-    max_len = context_len(config.rollout.max_len, model.spec.max_position_embeddings, policy_dir)
-    pool = pool_from_config(data.eval_dataset, config, tokenizer, seed=0, max_len=max_len)
     rows = pool.rows[:n]
     reward = resolve_reward(config.rollout.reward)
     engine = GenerationEngine(model, batch_size, max_len)
@@ -69,6 +66,17 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
         "length_mean": sum(lengths) / len(lengths),
         "seconds": round(time.perf_counter() - started, 2),
     }
+
+
+def held_out_pool(policy_dir: str | Path, config: Config, tokenizer: Any) -> tuple[PromptPool, int]:
+    """(the held-out prompts of `config.data.eval_dataset`, as every evaluation reads them with `tokenizer`,
+    the context they are generated within: `rollout.max_len`, else the policy's positions)."""
+    from tlt_stream.model.loader import checkpoint_positions
+    from tlt_stream.model.sizing import context_len
+
+    assert config.data.eval_dataset is not None
+    max_len = context_len(config.rollout.max_len, checkpoint_positions(policy_dir), str(policy_dir))
+    return pool_from_config(config.data.eval_dataset, config, tokenizer, seed=0, max_len=max_len), max_len
 
 
 def score(reward: RewardFn, rows: list[tuple[str, str, dict | None]], *, name: str) -> list[float]:

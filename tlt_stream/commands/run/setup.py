@@ -138,7 +138,7 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         resolve_device(config.learner.device)
         require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
         plan = RunPlan(world=Path(config.launch.world), run_dir=out, config=config, cores=cores)
-        check_policy(plan.policy_dir, config)  # what a worker would refuse of it: now, not a silent wait
+        tokenizer = check_policy(plan.policy_dir, config)  # what a worker would refuse of it: now, not a wait
         reward = resolve_reward(config.rollout.reward)  # a missing module, file or function: before any service
         rows: list[dict] = []  # the other fields of every row the reward will score
         if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
@@ -152,7 +152,9 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
                 file=sys.stderr,
             )
         if config.launch.eval and config.data.eval_dataset is not None:  # read as the evaluations will read it
-            held_out = eval_pool(plan.policy_dir, config)
+            from tlt_stream.rl.evaluate import held_out_pool
+
+            held_out, _ = held_out_pool(plan.policy_dir, config, tokenizer)
             rows += [held_out.fields.get(prompt_id) or {} for prompt_id, *_ in held_out.rows[: config.launch.eval]]
         check_reward_call(reward, config.rollout.reward, rows or [{}])
     except (CheckpointError, FileNotFoundError, ValueError, DatasetError) as exc:
@@ -163,19 +165,6 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
     if own and plan.sd != config.launch.sd:
         print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
     return plan
-
-
-def eval_pool(policy: Path, config: Config) -> Any:
-    """The held-out prompts as `rl.evaluate` reads them: the policy's tokenizer (or `data.tokenizer`) and
-    its context length."""
-    from tlt_stream.model.loader import checkpoint_positions, load_tokenizer
-    from tlt_stream.model.sizing import context_len
-    from tlt_stream.rl.datasets import pool_from_config
-
-    assert config.data.eval_dataset is not None
-    tokenizer = load_tokenizer(config.data.tokenizer or policy)
-    max_len = context_len(config.rollout.max_len, checkpoint_positions(policy), str(policy))
-    return pool_from_config(config.data.eval_dataset, config, tokenizer, seed=0, max_len=max_len)
 
 
 def check_reward_call(reward: Any, name: str, rows: list[dict]) -> None:
@@ -205,19 +194,21 @@ def check_reward_call(reward: Any, name: str, rows: list[dict]) -> None:
             ) from None
 
 
-def check_policy(policy: Path, config: Config) -> None:
+def check_policy(policy: Path, config: Config) -> Any:
     """What the services would refuse of the policy checkpoint, checked before they start (a worker that
     refuses version 0 has no other to run, and would wait for one): its tokenizer (`data.tokenizer` where
     set) and, on the torch backend, its architecture and features, its safetensors and tensors, and the
-    attention window at the run's `rollout.max_len`. Raises `CheckpointError` or `ValueError` in one line."""
+    attention window at the run's `rollout.max_len`. Raises `CheckpointError` or `ValueError` in one line;
+    returns the tokenizer."""
     from tlt_stream.model import load_tokenizer
     from tlt_stream.model.loader import check_checkpoint
     from tlt_stream.model.sizing import context_len
 
-    load_tokenizer(config.data.tokenizer or policy)
+    tokenizer = load_tokenizer(config.data.tokenizer or policy)
     if config.rollout.backend == "torch":  # vLLM runs architectures of its own and reads its own files
         spec = check_checkpoint(policy)
         spec.check_window(context_len(config.rollout.max_len, spec.max_position_embeddings, str(policy)))
+    return tokenizer
 
 
 def evaluate_before(plan: RunPlan, config: Config, own: bool) -> int:
