@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -59,3 +59,13 @@ async def keep_for_audit(redis: aioredis.Redis, keys: Keys, stream: str = "sampl
     group acked) keeps every entry for the test to read at the end, as an auditor's own group would."""
     with contextlib.suppress(aioredis.ResponseError):  # BUSYGROUP: already there
         await redis.xgroup_create(keys.stream(stream), "audit", id="0", mkstream=True)
+
+
+async def until_redis(condition: Callable[[], Awaitable[bool]], what: str, seconds: float = 60.0) -> None:
+    """Wait (at most `seconds`) for a state read from Redis; the server has no event to wait on."""
+    try:
+        async with asyncio.timeout(seconds):
+            while not await condition():  # noqa: ASYNC110 - Redis state, not an event
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"gave up after {seconds}s waiting for {what}") from None

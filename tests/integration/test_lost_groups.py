@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.loop import keep_for_audit, prompt_tasks, until_first_done
+from tests.integration.loop import keep_for_audit, prompt_tasks, until_first_done, until_redis
 from tlt_stream.basics.config import Config, override
 from tlt_stream.basics.messages import codec_for
 from tlt_stream.bus.connect import connect_redis
@@ -150,4 +150,106 @@ async def test_an_on_policy_run_replaces_a_group_its_reward_failed_on_and_finish
         stop.set()
         await asyncio.gather(*services, return_exceptions=True)
         await asyncio.gather(*running, return_exceptions=True)
+        await redis.aclose()
+
+
+class _Killed(BaseException):
+    """The worker process dies here (nothing in the worker catches it)."""
+
+
+async def test_a_task_recorded_lost_whose_worker_died_before_its_dead_letter_is_not_generated_again(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A worker records a task lost (its reward raised) and dies before the dead letter and the ack. The task
+    is redelivered to another worker, whose reward works: the policy service has sent another prompt in its
+    place, so generating this one too would give its step a group too many. It goes to `dead` unread instead.
+    Evidence from Redis: the PEL, the `dead` and `samples` streams, and the `lost` record written once."""
+    from tlt_stream.basics.messages import PromptGroup
+    from tlt_stream.bus.producer import StreamProducer
+
+    config = override(bus_config, {"bus.reclaim_idle_ms": 300, "rollout.max_batch": 4, "rollout.max_len": 96})
+    keys = Keys(config.run)
+    redis = connect_redis(config.bus.redis_url, block_ms=config.bus.block_ms)
+    await keep_for_audit(redis, keys)
+    good = build_tokenizer().encode("Start at 1 and add 2, 1 times.\n")
+    doomed = PromptGroup(task_id="doomed", prompt_id="p", prompt_ids=good, answer="3", group_size=GROUP, step=2)
+    plane = ControlPlane(config, redis, role="rollout")
+    publisher = ControlPlane(config, redis, role="learner", owns=["policy"])
+    stop = asyncio.Event()
+    running = [asyncio.create_task(p.run(stop)) for p in (plane, publisher)]
+    second: asyncio.Task[None] | None = None
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(plane.connected.wait(), publisher.connected.wait())
+        learner = LearnerService(config, redis, publisher, run_dir=tmp_path / "run", init_policy=init_policy)
+        await learner.start()  # publishes version 0, which the workers load
+
+        def broken(text: str, answer: str) -> float:
+            raise ValueError("this reward is broken")
+
+        first = RolloutWorker(config, redis, plane, worker_id="w0", reward=broken)
+
+        async def die(delivery: object, reason: str) -> None:
+            raise _Killed
+
+        first.intake.reader.give_up = die  # type: ignore[method-assign]
+        await StreamProducer(redis, keys, config.bus).send("prompts", [doomed])
+        with pytest.raises(_Killed):
+            async with asyncio.timeout(60):
+                await first.run(stop)
+        assert await redis.hgetall(keys.lost) == {b"doomed": b"2"}, "recorded before the dead letter"
+        pel = await redis.xpending_range(keys.stream("prompts"), "rollout", "-", "+", 10)
+        assert [(r["consumer"], r["times_delivered"]) for r in pel] == [(b"w0", 1)], "pending, never acked"
+        await redis.delete(keys.worker("w0"))  # its heartbeat expires: the process is gone
+
+        after = RolloutWorker(config, redis, plane, worker_id="w1", reward=reward)
+        second = asyncio.create_task(after.run(stop))
+
+        async def settled() -> bool:
+            return second.done() or not (await redis.xpending(keys.stream("prompts"), "rollout"))["pending"]
+
+        await until_redis(settled, "the redelivered task handled")
+        assert not second.done(), "the second worker works on"
+        pel = await redis.xpending(keys.stream("prompts"), "rollout")
+        assert pel["pending"] == 0
+        dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+        assert [(codec_for("prompts").decode(d.payload).task_id, d.origin, d.deliveries) for d in dead] == [
+            ("doomed", "rollout/w1", 2)
+        ]
+        assert "recorded lost" in dead[0].reason
+        assert await redis.xlen(keys.stream("samples")) == 0, "nothing of the lost task generated"
+        assert await redis.hgetall(keys.lost) == {b"doomed": b"2"}
+    finally:
+        stop.set()
+        if second is not None:
+            await asyncio.gather(second, return_exceptions=True)
+        await asyncio.gather(*running, return_exceptions=True)
+        await redis.aclose()
+
+
+async def test_a_task_the_reader_refuses_is_recorded_lost_before_its_ack(bus_config: Config) -> None:
+    """An entry the reader dead-letters itself (here: it does not decode) is recorded lost before it is acked:
+    a worker that dies at the ack leaves the record in Redis (and the entry pending), never an acked entry
+    whose step waits for ever for its group."""
+    import msgspec
+
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url, block_ms=bus_config.bus.block_ms)
+    plane = ControlPlane(bus_config, redis, role="rollout")
+    try:
+        worker = RolloutWorker(bus_config, redis, plane, worker_id="w0", reward=reward)
+        await worker.intake.reader.ensure_group()
+        refused = msgspec.msgpack.encode({"task_id": "refused", "step": 5, "group_size": -1, "prompt_ids": [1]})
+        await redis.xadd(keys.stream("prompts"), {b"m": refused})
+
+        async def die(entry_ids: list[str]) -> int:
+            raise _Killed
+
+        worker.intake.reader.ack = die  # type: ignore[method-assign]
+        with pytest.raises(_Killed):
+            await worker.intake.read(4, 100)
+        assert await redis.hgetall(keys.lost) == {b"refused": b"5"}
+        assert (await redis.xpending(keys.stream("prompts"), "rollout"))["pending"] == 1, "never acked"
+        assert await redis.xlen(keys.stream("dead")) == 1
+    finally:
         await redis.aclose()

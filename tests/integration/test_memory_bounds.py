@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
 from tests.faults.harness import free_port
+from tests.integration.loop import until_redis
 from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.basics.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.bus.connect import connect_redis
@@ -163,13 +164,7 @@ async def oom_replies(redis: aioredis.Redis) -> int:
 
 
 async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Wait (at most WAIT_S) for a state read from Redis; the server has no event to wait on."""
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not await condition():  # noqa: ASYNC110 - Redis state, not an event
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"gave up after {WAIT_S}s waiting for {what}") from None
+    await until_redis(condition, what, WAIT_S)
 
 
 def private_config(redis: aioredis.Redis, **bus: object) -> Config:

@@ -476,7 +476,7 @@ async def test_poison_tasks_are_dead_lettered_and_the_worker_generates_on(
     assert "max_len=96" in by_task["long"].reason and "vocabulary" in by_task["vocab"].reason
     assert "newer than the newest published" in by_task["future"].reason
     assert "the reward raised: ValueError" in by_task["reward"].reason
-    # Each task lost, recorded (before its dead letter, or at the read that refused it) for the policy service
+    # Each task lost, recorded (before its ack, whoever dead-lettered it) for the policy service
     # to replace: tests/integration/test_lost_groups.py.
     redis = connect_redis(bus_config.bus.redis_url)
     lost = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.lost)).items()}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -179,10 +179,11 @@ class StreamReader(Generic[T]):
         self.refreshed = 0
         self.lost: set[str] = set()
         """Held entries another consumer took over (this one was presumed dead): their ack is still safe."""
-        self.on_refused: Callable[[bytes], None] | None = None
-        """Called with the payload of each entry this reader dead-letters itself (undecodable, too large,
-        delivered too often) once it is in `dead`: the caller may still learn what it was (the learner
-        completes the group the entry belonged to without it)."""
+        self.on_refused: Callable[[bytes], Awaitable[None]] | None = None
+        """Awaited with the payload of each entry this reader dead-letters itself (undecodable, too large,
+        delivered too often) once it is in `dead` and before its ack: the caller may still learn what it was
+        and record it (the learner completes the group the entry belonged to without it; the worker records
+        the task as lost). Should it raise, the entry stays pending and is refused again at its next delivery."""
 
     @property
     def origin(self) -> str:
@@ -467,7 +468,7 @@ class StreamReader(Generic[T]):
         )
         self.dead += 1
         if self.on_refused is not None and payload:
-            self.on_refused(payload)
+            await self.on_refused(payload)
         await self.ack([entry_id])
 
     async def give_up(self, delivery: Delivery[T], reason: str) -> None:

@@ -63,20 +63,21 @@ class TaskIntake:
         self.partial = config.policy.partial_rollouts
         self.invalid_tasks = 0
         self.lost = LostTasks(reader.redis, reader.keys)
-        """Tasks dead-lettered here, recorded as lost before their dead letter or at the next read."""
+        """Tasks dead-lettered here, recorded as lost before their ack."""
         reader.on_refused = self._refused
         self._group_hint = 1
         """Group size of the last task read (how many tasks fit in the free rows)."""
 
-    def _refused(self, payload: bytes) -> None:
+    async def _refused(self, payload: bytes) -> None:
         """A task the reader dead-lettered itself (one that, say, killed every worker that took it, delivered
-        too often): recorded as lost at the next read, so its step gets another prompt."""
+        too often): recorded as lost before its ack, so its step gets another prompt."""
         try:
             task = _TASK.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("%s: a dead-lettered prompts entry names no task: its step may wait for it", self.worker_id)
             return
         self.lost.note(task.task_id, task.step)
+        await self.lost.record()
 
     async def lose(self, delivery: Delivery[PromptGroup], reason: str) -> None:
         """Dead-letter a task that no worker can turn into a group (`reason`), recorded first as lost
@@ -101,9 +102,12 @@ class TaskIntake:
         """Read up to `count` tasks into `waiting`; poison (it would fail the same way on every worker and
         every redelivery) is dead-lettered, and the worker goes on."""
         deliveries = await self.reader.read(count=count, block_ms=block_ms)
-        await self.lost.record()  # what the read itself refused
+        lost = await self._recorded_lost(deliveries)
         usable = []
         for delivery in deliveries:
+            if delivery.message.task_id in lost:
+                await self.reader.give_up(delivery, "task recorded lost before: another prompt takes its place")
+                continue
             if problem := await self._problem(delivery.message):
                 await self.lose(delivery, f"invalid task: {problem}")
                 continue
@@ -111,6 +115,16 @@ class TaskIntake:
         if usable:
             self._group_hint = max(1, usable[-1].message.group_size)
         self.flight.waiting += usable
+
+    async def _recorded_lost(self, deliveries: list[Delivery[PromptGroup]]) -> set[str]:
+        """The redelivered tasks already in `Keys.lost`: a worker recorded one and died before its dead letter
+        and ack. Its step has another prompt in its place, so generating it too would give the step a group
+        too many. A first delivery cannot be there, so only redeliveries cost a round trip."""
+        again = [d.message.task_id for d in deliveries if d.deliveries > 1]
+        if not again:
+            return set()
+        found = await self.reader.redis.hmget(self.reader.keys.lost, again)
+        return {task_id for task_id, step in zip(again, found, strict=True) if step is not None}
 
     async def _problem(self, task: PromptGroup) -> str | None:
         def problem() -> str | None:
