@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.loop import until_redis
 from tlt_stream.basics.config import Config, override
 from tlt_stream.basics.messages import Sample, Tensor, codec_for
 from tlt_stream.bus.connect import connect_redis
@@ -511,25 +512,85 @@ async def test_a_group_with_a_bad_member_is_trained_without_it(
     await redis.aclose()
 
 
+@pytest.mark.parametrize("bad", ["poison", "undecodable"])
+async def test_a_learner_restarted_after_a_members_dead_letter_still_completes_its_group(
+    bad: str, bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A learner dead-letters c/1 and d/0 (bad: poison or undecodable) and is stopped before their groups
+    complete; their entries are acked and never come back. The next learner of the run still counts them:
+    c is trained on c/0 alone and d, whose d/1 is bad too, is recorded as lost. Without that, group c waited
+    for ever and d was never replaced. Evidence: the checkpoint's ledger, `dead`, `lost`, the PEL."""
+    import math
+
+    import msgspec
+
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    keys = Keys(bus_config.run)
+    run_dir = tmp_path / "run"
+    redis = connect_redis(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    field = {"reward": math.nan} if bad == "poison" else {"accept_length": -2.5}  # encoding does not validate
+    c1, d0, d1 = (msgspec.structs.replace(sample(t, i, 0.0), **field) for t, i in (("c", 1), ("d", 0), ("d", 1)))
+    await producer.send("samples", [c1, d0])
+    async with service(bus_config, run_dir, init_policy) as first:
+        await first.start()
+        stop = asyncio.Event()
+        running = asyncio.create_task(first.run(stop))
+
+        async def both_dead() -> bool:
+            return await redis.xlen(keys.stream("dead")) == 2
+
+        await until_redis(both_dead, "c/1 and d/0 dead-lettered")
+        stop.set()
+        await running
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0, "acked: never delivered again"
+    assert await redis.hgetall(keys.lost) == {}
+    await producer.send("samples", [sample("c", 0, 1.0), sample("a", 0, 1.0), d1, sample("a", 1, 0.0)])
+    async with service(bus_config, run_dir, init_policy) as second:
+        await second.start()
+        async with asyncio.timeout(60):
+            await second.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0"}
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+    assert [d.payload for d in dead] == [codec_for("samples").encode(m) for m in (c1, d0, d1)], "each once"
+    assert await redis.hgetall(keys.lost) == {b"d": str(d0.step).encode()}
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    assert await redis.hgetall(keys.dead_members) == {}, "forgotten once their groups' fates are durable"
+    await redis.aclose()
+
+
 async def test_a_group_an_update_leaves_behind_is_recorded_for_the_policy_service_to_send_again(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
     """A group still incomplete when two updates have passed it by (its first sample made by version 0, the
     learner at 2, staleness 1) is dropped by the update, not by an arriving sample; it is recorded in Redis
-    all the same, so the policy service sends it again (tests/integration/test_dropped_groups.py)."""
+    all the same, so the policy service sends it again (tests/integration/test_dropped_groups.py). So is one
+    whose only member so far was dead-lettered (y: poison)."""
+    import math
+
+    import msgspec
+
+    keys = Keys(bus_config.run)
     redis = connect_redis(bus_config.bus.redis_url)
-    producer = StreamProducer(redis, Keys(bus_config.run), bus_config.bus)
+    producer = StreamProducer(redis, keys, bus_config.bus)
     async with service(bus_config, tmp_path / "run", init_policy) as learner:
         await learner.start()
         waiting = sample("x", 0, 1.0)  # its sibling never comes
-        await producer.send("samples", [waiting, *(sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1))])
+        poison = msgspec.structs.replace(sample("y", 0, 1.0), reward=math.nan, step=3)  # y/1 never comes either
+        await producer.send("samples", [waiting, poison])
+        await producer.send("samples", [*(sample(t, i, float(i == 0)) for t in ("a", "b") for i in (0, 1))])
         async with asyncio.timeout(60):
             await learner.run(asyncio.Event(), max_updates=1)
         await producer.send("samples", [sample(t, i, float(i == 0), version=1) for t in ("c", "d") for i in (0, 1)])
         async with asyncio.timeout(60):
             await learner.run(asyncio.Event(), max_updates=1)
-        assert learner.version == 2 and learner.intake.assembler.dropped_groups == 1
-    assert await redis.hgetall(Keys(bus_config.run).dropped) == {b"x": str(waiting.step).encode()}
+        assert learner.version == 2 and learner.intake.assembler.dropped_groups == 2
+    assert await redis.hgetall(keys.dropped) == {b"x": str(waiting.step).encode(), b"y": b"3"}
+    assert await redis.xlen(keys.stream("dead")) == 1 and await redis.hgetall(keys.dead_members) == {}
     await redis.aclose()
 
 

@@ -94,6 +94,14 @@ class Keys:
         return f"{self.prefix}lost"
 
     @property
+    def dead_members(self) -> str:
+        """Hash: sample id of a group member the learner dead-lettered -> what it said of its group (task, index,
+        group size, version, step), written before its entry is acked. A restarted learner counts them again,
+        so their groups still complete (they are acked, never delivered again); forgotten once the group's fate
+        is durable (trained and checkpointed, dropped or lost, each recorded)."""
+        return f"{self.prefix}dead_members"
+
+    @property
     def replaced(self) -> str:
         """Hash: dropped task id -> the task id the policy service sent in its place (with that XADD, atomically)."""
         return f"{self.prefix}replaced"

@@ -44,6 +44,8 @@ class ReadyGroup:
     dead_ids: list[str] = field(default_factory=list)
     """Members that were dead-lettered (poison): the group is trained without them. Their ids stay out of the
     ledger (nothing trained them); a later copy is recognised while this process runs."""
+    step: int = 0
+    """The RL step its task was dispatched for (what a group of dead members only still says of it)."""
 
     @property
     def sample_ids(self) -> list[str]:
@@ -60,6 +62,7 @@ class ReadyGroup:
 @dataclass
 class _Open:
     group_size: int
+    step: int
     by_index: dict[int, tuple[Sample, str]] = field(default_factory=dict)
     dead: dict[int, tuple[str, int]] = field(default_factory=dict)
     """Index -> (sample id, policy version) of members dead-lettered as poison."""
@@ -83,7 +86,8 @@ class Offer:
     entries), "stale" (`group` fell outside the window, or is a late member of a group that did: ack its
     entries; the assembler has counted the drop), "invalid" (the sample contradicts its siblings: dead-
     letter this entry with `reason`; its siblings are kept) or "lost" (a dead member completed a group with
-    no member left to train: nothing of it will be trained, and its step needs another group).
+    no member left to train, `group`, of dead members only: nothing of it will be trained, and its step needs
+    another group).
     """
 
     status: Literal["held", "duplicate", "waiting", "ready", "stale", "invalid", "lost"]
@@ -138,14 +142,14 @@ class GroupAssembler:
             self.duplicates += 1
             return Offer("duplicate")
         if sample.task_id in self._dropped_tasks:  # a late member of a group already dropped as stale
-            late = ReadyGroup(sample.task_id, [sample], [entry_id])
+            late = ReadyGroup(sample.task_id, [sample], [entry_id], step=sample.step)
             self._holding.add(entry_id)
             self.dropped_samples += 1
             self.consume(late)
             return Offer("stale", late)
         group = self._open.get(sample.task_id)
         if group is None:
-            group = self._open[sample.task_id] = _Open(sample.group_size)
+            group = self._open[sample.task_id] = _Open(sample.group_size, sample.step)
         elif group.group_size != sample.group_size:
             reason = (
                 f"sample {sample.sample_id} says its group has {sample.group_size} samples, "
@@ -166,16 +170,26 @@ class GroupAssembler:
         without it, so one poison sample does not keep its siblings waiting forever (an on-policy run would
         stall). "ready" when that completed a group with members left to train on; "lost" when it completed a
         group of poison only (forgotten, counted in `dead_groups`); "waiting" otherwise."""
-        if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger or sample.sample_id in self._dead:
+        if not self.counts_dead(sample):
             return Offer("waiting")
         group = self._open.get(sample.task_id)
         if group is None:
-            group = self._open[sample.task_id] = _Open(sample.group_size)
-        if group.group_size != sample.group_size or sample.index in group.by_index or sample.index in group.dead:
-            return Offer("waiting")  # a bogus copy: it neither stands for nor completes the real member
+            group = self._open[sample.task_id] = _Open(sample.group_size, sample.step)
         group.dead[sample.index] = (sample.sample_id, sample.policy_version)
         self._dead.add(sample.sample_id)
         return self._complete(sample.task_id, group)
+
+    def counts_dead(self, sample: Sample) -> bool:
+        """Whether `mark_dead` would count this member now: not a member already accounted for, nor a bogus copy
+        (it neither stands for nor completes the real member)."""
+        if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger or sample.sample_id in self._dead:
+            return False
+        group = self._open.get(sample.task_id)
+        return group is None or (
+            group.group_size == sample.group_size
+            and sample.index not in group.by_index
+            and sample.index not in group.dead
+        )
 
     def _complete(self, task_id: str, group: _Open) -> Offer:
         if group.filled < group.group_size:
@@ -184,7 +198,7 @@ class GroupAssembler:
         ready = _ready(task_id, group)
         if not ready.samples:
             self.dead_groups += 1
-            return Offer("lost")
+            return Offer("lost", ready)
         self._issued.update(ready.sample_ids)
         self._issued_groups[task_id] = ready
         return Offer("ready", ready)
@@ -255,4 +269,4 @@ class GroupAssembler:
 def _ready(task_id: str, group: _Open) -> ReadyGroup:
     ordered = [group.by_index[i] for i in sorted(group.by_index)]
     dead = [group.dead[i][0] for i in sorted(group.dead)]
-    return ReadyGroup(task_id, [s for s, _ in ordered], [e for _, e in ordered], dead)
+    return ReadyGroup(task_id, [s for s, _ in ordered], [e for _, e in ordered], dead, group.step)

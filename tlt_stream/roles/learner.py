@@ -116,6 +116,7 @@ class LearnerService:
             await self.lease.release()
             raise
         self.intake.resume(resumed.ledger)
+        await self.intake.restore_dead()
         if resumed.found is not None:
             self.records.recover_row(resumed.found, resumed.meta)
         assert self.checkpoints.checkpoint is not None
@@ -140,7 +141,8 @@ class LearnerService:
                         self.updates.put_back()  # a step stopped half accumulated: its groups wait in front
                         if finished and self.updates.last_entries:  # done: nothing to redo, whatever the disk
                             await self.intake.ack(self.updates.last_entries)
-                            self.updates.last_entries = []
+                            await self.intake.forget_dead(self.updates.last_dead)
+                            self.updates.last_entries, self.updates.last_dead = [], []
                         if finished:
                             await self.intake.ack_trained_leftovers()
                     finally:

@@ -5,7 +5,9 @@ A sample that would fail the same way on every restart (a token outside the voca
 policy's context, a policy version newer than any published, or contradicting its group's siblings) goes to
 `dead` at once, and its group is trained without it. So does an entry the reader dead-letters before any
 sample comes out of it (undecodable: a field out of its range; too large; delivered too often), when its
-payload still names its group and place in it (`_refused`). A group too stale for the window is dropped and
+payload still names its group and place in it (`_refused`). Each such member is kept in Redis
+(`Keys.dead_members`) before its entry is acked, so a restarted learner counts it again and its group still
+completes. A group too stale for the window is dropped and
 recorded in Redis (`Keys.dropped`) for the policy service to send its task again, and its responses' lengths
 are remembered for the next update's metrics (whether streaming drops the long ones shows there). A group
 whose members were all dead-lettered is recorded as lost (`Keys.lost`), for the policy service to send another
@@ -50,6 +52,7 @@ class _Member(msgspec.Struct):
 
 
 _MEMBER = msgspec.msgpack.Decoder(_Member)
+_MEMBER_ENCODER = msgspec.msgpack.Encoder()
 
 
 class SampleIntake:
@@ -84,6 +87,8 @@ class SampleIntake:
         self.reader.on_refused = self._refused
         self.lost = LostTasks(redis, keys)
         """Groups left with nothing to train, recorded in Redis by `record_lost`."""
+        self._lost_members: dict[str, list[str]] = {}
+        """Task id of a group of dead members only -> their sample ids, forgotten once it is recorded lost."""
 
     def resume(self, ledger: set[str]) -> None:
         """Start from the ledger of the checkpoint resumed: its samples are recognised as trained."""
@@ -91,7 +96,7 @@ class SampleIntake:
 
     async def take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
-        await self.record_lost()  # what the reader's refusals left (`_refused` runs where it cannot write)
+        await self.record_lost()  # any record a failed write left behind
         sample = delivery.message
         # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
         # the update whose version the workers already generate with.
@@ -108,8 +113,7 @@ class SampleIntake:
         if problem is not None:  # poison: the same entry would fail the same way on every restart
             self.invalid += 1
             if offer is None:  # its group is trained without it (or, if it contradicted its siblings, ignores it)
-                self._mark_dead(sample)
-                await self.record_lost()  # before the dead letter: a crash between them loses no record
+                await self._count_dead(sample)  # before the dead letter: a crash between them loses no record
             await self.reader.give_up(delivery, f"invalid sample: {problem}")
             return []
         assert offer is not None
@@ -126,10 +130,10 @@ class SampleIntake:
             self.ready.append(offer.group)
         return []  # waiting or held: the entry stays pending until its update is checkpointed
 
-    def _refused(self, payload: bytes) -> None:
-        """An entry the reader dead-lettered before any sample came out of it: if its payload still names a
-        group member, the group completes without it, as with poison (an on-policy step would otherwise wait
-        for it forever)."""
+    async def _refused(self, payload: bytes) -> None:
+        """An entry the reader dead-lettered before any sample came out of it (awaited before its ack): if its
+        payload still names a group member, the group completes without it, as with poison (an on-policy step
+        would otherwise wait for it forever)."""
         try:
             member = _MEMBER.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -138,20 +142,65 @@ class SampleIntake:
         if member.index >= member.group_size:
             return
         self.invalid += 1
-        self._mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
+        await self._count_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
+
+    async def _count_dead(self, sample: Sample) -> None:
+        """A member about to be dead-lettered: its group completes without it, and it is kept in Redis for a
+        restarted learner (which will never see its entry again) to count it too."""
+        if self.assembler.counts_dead(sample):  # a bogus copy the assembler ignores is not kept
+            member = _Member(
+                sample.sample_id, sample.task_id, sample.index, sample.group_size, sample.policy_version, sample.step
+            )
+            # Kept before it is counted: once counted, a lost group's records may be forgotten at any await.
+            await self.redis.hset(self.keys.dead_members, sample.sample_id, _MEMBER_ENCODER.encode(member))
+        self._mark_dead(sample)
+        await self.record_lost()
+
+    async def restore_dead(self) -> int:
+        """At start, after `resume`: count again the members an earlier learner of the run dead-lettered, whose
+        groups were neither checkpointed nor dropped nor lost (a group whose other members the ledger holds was
+        trained: its records are stale). Returns how many were counted."""
+        kept = await self.redis.hgetall(self.keys.dead_members)
+        counted, stale = 0, []
+        for key, value in sorted(kept.items()):
+            try:
+                member = _MEMBER.decode(value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                stale.append(key)
+                continue
+            siblings = (f"{member.task_id}/{i}" for i in range(member.group_size) if i != member.index)
+            if any(s in self.assembler.ledger for s in siblings):
+                stale.append(key)
+                continue
+            self._mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)
+            counted += 1
+        if stale:
+            await self.redis.hdel(self.keys.dead_members, *stale)
+        await self.record_lost()
+        if counted:
+            log.info("counted %d dead-lettered group members an earlier learner kept", counted)
+        return counted
+
+    async def forget_dead(self, sample_ids: list[str]) -> None:
+        """Members whose group's fate is durable now (trained and checkpointed, dropped or lost, recorded)."""
+        if sample_ids:
+            await self.redis.hdel(self.keys.dead_members, *sample_ids)
 
     async def record_lost(self) -> None:
         """Record the groups left with nothing to train (`Keys.lost`, once per task) for the policy service to
         send another prompt in their place: a step waits for the groups it needs, and nothing else would
-        replace these."""
+        replace these. Their members' records are forgotten after."""
         if lost := await self.lost.record():
             log.warning("group(s) %s lost every member to dead letters: another prompt is asked for each", lost)
+            await self.forget_dead([d for task in lost for d in self._lost_members.pop(task, [])])
 
     def _mark_dead(self, sample: Sample) -> None:
         """A dead-lettered member: its group completes without it (ready if members are left, else lost)."""
         offer = self.assembler.mark_dead(sample)
         if offer.status == "lost":
+            assert offer.group is not None
             self.lost.note(sample.task_id, sample.step)
+            self._lost_members[sample.task_id] = offer.group.dead_ids
         if offer.status == "ready":
             assert offer.group is not None
             log.warning("group %s is trained without its dead-lettered members", offer.group.task_id)
@@ -186,6 +235,7 @@ class SampleIntake:
             await self.reader.give_up(Delivery(entry_id, sample, 0), reason)
         self.assembler.drop(group)
         self.assembler.release(group.entry_ids)
+        await self.forget_dead(group.dead_ids)
 
     async def note_dropped(self, groups: list[ReadyGroup]) -> None:
         """Groups dropped as too stale (a group goes at its first stale member, its late members after it, or
@@ -199,8 +249,9 @@ class SampleIntake:
             for group in groups:
                 self._dropped_tasks.add(group.task_id)
                 self._dropped_lengths += [s.response_len for s in group.samples]
-                if group.samples:  # one whose members were all dead-lettered has nothing to send again
-                    pipe.hsetnx(self.keys.dropped, group.task_id, group.samples[0].step)
+                pipe.hsetnx(self.keys.dropped, group.task_id, group.step)  # dead members only: sent again too
+            if dead := [d for group in groups for d in group.dead_ids]:
+                pipe.hdel(self.keys.dead_members, *dead)  # after the drop's record, in order
             await pipe.execute()
 
     def dropped_since_last(self) -> dict[str, float]:

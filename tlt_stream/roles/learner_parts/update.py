@@ -101,6 +101,8 @@ class Updates:
         self.failed_updates = 0
         self.last_entries: list[str] = []
         """Entries of the newest applied update: acked once the next checkpoint exists (or on a clean stop)."""
+        self.last_dead: list[str] = []
+        """Its groups' dead-lettered members: their records (`Keys.dead_members`) are forgotten with those acks."""
         self.accumulator: StepAccumulator | None = None
         """The step being built group by group, when the learner accumulates (`attach`, once the policy is
         final: learner.accumulate resolved against it)."""
@@ -255,7 +257,9 @@ class Updates:
         # checkpoint found damaged on restart is fallen back from, and its update's samples are then still
         # pending, so they are trained again instead of lost.
         await intake.ack(self.last_entries)
+        await intake.forget_dead(self.last_dead)
         self.last_entries = [entry for g in groups for entry in g.entry_ids]
+        self.last_dead = [d for g in groups for d in g.dead_ids]
         await intake.trim()
         published = await mine.publish(mine.checkpoint)
         metrics["last_sample_to_publish_s"] = published.published_at - max(s.created_at for s in samples)
