@@ -133,6 +133,7 @@ async def live_run(config: Config) -> AsyncIterator[float]:
     await redis.xadd(keys.stream("prompts"), {PAYLOAD_FIELD: b"\xc1 not msgpack"})
     await producer.send("prompts", [prompt(i) for i in range(5)])
     taken = await rollout_reader.read(count=3, block_ms=0)  # the garbage is dead-lettered, 2 tasks pending
+    await redis.hsetnx(keys.lost, "t9", 0)  # a task a worker dead-lettered as lost (its reward raised)
     assert [d.message.task_id for d in taken] == ["t0", "t1"]
 
     learner_reader: StreamReader[Sample] = StreamReader(redis, keys, config.bus, "samples", "learner-1")
@@ -247,7 +248,15 @@ async def check_once(bus_config: Config, began: float) -> None:
     assert streams["stats"]["groups"] == {} and streams["dead"]["groups"] == {}
 
     dead = snap["dead"]
-    assert dead["counts"] == {"prompts": 1} and dead["total"] == 1
+    assert dead["counts"] == {"prompts": 1} and dead["total"] == 1 and dead["lost_groups"] == 1
+    from rich.console import Console
+
+    from tlt_stream.roles.monitor.dashboard import render
+
+    console = Console(width=240, record=True)
+    console.print(render(snap))
+    shown = console.export_text()
+    assert "dead letters: 1 (prompts 1); 1 group(s) lost to them, each replaced by another prompt" in shown
     [letter] = dead["recent"]
     assert letter["stream"] == "prompts" and letter["origin"] == "rollout/w1"
     assert letter["reason"].startswith("undecodable prompts entry")

@@ -290,7 +290,7 @@ def test_prometheus_text_carries_the_figures_and_escapes_labels() -> None:
             },
             "stats": {"length": 9, "groups": {}},
         },
-        "dead": {"counts": {"prompts": 1}},
+        "dead": {"counts": {"prompts": 1}, "lost_groups": 2},
         "worker_states": {"GENERATING": 1},
         "workers": [
             {
@@ -327,7 +327,7 @@ def test_prometheus_text_carries_the_figures_and_escapes_labels() -> None:
     assert value("tlt_group_lag", stream="prompts", group="rollout") == 3
     assert value("tlt_group_oldest_pending_age_seconds", stream="prompts", group="rollout") == 4.5
     assert not any(name == "tlt_group_oldest_pending_idle_seconds" for name, _ in samples)  # None: no sample
-    assert value("tlt_dead_letters_total", stream="prompts") == 1
+    assert value("tlt_dead_letters_total", stream="prompts") == 1 and value("tlt_lost_groups_total") == 2
     assert value("tlt_workers", state="GENERATING") == 1 and value("tlt_workers", state="IDLE") == 0
     assert '{run="r1",worker="w\\"1\\n"}' in text  # quote and newline escaped in the exposition
     worker = 'w"1\n'

@@ -198,7 +198,9 @@ def render(snap: Mapping[str, Any]) -> Group:
     rows.append(_drafter(snap["drafter"]))
     dead = snap["dead"]
     counts = ", ".join(f"{k} {v}" for k, v in sorted(dead["counts"].items())) or "none"
-    rows.append(Text(f"dead letters: {dead['total']} ({counts})", style="red" if dead["total"] else ""))
+    lost = dead.get("lost_groups")
+    lost_note = f"; {lost} group(s) lost to them, each replaced by another prompt of its step" if lost else ""
+    rows.append(Text(f"dead letters: {dead['total']} ({counts}){lost_note}", style="red" if dead["total"] else ""))
     for letter in dead["recent"]:
         rows.append(
             Text(f"  {_ago(letter['age_s'])} ago  {letter['stream']} {letter.get('origin', '')}: {letter['reason']}")

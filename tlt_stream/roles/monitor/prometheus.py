@@ -35,6 +35,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", ("stream", "group"), "Time since the oldest pending entry was last delivered",
     ),
     "tlt_dead_letters_total": ("counter", ("stream",), "Entries ever dead-lettered, by stream of origin"),
+    "tlt_lost_groups_total": (
+        "counter", (), "Groups lost to dead letters (each replaced by another prompt of its step)",
+    ),
     "tlt_workers": ("gauge", ("state",), "Live workers in each state"),
     "tlt_worker_state": ("gauge", ("worker", "role", "state"), "1 for each live worker's current state"),
     "tlt_worker_state_seconds": ("gauge", ("worker",), "Time the worker has been in its state"),
@@ -118,6 +121,7 @@ def metric_families(snap: Mapping[str, Any]) -> list[Metric]:
                 out.add(metric, g[field], stream=name, group=group)
     for stream, count in sorted(snap["dead"]["counts"].items()):
         out.add("tlt_dead_letters_total", count, stream=stream)
+    out.add("tlt_lost_groups_total", snap["dead"].get("lost_groups"))
     for state in WorkerStatus:
         out.add("tlt_workers", snap["worker_states"].get(state.value, 0), state=state.value)
     rollout = snap["rollout"]

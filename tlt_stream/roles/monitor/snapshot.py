@@ -214,6 +214,7 @@ async def _details(
             "counts": base["dead_counts"],
             "total": sum(base["dead_counts"].values()),
             "recent": await _recent_dead(redis, keys, now),
+            "lost_groups": int(await redis.hlen(keys.lost)),
         },
         "workers": workers,
         "worker_states": states,
