@@ -468,6 +468,21 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     await redis.aclose()
 
 
+async def one_update(config: Config, run_dir: Path, init_policy: Path) -> tuple[list[str], set[str]]:
+    """A learner of the run applies one update: the groups its checkpoint says it trained, and its ledger (read
+    back from the checkpoint on disk, not from the service)."""
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    async with service(config, run_dir, init_policy) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    return sorted(meta["extra"]["trained_groups"]), set(ledger)
+
+
 @pytest.mark.parametrize("bad", ["poison", "undecodable"])
 async def test_a_group_with_a_bad_member_is_trained_without_it(
     bad: str, bus_config: Config, tmp_path: Path, init_policy: Path
@@ -481,8 +496,6 @@ async def test_a_group_with_a_bad_member_is_trained_without_it(
 
     import msgspec
 
-    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
-
     keys = Keys(bus_config.run)
     run_dir = tmp_path / "run"
     redis = connect_redis(bus_config.bus.redis_url)
@@ -495,14 +508,7 @@ async def test_a_group_with_a_bad_member_is_trained_without_it(
     await producer.send("samples", [sample("a", 0, 1.0), sample("c", 0, 1.0), member, *lost, sample("a", 1, 0.0)])
     if bad == "undecodable":
         await redis.xadd(keys.stream("samples"), {b"m": b"\xc1 not msgpack"})
-    async with service(bus_config, run_dir, init_policy) as learner:
-        await learner.start()
-        async with asyncio.timeout(60):
-            await learner.run(asyncio.Event(), max_updates=1)
-    found = latest_checkpoint(run_dir / "checkpoints")
-    assert found is not None and found.step == 1
-    ledger, meta = restore_checkpoint(found, restore_rng=False)
-    assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0"}
+    assert await one_update(bus_config, run_dir, init_policy) == (["a", "c"], {"a/0", "a/1", "c/0"})
     dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
     assert dead[0].payload == codec_for("samples").encode(member), "the entry as it came, in `dead`"
     reason = "invalid sample" if bad == "poison" else "undecodable samples entry"
@@ -523,8 +529,6 @@ async def test_a_learner_restarted_after_a_members_dead_letter_still_completes_i
     import math
 
     import msgspec
-
-    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
 
     keys = Keys(bus_config.run)
     run_dir = tmp_path / "run"
@@ -547,14 +551,7 @@ async def test_a_learner_restarted_after_a_members_dead_letter_still_completes_i
     assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0, "acked: never delivered again"
     assert await redis.hgetall(keys.lost) == {}
     await producer.send("samples", [sample("c", 0, 1.0), sample("a", 0, 1.0), d1, sample("a", 1, 0.0)])
-    async with service(bus_config, run_dir, init_policy) as second:
-        await second.start()
-        async with asyncio.timeout(60):
-            await second.run(asyncio.Event(), max_updates=1)
-    found = latest_checkpoint(run_dir / "checkpoints")
-    assert found is not None and found.step == 1
-    ledger, meta = restore_checkpoint(found, restore_rng=False)
-    assert sorted(meta["extra"]["trained_groups"]) == ["a", "c"] and ledger == {"a/0", "a/1", "c/0"}
+    assert await one_update(bus_config, run_dir, init_policy) == (["a", "c"], {"a/0", "a/1", "c/0"})
     dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
     assert [d.payload for d in dead] == [codec_for("samples").encode(m) for m in (c1, d0, d1)], "each once"
     assert await redis.hgetall(keys.lost) == {b"d": str(d0.step).encode()}
