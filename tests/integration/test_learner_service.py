@@ -62,6 +62,21 @@ async def service(
         await redis.aclose()
 
 
+async def one_update(config: Config, run_dir: Path, init_policy: Path) -> tuple[list[str], set[str]]:
+    """A learner of the run applies one update: the groups its checkpoint says it trained, and its ledger (read
+    back from the checkpoint on disk, not from the service)."""
+    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
+
+    async with service(config, run_dir, init_policy) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found.step == 1
+    ledger, meta = restore_checkpoint(found, restore_rng=False)
+    return sorted(meta["extra"]["trained_groups"]), set(ledger)
+
+
 async def test_updates_are_checkpointed_acked_published_and_never_applied_twice(
     bus_config: Config, tmp_path: Path, init_policy: Path
 ) -> None:
@@ -339,8 +354,6 @@ async def test_a_sample_held_past_the_reclaim_time_survives_a_restart(
     sample back, it was taken for a duplicate and acked, and the restarted learner waited forever."""
     import msgspec
 
-    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
-
     config = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reclaim_idle_ms=300))
     keys = Keys(config.run)
     stream = keys.stream("samples")
@@ -360,15 +373,7 @@ async def test_a_sample_held_past_the_reclaim_time_survives_a_restart(
     assert [(r["message_id"].decode(), r["times_delivered"]) for r in rows] == [(a0_entry, 1)], "still pending"
 
     await producer.send("samples", [sample("a", 1, 0.0), sample("b", 0, 1.0), sample("b", 1, 0.0)])
-    async with service(config, run_dir, init_policy) as restarted:
-        await restarted.start()
-        async with asyncio.timeout(60):
-            await restarted.run(asyncio.Event(), max_updates=1)
-    found = latest_checkpoint(run_dir / "checkpoints")
-    assert found is not None and found.step == 1
-    ledger, meta = restore_checkpoint(found, restore_rng=False)
-    assert ledger == {"a/0", "a/1", "b/0", "b/1"}
-    assert sorted(meta["extra"]["trained_groups"]) == ["a", "b"]
+    assert await one_update(config, run_dir, init_policy) == (["a", "b"], {"a/0", "a/1", "b/0", "b/1"})
     assert (await redis.xpending(stream, "learner"))["pending"] == 0
     await redis.aclose()
 
@@ -466,21 +471,6 @@ async def test_a_bit_flipped_newest_checkpoint_is_set_aside_and_the_previous_one
     assert found.policy_sha256 == newest.policy_sha256, "the update redone from the same state is the same update"
     assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
     await redis.aclose()
-
-
-async def one_update(config: Config, run_dir: Path, init_policy: Path) -> tuple[list[str], set[str]]:
-    """A learner of the run applies one update: the groups its checkpoint says it trained, and its ledger (read
-    back from the checkpoint on disk, not from the service)."""
-    from tlt_stream.rl.checkpoint import latest_checkpoint, restore_checkpoint
-
-    async with service(config, run_dir, init_policy) as learner:
-        await learner.start()
-        async with asyncio.timeout(60):
-            await learner.run(asyncio.Event(), max_updates=1)
-    found = latest_checkpoint(run_dir / "checkpoints")
-    assert found is not None and found.step == 1
-    ledger, meta = restore_checkpoint(found, restore_rng=False)
-    return sorted(meta["extra"]["trained_groups"]), set(ledger)
 
 
 @pytest.mark.parametrize("bad", ["poison", "undecodable"])
