@@ -406,9 +406,10 @@ def tiny_world_pool(tokenizer: Any, size: int, *, seed: int) -> TaskSource:
     return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=10**9, where="the tiny world's pool")
 
 
-def task_source(config: Config) -> TaskSource:
+def task_source(config: Config, tokenizer: Any = None) -> TaskSource:
     """The prompts of the run: the tiny world's task, or `data.dataset` as a `PromptPool` (encoded with
-    `data.tokenizer`, else the policy's tokenizer; prompts over `data.max_prompt_len` left out and counted)."""
+    `data.tokenizer`, else the policy's tokenizer, or `tokenizer` where the caller loaded it already; prompts
+    over `data.max_prompt_len` left out and counted)."""
     if config.data.dataset is None:
         from tlt_stream.tasks.tokenizer import build_tokenizer
 
@@ -422,7 +423,7 @@ def task_source(config: Config) -> TaskSource:
     where = config.data.tokenizer or config.learner.policy
     if where is None:
         raise ValueError("data.dataset needs a tokenizer: set data.tokenizer or learner.policy (--policy)")
-    tokenizer = load_tokenizer(where)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(where)
     policy = config.learner.policy
     max_len = context_len(config.rollout.max_len, checkpoint_positions(policy), policy) if policy else None
     pool = pool_from_config(config.data.dataset, config, tokenizer, seed=config.policy.seed, max_len=max_len)

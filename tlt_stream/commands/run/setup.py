@@ -144,7 +144,7 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
             from tlt_stream.roles.policy import task_source
 
-            pool = task_source(service_config(plan, config))
+            pool = task_source(service_config(plan, config), tokenizer)  # the one check_policy loaded
             rows += [pool.fields.get(prompt_id) or {} for prompt_id, *_ in pool.rows]
             print(
                 f"tlt-stream run: {config.data.dataset}: {len(pool)} prompts, {pool.skipped} over the prompt "
