@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def register(commands: Any) -> None:
         "--acceptance-table",
         metavar="JSON",
         help='tokens per round per arm and bucket, e.g. {"d4k1v4": {"0": 3.4, "*": 3.0}, "*": {"*": 2.5}} '
-        "(bucket indices of the SD edges; * for any); arms it omits use --acceptance",
+        "(bucket indices of the SD edges; * for any), inline or a file holding it; arms it omits use --acceptance",
     )
     p.add_argument(
         "--acceptance-arm",
@@ -91,27 +92,74 @@ class PlanInputError(ValueError):
 
 
 def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and value <= 0:
-        raise PlanInputError(f"{name} must be positive, got {value}")
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise PlanInputError(f"{name} must be a positive number, got {value}")
 
 
 def handle(args: argparse.Namespace) -> int:
     from tlt_stream.plan.lengths import LengthError
 
     try:
-        result = run(args)
+        path = _plot_path(args)
+        result = _finite(run(args))
     except (PlanInputError, LengthError, ValueError, OSError) as exc:
-        print(f"tlt-stream plan: {exc}", file=sys.stderr)
+        print(f"tlt-stream plan: {_one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2, allow_nan=False))
     else:
         print(render(result))
-    path = args.plot or (str(Path(args.from_run) / "plan.png") if args.from_run and not args.paper else None)
     if path and result.get("modes"):
-        plot(result, path)
+        try:
+            plot(result, path)
+        except (OSError, ValueError) as exc:
+            print(f"tlt-stream plan: --plot {path}: not drawn ({_one_line(exc)})", file=sys.stderr)
+            return EXIT_CONFIG
         print(f"[plan] plot: {path}", file=sys.stderr)
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's message on one line (an OSError's without its errno prefix)."""
+    text = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror and exc.filename else exc
+    return " ".join(str(text).split())
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every float that is not finite (an unbounded assumption such as a GPU's `cores`) as None, so
+    the JSON output and the table are standard JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+_PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _plot_path(args: argparse.Namespace) -> str | None:
+    """Where to draw the plot (a folder given: plan.png in it), checked before the simulation runs: its folder
+    must exist and be writable and its name end in a format the plot can be drawn in."""
+    import os
+
+    if not args.plot:  # beside the run, where it can be written
+        path = Path(args.from_run or "") / "plan.png"
+        usable = args.from_run and not args.paper and Path(args.from_run).is_dir() and os.access(path.parent, os.W_OK)
+        return str(path) if usable and (not path.exists() or os.access(path, os.W_OK)) else None
+    path = Path(args.plot)
+    if path.is_dir():
+        path = path / "plan.png"
+    if path.suffix.lower() not in _PLOT_FORMATS:
+        raise PlanInputError(f"--plot {path}: name the file with one of {', '.join(_PLOT_FORMATS)}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise PlanInputError(f"--plot {path}: no folder {folder}; create it or give another path")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PlanInputError(f"--plot {path}: not writable; give another path")
+    return str(path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,18 +168,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("prompts", "group_size", "prompt_len", "max_response", "steps", "seeds", "rollout_gpus", "tp"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--learner-gpus", args.learner_gpus)
-    _positive("--acceptance", args.acceptance)
-    if args.acceptance is not None and args.acceptance < 1:
-        raise PlanInputError(f"--acceptance is tokens per round (>= 1), got {args.acceptance}")
+    if args.acceptance is not None and not (args.acceptance >= 1 and math.isfinite(args.acceptance)):
+        raise PlanInputError(f"--acceptance is tokens per round (a finite number >= 1), got {args.acceptance}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := [m for m in modes if m not in MODES]:
         raise PlanInputError(f"unknown modes {unknown}; choose from {_MODE_NAMES}")
+    if not modes:
+        raise PlanInputError(f"--modes names no mode; choose from {_MODE_NAMES}")
+    args.gpu = _gpu(args.gpu)
     say = (lambda text: None) if args.quiet else (lambda text: print(f"[plan] {text}", file=sys.stderr, flush=True))
     if args.paper:
         from tlt_stream.plan.paper import compare
 
         return compare(gpu=args.gpu or "h100", seeds=args.seeds, progress=say, vary=args.vary)
     return _workload(args, modes, say)
+
+
+def _gpu(name: str | None) -> str | None:
+    """The GPU table's key for a --gpu as written (any case, spaces around it)."""
+    from tlt_stream.plan.roofline import GPUS
+
+    if name is None:
+        return None
+    key = name.strip().lower()
+    if key not in GPUS:
+        raise PlanInputError(f"unknown --gpu {name!r}; choose from {', '.join(GPUS)}")
+    return key
+
+
+def _model_size(name: str) -> str:
+    """The model table's key for a --model-size as written (7b, 7B, " 7B ")."""
+    from tlt_stream.plan.roofline import MODELS
+
+    key = name.strip().upper()
+    if key not in MODELS:
+        raise PlanInputError(
+            f"unknown --model-size {name!r}; choose from {', '.join(MODELS)} (the Qwen2.5 shapes the planner knows)"
+        )
+    return key
 
 
 def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]:
@@ -153,10 +227,12 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     elif args.lengths:
         dist = L.named(args.lengths)
     else:
-        from pathlib import Path
-
-        dist = L.from_lengths(json.loads(Path(args.lengths_file).read_text()), args.lengths_file)
+        dist = L.from_lengths(_json_file(args.lengths_file, "--lengths-file"), args.lengths_file)
     tokens = args.acceptance or (_run_acceptance(args.from_run) if args.from_run else None)
+    if tokens is None and args.from_run:
+        raise PlanInputError(
+            f"{args.from_run} recorded no speculative decoding (a plain run?); give --acceptance TOKENS per round"
+        )
     if tokens is None:
         raise PlanInputError("--acceptance TOKENS is needed without --from-run (tokens per speculative round)")
     acceptance = Acceptance.uniform(tokens, "given" if args.acceptance else f"{args.from_run} (accept_length_mean)")
@@ -178,20 +254,31 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     if args.cpu_model and args.gpu:
         raise PlanInputError("choose --gpu or --cpu-model, not both")
     if args.gpu:
-        if args.gpu not in GPUS:
-            raise PlanInputError(f"unknown --gpu {args.gpu!r}; choose from {', '.join(GPUS)}")
-        if args.model_size not in MODELS:
-            raise PlanInputError(f"unknown --model-size {args.model_size!r}; choose from {', '.join(MODELS)}")
-        tp = args.tp or (8 if args.model_size == "32B" else 4 if args.model_size == "14B" else 1)
+        size = _model_size(args.model_size)
+        tp = args.tp or (8 if size == "32B" else 4 if size == "14B" else 1)
         if args.rollout_gpus % tp:
             raise PlanInputError(f"--rollout-gpus {args.rollout_gpus} is not a multiple of --tp {tp}")
+        if MODELS[size].heads % tp:
+            raise PlanInputError(
+                f"{size}'s {MODELS[size].heads} attention heads do not split over --tp {tp}; give a --tp dividing them"
+            )
+        engines, prompts = args.rollout_gpus // tp, args.prompts or 16
         colocated = args.learner_gpus is None
-        costs = GpuCosts(
-            GPUS[args.gpu], MODELS[args.model_size], tp=tp, learner_gpus=args.learner_gpus or args.rollout_gpus
-        )
+        costs = GpuCosts(GPUS[args.gpu], MODELS[size], tp=tp, learner_gpus=args.learner_gpus or args.rollout_gpus)
+        if costs.kv_capacity_tokens < 1:
+            raise PlanInputError(
+                f"{size}'s weights ({2 * costs.model.total_params / 1e9:.0f} GB) leave no room for a KV cache on "
+                f"--tp {tp} {args.gpu} ({costs.gpu.memory_bytes / 1e9:.0f} GB each); give a larger --tp"
+            )
+        if args.prompt_len and args.prompt_len >= costs.kv_capacity_tokens:
+            raise PlanInputError(
+                f"--prompt-len {args.prompt_len} does not fit an engine's KV cache ({costs.kv_capacity_tokens} tokens "
+                f"for {size} on --tp {tp} {args.gpu}); give a shorter --prompt-len or a larger --tp"
+            )
         setup = Setup(
-            workers=args.rollout_gpus // tp,
-            max_batch=-(-(args.prompts or 16) * args.group_size // (args.rollout_gpus // tp)),  # an even split
+            workers=engines,
+            # an even split, at least a group: engines beyond the step's groups stay idle
+            max_batch=max(args.group_size, -(-prompts * args.group_size // engines)),
             prompt_len=args.prompt_len or 512,
             colocated=colocated,
             kv_capacity_tokens=costs.kv_capacity_tokens,
@@ -199,7 +286,12 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
             crossover=1 + 32,
         )
     elif args.cpu_model:
-        costs = CpuCosts.load(args.cpu_model)
+        try:
+            costs = CpuCosts.load(args.cpu_model)
+        except OSError as exc:
+            raise PlanInputError(f"--cpu-model {args.cpu_model}: cannot read it ({exc.strerror or exc})") from None
+        except (TypeError, ValueError) as exc:
+            raise PlanInputError(f"--cpu-model {exc}") from None
         setup = Setup(prompt_len=args.prompt_len or 32)
     else:
         raise PlanInputError("give the hardware: --gpu h100|h200|a100, or --cpu-model FILE from bench/plan_fit.py")
@@ -255,24 +347,37 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     return out
 
 
+def _json_file(path: str, flag: str) -> Any:
+    """A JSON file the user named with `flag` (one line naming it when it cannot be read or is not JSON)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlanInputError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise PlanInputError(f"{flag} {path}: not JSON ({exc})") from None
+
+
 def _table(path: str, fallback):
     """An acceptance table file: {arm label or *: {bucket index or *: tokens per round}}."""
-    from pathlib import Path
-
     from tlt_stream.plan.acceptance import Acceptance
     from tlt_stream.rollout.arms import Arm
 
+    inline = path.lstrip().startswith("{")
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(path) if inline else _json_file(path, "--acceptance-table")
+    except json.JSONDecodeError as exc:
+        raise PlanInputError(f"--acceptance-table: not JSON ({exc})") from None
+    try:
         table = {}
         for arm, buckets in raw.items():
             if arm != "*":
                 Arm.from_label(arm)
             for bucket, value in buckets.items():
                 table[arm, None if bucket == "*" else int(bucket)] = float(value)
-    except (json.JSONDecodeError, AttributeError, TypeError) as exc:
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
         raise PlanInputError(f"--acceptance-table {path}: not {{arm: {{bucket: tokens}}}} ({exc})") from None
-    return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=path)
+    source = "--acceptance-table (given)" if inline else path
+    return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=source)
 
 
 def _trained_share(args: argparse.Namespace) -> float:
@@ -282,31 +387,36 @@ def _trained_share(args: argparse.Namespace) -> float:
         return args.trained_share
     if not args.from_run:
         return 1.0
-    from tlt_stream.plan.lengths import trained_share
-    from tlt_stream.rl.records import load_metrics
+    from tlt_stream.plan.lengths import run_rows, trained_share
 
-    rows = load_metrics(Path(args.from_run))
+    rows = run_rows(args.from_run)
     return round(trained_share(rows[1:] if len(rows) > 1 else rows), 4)
 
 
 def _run_acceptance(run_dir: str) -> float | None:
     """Tokens per target forward of the run's SD samples (every step but the first): per sample where the
     learner recorded them (weighted by length, as forwards are), else each step's mean."""
-    from pathlib import Path
+    from tlt_stream.plan.lengths import run_rows
 
-    from tlt_stream.rl.records import load_metrics
-
-    rows = load_metrics(Path(run_dir))
+    rows = run_rows(run_dir)
     rows = rows[1:] if len(rows) > 1 else rows
     tokens = forwards = 0.0
     for r in rows:
-        for n, a in zip(r.get("response_lens", []), r.get("accept_lengths", []), strict=False):
-            if a > 1.0:
+        lens, accepts = r.get("response_lens"), r.get("accept_lengths")
+        if not isinstance(lens, list) or not isinstance(accepts, list):
+            continue
+        for n, a in zip(lens, accepts, strict=False):
+            if _real(n) and _real(a) and n > 0 and a > 1.0:
                 tokens, forwards = tokens + n, forwards + n / a
     if forwards:
         return tokens / forwards
-    sd = sorted(r["accept_length_mean"] for r in rows if r.get("accept_length_mean", 1.0) > 1.0)
+    sd = sorted(a for r in rows if _real(a := r.get("accept_length_mean")) and a > 1.0)
     return sd[len(sd) // 2] if sd else None
+
+
+def _real(value: object) -> bool:
+    """A finite number (not a bool) in a run's records."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -318,13 +428,20 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"  {'mode':<18} {'step s':>10} {'vs (a)':>8} {'rollout s':>10} {'learner s':>10} {'SD steps':>9}")
     for name, row in result.get("modes", {}).items():
         lines.append(
-            f"  {name:<18} {row['step_time_s']:>10.3f} {row.get('speedup_over_a', float('nan')):>7.2f}x "
-            f"{row['rollout_span_s'] or 0:>10.3f} {row['learner_s'] or 0:>10.3f} {row['sd_step_share']:>9.1%}"
+            f"  {name:<18} {_cell(row.get('step_time_s'), '>10.3f')} {_cell(row.get('speedup_over_a'), '>7.2f')}x "
+            f"{_cell(row.get('rollout_span_s') or 0, '>10.3f')} {_cell(row.get('learner_s') or 0, '>10.3f')} "
+            f"{_cell(row.get('sd_step_share'), '>9.1%')}"
         )
     for key in ("recommended", "device_split", "varied", "paper", "verdict"):
         if result.get(key):
             lines.append(f"\n  {key}: {json.dumps(result[key], indent=2, default=str)}")
     return "\n".join(lines)
+
+
+def _cell(value: Any, spec: str) -> str:
+    """A table figure; one the JSON holds as null (not a finite number) as "-"."""
+    width = spec.lstrip("<>^").split(".")[0]
+    return format(value, spec) if isinstance(value, int | float) else format("-", f">{width or 1}")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -335,7 +452,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     rows = result.get("modes", {})
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(list(rows), [r["step_time_s"] for r in rows.values()])
+    ax.bar(list(rows), [r["step_time_s"] or 0 for r in rows.values()])
     ax.set(ylabel="projected step time (s)", title="PROJECTION: step time per mode")
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()

@@ -107,11 +107,24 @@ def _pooled(reports: Iterable[Mapping[str, Any]], *, by_bucket: bool) -> dict[tu
     for report in reports:
         if report.get("kind", "sd_arm") != "sd_arm" or not report.get("rows"):
             continue
-        arm = arm_of_report(SimpleNamespace(**{"proposer": "drafter", "group": 0, **report}))
-        key = (arm.label, int(report["bucket"]) if by_bucket else None)
-        tokens[key] += int(report["tokens"])
-        rows[key] += int(report["rows"])
+        try:
+            arm = arm_of_report(SimpleNamespace(**{"proposer": "drafter", "group": 0, **report}))
+            key = (arm.label, _count(report["bucket"]) if by_bucket else None)
+            n_tokens, n_rows = _count(report["tokens"]), _count(report["rows"])
+        except (KeyError, TypeError, ValueError):  # a report of another shape: the others stay usable
+            continue
+        if not n_rows:
+            continue
+        tokens[key] += n_tokens
+        rows[key] += n_rows
     return {key: tokens[key] / n for key, n in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))}
+
+
+def _count(value: object) -> int:
+    """A non-negative whole count from a report (ValueError for anything else: a string, NaN, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a count: {value!r}")
+    return int(value)
 
 
 def measured_table(reports: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, float]]:
@@ -134,10 +147,12 @@ def from_run(run_dir: str | Path, fallback: float | None = None) -> Acceptance |
 def timeline_reports(path: Path) -> list[dict[str, Any]]:
     """The SD arm reports (`sd_arm` rows) of a timeline file."""
     reports = []
-    for line in path.read_text().splitlines():
+    if not path.is_file():
+        return reports
+    for line in path.read_text(errors="replace").splitlines():
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short: the rest stays usable
+        except (json.JSONDecodeError, RecursionError):  # a line cut short: the rest stays usable
             continue
         if isinstance(entry, dict) and entry.get("kind") == "sd_arm":
             reports.append(entry)
@@ -147,7 +162,7 @@ def timeline_reports(path: Path) -> list[dict[str, Any]]:
 def from_reports(reports: Iterable[Mapping[str, Any]], fallback: float | None, source: str) -> Acceptance | None:
     """Each SD arm's measured tokens per row and round per bucket, its pooled figure for its other buckets, and
     `fallback` (tokens per round) for arms never measured; None when no SD arm report counted rows."""
-    reports = [r for r in reports if r.get("depth", 0) > 0]
+    reports = [r for r in reports if isinstance(r.get("depth"), int) and r["depth"] > 0]
     table = {key: max(1.0, value) for key, value in _pooled(reports, by_bucket=True).items()}
     if not table:
         return None

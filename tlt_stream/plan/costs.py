@@ -56,7 +56,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -313,12 +313,23 @@ class CpuCosts:
     @classmethod
     def load(cls, path: str | Path) -> CpuCosts:
         """A fitted model written by `bench/plan_fit.py` (`save`)."""
-        raw = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known - {"model", "fit"}
+        hint = "fit one with bench/plan_fit.py"
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValueError(f"{path}: not a CPU cost model, not JSON ({exc}); {hint}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: not a CPU cost model (a JSON {type(raw).__name__}, not an object); {hint}")
+        kinds = {f.name: str(f.type) for f in fields(cls)}
+        unknown = set(raw) - set(kinds) - {"model", "fit"}
         if raw.get("model") != "cpu" or unknown:
-            raise ValueError(f"{path}: not a CPU cost model (unknown keys {sorted(unknown)})")
-        values = {k: _tuples(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+            raise ValueError(f"{path}: not a CPU cost model (unknown keys {sorted(unknown)}); {hint}")
+        if missing := [f.name for f in fields(cls) if f.default is MISSING and f.name not in raw]:
+            raise ValueError(f"{path}: not a CPU cost model (no {', '.join(missing)}); {hint}")
+        for key, value in raw.items():
+            if key in kinds and not _of_kind(value, kinds[key]):
+                raise ValueError(f"{path}: {key} is {value!r}, not a {kinds[key].split('[')[0]}; {hint}")
+        values = {k: _tuples(v) if isinstance(v, list) else v for k, v in raw.items() if k in kinds}
         return cls(**values)
 
 
@@ -332,6 +343,19 @@ def micro_batches(lengths: Sequence[float], prompt_len: float, tokens: int) -> l
 def _at(per_threads: tuple, threads: int):
     """A per-thread-count constant's value at `threads` (beyond the last, the last)."""
     return per_threads[min(threads, len(per_threads)) - 1]
+
+
+def _of_kind(value: object, kind: str) -> bool:
+    """Whether a loaded JSON value fits a field annotated `kind` (a number: not NaN)."""
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind.startswith("tuple"):
+        return isinstance(value, list) and all(_of_kind(v, "tuple" if isinstance(v, list) else "float") for v in value)
+    if kind in ("float", "int"):
+        return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+    return True
 
 
 def _tuples(value: object) -> object:

@@ -19,10 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LengthDist", "from_lengths", "from_run", "named", "replay_groups", "trained_share"]
+__all__ = ["LengthDist", "from_lengths", "from_run", "named", "replay_groups", "run_rows", "trained_share"]
 
 _Z90 = 1.2815515655446004
 """The standard normal's 0.9 quantile: a log-normal's p90 / p50 = exp(sigma * z90)."""
+
+
+_MAX_TOKENS = 10_000_000
+"""The longest response a length law may give: beyond it a law needs a CAP (no model generates so many)."""
 
 
 class LengthError(ValueError):
@@ -59,8 +63,53 @@ class LengthDist:
         }
 
 
+def _token_count(value: object) -> int | None:
+    """A response length as a whole number of tokens; None for what is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return round(value)
+
+
 def from_lengths(lengths: Sequence[int], source: str = "given lengths") -> LengthDist:
-    return LengthDist(tuple(int(x) for x in lengths), source)
+    if isinstance(lengths, str | bytes | dict) or not isinstance(lengths, Sequence):
+        raise LengthError(f"{source}: give a JSON list of response lengths (token counts), e.g. [812, 95, 4031]")
+    counts = [_token_count(x) for x in lengths]
+    if bad := [x for x, n in zip(lengths, counts, strict=True) if n is None]:
+        raise LengthError(f"{source}: response lengths must be finite numbers of tokens, got {bad[0]!r}")
+    return LengthDist(tuple(counts), source)  # type: ignore[arg-type]
+
+
+def run_rows(run_dir: str | Path) -> list[dict]:
+    """The learner's per-step records in a run's `metrics.jsonl`, one per policy version in version order (a
+    resumed run's repeats of a version keep the last line written; a row without a version keeps its place).
+    Lines that are not a JSON object (one cut short by a killed writer) are left out; none: no such file."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        raise LengthError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    by_version: dict[object, dict] = {}
+    for number, line in enumerate(text.splitlines()):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if isinstance(row, dict):
+            version = row.get("version")
+            key = version if isinstance(version, int) and not isinstance(version, bool) else ("line", number)
+            by_version.pop(key, None)
+            by_version[key] = row
+    ordered = sorted(by_version.items(), key=lambda kv: (0, kv[0], 0) if isinstance(kv[0], int) else (1, 0, kv[0][1]))
+    return [row for _, row in ordered]
+
+
+def _number(value: object) -> float | None:
+    """A finite number from a record, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _lognormal_quantiles(p50: float, p90: float, cap: float, n: int) -> list[int]:
@@ -76,52 +125,67 @@ def _lognormal_quantiles(p50: float, p90: float, cap: float, n: int) -> list[int
 
 def from_run(run_dir: str | Path, *, skip_first: bool = True) -> LengthDist:
     """The response lengths a run's learner recorded in `metrics.jsonl` (every step but the first, which
-    ran under the untrained policy, unless it is the only one)."""
+    ran under the untrained policy, unless it is the only one). Steps whose lengths are not numbers are left out."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise LengthError(f"{run_dir}: no metrics.jsonl (not a run directory, or no step finished)")
     rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+    for r in run_rows(run_dir):
+        exact = r.get("response_lens")
+        counts = [_token_count(x) for x in exact] if isinstance(exact, list) else []
+        if counts and all(n is not None and n >= 0 for n in counts):
+            rows.append({"lens": [max(1, n) for n in counts]})  # type: ignore[type-var]
             continue
-    rows = [r for r in rows if "response_len_p50" in r or "response_lens" in r]
+        p50, p90, top = (_number(r.get(k)) for k in ("response_len_p50", "response_len_p90", "response_len_max"))
+        if p50 is not None and p90 is not None and top is not None:
+            samples = _number(r.get("samples", r.get("rollout_samples")))
+            rows.append({"fit": (p50, p90, top), "n": int(samples) if samples and samples >= 1 else 128})
     if not rows:
-        raise LengthError(f"{path}: no step records response lengths")
+        raise LengthError(
+            f"{path}: no step records response lengths (response_lens, or response_len_p50/p90/max); "
+            "give --lengths LAW or --lengths-file FILE instead"
+        )
     if skip_first and len(rows) > 1:
         rows = rows[1:]
     lengths: list[int] = []
-    exact = all("response_lens" in r for r in rows)
+    exact = all("lens" in r for r in rows)
     for r in rows:
-        if exact:
-            lengths += [int(x) for x in r["response_lens"]]
+        if "lens" in r:
+            lengths += r["lens"] if exact else _lognormal_quantiles(*_p50_p90_max(r["lens"]), len(r["lens"]))
         else:
-            n = int(r.get("samples", r.get("rollout_samples", 128)) or 128)
-            lengths += _lognormal_quantiles(r["response_len_p50"], r["response_len_p90"], r["response_len_max"], n)
+            lengths += _lognormal_quantiles(*r["fit"], min(r["n"], 4096))
     how = "per-sample lengths" if exact else "log-normal fitted to each step's p50/p90, capped at its max"
     return LengthDist(tuple(lengths), f"{run_dir} ({len(rows)} steps, {how})")
+
+
+def _p50_p90_max(lengths: Sequence[int]) -> tuple[float, float, float]:
+    ordered = sorted(lengths)
+    q = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 9
+    return q[4], q[8], ordered[-1]
 
 
 def named(spec: str, *, samples: int = 4096) -> LengthDist:
     """A named law as `NAME:ARG:...`, tabulated at `samples` evenly spaced quantiles (no randomness)."""
     name, *raw = spec.split(":")
+    name = name.strip().lower()
     try:
         args = [float(x) for x in raw]
     except ValueError:
         raise LengthError(f"length law {spec!r}: arguments must be numbers") from None
-    if any(a <= 0 for a in args):
-        raise LengthError(f"length law {spec!r}: arguments must be positive")
+    if not all(math.isfinite(a) and a > 0 for a in args):
+        raise LengthError(f"length law {spec!r}: arguments must be positive finite numbers")
     qs = [(i + 0.5) / samples for i in range(samples)]
     if name == "lognormal" and len(args) in (2, 3):
         median, sigma, *cap = args
         norm = statistics.NormalDist()
-        values = [median * math.exp(sigma * norm.inv_cdf(q)) for q in qs]
+        values = [math.exp(min(math.log(median) + sigma * norm.inv_cdf(q), 700.0)) for q in qs]
     elif name == "pareto" and len(args) in (2, 3):
         low, alpha, *cap = args
-        values = [low / (1 - q) ** (1 / alpha) for q in qs]
+        values = [math.exp(min(math.log(low) - math.log1p(-q) / alpha, 700.0)) for q in qs]
     elif name == "uniform" and len(args) == 2:
         low, high = args
+        if low > high:
+            raise LengthError(f"length law {spec!r}: uniform:LOW:HIGH needs LOW <= HIGH")
         cap = []
         values = [low + (high - low) * q for q in qs]
     elif name == "const" and len(args) == 1:
@@ -132,17 +196,26 @@ def named(spec: str, *, samples: int = 4096) -> LengthDist:
             f"unknown length law {spec!r}: lognormal:MEDIAN:SIGMA[:CAP], pareto:MIN:ALPHA[:CAP], uniform:LOW:HIGH, "
             "const:N"
         )
-    top = cap[0] if cap else math.inf
+    top = cap[0] if cap else _MAX_TOKENS
+    if max(values) > _MAX_TOKENS and not (cap and cap[0] <= _MAX_TOKENS):
+        raise LengthError(
+            f"length law {spec!r}: responses reach {max(values):.3g} tokens; give a CAP of at most {_MAX_TOKENS:,} "
+            f"(e.g. {name}:{':'.join(raw[:2])}:32768)"
+        )
     return LengthDist(tuple(max(1, round(min(v, top))) for v in values), f"law {spec}")
 
 
 def trained_share(rows: Sequence[dict]) -> float:
     """The share of groups an update trained on over `metrics.jsonl` rows: groups whose rewards were all equal
     (`degenerate_groups`) carry no advantage and are left out of the update (1.0 when no row says)."""
-    groups = sum(len(r.get("trained_groups", [])) for r in rows if "degenerate_groups" in r)
-    degenerate = sum(
-        float(r["degenerate_groups"]) for r in rows if "degenerate_groups" in r and r.get("trained_groups")
-    )
+    counted = [
+        (len(r["trained_groups"]), _number(r.get("degenerate_groups")))
+        for r in rows
+        if isinstance(r.get("trained_groups"), list) and r["trained_groups"]
+    ]
+    counted = [(n, d) for n, d in counted if d is not None and d >= 0]  # rows that say, in numbers
+    groups = sum(n for n, _ in counted)
+    degenerate = sum(min(d, n) for n, d in counted)
     return max(0.0, 1.0 - degenerate / groups) if groups else 1.0
 
 
