@@ -653,3 +653,84 @@ async def test_groups_an_update_keeps_failing_on_are_dead_lettered_and_recorded_
     assert all("the update failed 1 times on this group" in d.reason for d in dead) and len(dead) == 4
     assert {k.decode() for k in await redis.hkeys(keys.lost)} == {"a", "c"}
     await redis.aclose()
+
+
+class _Killed(BaseException):
+    """The learner process dies here (nothing in the service catches it)."""
+
+
+async def test_a_learner_killed_while_dead_lettering_a_lost_group_does_not_train_the_rest_of_it(
+    bus_config: Config, tmp_path: Path, init_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Updates keep failing on group a: it is recorded lost (its step gets another prompt) and its members go to
+    `dead` one by one. The learner dies after a/0's dead letter, before a/1's. The next learner (its updates
+    work) finds a/1 pending: it goes to `dead` unread, since training it too would give the step a group too
+    many. Evidence: `dead`, `lost`, the PEL and the new learner's checkpoint."""
+    from tlt_stream.rl.learner import LearnerCore
+
+    real_step = LearnerCore.step
+
+    def broken(self, groups):  # a fault of the update itself, before its optimizer step
+        raise RuntimeError("the update cannot take these groups")
+
+    keys = Keys(bus_config.run)
+    run_dir = tmp_path / "run"
+    redis = connect_redis(bus_config.bus.redis_url)
+    producer = StreamProducer(redis, keys, bus_config.bus)
+    await producer.send("samples", [sample("a", 0, 1.0), sample("a", 1, 0.0), sample("c", 0, 1.0), sample("c", 1, 0.0)])
+    more = {"bus.max_deliveries": 1, "learner.accumulate": False}
+    monkeypatch.setattr(LearnerCore, "step", broken)
+    async with service(bus_config, run_dir, init_policy, more) as first:
+        await first.start()
+        give_up = first.intake.reader.give_up
+        calls: list[str] = []
+
+        async def dies_at_the_second(delivery, reason):  # type: ignore[no-untyped-def]
+            calls.append(delivery.message.sample_id)
+            if len(calls) == 2:
+                raise _Killed
+            await give_up(delivery, reason)
+
+        first.intake.reader.give_up = dies_at_the_second  # type: ignore[method-assign]
+        with pytest.raises(BaseException) as died:
+            async with asyncio.timeout(60):
+                await first.run(asyncio.Event(), max_updates=1)
+        assert died.group_contains(_Killed) if isinstance(died.value, BaseExceptionGroup) else died.type is _Killed
+    lost_task = calls[0].split("/")[0]
+    assert calls == [f"{lost_task}/0", f"{lost_task}/1"]
+    assert {k.decode() for k in await redis.hkeys(keys.lost)} == {lost_task}, "recorded before the dead letters"
+    monkeypatch.setattr(LearnerCore, "step", real_step)  # the next learner's updates work
+    other = "c" if lost_task == "a" else "a"
+    await producer.send("samples", [sample("e", 0, 1.0), sample("e", 1, 0.0)])
+    assert await one_update(override(bus_config, {"learner.accumulate": False}), run_dir, init_policy) == (
+        sorted([other, "e"]),
+        {f"{other}/0", f"{other}/1", "e/0", "e/1"},
+    )
+    dead = [codec_for("dead").decode(f[b"m"]) for _, f in await redis.xrange(keys.stream("dead"))]
+    by_sample = {codec_for("samples").decode(d.payload).sample_id: d.reason for d in dead}
+    assert set(by_sample) == {f"{lost_task}/0", f"{lost_task}/1"}
+    assert "the update failed 1 times" in by_sample[f"{lost_task}/0"]
+    assert "recorded lost" in by_sample[f"{lost_task}/1"]
+    assert (await redis.xpending(keys.stream("samples"), "learner"))["pending"] == 0
+    await redis.aclose()
+
+
+async def test_a_refused_entry_claiming_an_endless_group_is_not_kept(
+    bus_config: Config, tmp_path: Path, init_policy: Path
+) -> None:
+    """A samples entry the reader refuses (it does not decode) that claims a group of 2**40 members is not kept
+    as a dead member: a restarted learner would count through its siblings before reading anything."""
+    import msgspec
+
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url)
+    bogus = {"sample_id": "z/0", "task_id": "z", "index": 0, "group_size": 2**40, "policy_version": 0, "step": 0}
+    await redis.xadd(keys.stream("samples"), {b"m": msgspec.msgpack.encode(bogus)})
+    await StreamProducer(redis, keys, bus_config.bus).send("samples", [sample("a", 0, 1.0), sample("a", 1, 0.0)])
+    async with service(bus_config, tmp_path / "run", init_policy, {"learner.groups_per_step": 1}) as learner:
+        await learner.start()
+        async with asyncio.timeout(60):
+            await learner.run(asyncio.Event(), max_updates=1)
+    assert await redis.xlen(keys.stream("dead")) == 1
+    assert await redis.hgetall(keys.dead_members) == {}
+    await redis.aclose()

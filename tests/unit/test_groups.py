@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -173,6 +174,19 @@ def test_a_group_completes_without_its_dead_lettered_members() -> None:
     assembler.offer(sample("c", 0, size=2), "2-0", 0)
     assert assembler.mark_dead(sample("c", 1, size=5)).status == "waiting"
     assert assembler.offer(sample("c", 1, size=2), "2-1", 0).status == "ready"
+
+
+def test_after_a_restart_a_dead_copy_of_a_trained_groups_member_opens_nothing() -> None:
+    """A restarted learner knows a trained group by its ledger only (which leaves dead members out): a poison copy
+    of the member that died before the update (a worker regenerated the task) must not open a group of dead
+    members only, which would go stale and be recorded for the policy service to send the prompt again."""
+    assembler = GroupAssembler(max_staleness=1, consumed={"a/0", "a/2"})  # a/1 died before a was trained
+    assert not assembler.counts_dead(sample("a", 1, size=3))
+    assert assembler.mark_dead(sample("a", 1, size=3)).status == "waiting"
+    assert assembler.open_groups == 0 and assembler.evict_stale(5) == []
+    assert assembler.counts_dead(sample("b", 1, size=3)), "a group the ledger does not hold counts it"
+    member = SimpleNamespace(sample_id="b/3", task_id="b", index=3, group_size=3, policy_version=0, step=0)
+    assert not assembler.counts_dead(member), "a kept record naming an index outside its group"  # type: ignore[arg-type]
 
 
 def test_a_sample_whose_entry_redis_lost_takes_its_next_copy_as_its_entry() -> None:

@@ -41,7 +41,7 @@ from tlt_stream.bus.connect import connections_opened
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.streams import Keys, spec
 
-__all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "LostTasks", "StreamReader", "dead_letter"]
+__all__ = ["DEAD_PAYLOAD_LIMIT", "Delivery", "LostTasks", "StreamReader", "dead_letter", "until_memory"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,15 +96,14 @@ async def dead_letter(
 
     # Never silently dropped: the caller acks the entry only after this returns, so a Redis at maxmemory
     # (which refuses the write) is waited out, with capped backoff, rather than losing the letter.
-    await retry(
-        write,
-        retry_on=(aioredis.OutOfMemoryError,),
-        what=f"dead letter of {stream} {entry_id}",
-        max_attempts=None,
-        base=0.5,
-        cap=5.0,
-    )
+    await until_memory(write, f"dead letter of {stream} {entry_id}")
     log.warning("dead-lettered %s entry %s from %s: %s", stream, entry_id, origin, reason)
+
+
+async def until_memory(write: Callable[[], Awaitable[None]], what: str) -> None:
+    """`write`, retried with capped backoff for as long as Redis refuses it for memory (maxmemory with
+    noeviction): a record that must precede an ack is waited for, never skipped, and the service goes on."""
+    await retry(write, retry_on=(aioredis.OutOfMemoryError,), what=what, max_attempts=None, base=0.5, cap=5.0)
 
 
 class LostTasks:
@@ -121,17 +120,33 @@ class LostTasks:
         self.pending[task_id] = step
 
     async def record(self) -> list[str]:
-        """Write the tasks noted; the ids written, sorted."""
+        """Write the tasks noted (a Redis at maxmemory waited out, as dead letters are); the ids written,
+        sorted."""
         if not self.pending:
             return []
         lost = dict(self.pending)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for task_id, step in lost.items():
-                pipe.hsetnx(self.keys.lost, task_id, step)
-            await pipe.execute()
+
+        async def write() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for task_id, step in lost.items():
+                    pipe.hsetnx(self.keys.lost, task_id, step)
+                await pipe.execute()
+
+        await until_memory(write, f"lost record of {', '.join(sorted(lost))}")
         for task_id in lost:
             self.pending.pop(task_id, None)
         return sorted(lost)
+
+    async def recorded(self, deliveries: list[Delivery[Any]]) -> set[str]:
+        """The task ids of the redelivered entries (a task's, or a sample's of a task) already recorded lost:
+        whoever recorded it died before the dead letter and ack. Its step has another prompt in its place, so
+        handling it too would give the step a group too many. A first delivery cannot be there (the record
+        precedes the ack), so only redeliveries cost a round trip."""
+        again = sorted({d.message.task_id for d in deliveries if d.deliveries > 1})
+        if not again:
+            return set()
+        found = await self.redis.hmget(self.keys.lost, again)
+        return {task_id for task_id, step in zip(again, found, strict=True) if step is not None}
 
 
 class StreamReader(Generic[T]):
@@ -442,7 +457,7 @@ class StreamReader(Generic[T]):
                     continue
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     reason = f"undecodable {self.stream} entry: {exc}"
-            await self._dead(entry_id, reason, payload or b"", deliveries)
+            await self._dead(entry_id, reason, payload or b"", deliveries, refused=True)
         return found
 
     def _refusal(self, payload: bytes | None, deliveries: int) -> str | None:
@@ -454,7 +469,7 @@ class StreamReader(Generic[T]):
             return f"delivered {deliveries} times without an ack (max_deliveries={self.bus.max_deliveries})"
         return None
 
-    async def _dead(self, entry_id: str, reason: str, payload: bytes, deliveries: int) -> None:
+    async def _dead(self, entry_id: str, reason: str, payload: bytes, deliveries: int, *, refused: bool) -> None:
         await dead_letter(
             self.redis,
             self.keys,
@@ -467,14 +482,15 @@ class StreamReader(Generic[T]):
             deliveries=deliveries,
         )
         self.dead += 1
-        if self.on_refused is not None and payload:
+        if refused and self.on_refused is not None and payload:
             await self.on_refused(payload)
         await self.ack([entry_id])
 
     async def give_up(self, delivery: Delivery[T], reason: str) -> None:
-        """Dead-letter an entry whose handling failed for good (a handler's choice), and ack it."""
+        """Dead-letter an entry whose handling failed for good (a handler's choice: it has recorded what it
+        needs, `on_refused` is not called), and ack it."""
         payload = self.codec.encode(delivery.message)
-        await self._dead(delivery.entry_id, reason, payload, delivery.deliveries)
+        await self._dead(delivery.entry_id, reason, payload, delivery.deliveries, refused=False)
 
     async def ack(self, entry_ids: list[str]) -> int:
         """Ack handled entries; on a durable stream also wake producers waiting on backpressure (one round

@@ -180,9 +180,14 @@ class GroupAssembler:
         return self._complete(sample.task_id, group)
 
     def counts_dead(self, sample: Sample) -> bool:
-        """Whether `mark_dead` would count this member now: not a member already accounted for, nor a bogus copy
-        (it neither stands for nor completes the real member)."""
+        """Whether `mark_dead` would count this member now: not a member already accounted for, not one of a
+        group an update already trained (a sibling's id in the ledger: after a restart, a copy of a member that
+        died before it), nor a bogus copy (it neither stands for nor completes the real member)."""
         if sample.task_id in self._dropped_tasks or sample.sample_id in self.ledger or sample.sample_id in self._dead:
+            return False
+        if not 0 <= sample.index < sample.group_size or any(
+            f"{sample.task_id}/{i}" in self.ledger for i in range(sample.group_size) if i != sample.index
+        ):
             return False
         group = self._open.get(sample.task_id)
         return group is None or (

@@ -166,9 +166,7 @@ class LearnerService:
             )
             if self.reader.lost:
                 intake.entries_vanished()
-            to_ack: list[str] = []
-            for delivery in deliveries:
-                to_ack += await intake.take(delivery)
+            to_ack = await intake.take_all(deliveries)
             await intake.record_lost()  # groups the read's own refusals left with nothing to train
             await intake.ack(to_ack)
             while max_updates is None or applied < max_updates:

@@ -22,6 +22,7 @@ from tlt_stream.basics.messages.control import (
     SdConfigVersion,
 )
 from tlt_stream.basics.messages.data import (
+    MAX_GROUP_SIZE,
     DeadEntry,
     DeadLetter,
     HiddenEntry,
@@ -47,6 +48,7 @@ __all__ = [
     "CONTROL_CODEC",
     "CONTROL_KINDS",
     "DTYPE_SIZES",
+    "MAX_GROUP_SIZE",
     "SCHEMA",
     "Codec",
     "ControlMessage",

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 from tlt_stream.basics.messages.wire import Entry, NonNegInt, Tensor, Version
 
 __all__ = [
+    "MAX_GROUP_SIZE",
     "DeadEntry",
     "DeadLetter",
     "HiddenEntry",
@@ -26,6 +27,9 @@ __all__ = [
 ]
 
 
+MAX_GROUP_SIZE = 4096
+"""The most responses one prompt's group may have."""
+
 # ---------------------------------------------------------------------------------------------------- prompts
 
 
@@ -36,7 +40,7 @@ class PromptGroup(Entry, tag="prompt_group"):
     prompt_id: str
     prompt_ids: list[NonNegInt]
     answer: str
-    group_size: Annotated[int, Meta(ge=1, le=4096)]
+    group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)]
     min_policy_version: NonNegInt = 0
     step: NonNegInt = 0
     prompt_text: str = ""
@@ -78,7 +82,7 @@ class Sample(Entry, tag="sample"):
     task_id: str
     prompt_id: str
     index: NonNegInt
-    group_size: Annotated[int, Meta(ge=1, le=4096)]
+    group_size: Annotated[int, Meta(ge=1, le=MAX_GROUP_SIZE)]
     prompt_ids: list[NonNegInt]
     token_ids: Tensor
     """int32 [n]: the response."""

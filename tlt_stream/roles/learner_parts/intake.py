@@ -25,8 +25,8 @@ from typing import Annotated
 import msgspec
 import redis.asyncio as aioredis
 
-from tlt_stream.basics.messages import Sample
-from tlt_stream.bus.consumer import Delivery, LostTasks, StreamReader
+from tlt_stream.basics.messages import MAX_GROUP_SIZE, Sample
+from tlt_stream.bus.consumer import Delivery, LostTasks, StreamReader, until_memory
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.producer import trim_acked
 from tlt_stream.bus.streams import Keys
@@ -46,7 +46,7 @@ class _Member(msgspec.Struct):
     sample_id: str
     task_id: str
     index: Annotated[int, msgspec.Meta(ge=0)]
-    group_size: Annotated[int, msgspec.Meta(ge=1)]
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUP_SIZE)]
     policy_version: int = 0
     step: int = 0
 
@@ -93,6 +93,19 @@ class SampleIntake:
     def resume(self, ledger: set[str]) -> None:
         """Start from the ledger of the checkpoint resumed: its samples are recognised as trained."""
         self.assembler = GroupAssembler(self.max_staleness, ledger)
+
+    async def take_all(self, deliveries: list[Delivery[Sample]]) -> list[str]:
+        """`take` each delivery of a read; returns the entries to ack now. A redelivered sample of a task already
+        recorded lost (a learner died while dead-lettering its group: its step has another prompt in its place)
+        goes to `dead` unread, as the rest of its group went."""
+        lost = await self.lost.recorded(deliveries)
+        to_ack: list[str] = []
+        for delivery in deliveries:
+            if delivery.message.task_id in lost:
+                await self.reader.give_up(delivery, "its task was recorded lost: another prompt takes its place")
+                continue
+            to_ack += await self.take(delivery)
+        return to_ack
 
     async def take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
@@ -151,8 +164,12 @@ class SampleIntake:
             member = _Member(
                 sample.sample_id, sample.task_id, sample.index, sample.group_size, sample.policy_version, sample.step
             )
+
             # Kept before it is counted: once counted, a lost group's records may be forgotten at any await.
-            await self.redis.hset(self.keys.dead_members, sample.sample_id, _MEMBER_ENCODER.encode(member))
+            async def keep() -> None:
+                await self.redis.hset(self.keys.dead_members, sample.sample_id, _MEMBER_ENCODER.encode(member))
+
+            await until_memory(keep, f"dead member {sample.sample_id}")
         self._mark_dead(sample)
         await self.record_lost()
 
@@ -168,8 +185,7 @@ class SampleIntake:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 stale.append(key)
                 continue
-            siblings = (f"{member.task_id}/{i}" for i in range(member.group_size) if i != member.index)
-            if any(s in self.assembler.ledger for s in siblings):
+            if not self.assembler.counts_dead(member):  # type: ignore[arg-type]  (its group trained, or bogus)
                 stale.append(key)
                 continue
             self._mark_dead(member)  # type: ignore[arg-type]  (the fields mark_dead reads)

@@ -102,7 +102,7 @@ class TaskIntake:
         """Read up to `count` tasks into `waiting`; poison (it would fail the same way on every worker and
         every redelivery) is dead-lettered, and the worker goes on."""
         deliveries = await self.reader.read(count=count, block_ms=block_ms)
-        lost = await self._recorded_lost(deliveries)
+        lost = await self.lost.recorded(deliveries)
         usable = []
         for delivery in deliveries:
             if delivery.message.task_id in lost:
@@ -115,16 +115,6 @@ class TaskIntake:
         if usable:
             self._group_hint = max(1, usable[-1].message.group_size)
         self.flight.waiting += usable
-
-    async def _recorded_lost(self, deliveries: list[Delivery[PromptGroup]]) -> set[str]:
-        """The redelivered tasks already in `Keys.lost`: a worker recorded one and died before its dead letter
-        and ack. Its step has another prompt in its place, so generating it too would give the step a group
-        too many. A first delivery cannot be there, so only redeliveries cost a round trip."""
-        again = [d.message.task_id for d in deliveries if d.deliveries > 1]
-        if not again:
-            return set()
-        found = await self.reader.redis.hmget(self.reader.keys.lost, again)
-        return {task_id for task_id, step in zip(again, found, strict=True) if step is not None}
 
     async def _problem(self, task: PromptGroup) -> str | None:
         def problem() -> str | None:
