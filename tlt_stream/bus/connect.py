@@ -211,12 +211,13 @@ def connect_redis(
     `redis_socket_timeout(block_ms)`; with TLS the certificate and its hostname are always checked. Once
     `stop` (a service's stop event) is set, a failed command is no longer retried (`OutageRetry`).
     """
-    tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if urlsplit(url).scheme == "rediss" else {}
+    scheme = urlsplit(url).scheme
+    tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if scheme == "rediss" else {}
+    tcp = {} if scheme == "unix" else {"socket_keepalive": True}  # a Unix socket's connection takes no keepalive
     return aioredis.Redis.from_url(
         url,
         decode_responses=False,
         health_check_interval=30,
-        socket_keepalive=True,
         socket_connect_timeout=5,
         socket_timeout=redis_socket_timeout(block_ms),
         retry=OutageRetry(OutageBackoff(url, cap=cap_s), retries=retries, stop=stop),
@@ -224,6 +225,7 @@ def connect_redis(
         client_name=name,
         redis_connect_func=_ConnectionsOpened().on_connect,
         **tls,
+        **tcp,
     )
 
 
