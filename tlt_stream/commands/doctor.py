@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -20,8 +21,19 @@ def register(commands: Any) -> None:
     )
     add_config_args(doctor)
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
-    doctor.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each server")
+    doctor.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for each server")
     doctor.set_defaults(handler=handle)
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (at 0 or below every server would read as down)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
 
 
 def handle(args: argparse.Namespace) -> int:

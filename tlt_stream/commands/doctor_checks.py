@@ -19,7 +19,7 @@ from tlt_stream.basics.common import as_text
 from tlt_stream.basics.config import Config, redact_url
 from tlt_stream.basics.messages import CONTROL_CODEC
 from tlt_stream.bus.connect import endpoints, mqtt_params
-from tlt_stream.roles.monitor.snapshot import inspect_redis
+from tlt_stream.roles.monitor.snapshot import check_redis_url, inspect_redis, reason
 
 __all__ = ["doctor", "inspect_mqtt", "inspect_redis"]
 
@@ -50,7 +50,7 @@ async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:
                     except msgspec.DecodeError as exc:
                         report["retained"][topic] = {"error": f"undecodable: {exc}"}
     except (aiomqtt.MqttError, TimeoutError, OSError) as exc:
-        report["error"] = f"cannot reach MQTT at {redact_url(config.bus.mqtt_url)}: {exc or type(exc).__name__}"
+        report["error"] = f"cannot reach MQTT at {redact_url(config.bus.mqtt_url)}: {reason(exc)}"
     return report
 
 
@@ -96,12 +96,19 @@ def _print_human(report: dict[str, Any]) -> None:
 
 def doctor(config: Config, *, as_json: bool, timeout: float) -> int:
     embedded = config.bus.redis_url is None or config.bus.mqtt_url is None
+    if config.bus.redis_url is not None:
+        check_redis_url(config.bus.redis_url)  # before an embedded server starts or a client connects
     with endpoints(config) as resolved:
 
-        async def gather() -> tuple[dict[str, Any], dict[str, Any]]:
-            return await asyncio.gather(inspect_redis(resolved, timeout), inspect_mqtt(resolved, timeout))
+        async def gather() -> list[Any]:  # both end before an error is raised: no client is left half-open
+            return await asyncio.gather(
+                inspect_redis(resolved, timeout), inspect_mqtt(resolved, timeout), return_exceptions=True
+            )
 
         redis_report, mqtt_report = asyncio.run(gather())
+    for part in (redis_report, mqtt_report):
+        if isinstance(part, BaseException):
+            raise part
     report = {"run": config.run, "embedded": embedded, "redis": redis_report, "mqtt": mqtt_report}
     ok = redis_report["reachable"] and mqtt_report["reachable"]
     report["ok"] = ok

@@ -48,6 +48,7 @@ def handle(args: argparse.Namespace) -> int:
     import json
 
     import torch
+    from safetensors import SafetensorError
 
     from tlt_stream.basics.progress import PhaseProgress
     from tlt_stream.model import CheckpointError
@@ -69,6 +70,13 @@ def handle(args: argparse.Namespace) -> int:
             )
     except CheckpointError as exc:
         print(f"tlt-stream eval: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except SafetensorError as exc:  # the drafter's are checked where it loads: these are the policy's
+        print(
+            f"tlt-stream eval: {args.model}: unreadable safetensors weights ({exc}); copy or export the checkpoint "
+            "again",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     if args.json:
         print(json.dumps(report))

@@ -9,16 +9,101 @@ from __future__ import annotations
 import argparse
 import html
 import logging
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from tlt_stream.commands.args import EXIT_CONFIG
 from tlt_stream.rl.records import load_metrics, read_jsonl
 
 __all__ = ["draft_sources", "handle", "partial_rollouts", "register", "stale_drops", "state_intervals", "write_report"]
 
 
 log = logging.getLogger(__name__)
+
+DRAFTER_KEY = re.compile(r"accept_length_drafter_(-?\d+)")
+"""A metrics key of the acceptance length per drafter version (-1: no drafter)."""
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot read: its text says what is wrong and what to do."""
+
+
+def _real(value: Any) -> bool:
+    """A finite number (not a bool): a figure the plots and tables can use."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _counts(value: Any) -> dict[str, int]:
+    """A rollout report's per-source node counts (`drafted`, `accepted`), entries of another shape left out."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and _whole(v)}
+
+
+def clean_metrics(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The learner's rows (`load_metrics`) with only what the report can draw: figures that are finite numbers
+    (a NaN, an infinity, a string or a null is a missing figure) and `response_lens`, as numbers."""
+    out = []
+    for row in rows:
+        kept = {k: v for k, v in row.items() if _real(v) and k != "response_lens"}
+        kept["version"] = row["version"]
+        if isinstance(lens := row.get("response_lens"), list):
+            kept["response_lens"] = [v for v in lens if _real(v)]
+        out.append(kept)
+    return out
+
+
+ROLLOUT_FIELDS = {
+    "policy_version": _whole,
+    "kept_tokens": _whole,
+    "discarded_tokens": _whole,
+    "batch_size": _real,
+    "ahead_seconds": _real,
+    "sd_on": lambda v: isinstance(v, bool),
+}
+"""The fields of a rollout report the report reads, and the test each must pass to be used."""
+
+
+def clean_timeline(path: Path) -> list[dict[str, Any]]:
+    """The entries of a run's `timeline.jsonl` the report can place: a `kind` and a finite `created_at`, a
+    worker state with its worker and state named; a rollout report's fields of another type are left out
+    (each read as missing). What was left out is said in one warning."""
+    out, skipped = [], 0
+    for entry in read_jsonl(path):
+        kind = entry.get("kind")
+        if not isinstance(kind, str) or not _real(entry.get("created_at")):
+            skipped += 1
+            continue
+        if kind == "worker_state" and not (
+            isinstance(entry.get("worker_id"), str) and isinstance(entry.get("state"), str)
+        ):
+            skipped += 1
+            continue
+        if kind == "rollout":
+            entry = {k: v for k, v in entry.items() if k not in ROLLOUT_FIELDS or ROLLOUT_FIELDS[k](v)}
+            entry["drafted"], entry["accepted"] = _counts(entry.get("drafted")), _counts(entry.get("accepted"))
+        out.append(entry)
+    if skipped:
+        log.warning(
+            "%s: skipped %d entries without a kind, a time or (worker states) a worker and state", path, skipped
+        )
+    return out
+
+
+def clean_evals(path: Path) -> list[dict[str, Any]]:
+    """The held-out evaluations of `eval.jsonl` that have an integer version and a finite accuracy."""
+    rows = read_jsonl(path)
+    kept = [r for r in rows if _whole(r.get("version")) and _real(r.get("accuracy"))]
+    if len(kept) < len(rows):
+        log.warning("%s: skipped %d rows without an integer version and a finite accuracy", path, len(rows) - len(kept))
+    return kept
 
 
 def _figure():
@@ -33,12 +118,11 @@ def _figure():
 def _reward_curve(plt, rows: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     versions = [r["version"] for r in rows]
-    ax.plot(versions, [r["reward_mean"] for r in rows], color="tab:blue", alpha=0.35, label="train reward (per step)")
+    rewards = [r.get("reward_mean", math.nan) for r in rows]  # a missing reward leaves a gap
+    ax.plot(versions, rewards, color="tab:blue", alpha=0.35, label="train reward (per step)")
     window = 10
     if len(rows) >= window:
-        smooth = [
-            sum(r["reward_mean"] for r in rows[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rows))
-        ]
+        smooth = [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rows))]
         ax.plot(versions[window - 1 :], smooth, color="tab:blue", label=f"train reward ({window}-step mean)")
     if evals:
         ax.plot(
@@ -72,7 +156,8 @@ def _lengths(plt, rows: list[dict[str, Any]], out: Path) -> None:
     ax.set_ylabel("response tokens")
     ax.set_title("Response lengths per step (the long tail)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    if ax.get_legend_handles_labels()[0]:  # none when a row lacks the percentiles
+        ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -117,7 +202,7 @@ def _speculation(plt, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5))
     versions = [r["version"] for r in rows]
     top.plot(versions, [r.get("accept_length_mean", 1.0) for r in rows], "o-", ms=3, label="mean over samples")
-    drafters = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("accept_length_drafter_")})
+    drafters = sorted({int(m[1]) for r in rows for k in r if (m := DRAFTER_KEY.fullmatch(k))})
     for version in drafters:
         key = f"accept_length_drafter_{version}"
         points = [(r["version"], r[key]) for r in rows if key in r]
@@ -127,13 +212,13 @@ def _speculation(plt, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]
     top.set_title("Acceptance length (per drafter version: weighted by response length)")
     top.grid(alpha=0.3)
     top.legend(loc="best", fontsize="small", ncol=2)
-    reports = [e for e in timeline if e["kind"] == "rollout"]
+    reports = [e for e in timeline if e["kind"] == "rollout" and "sd_on" in e]
     if reports:
         t0 = min(e["created_at"] for e in timeline)
         bottom.step([e["created_at"] - t0 for e in reports], [float(e["sd_on"]) for e in reports], where="post")
         bottom.scatter(
             [e["created_at"] - t0 for e in reports],
-            [e["batch_size"] / max(1, max(r["batch_size"] for r in reports)) for e in reports],
+            [e.get("batch_size", 0) / max(1, max(r.get("batch_size", 0) for r in reports)) for e in reports],
             s=4,
             color="tab:gray",
             label="running batch (scaled)",
@@ -194,10 +279,15 @@ def _samples_table(run_dir: Path, limit: int = 6) -> str:
     rows = read_jsonl(run_dir / "samples.jsonl")[-limit:]
     if not rows:
         return ""
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        return html.escape(str(row.get(key, "-")))
+
     cells = "".join(
-        f"<tr><td>v{r['version']}</td><td>{html.escape(str(r['sample_id']))}</td>"
-        f"<td><pre>{html.escape(str(r['prompt'])[-300:])}</pre></td><td><pre>{html.escape(str(r['response'])[:600])}"
-        f"</pre></td><td>{r['reward']:.3g}</td><td>{html.escape(str(r['finish_reason']))}</td></tr>"
+        f"<tr><td>v{cell(r, 'version')}</td><td>{cell(r, 'sample_id')}</td>"
+        f"<td><pre>{cell(r, 'prompt')[-300:]}</pre></td><td><pre>{cell(r, 'response')[:600]}</pre></td>"
+        f"<td>{_number(r['reward'], '.3g') if _real(r.get('reward')) else '-'}</td>"
+        f"<td>{cell(r, 'finish_reason')}</td></tr>"
         for r in rows
     )
     head = "<tr><th>version</th><th>sample</th><th>prompt (end)</th><th>response</th><th>reward</th><th>end</th></tr>"
@@ -288,13 +378,25 @@ def _stale_table(drops: dict[str, Any]) -> str:
 def write_report(run_dir: str | Path) -> Path:
     """Write the run's plots and `report.html` into `RUN_DIR/report/`; returns the HTML path."""
     run_dir = Path(run_dir)
-    rows = load_metrics(run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(f"{run_dir}: no such run directory (give the --out directory of `tlt-stream run`)")
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: not a directory (give the run directory that holds metrics.jsonl)")
+    rows = clean_metrics(load_metrics(run_dir))
     if not rows:
-        raise FileNotFoundError(f"{run_dir}/metrics.jsonl: no learner steps recorded yet")
-    evals = read_jsonl(run_dir / "eval.jsonl")
-    timeline = read_jsonl(run_dir / "timeline.jsonl")
+        raise FileNotFoundError(
+            f"{run_dir}/metrics.jsonl: no learner steps recorded yet (the learner writes one line per update: "
+            "run the report once it has, and see logs/ in the run directory if it never does)"
+        )
+    evals = clean_evals(run_dir / "eval.jsonl")
+    timeline = clean_timeline(run_dir / "timeline.jsonl")
     out = run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(
+            f"{out}: cannot make the report directory ({exc.strerror or exc}); move aside what is there"
+        ) from None
     plt = _figure()
     plots = {
         "reward.png": ("Reward and held-out accuracy", _reward_curve, (rows, evals)),
@@ -310,7 +412,7 @@ def write_report(run_dir: str | Path) -> Path:
     summary = {
         "steps": len(rows),
         "last version": last["version"],
-        "last reward": round(last["reward_mean"], 3),
+        "last reward": _number(last.get("reward_mean"), ".3f"),
         "held-out accuracy": " -> ".join(f"{e['accuracy']:.3f} (v{e['version']})" for e in evals) or "not evaluated",
     }
     if sources := draft_sources(timeline):
@@ -361,11 +463,11 @@ def register(commands: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-
     try:
         page = write_report(args.run_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"tlt-stream report: {exc}", file=sys.stderr)
-        return 1
+    except (OSError, ValueError) as exc:  # a run directory missing, empty or unreadable: one line, no traceback
+        text = f"{exc.filename}: cannot read it ({exc.strerror})" if isinstance(exc, OSError) and exc.filename else exc
+        print(f"tlt-stream report: {text}", file=sys.stderr)
+        return EXIT_CONFIG
     print(page)
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from tlt_stream.basics.config import Config, ConfigError
 from tlt_stream.bus.connect import connect_redis
 from tlt_stream.roles.monitor.dashboard import render, summary_line
 from tlt_stream.roles.monitor.prometheus import MetricsServer
-from tlt_stream.roles.monitor.snapshot import snapshot
+from tlt_stream.roles.monitor.snapshot import check_redis_url, snapshot
 
 __all__ = ["MonitorOptions", "monitor"]
 
@@ -42,8 +43,8 @@ class MonitorOptions:
 
     def __post_init__(self) -> None:
         for name in ("interval", "window_s", "timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"monitor: {name} must be > 0, got {getattr(self, name)}")
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"monitor: {name} must be a finite number > 0, got {getattr(self, name)}")
         if self.prometheus is not None and not 0 <= self.prometheus <= 65535:
             raise ConfigError(f"monitor: --prometheus needs a port in 0..65535, got {self.prometheus}")
         if self.once and self.prometheus is not None:
@@ -58,6 +59,11 @@ def monitor(config: Config, options: MonitorOptions) -> int:
             "tlt-stream monitor: needs the run's Redis: --redis-url or TLT_REDIS_URL (and --run or TLT_RUN)",
             file=sys.stderr,
         )
+        return 2
+    try:
+        check_redis_url(config.bus.redis_url)
+    except ValueError as exc:
+        print(f"tlt-stream monitor: {exc}", file=sys.stderr)
         return 2
     return run(_once(config, options) if options.once else _watch(config, options))
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from tlt_stream.basics.common import as_text
-from tlt_stream.basics.config import BusConfig, Config, redact_url
+from tlt_stream.basics.config import BusConfig, Config, redact_text, redact_url
 from tlt_stream.basics.messages import CONTROL_KINDS, LearnerStats, codec_for
 from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis
 from tlt_stream.bus.control import read_mirror
@@ -34,7 +35,7 @@ from tlt_stream.roles.monitor.summaries import (
     worker_summary,
 )
 
-__all__ = ["STATS_LIMIT", "inspect_redis", "read_stats", "snapshot"]
+__all__ = ["STATS_LIMIT", "check_redis_url", "inspect_redis", "read_stats", "reason", "snapshot"]
 
 STATS_PAGE = 500
 STATS_LIMIT = 2000
@@ -56,6 +57,35 @@ while n < cap do
 end
 return n
 """
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, never empty (a timeout or a TLS handshake with a server that does not speak TLS
+    raise exceptions without text) and with no password in it."""
+    if text := str(exc).strip():
+        return redact_text(text)
+    return "no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__
+
+
+def check_redis_url(url: str) -> None:
+    """Raise ValueError (its text free of secrets) when the Redis client cannot use `url`: an option value it
+    cannot read, or an option it does not know (which redis-py would find only on connecting). Connects
+    nothing."""
+    try:
+        connect_redis(url).connection_pool.make_connection()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"the Redis client cannot use the URL {redact_url(url)} ({reason(exc)}): fix or drop the option it names"
+        ) from None
+
+
+def _refused(config: Config, exc: RedisError) -> str:
+    """A Redis that answers but refuses a read (an ACL without a permission, a key of the run holding another
+    kind of value): what it said and what to check."""
+    return (
+        f"Redis at {redact_url(config.bus.redis_url)} refused a read of run {config.run!r}: {reason(exc)} (check "
+        "the URL's user and its ACL permissions, and that --run names a tlt-stream run)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the scan
@@ -104,7 +134,9 @@ async def inspect_redis(config: Config, timeout: float, *, redis: aioredis.Redis
                 report["server"] = "Redis protocol server without INFO (embedded fakeredis?)"
             report.update(await _scan(client, Keys(config.run), config.bus))
     except (*REDIS_RETRYABLE, TimeoutError) as exc:
-        report["error"] = f"cannot reach Redis at {redact_url(config.bus.redis_url)}: {exc or type(exc).__name__}"
+        report.update(reachable=False, error=f"cannot reach Redis at {redact_url(config.bus.redis_url)}: {reason(exc)}")
+    except RedisError as exc:  # it answers, but not to what a scan reads: the run cannot be shown
+        report.update(reachable=False, error=_refused(config, exc))
     finally:
         if redis is None:
             await client.aclose()
@@ -244,8 +276,10 @@ async def snapshot(
             async with asyncio.timeout(timeout):
                 snap.update(await _details(client, Keys(config.run), base, window_s, stats_limit))
         except (*REDIS_RETRYABLE, TimeoutError) as exc:
-            error = f"lost Redis at {redact_url(config.bus.redis_url)}: {exc or 'timeout'}"
+            error = f"lost Redis at {redact_url(config.bus.redis_url)}: {reason(exc)}"
             snap.update(reachable=False, error=error)
+        except RedisError as exc:
+            snap.update(reachable=False, error=_refused(config, exc))
         return snap
     finally:
         if redis is None:
