@@ -70,6 +70,24 @@ def test_report_names_a_missing_a_file_or_an_empty_run_directory_and_exits_2(
     assert "timeline.jsonl: cannot read it" in refused(capsys, ["report", str(run)])
 
 
+def test_a_run_whose_report_cannot_be_written_still_ends_with_its_own_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tlt-stream run` writes the report last: a report it cannot write (here its folder is a file) is said in
+    the closing line, and the run ends as it did, not with a traceback after training."""
+    from types import SimpleNamespace
+
+    from tlt_stream.basics.config import load_config
+    from tlt_stream.commands.run.setup import finish
+
+    (tmp_path / "metrics.jsonl").write_text(lines(row(1)))
+    (tmp_path / "report").write_text("in the way")
+    plan = SimpleNamespace(run_dir=tmp_path, cores=1)
+    assert finish(plan, load_config(), 0, 0, 12.0) == 0  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert "finished in 12s; the report was not written" in err and f"tlt-stream report {tmp_path}" in err
+
+
 def test_a_line_torn_mid_character_or_of_another_shape_is_skipped_not_fatal(tmp_path: Path) -> None:
     text = lines(row(1), row(2, note="héllo")).encode()
     whole = json.dumps(row(3, note="héllo"), ensure_ascii=False).encode()

@@ -292,6 +292,8 @@ def finish(plan: RunPlan, config: Config, code: int, evals: int, seconds: float)
         where = f"report: {write_report(out)}"
     except FileNotFoundError:  # stopped before the first update
         where = "no step finished, so no report"
+    except (OSError, ValueError) as exc:  # the run is done whatever befalls its report (a full disk, say)
+        where = redact_text(f"the report was not written ({exc}); `tlt-stream report {out}` draws it later")
     print(f"tlt-stream run: {'finished' if code == 0 else 'stopped'} in {seconds:.0f}s; {where}", file=sys.stderr)
     return code
 
