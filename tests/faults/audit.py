@@ -168,7 +168,9 @@ def audit(
         tasks[task.task_id] = task
     planned = {f"s{s:06d}-{i:04d}" for s in range(steps) for i in range(prompts_per_step)}
     dropped = record.dropped
-    if unreplaced := sorted(t for t in dropped if record.replaced.get(t) not in tasks):
+    # The policy service sends again only the tasks it dispatched: a group of poison written straight into
+    # `samples` (no such task) is recorded when it goes stale, and stays dropped.
+    if unreplaced := sorted(t for t in dropped if t in tasks and record.replaced.get(t) not in tasks):
         problems.append(f"dropped as too stale and never sent again: {unreplaced[:6]}")
     planned |= {record.replaced[t] for t in dropped if t in record.replaced}  # a streaming run's re-sent groups
     if set(tasks) != planned:
