@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -21,7 +22,18 @@ from typing import Any
 
 from tlt_stream.commands.args import EXIT_CONFIG, positive
 
-__all__ = ["InputError", "handle", "read_prompts", "register", "run_generate"]
+__all__ = ["SEED_RANGE", "InputError", "handle", "read_prompts", "register", "run_generate", "seed"]
+
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""What a `torch.Generator` seed may be (a 64-bit signed integer); row i samples with seed + i."""
+
+
+def seed(text: str) -> int:
+    """An argparse type: an integer seed inside `SEED_RANGE`."""
+    value = int(text)
+    if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"must be a 64-bit integer (from -2**63 to 2**63 - 1), got {value}")
+    return value
 
 
 class InputError(Exception):
@@ -76,8 +88,15 @@ def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int, context: int 
                 raise InputError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
             prompts.append(ids)
         elif "prompt" in row:
-            if not isinstance(row["prompt"], str) or not row["prompt"]:
-                raise InputError(f"{where}: 'prompt' must be a non-empty string")
+            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+                raise InputError(f"{where}: 'prompt' must be a non-empty string (not only whitespace)")
+            try:
+                row["prompt"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(
+                    f"{where}: 'prompt' holds an unpaired surrogate escape ({row['prompt'][exc.start]!r}); "
+                    "write the character itself or its surrogate pair"
+                ) from None
             if encode is None:
                 encode = prompt_encoder(_tokenizer(tokenizer_dir, where))
             ids = encode(row["prompt"])
@@ -108,15 +127,70 @@ def _tokenizer(directory: Path, where: str) -> Any:
 
 
 def _check_output(path: Path) -> None:
-    """Refuse an `--output` that cannot be written before any work is done, rather than lose the results."""
+    """Refuse an `--output` that cannot be written before any work is done, rather than lose the results: a
+    file is made (and removed) in its folder, where `_write_output` will write."""
+    import tempfile
+
+    from tlt_stream.drafter.export import file_in_the_way
+
     if path.is_dir():
         raise InputError(f"--output {path}: is a directory; name a file")
+    if (blocker := file_in_the_way(path)) is not None:
+        raise InputError(f"--output {path}: {blocker} is a file, not a folder; name another --output")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"--output {path}: cannot make its folder ({exc.strerror or exc})") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if path.exists() and not path.is_file():  # a stream (/dev/stdout, a pipe): written to as it is
+        if not os.access(path, os.W_OK):
+            raise InputError(f"--output {path}: not writable")
+        return
+    if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"--output {path}: not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.resolve().parent)
+    except OSError as exc:
+        raise InputError(f"--output {path}: not writable ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _write_output(path: Path, rows: list[str]) -> None:
+    """Write `rows` to `path` whole or not at all: a regular file is written next to itself and renamed over
+    it (an earlier output stays as it was on failure); a stream is written to directly."""
+    import tempfile
+
+    if path.exists() and not path.is_file():
+        with path.open("w") as out:
+            out.writelines(rows)
+        return
+    target = path.resolve()  # through a symlink: replace the file it names, not the link
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.writelines(rows)
+        if target.exists():
+            os.chmod(tmp, target.stat().st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _check_sampling(opts: GenerateOptions) -> None:
+    """Refuse sampling options the engine cannot honour, naming the flag, before anything loads."""
+    if not math.isfinite(opts.temperature) or opts.temperature < 0:
+        raise InputError(f"--temperature must be a finite number >= 0 (0 for greedy), got {opts.temperature}")
+    if not SEED_RANGE[0] <= opts.seed <= SEED_RANGE[1]:
+        raise InputError(f"--seed {opts.seed}: must be a 64-bit integer (from -2**63 to 2**63 - 1)")
 
 
 def _response_budgets(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> list[int]:
@@ -177,11 +251,27 @@ def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
     return VllmEngine(opts.model, settings=settings, drafter=None if opts.drafter == "ngram" else opts.drafter)
 
 
+def _check_drafter(path: Path, spec: Any) -> None:
+    """Refuse, before the model loads, a drafter checkpoint that is unreadable or made for another policy's
+    shape (its weights are read when the proposer is built)."""
+    from tlt_stream.drafter.model import read_drafter_spec
+    from tlt_stream.model import CheckpointError
+
+    drafter = read_drafter_spec(path)
+    if (drafter.hidden_size, drafter.vocab_size) != (spec.hidden_size, spec.vocab_size):
+        raise CheckpointError(
+            f"--drafter {path}: made for a policy of hidden size {drafter.hidden_size} and vocabulary "
+            f"{drafter.vocab_size}, not this one ({spec.hidden_size}, {spec.vocab_size}); "
+            "make one for it with `tlt-stream drafter init`"
+        )
+
+
 def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     import torch
+    from safetensors import SafetensorError
 
     from tlt_stream.model import CheckpointError, load_model, load_spec, stop_token_ids
-    from tlt_stream.model.loader import checkpoint_positions
+    from tlt_stream.model.loader import check_checkpoint, checkpoint_positions
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import build_proposer
@@ -192,16 +282,40 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
         from tlt_stream.rollout.vllm.backend import require_vllm
 
         require_vllm()  # before reading anything: one line when it is missing
+    _check_sampling(opts)
     _check_output(opts.output)
     if not opts.model.is_dir():
         raise CheckpointError(f"{opts.model}: checkpoint directory does not exist")
+    spec = load_spec(opts.model)
     context = checkpoint_positions(opts.model)
-    prompts = read_prompts(opts.input, opts.model, load_spec(opts.model).vocab_size, context)
+    if opts.drafter is not None and opts.drafter != "ngram":
+        _check_drafter(Path(opts.drafter), spec)
+        if opts.topk > spec.vocab_size:
+            raise InputError(
+                f"--topk {opts.topk} is more than the model's {spec.vocab_size} tokens; use --topk <= {spec.vocab_size}"
+            )
+    prompts = read_prompts(opts.input, opts.model, spec.vocab_size, context)
+    if opts.seed + len(prompts) - 1 > SEED_RANGE[1]:
+        raise InputError(
+            f"--seed {opts.seed}: row i samples with seed + i, which passes 2**63 - 1 for {len(prompts)} rows; "
+            "use a smaller --seed"
+        )
+    if opts.backend == "torch":  # its safetensors headers and every tensor the runtime reads, before any load
+        try:
+            check_checkpoint(opts.model)
+        except SafetensorError as exc:  # a truncated or foreign weights file
+            raise CheckpointError(f"{opts.model}: unreadable safetensors ({exc})") from None
     budgets = _response_budgets(prompts, opts.max_new_tokens, context)
     max_len = max(len(p) + b for p, b in zip(prompts, budgets, strict=True))
     arm = None
     if opts.drafter is not None:
-        arm = Arm.drafter(opts.depth, opts.topk, opts.verify or opts.depth * opts.topk)
+        verify = opts.verify or opts.depth * opts.topk
+        if verify > opts.depth * opts.topk**2:
+            raise InputError(
+                f"--verify {verify}: a tree of --depth {opts.depth} and --topk {opts.topk} offers at most "
+                f"{opts.depth * opts.topk**2} nodes to verify; lower --verify or raise --depth/--topk"
+            )
+        arm = Arm.drafter(opts.depth, opts.topk, verify)
     if opts.backend == "vllm":
         engine = _vllm_engine(opts, max_len, arm)
     else:
@@ -220,8 +334,7 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     keys = ("token_ids", "logprobs", "finish_reason", "accept_lengths")
     try:
-        with opts.output.open("w") as out:
-            out.writelines(json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in results)
+        _write_output(opts.output, [json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in results])
     except OSError as exc:
         raise InputError(f"--output {opts.output}: cannot write ({exc.strerror or exc})") from None
     tokens = sum(len(r.token_ids) for r in results)
@@ -259,7 +372,7 @@ def register(commands: Any) -> None:
     gen.add_argument("--verify", type=positive, help="nodes verified per round (default depth x topk)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
     gen.add_argument("--max-new-tokens", type=positive, default=256)
-    gen.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
+    gen.add_argument("--seed", type=seed, default=0, help="row i samples with seed + i")
     gen.add_argument("--batch-size", type=positive, default=32, help="rows decoded together at most")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument(

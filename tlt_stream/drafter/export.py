@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
@@ -90,6 +91,7 @@ __all__ = [
     "eagle_tensor_names",
     "eagle_tensors",
     "export_drafter",
+    "file_in_the_way",
     "resolve_drafter_dir",
 ]
 
@@ -222,7 +224,19 @@ def _policy_embedding(policy: Path, spec: ModelSpec) -> torch.Tensor:
             f"{policy}: policy (hidden {target.hidden_size}, vocab {target.vocab_size}) does not fit the drafter "
             f"(hidden {spec.hidden_size}, vocab {spec.vocab_size})"
         )
-    return embedding_tensor(policy, target)
+    try:
+        return embedding_tensor(policy, target)
+    except (SafetensorError, OSError) as exc:  # a truncated, foreign or unreadable weights file
+        raise ExportError(f"--policy {policy}: unreadable safetensors ({exc})") from None
+
+
+def file_in_the_way(path: str | Path) -> Path | None:
+    """The nearest existing ancestor of `path` when it is not a directory (a file where a folder must be made
+    for `path`), else None."""
+    for parent in Path(path).absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
 
 
 def _sha256(path: Path) -> str:
@@ -258,24 +272,32 @@ def export_drafter(
     tensors = {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
     config = eagle_config(drafter.spec, dtype=dtype)
 
+    try:  # standard JSON only: a non-finite value would be written as `NaN`/`Infinity`, which strict readers refuse
+        config_text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError:
+        raise ExportError(f"{source}: the drafter's config holds a non-finite number; remake the drafter") from None
+
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a directory")
+        raise ExportError(f"--out {out}: exists and is not a directory; name a directory")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ExportError(f"{out}: directory is not empty (pass --force to replace its export)")
         foreign = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG, WEIGHTS, EXPORT_RECORD))
         if foreign:  # vLLM loads every *.safetensors of the directory: never leave strangers next to ours
             raise ExportError(f"{out}: holds more than an export ({', '.join(foreign[:3])}); choose another --out")
-        for name in (CONFIG, WEIGHTS, EXPORT_RECORD):
-            (out / name).unlink(missing_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if (blocker := file_in_the_way(out)) is not None:
+        raise ExportError(f"--out {out}: {blocker} is a file, not a folder; choose another --out")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise ExportError(f"--out {out}: cannot create it ({exc.strerror or exc}); choose another --out") from None
+    try:  # the whole export is written next to `out` first: a failure leaves an earlier export as it was
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG).write_text(config_text)
         record = {
             "format": format,
             "source": str(source.resolve()),
@@ -287,6 +309,8 @@ def export_drafter(
         out.mkdir(parents=True, exist_ok=True)
         for name in (WEIGHTS, CONFIG, EXPORT_RECORD):  # the weights first: a config never names missing ones
             os.replace(tmp / name, out / name)
+    except OSError as exc:
+        raise ExportError(f"--out {out}: cannot write the export ({exc.strerror or exc})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(out, config, tuple(sorted(tensors)), embedding is not None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -26,7 +27,15 @@ from tlt_stream.model.loader import CheckpointError
 from tlt_stream.model.spec import ModelSpec
 from tlt_stream.model.transformer import Transformer
 
-__all__ = ["DRAFTER_ARCHITECTURE", "Drafter", "drafter_layer_spec", "load_drafter", "read_drafter", "save_drafter"]
+__all__ = [
+    "DRAFTER_ARCHITECTURE",
+    "Drafter",
+    "drafter_layer_spec",
+    "load_drafter",
+    "read_drafter",
+    "read_drafter_spec",
+    "save_drafter",
+]
 
 DRAFTER_ARCHITECTURE = "TltEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -138,25 +147,95 @@ def save_drafter(drafter: Drafter, path: str | Path, *, metadata: dict[str, obje
     return path
 
 
-def read_drafter(path: str | Path) -> Drafter:
-    """Read a drafter saved by `save_drafter` without binding it: float32 on the CPU, its own weights only
-    (what an export needs; `load_drafter` binds it to a target for drafting)."""
+_POSITIVE_INTS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "sliding_window",
+    }
+)
+"""Integer fields of a spec that must be at least 1 (`rope_original_max_positions` may be 0)."""
+
+
+def _spec_field(name: str, kind: str, value: object) -> str | None:
+    """Why `value` is not a valid `ModelSpec.name` of annotated type `kind` (None when it is): a finite
+    positive number of the right type, a bool, a string (a JSON config can hold NaN, Infinity, 1.5 or
+    "128" where an integer belongs, which `ModelSpec` itself does not refuse)."""
+    if value is None:
+        return None if "None" in kind else "must not be null"
+    if kind.startswith("int"):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"must be an integer, got {value!r}"
+        floor = 1 if name in _POSITIVE_INTS else 0
+        return None if value >= floor else f"must be >= {floor}, got {value}"
+    if kind == "float":
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return f"must be a number, got {value!r}"
+        return None if math.isfinite(value) and value > 0 else f"must be a finite positive number, got {value}"
+    if kind == "bool":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    return None if isinstance(value, str) else f"must be a string, got {value!r}"
+
+
+def read_drafter_spec(path: str | Path) -> ModelSpec:
+    """The validated spec of the drafter checkpoint at directory `path`, from its config alone (the weights
+    are not read): raises `CheckpointError`, in one line, unless both files are there and the config is one
+    `save_drafter` could have written: every field of the right type and finite, and the shape of a drafter
+    (one layer, no q/k norm, no attention window; the tensors hold exactly that)."""
     path = Path(path)
     config_file, weights_file = path / CONFIG, path / WEIGHTS
     for needed in (config_file, weights_file):
         if not needed.is_file():
             raise CheckpointError(f"{path}: not a drafter checkpoint ({needed.name} is missing)")
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{config_file}: not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_file}: invalid JSON ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{config_file}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(config, dict) or config.get("architectures") != [DRAFTER_ARCHITECTURE]:
         found = config.get("architectures") if isinstance(config, dict) else config
         raise CheckpointError(f"{path}: architectures {found} is not [{DRAFTER_ARCHITECTURE!r}]")
+    raw = config.get("spec")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file}: invalid drafter spec ('spec' must be an object)")
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(ModelSpec)}
+    for name, value in raw.items():
+        why = _spec_field(name, kinds[name], value) if name in kinds else "is not a drafter spec field"
+        if why is not None:
+            raise CheckpointError(f"{config_file}: invalid drafter spec (spec.{name} {why})")
     try:
-        spec = ModelSpec(**config["spec"])
-    except (KeyError, TypeError, ValueError) as exc:
+        spec = ModelSpec(**raw)
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{config_file}: invalid drafter spec ({exc})") from None
+    shaped = drafter_layer_spec(spec)
+    if shaped != spec:
+        wrong = [
+            f"{f.name} {getattr(spec, f.name)!r} where a drafter has {getattr(shaped, f.name)!r}"
+            for f in dataclasses.fields(ModelSpec)
+            if getattr(spec, f.name) != getattr(shaped, f.name)
+        ]
+        raise CheckpointError(
+            f"{config_file}: the spec says {', '.join(wrong)} (its tensors hold one plain decoder layer); "
+            "remake the drafter with `tlt-stream drafter init`"
+        )
+    return spec
+
+
+def read_drafter(path: str | Path) -> Drafter:
+    """Read a drafter saved by `save_drafter` without binding it: float32 on the CPU, its own weights only
+    (what an export needs; `load_drafter` binds it to a target for drafting)."""
+    path = Path(path)
+    weights_file = path / WEIGHTS
+    spec = read_drafter_spec(path)
     drafter = Drafter(spec)
     try:
         state = load_file(str(weights_file))
