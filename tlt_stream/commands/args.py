@@ -20,6 +20,9 @@ EXIT_CONFIG = 2
 SETTING = "setting:"
 """Prefix of the argparse destinations of setting flags: `setting:KEY[,KEY...]`."""
 
+FLAGS = "setting_flags"
+"""The parser default holding {destination: the flag's name} of its setting flags, for error messages."""
+
 
 def add_config_args(parser: argparse.ArgumentParser, *, bus: bool = True) -> None:
     group = parser.add_argument_group("configuration")
@@ -46,7 +49,10 @@ def add_config_args(parser: argparse.ArgumentParser, *, bus: bool = True) -> Non
 
 def positive(text: str) -> int:
     """An argparse type: an integer >= 1 (offline tools' own options; role settings use `setting`)."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -88,6 +94,11 @@ def setting(
     shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
     where = ", ".join(names)
     dest = SETTING + ",".join(names)
+    named = parser.get_default(FLAGS)
+    if named is None:
+        named = {}
+        parser.set_defaults(**{FLAGS: named})
+    named[dest] = flags[0]
     if const is not None:
         parser.add_argument(
             *flags, dest=dest, action="store_const", const=const, default=None, help=f"{help or doc} ({where})"
@@ -121,4 +132,11 @@ def load(args: argparse.Namespace, *, default_preset: str | None = None) -> Any:
         extra[("bus", "redis_url")] = args.redis_url
         extra[("bus", "mqtt_url")] = args.mqtt_url
     extra.update(flag_values(args))
-    return load_config(args.config, overrides=args.overrides, extra=extra, default_preset=default_preset)
+    origins = {
+        tuple(key.split(".")): flag
+        for dest, flag in (getattr(args, FLAGS, None) or {}).items()
+        for key in dest.removeprefix(SETTING).split(",")
+    }
+    return load_config(
+        args.config, overrides=args.overrides, extra=extra, default_preset=default_preset, origins=origins
+    )

@@ -21,6 +21,10 @@ from tlt_stream.commands.args import positive
 
 __all__ = ["handle", "register", "render"]
 
+MAX_GPUS = 1024
+"""More GPUs than one Docker host holds: a larger --gpus is a typo (a device id, a memory size), refused
+before a service per device is written."""
+
 PROFILE = "scaled-rollout"
 """The profile compose.yaml's scalable `rollout` is moved to (never started unless asked for)."""
 
@@ -34,14 +38,32 @@ def register(commands: Any) -> None:
         "rest as a service of its own (rollout-0, rollout-1, ...). Use it beside compose.yaml: docker compose -f "
         "compose.yaml -f compose.gpu.yaml up. UNVERIFIED on a GPU host.",
     )
-    cmd.add_argument("--gpus", type=positive, required=True, help="NVIDIA GPUs on the host (device ids 0 .. N-1)")
+    cmd.add_argument(
+        "--gpus", type=_gpu_count, required=True, help=f"NVIDIA GPUs on the host (device ids 0 .. N-1; N <= {MAX_GPUS})"
+    )
     cmd.add_argument("--learner-gpus", type=positive, default=1, help="GPUs of the learner (default 1)")
     cmd.add_argument("--workers", type=positive, help="rollout workers (default: one per GPU left; 1 on one GPU)")
     cmd.add_argument(
-        "--base", default="compose.yaml", help="the compose file the workers extend, relative to the output's folder"
+        "--base",
+        type=_base_file,
+        default="compose.yaml",
+        help="the compose file the workers extend, relative to the output's folder",
     )
     cmd.add_argument("-v", "--verbose", action="count", default=0)
     cmd.set_defaults(handler=handle)
+
+
+def _gpu_count(text: str) -> int:
+    value = positive(text)
+    if value > MAX_GPUS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_GPUS} (the GPUs of one host), got {value}")
+    return value
+
+
+def _base_file(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name the compose file the workers extend (compose.yaml)")
+    return text
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -9,7 +9,9 @@ without starting anything.
 The rule, for G GPUs, K learner GPUs and N rollout workers:
 - G = 0 (a CPU-only host): nothing is placed; every process keeps the environment it was given.
 - the learner takes the first K GPUs (K > 1: one torchrun process per GPU), each worker one of the next N;
-  N > G - K is refused in one line, except on a single GPU (G = K = 1), which every process shares;
+  N > G - K is refused in one line, except on a single GPU (G = 1), which every process shares;
+- a GPU named twice (`CUDA_VISIBLE_DEVICES=0,0,1`) is refused: CUDA shows no GPU at all then, and two
+  processes on one GPU is not what the list asked for;
 - a role on the CPU (`device = "cpu"`) and the policy service (which never uses a GPU) see none ("").
 """
 
@@ -37,7 +39,22 @@ def visible_gpus(count: int, environ: Mapping[str, str]) -> tuple[str, ...]:
     listed = environ.get("CUDA_VISIBLE_DEVICES")
     if listed is None:
         return tuple(str(i) for i in range(count))
-    return tuple(name.strip() for name in listed.split(",") if name.strip())[:count]
+    names: list[str] = []
+    for name in (part.strip() for part in listed.split(",")):
+        if not name or name.startswith("-"):  # CUDA stops at an empty or negative entry
+            break
+        names.append(name)
+    _refuse_repeats(names, f"CUDA_VISIBLE_DEVICES={listed}")
+    return tuple(names[:count])
+
+
+def _refuse_repeats(gpus: Sequence[str], where: str) -> None:
+    repeated = sorted({name for name in gpus if list(gpus).count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{where} names GPU {', '.join(repeated)} more than once (CUDA then shows no GPU at all): name each "
+            "GPU once"
+        )
 
 
 def _on_gpu(device: str) -> bool:
@@ -63,6 +80,7 @@ def place(
     a GPU its process would not see."""
     if not gpus:
         return {}
+    _refuse_repeats(gpus, f"the GPU list {','.join(gpus)}")
     if workers < 1 or learner_gpus < 1:
         raise ConfigError(f"placement needs at least one worker and one learner GPU, got {workers} and {learner_gpus}")
     learner: tuple[str, ...] = ()
@@ -78,8 +96,13 @@ def place(
         rollout: list[tuple[str, ...]] = [()] * workers
     elif workers <= len(rest):
         rollout = [(rest[i],) for i in range(workers)]
-    elif len(gpus) == 1 and len(learner) == 1:  # one GPU: every process shares it, as on a workstation
-        rollout = [learner] * workers
+    elif len(gpus) == 1:  # one GPU: every process shares it, as on a workstation, whatever the learner's device
+        rollout = [tuple(gpus)] * workers
+    elif not rest:
+        raise ConfigError(
+            f"launch.learner_gpus = {learner_gpus} takes every visible GPU ({','.join(gpus)}) and leaves none for "
+            f"the rollout workers: use --learner-gpus {len(gpus) - 1} or fewer"
+        )
     else:
         raise ConfigError(
             f"{workers} rollout worker(s) need one GPU each beside the learner's {len(learner)}, but {len(gpus)} "

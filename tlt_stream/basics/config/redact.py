@@ -14,6 +14,7 @@ SECRET_KEY = r"[\w.-]*(?:pass(?:wd|word|phrase)?|pwd|token|secret|credentials?|a
 
 _SECRET_KEY_RE = re.compile(rf"^{SECRET_KEY}$", re.IGNORECASE)
 _USERINFO_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/'\"]*):[^\s'\"]*@")
+_WHOLE_USERINFO_RE = re.compile(r"^(?P<head>[\[('\"]*[A-Za-z][A-Za-z0-9+.-]*://[^:@/]*):.*@", re.DOTALL)
 _ASSIGNMENT_RE = re.compile(rf"(?P<head>(?<![\w.-]){SECRET_KEY}=)[^\s&#;'\"]*", re.IGNORECASE)
 REDACTED = "***"
 
@@ -28,8 +29,11 @@ def redact_text(text: str) -> str:
 
 def redact_url(url: str | None) -> str | None:
     """The URL with its password and any password-like query parameter replaced by `***`, for logs and
-    error messages; never raises, whatever the URL."""
-    return None if url is None else redact_text(url)
+    error messages; never raises, whatever the URL. The text is one value (a setting's, a flag's), so its
+    password reaches to the last `@` whatever it holds: a space or a quote in it hides nothing either."""
+    if url is None:
+        return None
+    return redact_text(_WHOLE_USERINFO_RE.sub(rf"\g<head>:{REDACTED}@", url))
 
 
 def redact_config(tree: Any) -> Any:
@@ -42,7 +46,7 @@ def redact_config(tree: Any) -> Any:
         }
     if isinstance(tree, list | tuple):
         return [redact_config(value) for value in tree]
-    return redact_text(tree) if isinstance(tree, str) else tree
+    return redact_url(tree) if isinstance(tree, str) else tree
 
 
 def is_secret_key(name: str) -> bool:
