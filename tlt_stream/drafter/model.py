@@ -24,7 +24,7 @@ from torch import nn
 from tlt_stream.model.cache import KVCache
 from tlt_stream.model.layers import DecoderLayer, attention_context, rope_inv_freq, rope_tables
 from tlt_stream.model.loader import CheckpointError
-from tlt_stream.model.spec import ModelSpec
+from tlt_stream.model.spec import POSITIVE_SIZES, ModelSpec
 from tlt_stream.model.transformer import Transformer
 
 __all__ = [
@@ -147,19 +147,7 @@ def save_drafter(drafter: Drafter, path: str | Path, *, metadata: dict[str, obje
     return path
 
 
-_POSITIVE_INTS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "sliding_window",
-    }
-)
+_POSITIVE_INTS = frozenset({*POSITIVE_SIZES, "max_position_embeddings", "sliding_window"})
 """Integer fields of a spec that must be at least 1 (`rope_original_max_positions` may be 0)."""
 
 

@@ -10,6 +10,16 @@ from dataclasses import dataclass
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+)
+"""The sizes a spec must hold at least 1 of."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +70,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-        ):
+        for name in POSITIVE_SIZES:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
