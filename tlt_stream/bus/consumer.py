@@ -137,16 +137,20 @@ class LostTasks:
             self.pending.pop(task_id, None)
         return sorted(lost)
 
-    async def recorded(self, deliveries: list[Delivery[Any]]) -> set[str]:
-        """The task ids of the redelivered entries (a task's, or a sample's of a task) already recorded lost:
-        whoever recorded it died before the dead letter and ack. Its step has another prompt in its place, so
-        handling it too would give the step a group too many. A first delivery cannot be there (the record
-        precedes the ack), so only redeliveries cost a round trip."""
+    async def set_aside(self, reader: StreamReader[T], deliveries: list[Delivery[T]]) -> list[Delivery[T]]:
+        """`deliveries` less the redelivered entries (a task's, or a sample's of a task) whose task is already
+        recorded lost, which `reader` dead-letters unread: whoever recorded it died before the dead letter and
+        ack. Its step has another prompt in its place, so handling it too would give the step a group too many.
+        A first delivery cannot be one (the record precedes the ack), so only redeliveries cost a round trip."""
         again = sorted({d.message.task_id for d in deliveries if d.deliveries > 1})
         if not again:
-            return set()
+            return deliveries
         found = await self.redis.hmget(self.keys.lost, again)
-        return {task_id for task_id, step in zip(again, found, strict=True) if step is not None}
+        lost = {task_id for task_id, step in zip(again, found, strict=True) if step is not None}
+        for delivery in deliveries:
+            if delivery.message.task_id in lost:
+                await reader.give_up(delivery, "its task was recorded lost: another prompt takes its place")
+        return [d for d in deliveries if d.message.task_id not in lost]
 
 
 class StreamReader(Generic[T]):

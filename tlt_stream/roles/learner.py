@@ -167,7 +167,6 @@ class LearnerService:
             if self.reader.lost:
                 intake.entries_vanished()
             to_ack = await intake.take_all(deliveries)
-            await intake.record_lost()  # groups the read's own refusals left with nothing to train
             await intake.ack(to_ack)
             while max_updates is None or applied < max_updates:
                 groups = await self.updates.next_step()

@@ -98,18 +98,13 @@ class SampleIntake:
         """`take` each delivery of a read; returns the entries to ack now. A redelivered sample of a task already
         recorded lost (a learner died while dead-lettering its group: its step has another prompt in its place)
         goes to `dead` unread, as the rest of its group went."""
-        lost = await self.lost.recorded(deliveries)
         to_ack: list[str] = []
-        for delivery in deliveries:
-            if delivery.message.task_id in lost:
-                await self.reader.give_up(delivery, "its task was recorded lost: another prompt takes its place")
-                continue
+        for delivery in await self.lost.set_aside(self.reader, deliveries):
             to_ack += await self.take(delivery)
         return to_ack
 
     async def take(self, delivery: Delivery[Sample]) -> list[str]:
         """Hand one delivery to the assembler; returns the entries to ack now (duplicates, stale drops)."""
-        await self.record_lost()  # any record a failed write left behind
         sample = delivery.message
         # Newest published: ours, or the mirror's when we fell back past a damaged checkpoint and are redoing
         # the update whose version the workers already generate with.

@@ -101,13 +101,9 @@ class TaskIntake:
     async def read(self, count: int, block_ms: int | None) -> None:
         """Read up to `count` tasks into `waiting`; poison (it would fail the same way on every worker and
         every redelivery) is dead-lettered, and the worker goes on."""
-        deliveries = await self.reader.read(count=count, block_ms=block_ms)
-        lost = await self.lost.recorded(deliveries)
+        deliveries = await self.lost.set_aside(self.reader, await self.reader.read(count=count, block_ms=block_ms))
         usable = []
         for delivery in deliveries:
-            if delivery.message.task_id in lost:
-                await self.reader.give_up(delivery, "task recorded lost before: another prompt takes its place")
-                continue
             if problem := await self._problem(delivery.message):
                 await self.lose(delivery, f"invalid task: {problem}")
                 continue
