@@ -101,12 +101,19 @@ def test_unrelated_environment_is_ignored() -> None:
         ("mqtt://u:p@s3cret/x@host:1883", "mqtt://u:***@host:1883"),  # unescaped @ and / in the password
         ("redis://u:s3cret@h:notaport", "redis://u:***@h:notaport"),  # unparseable as a URL: still redacted
         ("redis://host:6379", "redis://host:6379"),
-        ("redis://app@host/0?db=2", "redis://app@host/0?db=2"),
+        # a user part without a colon may be the password (redis-cli reads `redis://SECRET@host` so): hidden whole
+        ("redis://s3cret@host/0?db=2", "redis://***@host/0?db=2"),
+        ("rediss://s3@cret@host:6380", "rediss://***@host:6380"),
     ],
 )
 def test_redact_url_hides_passwords(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     assert "s3cret" not in redact_text(f"failed: {url!r}, retrying")
+
+
+def test_redact_url_hides_a_user_part_without_a_colon_whatever_it_holds() -> None:
+    """One value is one URL, so its user part reaches to the last `@` even through a space or a quote."""
+    assert redact_url("redis://s3cret s3'cret@host:1/0") == "redis://***@host:1/0"
 
 
 def test_redact_url_and_config_leave_what_holds_no_secret() -> None:

@@ -91,8 +91,18 @@ def test_config_show_redacts_every_url(env: dict[str, str], flags: list[str]) ->
 def test_config_show_keeps_urls_without_secrets_as_they_are(
     capsys: pytest.CaptureFixture[str], no_bus_environment: None
 ) -> None:
-    assert main(["config", "show", "--redis-url", "redis://app@db.example:6379/0?db=2"]) == 0
-    assert json.loads(capsys.readouterr().out)["bus"]["redis_url"] == "redis://app@db.example:6379/0?db=2"
+    assert main(["config", "show", "--redis-url", "redis://db.example:6379/0?db=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["bus"]["redis_url"] == "redis://db.example:6379/0?db=2"
+
+
+def test_config_show_hides_a_user_part_without_a_colon(
+    capsys: pytest.CaptureFixture[str], no_bus_environment: None
+) -> None:
+    """redis-cli reads `redis://SECRET@host` as the password, so a user part without a colon is hidden whole."""
+    assert main(["config", "show", "--redis-url", f"redis://{SECRET}@db.example:6379/0"]) == 0
+    out = capsys.readouterr().out
+    assert SECRET not in out
+    assert json.loads(out)["bus"]["redis_url"] == "redis://***@db.example:6379/0"
 
 
 @pytest.mark.parametrize(

@@ -15,25 +15,31 @@ SECRET_KEY = r"[\w.-]*(?:pass(?:wd|word|phrase)?|pwd|token|secret|credentials?|a
 _SECRET_KEY_RE = re.compile(rf"^{SECRET_KEY}$", re.IGNORECASE)
 _USERINFO_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/'\"]*):[^\s'\"]*@")
 _WHOLE_USERINFO_RE = re.compile(r"^(?P<head>[\[('\"]*[A-Za-z][A-Za-z0-9+.-]*://[^:@/]*):.*@", re.DOTALL)
+_WHOLE_BARE_USERINFO_RE = re.compile(r"^(?P<head>[\[('\"]*[A-Za-z][A-Za-z0-9+.-]*://)[^:/]*@")
+_BARE_USERINFO_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)[^\s:/'\"\[\]]+@")
 _ASSIGNMENT_RE = re.compile(rf"(?P<head>(?<![\w.-]){SECRET_KEY}=)[^\s&#;'\"]*", re.IGNORECASE)
 REDACTED = "***"
 
 
 def redact_text(text: str) -> str:
     """`text` with every secret it may carry replaced by `***`: URL passwords (`scheme://user:PASSWORD@host`,
-    the password reaching to the last `@` of the URL, so an unescaped `@` or `/` in it hides nothing) and
-    password-like assignments (`?password=...`, `&token=...`, `--set bus.x_secret=...`)."""
+    the password reaching to the last `@` of the URL, so an unescaped `@` or `/` in it hides nothing), a user
+    part without a colon whole (`redis://SECRET@host`: redis-cli reads it as the password) and password-like
+    assignments (`?password=...`, `&token=...`, `--set bus.x_secret=...`)."""
     text = _USERINFO_RE.sub(rf"\g<head>:{REDACTED}@", text)
+    text = _BARE_USERINFO_RE.sub(rf"\g<head>{REDACTED}@", text)
     return _ASSIGNMENT_RE.sub(rf"\g<head>{REDACTED}", text)
 
 
 def redact_url(url: str | None) -> str | None:
     """The URL with its password and any password-like query parameter replaced by `***`, for logs and
-    error messages; never raises, whatever the URL. The text is one value (a setting's, a flag's), so its
-    password reaches to the last `@` whatever it holds: a space or a quote in it hides nothing either."""
+        error messages; never raises, whatever the URL. The text is one value (a setting's, a flag's), so its
+        password reaches to the last `@` whatever it holds: a space or a quote in it hides nothing either. A user
+    part without a colon is hidden whole, as redis-cli reads it as the password."""
     if url is None:
         return None
-    return redact_text(_WHOLE_USERINFO_RE.sub(rf"\g<head>:{REDACTED}@", url))
+    url = _WHOLE_USERINFO_RE.sub(rf"\g<head>:{REDACTED}@", url)
+    return redact_text(_WHOLE_BARE_USERINFO_RE.sub(rf"\g<head>{REDACTED}@", url))
 
 
 def redact_config(tree: Any) -> Any:
