@@ -11,7 +11,7 @@ from tlt_stream.basics.config import SdConfig
 from tlt_stream.drafter.model import Drafter
 from tlt_stream.model import load_model
 from tlt_stream.rollout.adaptive import AdaptiveSd
-from tlt_stream.rollout.arms import Arm
+from tlt_stream.rollout.arms import MAX_DRAFT_DEPTH, Arm
 from tlt_stream.rollout.engine import GenerationEngine
 from tlt_stream.rollout.proposers import EagleProposer, GroupProposer, MixedProposer, NgramProposer
 
@@ -211,3 +211,11 @@ def test_each_arms_reports_count_the_context_its_steps_attended_over_as_the_rows
     assert sum(r.contexts for r in reports) == sum(longest)
     assert {r.arm.kind for r in reports} >= {"plain", "drafter"}
     assert min(longest) >= len(prompts[-1]) and max(longest) > min(longest)
+
+
+@pytest.mark.parametrize("label", ["ngram-d257", "group-d257v8", "d257k1v257", "d257k1v257|g8", "d257k2v8+g8"])
+def test_no_arm_drafts_deeper_than_the_cap(label: str) -> None:
+    """A configured arm deeper than `MAX_DRAFT_DEPTH` would stall every round; it is refused when read."""
+    with pytest.raises(ValueError, match=f"at most {MAX_DRAFT_DEPTH} levels"):
+        Arm.from_label(label)
+    assert Arm.from_label(label.replace("257", str(MAX_DRAFT_DEPTH))).depth == MAX_DRAFT_DEPTH

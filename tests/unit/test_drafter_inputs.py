@@ -17,6 +17,7 @@ from tlt_stream.commands.cli import main
 from tlt_stream.drafter.model import Drafter, read_drafter, save_drafter
 from tlt_stream.model import load_model
 from tlt_stream.model.spec import ModelSpec
+from tlt_stream.rollout.arms import MAX_DRAFT_DEPTH
 
 
 def _strict_json(text: str) -> Any:
@@ -381,3 +382,50 @@ def test_generate_names_the_verify_bound_of_the_draft_tree(
     argv = _generate(init_policy, prompts, tmp_path / "out.jsonl", "--drafter", str(drafter_dir), "--verify", "9")
     err = _refused(capsys, "generate", argv)
     assert "--verify 9: a tree of --depth 4 and --topk 1 offers at most 4 nodes" in err
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "checkpoint"])
+def test_generate_refuses_a_draft_deeper_than_any_arm(
+    drafter: str,
+    tmp_path: Path,
+    init_policy: Path,
+    drafter_dir: Path,
+    prompts: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A huge --depth stalled every round (a drafter forward per level) or tried to allocate a KV cache of
+    terabytes and died in a traceback; it is now one line before any load."""
+    source = "ngram" if drafter == "ngram" else str(drafter_dir)
+    out = tmp_path / "out.jsonl"
+    for depth in (MAX_DRAFT_DEPTH + 1, 10**11):
+        argv = _generate(init_policy, prompts, out, "--drafter", source, "--depth", str(depth))
+        assert f"--depth {depth}: a draft is at most {MAX_DRAFT_DEPTH} levels deep" in _refused(
+            capsys, "generate", argv
+        )
+    assert not out.exists()
+
+
+def test_generate_decodes_the_rows_memory_holds_and_names_a_row_that_does_not_fit(
+    tmp_path: Path,
+    init_policy: Path,
+    drafter_dir: Path,
+    prompts: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--batch-size is an upper bound: rows past what half the free memory holds are decoded later, not
+    allocated at once (2**40 rows was a traceback). A host too small for one row with its draft tree is told
+    so in one line, with the numbers."""
+    out = tmp_path / "out.jsonl"
+    argv = _generate(init_policy, prompts, out, "--drafter", str(drafter_dir), "--batch-size", str(2**40))
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert out.exists()
+    out.unlink()
+    import tlt_stream.model.sizing as sizing
+
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 2**13)  # a host with 8 KiB free
+    wide = ("--depth", "8", "--topk", "4", "--verify", "128")
+    err = _refused(capsys, "generate", _generate(init_policy, prompts, out, "--drafter", str(drafter_dir), *wide))
+    assert "and 128 draft nodes (--depth/--topk/--verify) needs" in err and "lower --max-new-tokens" in err
+    assert not out.exists()

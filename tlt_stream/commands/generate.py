@@ -234,6 +234,26 @@ def _stderr_console() -> Any:
     return Console(stderr=True)
 
 
+def _fitting_rows(opts: GenerateOptions, spec: Any, max_len: int, draft_nodes: int | None) -> int:
+    """Rows decoded together: at most `--batch-size`, and as many as half the free memory holds (the
+    services' default budget), each with its KV cache over the longest prompt and budget plus the draft
+    nodes one round verifies; an `InputError` with the numbers when not even one row fits."""
+    import torch
+
+    from tlt_stream.model.sizing import engine_bytes_per_row, free_memory
+
+    headroom = draft_nodes + 1 if draft_nodes is not None else 0
+    per_row = engine_bytes_per_row(spec, max_len, getattr(torch, opts.dtype), headroom=headroom)
+    budget = free_memory("cpu") // 2
+    if per_row > budget:
+        drafts = f" and {headroom - 1} draft nodes (--depth/--topk/--verify)" if draft_nodes is not None else ""
+        raise InputError(
+            f"one row of {max_len} tokens{drafts} needs {per_row / 2**30:.2f} GiB of KV cache and half the free "
+            f"memory is {budget / 2**30:.2f} GiB; lower --max-new-tokens, --depth or --verify"
+        )
+    return min(opts.batch_size, budget // per_row)
+
+
 def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
     from tlt_stream.rollout.vllm.backend import VllmEngine, VllmSettings
 
@@ -272,7 +292,7 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
 
     from tlt_stream.model import CheckpointError, load_model, load_spec, stop_token_ids
     from tlt_stream.model.loader import check_checkpoint, checkpoint_positions
-    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.arms import MAX_DRAFT_DEPTH, Arm
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import build_proposer
 
@@ -284,6 +304,8 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
         require_vllm()  # before reading anything: one line when it is missing
     _check_sampling(opts)
     _check_output(opts.output)
+    if opts.drafter is not None and opts.depth > MAX_DRAFT_DEPTH:
+        raise InputError(f"--depth {opts.depth}: a draft is at most {MAX_DRAFT_DEPTH} levels deep")
     if not opts.model.is_dir():
         raise CheckpointError(f"{opts.model}: checkpoint directory does not exist")
     spec = load_spec(opts.model)
@@ -319,16 +341,11 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
     if opts.backend == "vllm":
         engine = _vllm_engine(opts, max_len, arm)
     else:
+        nodes = max(64, arm.nodes if arm else 0)
+        rows = _fitting_rows(opts, spec, max_len, nodes if arm else None)
         model = load_model(opts.model, dtype=getattr(torch, opts.dtype))
         proposer = build_proposer(opts.drafter, model) if opts.drafter is not None else None
-        engine = GenerationEngine(
-            model,
-            opts.batch_size,
-            max_len,
-            proposer=proposer,
-            arm=arm,
-            max_draft_nodes=max(64, arm.verify if arm else 0),
-        )
+        engine = GenerationEngine(model, rows, max_len, proposer=proposer, arm=arm, max_draft_nodes=nodes)
     start = time.perf_counter()
     results = _generate_with_progress(engine, prompts, budgets, opts, stop_token_ids(opts.model))
     seconds = time.perf_counter() - start

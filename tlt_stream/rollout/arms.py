@@ -8,7 +8,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Arm", "ArmKind"]
+__all__ = ["MAX_DRAFT_DEPTH", "Arm", "ArmKind"]
+
+MAX_DRAFT_DEPTH = 256
+"""The deepest draft an arm may ask for: each level costs a drafter forward (or a lookup) every round, and
+accepted lengths stay far below it for any drafter, so a deeper arm is a typo that would stall every round."""
 
 ArmKind = Literal["plain", "ngram", "group", "drafter", "mixed", "either"]
 
@@ -64,6 +68,8 @@ class Arm:
                 f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}, "
                 f"group_nodes={self.group_nodes}"
             )
+        if self.depth > MAX_DRAFT_DEPTH:
+            raise ValueError(f"{self.kind} arm of depth {self.depth}: an arm drafts at most {MAX_DRAFT_DEPTH} levels")
 
     @classmethod
     def plain(cls) -> Arm:
