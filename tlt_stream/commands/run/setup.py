@@ -137,6 +137,13 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         resolve_device(config.rollout.device)  # a bad --device fails here, not in every service after start-up
         resolve_device(config.learner.device)
         require_trackers(config.learner.log_to)  # a missing tracker package: one line now, not in the learner
+        if config.rollout.backend == "vllm":  # not imported here (seconds, and the workers do): only looked for
+            import importlib.util
+
+            from tlt_stream.rollout.vllm.install import INSTALL_HINT
+
+            if importlib.util.find_spec("vllm") is None:
+                raise RunRefused(f"rollout.backend = vllm needs vLLM, which is not installed: {INSTALL_HINT}")
         plan = RunPlan(world=Path(config.launch.world), run_dir=out, config=config, cores=cores)
         tokenizer = check_policy(plan.policy_dir, config)  # what a worker would refuse of it: now, not a wait
         reward = resolve_reward(config.rollout.reward)  # a missing module, file or function: before any service
