@@ -223,8 +223,14 @@ def test_a_preset_sits_under_every_explicit_value(tmp_path: Path) -> None:
     assert mine.learner.lr == 1e-5 and mine.learner.final_norm_lr_scale == tiny["final_norm_lr_scale"]
     off = load_config(environ={"TLT_PRESET": "none"}, default_preset="tiny-world")
     assert off.preset is None and off.learner == DEFAULTS.learner, "preset none: the field's defaults"
-    with pytest.raises(ConfigError, match="unknown preset 'tiny'; choose tiny-world or none"):
+    with pytest.raises(
+        ConfigError, match=r"^--set preset=tiny: preset: unknown preset 'tiny'; choose tiny-world or none"
+    ):
         load_config(environ={}, overrides=["preset=tiny"])
+    with pytest.raises(ConfigError, match=r"^environment variable TLT_PRESET: preset: unknown preset 'x'"):
+        load_config(environ={"TLT_PRESET": "x", "TLT_LEARNER__LR": "1e-5"})  # the layer that named it, not another
+    with pytest.raises(ConfigError, match=r"^config file .*tlt\.toml: preset: unknown preset 'x'"):
+        load_config(write(tmp_path, 'preset = "x"\n'), environ={"TLT_LEARNER__LR": "1e-5"})
     assert override(Config(), {"preset": "tiny-world", "learner.lr": 1e-5}).learner.warmup_steps == tiny["warmup_steps"]
 
 

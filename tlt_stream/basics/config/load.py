@@ -251,10 +251,12 @@ def load_config(
             flag = (origins or {}).get(key) or f"--{key[-1].replace('_', '-')}"
             layers.append((key, value, flag))
 
+    preset_origin = origin  # the layer that names the preset, for its error
     for key, value, where in layers:
         _set_path(tree, key, value, where)
         _validate(tree, where)
-    return _checked(_validate(_with_preset(tree, default_preset, origin), origin))
+        preset_origin = where if key == ("preset",) else preset_origin
+    return _checked(_validate(_with_preset(tree, default_preset, preset_origin), origin))
 
 
 INT_RANGE = (-(2**63), 2**63 - 1)
