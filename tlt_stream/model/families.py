@@ -10,11 +10,13 @@ Dense decoders with RoPE, grouped-query attention and a SwiGLU MLP run here:
 - `MistralForCausalLM`, `MinistralForCausalLM`: no biases; a sliding window only when the KV cache is no
   longer than it (then it never slides).
 
-RoPE is read from `rope_parameters` (transformers 5) or `rope_scaling` (earlier checkpoints), with
-`rope_theta` at the top level or inside: `default`, `linear`, `llama3` and `yarn` (with its attention
-factor). Dynamic NTK is refused: transformers recomputes its frequencies once a sequence passes the
-original length while the keys already cached keep the old ones, a state this runtime's cache does not
-reproduce. Mixture-of-experts, a real sliding window, multimodal models and partial rotary embeddings are
+The config is read as the installed transformers reads it: a key left out takes the family's default
+(`FAMILY_DEFAULTS`), a config without `architectures` runs as its `model_type`'s class. RoPE is read from
+`rope_scaling` (earlier checkpoints; it wins where a config has both, as in transformers) or
+`rope_parameters` (transformers 5), with `rope_theta` at the top level or inside: `default`, `linear`, `llama3`
+and `yarn` (with its attention factor). Dynamic NTK is refused: transformers recomputes its frequencies once a
+sequence passes the original length while the keys already cached keep the old ones, a state this runtime's
+cache does not reproduce. Mixture-of-experts, a real sliding window, multimodal models and partial rotary embeddings are
 refused with the same pointer: the vLLM backend (`rollout.backend = "vllm"`) runs them.
 """
 
@@ -36,6 +38,29 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "mistral",
 }
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
+}
+"""`model_type` -> the causal-LM class transformers' Auto classes build for it: what a config without
+`architectures` runs as."""
+_QWEN_DEFAULTS = {"num_key_value_heads": 32, "max_position_embeddings": 32_768, "sliding_window": 4096}
+_MISTRAL_DEFAULTS = {"num_key_value_heads": 8, "max_position_embeddings": 131_072, "sliding_window": 4096}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "Qwen2ForCausalLM": _QWEN_DEFAULTS,
+    "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128},
+    "MistralForCausalLM": _MISTRAL_DEFAULTS,
+    "MinistralForCausalLM": _MISTRAL_DEFAULTS,
+}
+"""What each family's transformers config class takes for a key its `config.json` leaves out, where that is not
+the runtime's own reading (a key present, even as null, is the checkpoint's): Qwen3 heads of 128 whatever the
+width, Qwen's and Mistral's KV-head counts, each family's context, Mistral's 4096-token window."""
+SILU = ("silu", "swish")
+"""`hidden_act` names of SiLU (transformers maps both to it)."""
 VLLM = 'the vLLM backend (rollout.backend = "vllm") runs it'
 
 
@@ -50,10 +75,17 @@ def _refuse(path: Path, what: str) -> CheckpointError:
 
 
 def _architecture(cfg: dict[str, Any], path: Path) -> str:
+    """The class of `SUPPORTED_ARCHITECTURES` the checkpoint runs as: the first of its `architectures` that is
+    one, else (no `architectures`, as a config saved on its own has none) its `model_type`'s, as transformers'
+    Auto classes read it; anything else is refused."""
     archs = cfg.get("architectures") or []
-    known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not isinstance(archs, list):
+        raise CheckpointError(f"{path}: config.json's architectures must be a list, got {archs!r}")
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if known:
         return known[0]
+    if not archs and cfg.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[cfg["model_type"]]
     names = " ".join(archs)
     if "Moe" in names or "Mixtral" in names or cfg.get("num_experts") or cfg.get("num_local_experts"):
         raise _refuse(path, f"mixture-of-experts ({archs})")
@@ -67,7 +99,7 @@ def _architecture(cfg: dict[str, Any], path: Path) -> str:
 
 def _rope(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """The `ModelSpec` RoPE fields, from `rope_parameters` or `rope_scaling`."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers: rope_scaling first
     if not isinstance(params, dict):
         raise CheckpointError(f"{path}: rope parameters must be an object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
@@ -85,7 +117,8 @@ def _rope(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     if rope_type not in ("linear", "llama3", "yarn"):
         raise _refuse(path, f"RoPE type {rope_type!r}")
     factor = params.get("factor")
-    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    # transformers gives a top-level `original_max_position_embeddings` precedence over the parameters' own
+    original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
     original = int(original or cfg.get("max_position_embeddings") or 0)
     if factor is None and rope_type == "yarn" and original:
         factor = cfg["max_position_embeddings"] / original
@@ -145,28 +178,45 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     return int(window) if "sliding_attention" in (types or []) else None
 
 
+def _number(cfg: dict[str, Any], key: str, path: Path, kind: type, default: Any = None) -> Any:
+    """`cfg[key]` as `kind` (int or float), `default` when absent (`_require`d when None); a value that is not
+    a finite number of that kind (null, text, a bool, 2.5 for a size) is a `CheckpointError` naming the key."""
+    value = _require(cfg, key, path) if default is None else cfg.get(key, default)
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (kind is int and value != int(value)):
+        what = "an integer" if kind is int else "a number"
+        raise CheckpointError(f"{path}: config.json's {key} must be {what}, got {value!r}")
+    return kind(value)
+
+
 def spec_from_hf_config(cfg: dict[str, Any], path: Path | str = "<config>") -> ModelSpec:
-    """Translate a Hugging Face `config.json` dict into a `ModelSpec`, or raise `CheckpointError`."""
+    """Translate a Hugging Face `config.json` dict into a `ModelSpec` as transformers reads it (a key left out
+    takes its family's default, `FAMILY_DEFAULTS`), or raise `CheckpointError`."""
     path = Path(path)
-    arch = _architecture(cfg, path)
-    if cfg.get("hidden_act", "silu") != "silu":
+    architecture = _architecture(cfg, path)
+    arch = SUPPORTED_ARCHITECTURES[architecture]
+    cfg = {**FAMILY_DEFAULTS[architecture], **cfg}
+    if cfg.get("hidden_act", "silu") not in SILU:
         raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
-    hidden = int(_require(cfg, "hidden_size", path))
-    heads = int(_require(cfg, "num_attention_heads", path))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    hidden = _number(cfg, "hidden_size", path, int)
+    heads = _number(cfg, "num_attention_heads", path, int)
+    if heads <= 0:
+        raise CheckpointError(f"{path}: config.json's num_attention_heads must be positive, got {heads}")
+    head_dim = _number(cfg, "head_dim", path, int) if cfg.get("head_dim") is not None else hidden // heads
+    kv_heads = _number(cfg, "num_key_value_heads", path, int) if cfg.get("num_key_value_heads") is not None else heads
     attention_bias = bool(cfg.get("attention_bias", False)) and arch in ("llama", "qwen3")
     try:
         return ModelSpec(
             architecture=arch,
-            vocab_size=int(_require(cfg, "vocab_size", path)),
+            vocab_size=_number(cfg, "vocab_size", path, int),
             hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", path)),
-            num_layers=int(_require(cfg, "num_hidden_layers", path)),
+            intermediate_size=_number(cfg, "intermediate_size", path, int),
+            num_layers=_number(cfg, "num_hidden_layers", path, int),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32_768)),
+            rms_norm_eps=_number(cfg, "rms_norm_eps", path, float, 1e-6),
+            max_position_embeddings=_number(cfg, "max_position_embeddings", path, int, 32_768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or attention_bias,
             o_bias=attention_bias,
@@ -175,7 +225,7 @@ def spec_from_hf_config(cfg: dict[str, Any], path: Path | str = "<config>") -> M
             sliding_window=_sliding_window(cfg, arch),
             **_rope(cfg, path),
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from e
 
 

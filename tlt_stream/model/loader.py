@@ -60,23 +60,31 @@ def load_spec(path: Path | str) -> ModelSpec:
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file that holds it."""
+    """Map each tensor name to the safetensors file that holds it: `model.safetensors` where there is one, else
+    the shards of `model.safetensors.index.json`, transformers' order (a checkpoint saved whole over a sharded
+    one keeps the old index, whose shards `save_pretrained` removed)."""
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed shard index ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: malformed shard index (weight_map must map tensor names to files)")
         files = {name: path / shard for name, shard in weight_map.items()}
         for shard in set(files.values()):
             if not shard.is_file():
                 raise CheckpointError(f"{path}: shard {shard.name} listed in the index is missing")
         return files
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (path / name).is_file()]
+    also = (
+        f" ({pickled[0]} is not read: pickled weights are never unpickled; save it as safetensors)" if pickled else ""
+    )
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json{also}")
 
 
 def _missing(have: Mapping[str, Any], names: list[str], path: Path) -> None:
@@ -243,13 +251,36 @@ def check_checkpoint(path: Path | str) -> ModelSpec:
     return spec
 
 
-def checkpoint_positions(model_dir: str | Path) -> int | None:
-    """The `max_position_embeddings` of `model_dir/config.json` (None when unreadable or absent)."""
+def _config_dict(model_dir: str | Path) -> dict[str, Any]:
+    """`model_dir/config.json` as a dict ({} when unreadable or not an object)."""
     try:
-        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def checkpoint_positions(model_dir: str | Path) -> int | None:
+    """The `max_position_embeddings` of `model_dir/config.json`, or where it leaves the key out, its family's
+    default as transformers reads it (Llama's 2048); None when unreadable, or absent from a family this runtime
+    does not know."""
+    cfg = _config_dict(model_dir)
+    if "max_position_embeddings" in cfg:
+        return _positive_int(cfg["max_position_embeddings"])
+    try:
+        return spec_from_hf_config(cfg, model_dir).max_position_embeddings
+    except CheckpointError:
+        return None
+
+
+def checkpoint_vocab(model_dir: str | Path) -> int | None:
+    """The `vocab_size` of `model_dir/config.json` (None when unreadable or absent): the token ids the policy
+    embeds, whatever its tokenizer holds."""
+    return _positive_int(_config_dict(model_dir).get("vocab_size"))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -283,25 +314,38 @@ def load_tokenizer(directory: str | Path) -> Any:
 
 def prompt_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """A text's token ids as the model sees a prompt: special tokens written in the text are their own ids (a
-    chat template writes the BOS itself), and where the tokenizer begins every sequence with a BOS of its own
-    (Llama's, Mistral's; Qwen's adds none) and the text does not start with it, it is added, as `tokenizer(text)`
-    and transformers' `generate` on it do. Whether it adds one is asked of the tokenizer once, here."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    adds_bos = isinstance(bos, int) and _adds_bos(tokenizer, bos)
+    chat template writes the BOS itself), and where the tokenizer begins every sequence with special tokens of
+    its own (Llama's and Mistral's BOS, whether or not `bos_token` names it; Qwen's adds none) and the text does
+    not start with them, they are added, as `tokenizer(text)` and transformers' `generate` on it do. What the
+    tokenizer adds is asked of it once, here; what it appends after a text (an EOS) is not added to a prompt."""
+    prefix = _special_prefix(tokenizer)
 
     def encode(text: str) -> list[int]:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if adds_bos and ids[:1] != [bos]:
-            ids.insert(0, bos)
+        if prefix and ids[: len(prefix)] != prefix:
+            ids[:0] = prefix
         return ids
 
     return encode
 
 
-def _adds_bos(tokenizer: Any, bos: int) -> bool:
-    """Whether `tokenizer` puts `bos` before a sequence when asked for its special tokens."""
-    with_special = tokenizer("a")["input_ids"]
-    return len(with_special) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) and with_special[0] == bos
+PROBES = ("a", "1", "Hello", " ")
+"""Texts a tokenizer is asked to encode to see what it adds around a text (the first that encodes to a token)."""
+
+
+def _special_prefix(tokenizer: Any) -> list[int]:
+    """The ids `tokenizer` puts before a text when asked for its special tokens (`[bos]`, or nothing)."""
+    for probe in PROBES:
+        plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        if not plain:
+            continue
+        with_special = list(tokenizer(probe)["input_ids"])
+        for start in range(len(with_special) - len(plain) + 1):
+            if with_special[start : start + len(plain)] == plain:
+                return with_special[:start]
+        bos = getattr(tokenizer, "bos_token_id", None)  # the text's own tokens changed beside it: its BOS alone
+        return [bos] if len(with_special) > len(plain) and with_special[0] == bos else []
+    return []
 
 
 def stop_token_ids(model_dir: str | Path, tokenizer: Any = None) -> list[int]:

@@ -65,14 +65,37 @@ def jsonl_lines(path: Path, error: type[Exception], where: Callable[[int], str])
     return [(number, line.removesuffix("\r")) for number, line in lines if line.strip()]
 
 
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """A `.json` file's rows: a JSON array of rows (row i is its i-th element), or JSON lines, as Hugging Face
+    `datasets` writes a `.json` file by default."""
+    lines = jsonl_lines(path, DatasetError, lambda n: f"{path}: row {n}")
+    if lines and lines[0][1].lstrip().startswith("["):
+        try:
+            rows = json.loads("\n".join(line for _, line in lines))
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rows, list):
+            raise DatasetError(f"{path}: expected a JSON array of rows or one JSON object a line")
+        yield from enumerate(rows, start=1)
+        return
+    yield from _jsonl_rows(path, lines)
+
+
+def _jsonl_rows(path: Path, lines: list[tuple[int, str]]) -> Iterator[tuple[int, Any]]:
+    for number, line in lines:
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: row {number}: not valid JSON ({exc.msg})") from None
+
+
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
-    if path.suffix == ".jsonl":
-        for number, line in jsonl_lines(path, DatasetError, lambda n: f"{path}: row {n}"):
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}: row {number}: not valid JSON ({exc.msg})") from None
-    elif path.suffix == ".parquet":
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _jsonl_rows(path, jsonl_lines(path, DatasetError, lambda n: f"{path}: row {n}"))
+    elif suffix == ".json":
+        yield from _json_rows(path)
+    elif suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -81,10 +104,9 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow raises several types for a bad file
             raise DatasetError(f"{path}: not a readable Parquet file ({exc})") from None
-        for number, row in enumerate(table.to_pylist(), start=1):
-            yield number, row
+        yield from enumerate(table.to_pylist(), start=1)
     else:
-        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
+        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl, .json or .parquet)")
 
 
 def _field(row: Any, dotted: str) -> Any:
@@ -140,16 +162,19 @@ def _templated(tokenizer: Any, messages: list[dict[str, str]], where: str, extra
 
 def _number_text(value: numbers.Real | Decimal, where: str) -> str:
     """A numeric reference answer as text: a whole number as an integer ("67", not "67.0", which an exact
-    reward would never match), another as its shortest form; NaN and infinities (a null of a float column)
-    are refused."""
+    reward would never match; 1.5e25 as the 26 digits written, not a float's binary expansion), another as its
+    shortest form in positional notation ("0.0000001", not "1e-07"); NaN and infinities (a null of a float
+    column) are refused."""
     finite = value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)
     if not finite:
         raise DatasetError(f"{where} is {value}: a reference answer must be a finite number")
-    if value == int(value):
+    if isinstance(value, numbers.Integral):
         return str(int(value))
-    if isinstance(value, Decimal):
-        return format(value.normalize(), "f")
-    return str(value)
+    if not isinstance(value, Decimal):  # the float as written (its shortest form): 1.5e25 is not 1500...285212672
+        value = Decimal(str(float(value)))
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
 
 
 def load_examples(
@@ -161,7 +186,7 @@ def load_examples(
     chat_template: bool = True,
     enable_thinking: bool | None = None,
 ) -> list[Example]:
-    """Every row of a JSONL or Parquet file as an `Example`. `answer_field` None: the first of
+    """Every row of a JSONL, JSON or Parquet file as an `Example`. `answer_field` None: the first of
     `ANSWER_FIELDS` the first row has (verl-style parquet keeps it in `reward_model.ground_truth`). String
     prompts are rendered as one user turn with the tokenizer's chat template when `chat_template` and the
     tokenizer has one; message lists always are. `enable_thinking` goes to the template when not None.
@@ -170,6 +195,8 @@ def load_examples(
     same two: the same file gives the same ids on every load (a restarted service finds its prompts again),
     and every row its own id, so its other fields (`PromptPool.fields`) are its own."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory; name the dataset file (.jsonl, .json or .parquet)")
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file does not exist")
     examples = []
@@ -207,9 +234,20 @@ class PromptPool:
     """The training prompts of a dataset, tokenised, visited in epochs: epoch e is a permutation of the pool
     drawn from (seed, e), and step s takes the `count` prompts after the first s x count of the endless
     sequence of epochs. A pure function of (seed, step, count), so a restarted policy service continues
-    exactly where it was. Prompts over `max_prompt_len` tokens are left out at load and counted (`skipped`)."""
+    exactly where it was. Prompts over `max_prompt_len` tokens are left out at load and counted (`skipped`); with
+    `vocab_size` (the policy's), a prompt holding a token id the policy does not embed is refused: the tokenizer
+    is not the policy's, and every prompt it writes would be dead-lettered by the workers."""
 
-    def __init__(self, examples: list[Example], tokenizer: Any, *, seed: int, max_prompt_len: int, where: str = ""):
+    def __init__(
+        self,
+        examples: list[Example],
+        tokenizer: Any,
+        *,
+        seed: int,
+        max_prompt_len: int,
+        where: str = "",
+        vocab_size: int | None = None,
+    ):
         self.seed = seed
         self.max_prompt_len = max_prompt_len
         self.rows: list[tuple[str, str, list[int], str]] = []
@@ -221,6 +259,12 @@ class PromptPool:
         encode = prompt_encoder(tokenizer)
         for example in examples:
             ids = encode(example.prompt)
+            if vocab_size is not None and ids and max(ids) >= vocab_size:
+                raise DatasetError(
+                    f"{where or 'the dataset'}: the prompt {example.prompt[:40]!r} holds token id {max(ids)}, outside "
+                    f"the policy's vocabulary of {vocab_size} (the tokenizer has {len(tokenizer)} tokens): use the "
+                    "policy's own tokenizer (data.tokenizer)"
+                )
             if not ids or len(ids) > max_prompt_len:
                 self.skipped += 1
                 continue
@@ -266,7 +310,8 @@ def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_l
     """The prompts of the dataset file `path` as the configuration reads them (`data.*`: fields, chat
     template, prompt limit; the limit defaults to `PROMPT_LEN` tokens, at most half of the context `max_len`,
     else of `rollout.max_len`). Whatever `data.max_prompt_len` says, a prompt kept leaves the context room
-    for one response token at least: a longer one would only be dead-lettered by the worker."""
+    for one response token at least: a longer one would only be dead-lettered by the worker. Token ids are
+    checked against the vocabulary of the policy `learner.policy` where it is set (`PromptPool`)."""
     data = config.data
     examples = load_examples(
         path,
@@ -282,4 +327,8 @@ def pool_from_config(path: str, config: Any, tokenizer: Any, *, seed: int, max_l
     limit = prompt_limit(data.max_prompt_len, context)
     if context is not None:
         limit = min(limit, context - 1)
-    return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path)
+    from tlt_stream.model.loader import checkpoint_vocab
+
+    policy = config.learner.policy
+    vocab = checkpoint_vocab(policy) if policy is not None else None
+    return PromptPool(examples, tokenizer, seed=seed, max_prompt_len=limit, where=path, vocab_size=vocab)

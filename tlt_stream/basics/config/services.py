@@ -167,7 +167,7 @@ class DataConfig(Section, frozen=True):
     dataset: Annotated[
         str | None,
         doc(
-            "Training prompts: a JSONL or Parquet file (verl's parquet included) with a prompt and a reference "
+            "Training prompts: a JSONL, JSON or Parquet file (verl's parquet included) with a prompt and a reference "
             "answer per row, visited in epochs, shuffled by policy.seed. None: the tiny world's task."
         ),
     ] = None
