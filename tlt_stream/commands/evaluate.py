@@ -1,4 +1,5 @@
-"""`tlt-stream eval`: held-out accuracy and response lengths of a policy on the tiny task."""
+"""`tlt-stream eval`: held-out accuracy and response lengths of a policy: on the tiny task (a tiny-world
+policy), or on held-out prompts of your own (`--dataset`, scored with `--reward`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from tlt_stream.commands.args import EXIT_CONFIG, positive
+from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, load, positive, setting
 
 __all__ = ["handle", "register"]
 
@@ -29,7 +30,15 @@ def register(commands: Any) -> None:
     ev.add_argument("--topk", type=positive, default=1)
     ev.add_argument("--threads", type=positive, default=2)
     ev.add_argument("--json", action="store_true", help="print one JSON object")
-    ev.add_argument("-v", "--verbose", action="count", default=0)
+    setting(
+        ev,
+        "--dataset",
+        keys="data.eval_dataset",
+        help="held-out prompts of your own (JSONL, JSON or Parquet, read as `run` reads them; data.* settings): "
+        "pass@1 and mean reward of the model on them, instead of the tiny task",
+    )
+    setting(ev, "--reward", keys="rollout.reward")
+    add_config_args(ev, bus=False)
     ev.set_defaults(handler=handle)
 
 
@@ -55,6 +64,14 @@ def handle(args: argparse.Namespace) -> int:
     from tlt_stream.tasks.evaluate import evaluate
 
     torch.set_num_threads(args.threads)
+    config = load(args)
+    if config.data.eval_dataset is not None:
+        return _on_dataset(args, config)
+    try:
+        _check_tiny_world(args.model)
+    except CheckpointError as exc:
+        print(f"tlt-stream eval: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         with PhaseProgress() as progress:
             report = evaluate(
@@ -89,4 +106,64 @@ def handle(args: argparse.Namespace) -> int:
         )
         if "mean_accept_length" in report:
             print(f"mean acceptance length {report['mean_accept_length']:.2f} ({report['arm']})")
+    return 0
+
+
+def _check_tiny_world(model: str) -> None:
+    """The tiny task is written in the character tokenizer: a policy whose own tokenizer is another is refused
+    (it would be scored on prompts it cannot read), with the way to evaluate it."""
+    from pathlib import Path
+
+    from tlt_stream.model import CheckpointError, load_tokenizer
+    from tlt_stream.model.loader import TOKENIZER_FILES, checkpoint_vocab
+    from tlt_stream.tasks.tokenizer import vocab
+
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        tiny = load_tokenizer(path).get_vocab() == vocab()
+    else:
+        tiny = checkpoint_vocab(path) == len(vocab())
+    if not tiny:
+        raise CheckpointError(
+            f"{path}: not a tiny-world policy (its tokenizer is not the tiny task's): evaluate it on held-out "
+            "prompts of your own with --dataset FILE [--reward math|exact|module:function]"
+        )
+
+
+def _on_dataset(args: argparse.Namespace, config: Any) -> int:
+    """pass@1 and mean reward of `--model` on `data.eval_dataset` at `--temperature` and `--seed`."""
+    import json
+
+    from tlt_stream.basics.config import override
+    from tlt_stream.commands.run.setup import EVAL_ERRORS
+    from tlt_stream.rl.evaluate import evaluate_dataset
+    from tlt_stream.rl.rewards import resolve_reward
+
+    if args.drafter is not None:
+        print("tlt-stream eval: --drafter measures acceptance on the tiny task; leave it out with --dataset",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CONFIG
+    config = override(config, {"policy.seed": args.seed})
+    try:
+        resolve_reward(config.rollout.reward)  # a missing module or function: before the model loads
+        report = evaluate_dataset(
+            args.model, config, n=args.n, batch_size=args.batch_size, temperature=args.temperature
+        )
+    except EVAL_ERRORS as exc:
+        print(f"tlt-stream eval: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    report = {"model": str(args.model), "temperature": args.temperature, **report}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(
+        f"pass@1 {report['accuracy']:.1%}, mean reward {report['mean_reward']:.3f} on {report['prompts']} held-out "
+        f"prompts of {report['dataset']} (T={args.temperature}, reward {config.rollout.reward})"
+    )
+    print(
+        f"response length mean {report['length_mean']:.0f}, {report['truncated']:.0%} cut at the length limit; "
+        f"{report['skipped_long_prompts']} prompts over the prompt limit skipped"
+    )
     return 0

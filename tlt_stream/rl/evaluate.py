@@ -23,8 +23,11 @@ __all__ = ["evaluate_dataset", "held_out_pool", "score"]
 log = logging.getLogger(__name__)
 
 
-def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_size: int = 32) -> dict[str, Any]:
-    """pass@1 and mean reward of `policy_dir` on `config.data.eval_dataset` (its first `n` usable prompts)."""
+def evaluate_dataset(
+    policy_dir: str | Path, config: Config, *, n: int, batch_size: int = 32, temperature: float | None = None
+) -> dict[str, Any]:
+    """pass@1 and mean reward of `policy_dir` on `config.data.eval_dataset` (its first `n` usable prompts), at
+    `temperature` (0: greedy) or the rollout's."""
     from tlt_stream.model import load_model, load_tokenizer, stop_token_ids
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.stops import StopStrings
@@ -39,7 +42,8 @@ def evaluate_dataset(policy_dir: str | Path, config: Config, *, n: int, batch_si
     stops = stop_token_ids(policy_dir, tokenizer)
     stop = StopStrings(tokenizer, config.rollout.stop) if config.rollout.stop else None
     started = time.perf_counter()
-    temperature, seed, longest = config.rollout.temperature, config.policy.seed, config.rollout.max_response_len
+    seed, longest = config.policy.seed, config.rollout.max_response_len
+    temperature = config.rollout.temperature if temperature is None else temperature
     ids = [
         engine.add_request(
             prompt, min(max_len - len(prompt), longest or max_len), temperature, seed + i, stops, stop=stop
