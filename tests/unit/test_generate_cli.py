@@ -114,3 +114,20 @@ def test_a_missing_checkpoint_is_one_line(tmp_path: Path) -> None:
     result = generate(tmp_path / "nope", tmp_path, [{"prompt_ids": [1]}])
     assert result.returncode == 2 and "checkpoint directory does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_text_prompt_the_models_vocabulary_cannot_hold_is_named_with_its_line(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A checkpoint whose tokenizer is not its model's (ids past the embedding): the line was a request
+    number and an id range, naming neither the file nor the tokenizer."""
+    import shutil
+
+    from tests.families import chat_tokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    chat_tokenizer(["<|endoftext|>"], "<|endoftext|>", "").save_pretrained(other)  # ~300 tokens
+    result = generate(other, tmp_path, [{"prompt_ids": [1]}, {"prompt": "Question: what is 39 plus 6?"}])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "in.jsonl:2: the prompt tokenises to id" in result.stderr and "is not the model's" in result.stderr

@@ -102,6 +102,11 @@ def read_prompts(path: Path, tokenizer_dir: Path, vocab_size: int, context: int 
             ids = encode(row["prompt"])
             if not ids:
                 raise InputError(f"{where}: the prompt tokenises to nothing")
+            if max(ids) >= vocab_size:  # a tokenizer that is not the model's: the model embeds no such id
+                raise InputError(
+                    f"{where}: the prompt tokenises to id {max(ids)}, outside the model's vocabulary "
+                    f"[0, {vocab_size}): the tokenizer in {tokenizer_dir} is not the model's"
+                )
             prompts.append(list(ids))
         else:
             raise InputError(f"{where}: expected 'prompt_ids' or 'prompt', got keys {sorted(row)}")
