@@ -72,6 +72,9 @@ class LearnerSettings:
     final_norm_lr_scale: float = _D.learner.final_norm_lr_scale
     warmup_steps: int = _D.learner.warmup_steps
     activation_checkpointing: bool = _D.learner.activation_checkpointing
+    reference: str | None = _D.learner.policy
+    """The frozen reference of the KL term (`kl_coef` > 0): the initial policy's checkpoint, `learner.policy`,
+    also when the learner resumes from a later checkpoint (None: the checkpoint a fresh start builds from)."""
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and self.micro_batch_tokens > 0 and self.temperature > 0 and self.max_grad_norm >= 0):
@@ -86,8 +89,9 @@ class LearnerSettings:
     @classmethod
     def from_config(cls, config: Config) -> LearnerSettings:
         """The parameters of the configuration's `learner` section, with the rollout's temperature."""
-        own = {f.name: getattr(config.learner, f.name) for f in fields(cls) if f.name != "temperature"}
-        return cls(**own, temperature=config.rollout.temperature)
+        mine = {"temperature", "reference"}
+        own = {f.name: getattr(config.learner, f.name) for f in fields(cls) if f.name not in mine}
+        return cls(**own, temperature=config.rollout.temperature, reference=config.learner.policy)
 
     def lr_at(self, update: int) -> float:
         """The learning rate of update number `update` (0-based), a pure function so a resumed learner

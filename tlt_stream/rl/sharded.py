@@ -115,6 +115,8 @@ class Trainer:
         """This process's optimizer state (or, sharded, its piece), written while the next update runs."""
         self._saved: Path | None = None
         """Rank 0: the step directory of the previous save, which another rank may still be writing into."""
+        self._frozen: tuple[Path, Any] | None = None
+        """The KL reference loaded (`_reference`) and where from."""
         self.rank_failures: dict[int, WriteFailures] = {}
         """Rank 0: the other ranks' failed optimizer writes as each last reported them (a count only grows, so
         the newest report replaces the one before: none is lost or counted twice)."""
@@ -133,9 +135,29 @@ class Trainer:
         model = load_for_training(source, self.device)
         if self.link is not None:
             shard_policy(model, compute_dtype=compute_dtype_on(self.settings.compute_dtype, self.device))
-        self.core = LearnerCore(model, self.settings, ranks=self.link)
+        reference = self._reference(source, step) if self.settings.kl_coef > 0 else None
+        self.core = LearnerCore(model, self.settings, reference=reference, ranks=self.link)
         self.core.updates = max(step, 0)
         return self.core
+
+    def _reference(self, source: Path, step: int) -> Any:
+        """The KL term's frozen reference: the initial policy (`settings.reference`; without one, `source` when it
+        is the initial policy), loaded once, sharded like the policy when there are ranks. A resume from a later
+        checkpoint must not take that checkpoint for the reference: the KL would then pull towards the policy
+        being trained, not the one training started from."""
+        where = self.settings.reference if self.settings.reference is not None else (source if step < 0 else None)
+        if where is None:
+            raise ValueError(
+                f"kl_coef = {self.settings.kl_coef} needs its frozen reference, the initial policy (learner.policy), "
+                f"also when resuming from a checkpoint (step {step})"
+            )
+        if self._frozen is not None and self._frozen[0] == Path(where):
+            return self._frozen[1]
+        reference = load_for_training(where, self.device)
+        if self.link is not None:
+            shard_policy(reference, compute_dtype=compute_dtype_on(self.settings.compute_dtype, self.device))
+        self._frozen = (Path(where), reference)
+        return reference
 
     def restore(self, info: CheckpointInfo, *, source_step: int | None = None) -> tuple[set[str], dict[str, Any]]:
         """Load the optimizer state for a resume from `info` into the core built from it (each rank its piece;
