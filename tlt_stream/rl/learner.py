@@ -365,14 +365,23 @@ class LearnerCore:
         )
 
     def _logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`[B, W-1]`: the log-probability of each next token at the rollout's temperature where the batch's
+        `mask` marks a response token, 0 before the first response token of the batch. The vocabulary-wide
+        logits, the step's largest tensors (`[B, positions, V]` in fp32), are made only from that first
+        response position on (`logits_to_keep`: not over the prompts) and scaled in place."""
         device = batch["ids"].device
+        targets = batch["ids"][:, 1:]  # [B, W-1]
+        answered = batch["mask"].any(0).nonzero()
+        first = int(answered[0]) if answered.numel() else targets.shape[1] - 1  # an idle batch: one position
         with torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            out = model(input_ids=batch["ids"], attention_mask=batch["attention"], use_cache=False)
-            logits = out.logits[:, :-1]  # [B, W-1, V]
+            keep = targets.shape[1] + 1 - first
+            out = model(input_ids=batch["ids"], attention_mask=batch["attention"], use_cache=False, logits_to_keep=keep)
+            logits = out.logits[:, :-1]  # [B, W-1-first, V]: the positions first..W-2
         logits = logits.float()  # log-softmax and the temperature in fp32, whatever the matmuls ran in
         if self.settings.temperature != 1.0:
-            logits = logits / self.settings.temperature
-        return token_logprobs(logits, batch["ids"][:, 1:])
+            logits = logits.div_(self.settings.temperature)
+        picked = token_logprobs(logits, targets[:, first:])
+        return torch.cat([picked.new_zeros(picked.shape[0], first), picked], dim=1) if first else picked
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
