@@ -62,3 +62,17 @@ def test_eval_scores_ones_own_held_out_prompts_with_ones_own_reward_as_transform
     assert report["length_mean"] == pytest.approx(sum(lengths) / 4)
     assert report["truncated"] == pytest.approx(cut / 4)
     assert 0 < sum(rewards) < 4, "a reward that tells responses apart"
+
+
+def test_ones_own_dataset_scored_with_the_tiny_tasks_reward_is_warned_of(
+    own: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default reward reads the tiny task's `answer: N` lines: on another dataset it scores ~0 silently."""
+    data = tmp_path / "held_out.jsonl"
+    data.write_text(json.dumps({"prompt": PROMPTS[0], "answer": "7"}) + "\n")
+    argv = ["eval", "--model", str(own), "--dataset", str(data), "--n", "1", "--set", f"rollout.max_len={MAX_LEN}"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: the reward is repeated_add (the tiny task's, the default) on a dataset of your own" in err
+    assert main([*argv, "--reward", "exact"]) == 0
+    assert "warning" not in capsys.readouterr().err

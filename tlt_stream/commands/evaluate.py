@@ -137,7 +137,7 @@ def _on_dataset(args: argparse.Namespace, config: Any) -> int:
     import json
 
     from tlt_stream.basics.config import override
-    from tlt_stream.commands.run.setup import EVAL_ERRORS
+    from tlt_stream.commands.run.setup import EVAL_ERRORS, warn_tiny_reward
     from tlt_stream.rl.evaluate import evaluate_dataset
     from tlt_stream.rl.rewards import resolve_reward
 
@@ -146,6 +146,7 @@ def _on_dataset(args: argparse.Namespace, config: Any) -> int:
               file=sys.stderr)  # fmt: skip
         return EXIT_CONFIG
     config = override(config, {"policy.seed": args.seed})
+    warn_tiny_reward(config.rollout.reward, "eval")
     try:
         resolve_reward(config.rollout.reward)  # a missing module or function: before the model loads
         report = evaluate_dataset(

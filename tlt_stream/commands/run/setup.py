@@ -147,6 +147,8 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         plan = RunPlan(world=Path(config.launch.world), run_dir=out, config=config, cores=cores)
         tokenizer = check_policy(plan.policy_dir, config)  # what a worker would refuse of it: now, not a wait
         reward = resolve_reward(config.rollout.reward)  # a missing module, file or function: before any service
+        if config.data.dataset is not None:
+            warn_tiny_reward(config.rollout.reward, "run")
         rows: list[dict] = []  # the other fields of every row the reward will score
         if config.data.dataset is not None:  # a bad row stops the run here, in one line, not a service later
             from tlt_stream.roles.policy import task_source
@@ -172,6 +174,21 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
     if own and plan.sd != config.launch.sd:
         print(f"tlt-stream run: no drafter for {plan.policy_dir} (--drafter): drafting n-grams", file=sys.stderr)
     return plan
+
+
+def warn_tiny_reward(reward: str, command: str) -> None:
+    """One line on stderr where a dataset of one's own is scored with the tiny task's reward (the default):
+    it reads `answer: N` lines only, so most responses of another task would score 0 and train nothing."""
+    if reward == TINY_REWARD:
+        print(
+            f"tlt-stream {command}: warning: the reward is {TINY_REWARD} (the tiny task's, the default) on a dataset "
+            "of your own; give --reward math, exact or module:function unless that is what you want",
+            file=sys.stderr,
+        )
+
+
+TINY_REWARD = "repeated_add"
+"""The tiny task's reward (`rl.rewards.REWARDS`), the configuration's default."""
 
 
 def check_reward_call(reward: Any, name: str, rows: list[dict]) -> None:
