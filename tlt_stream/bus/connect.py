@@ -309,20 +309,23 @@ def endpoints(config: Config) -> Iterator[Config]:
 
 async def purge_run(config: Config) -> int:
     """Delete everything run `config.run` left on the servers: its Redis keys (streams, mirror, registry,
-    lease, dispatch cursor) and its retained MQTT control messages. Returns the number of keys deleted.
+    lease, dispatch cursor) and its retained MQTT control messages. Returns the number of keys deleted. Only
+    the run's own keys: the scan's pattern escapes the glob characters a name may hold (`run_glob`).
 
     For benchmarks and tests on shared servers: a run's `hidden` stream alone holds ~100 MB at the default
     bound, and keys outlive the processes that wrote them. Never call it on a run that is still going.
     """
     from tlt_stream.basics.messages import CONTROL_KINDS
+    from tlt_stream.bus.streams import run_glob
 
     if config.bus.redis_url is None or config.bus.mqtt_url is None:
         raise ValueError("purge_run needs the Redis and MQTT URLs of the run (embedded servers vanish with it)")
+    pattern = run_glob(config.run)  # refuses a name whose keys or topics another run's could be
     redis = connect_redis(config.bus.redis_url, retries=3)
     deleted = 0
     try:
         batch: list[bytes] = []
-        async for key in redis.scan_iter(match=f"tlt:{config.run}:*", count=1000):
+        async for key in redis.scan_iter(match=pattern, count=1000):
             batch.append(key)
             if len(batch) >= 500:
                 deleted += await redis.unlink(*batch)

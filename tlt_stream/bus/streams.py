@@ -2,11 +2,59 @@
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 from tlt_stream.basics.config import BusConfig
 
-__all__ = ["STREAMS", "Keys", "StreamSpec", "spec"]
+__all__ = ["RUN_MAX_BYTES", "STREAMS", "Keys", "StreamSpec", "check_run", "run_glob", "run_problem", "spec"]
+
+RUN_MAX_BYTES = 65_535 - 1024
+"""The longest run name, in UTF-8 bytes: an MQTT topic (`tlt/{run}/sd_config`) and an MQTT client id
+(`tlt-{run}-{role}-...`) hold at most 65535 bytes each, and both add their own text to the name."""
+
+_GLOB_SPECIALS = frozenset("*?[]\\")
+
+
+def run_problem(run: str) -> str | None:
+    """Why `run` cannot name a run on servers other runs share, or None when it can.
+
+    Redis keys are `tlt:{run}:...`, so a name holding `:` would make one run's keys another's (`a` would own
+    `tlt:a:b:versions` of run `a:b`, and a scan of `tlt:a:*` would find them); MQTT topics are `tlt/{run}/...`,
+    which may not hold the wildcards `+` and `#`, a control character (the broker drops the connection) or text
+    that is not UTF-8. A `/` is fine: run `a/b`'s topics are a level deeper than `tlt/a/+` reaches. The
+    configuration allows a narrower alphabet still (`run`'s pattern); this is what the bus itself needs, for
+    a name that reaches it some other way.
+    """
+    if ":" in run:
+        return "holds ':', the separator of Redis keys (run 'a' would own the keys of run 'a:b')"
+    if "+" in run or "#" in run:
+        return "holds an MQTT wildcard ('+' or '#'), which no topic may contain"
+    if any(unicodedata.category(c) == "Cc" for c in run):
+        return "holds a control character, which MQTT brokers refuse in a topic"
+    try:
+        size = len(run.encode())
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (it holds a lone surrogate)"
+    if size > RUN_MAX_BYTES:
+        return f"is {size} bytes long: at most {RUN_MAX_BYTES} fit in an MQTT topic"
+    return None
+
+
+def check_run(run: str) -> str:
+    """`run`, when it can name a run (`run_problem`); else a ValueError of one line naming the `run` setting."""
+    problem = run_problem(run)
+    if problem is not None:
+        shown = repr(run) if len(run) <= 80 else f"{run[:60]!r}... ({len(run)} characters)"
+        raise ValueError(f"run {shown}: {problem}; use letters, digits, '_', '.' and '-'")
+    return run
+
+
+def run_glob(run: str) -> str:
+    """A Redis SCAN pattern matching every key of run `run` and no other run's: the run's key prefix with
+    the glob's own characters (`*`, `?`, `[`, `]`, `\\`) escaped, then `*`."""
+    prefix = Keys(run).prefix
+    return "".join(f"\\{c}" if c in _GLOB_SPECIALS else c for c in prefix) + "*"
 
 
 @dataclass(frozen=True)
@@ -53,6 +101,9 @@ class Keys:
     """Every Redis key (and pub/sub channel) of one run."""
 
     run: str
+
+    def __post_init__(self) -> None:
+        check_run(self.run)
 
     @property
     def prefix(self) -> str:

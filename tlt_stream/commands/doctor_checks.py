@@ -19,12 +19,14 @@ from tlt_stream.basics.common import as_text
 from tlt_stream.basics.config import Config, redact_url
 from tlt_stream.basics.messages import CONTROL_CODEC
 from tlt_stream.bus.connect import endpoints, mqtt_params
+from tlt_stream.bus.streams import check_run
 from tlt_stream.roles.monitor.snapshot import check_redis_url, inspect_redis, reason
 
 __all__ = ["doctor", "inspect_mqtt", "inspect_redis"]
 
 
 async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:
+    check_run(config.run)  # its topics are a filter's level: a name with a wildcard would read other runs'
     params = mqtt_params(config.bus.mqtt_url or "")
     report: dict[str, Any] = {"url": redact_url(config.bus.mqtt_url), "reachable": False, "retained": {}}
     try:
@@ -96,6 +98,7 @@ def _print_human(report: dict[str, Any]) -> None:
 
 def doctor(config: Config, *, as_json: bool, timeout: float) -> int:
     embedded = config.bus.redis_url is None or config.bus.mqtt_url is None
+    check_run(config.run)  # one line before any server starts or a client connects
     if config.bus.redis_url is not None:
         check_redis_url(config.bus.redis_url)  # before an embedded server starts or a client connects
     with endpoints(config) as resolved:

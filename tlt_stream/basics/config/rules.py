@@ -8,6 +8,7 @@ stops a service at start-up with one line, never inside a running loop.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from tlt_stream.basics.errors import ConfigError
@@ -36,7 +37,13 @@ def draft_source(config: Config) -> str | None:
 
 def problems(config: Config) -> list[tuple[str, str]]:
     """(key, why) for every rule `config` breaks, in the order of the sections."""
+    from tlt_stream.basics.config.tree import RUN_PATTERN
+
     found: list[tuple[str, str]] = []
+    if re.fullmatch(RUN_PATTERN, config.run) is None:
+        # The field's own pattern lets a trailing newline through (`$` matches before one): such a run's topics
+        # are refused by the broker, so its services would never connect.
+        found.append(("run", f"{config.run!r} does not match {RUN_PATTERN}: use letters, digits, '_', '.' and '-'"))
     rollout, sd, policy = config.rollout, config.sd, config.policy
     source = draft_source(config)
     if sd.drafter is not None and sd.arm == "plain":
