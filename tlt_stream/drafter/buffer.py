@@ -170,9 +170,10 @@ class WindowBuffer:
     # ---------------------------------------------------------------------------------------- writing
 
     def add(self, window: Window, policy_version: int = 0) -> None:
-        """Add a window (cut into overlapping chunks of at most `max_window_tokens` tokens if longer)."""
+        """Add a window (cut into overlapping chunks of at most `max_window_tokens` tokens if longer); one
+        without a training pair (a single token) or with a non-finite hidden state is left out."""
         n = int(window.tokens.shape[0])
-        if n < 2:
+        if n < 2 or not bool(torch.isfinite(window.features).all()):  # no pair, or states that would poison training
             return
         self._note_length(n)
         seq, self._seq = self._seq, self._seq + 1

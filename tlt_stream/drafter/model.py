@@ -80,6 +80,12 @@ class Drafter(nn.Module):
     def bound(self) -> bool:
         return self._embed is not None
 
+    @property
+    def policy_dtype(self) -> torch.dtype:
+        """The dtype of the bound target's weights (what `load_drafter` casts a drafter to for drafting)."""
+        embed, _ = self._require_bound()
+        return embed.dtype
+
     def _require_bound(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._embed is None or self._lm_head is None:
             raise RuntimeError("drafter is not bound to a target; call drafter.bind(target) first")
@@ -106,8 +112,7 @@ class Drafter(nn.Module):
         Cache semantics are the target's (`Transformer.forward`), including `spec_offset` for drafting
         several levels ahead without committing. Returns `[B, T, H]`.
         """
-        embed, _ = self._require_bound()
-        x = self.fc(torch.cat([F.embedding(tokens, embed), features.to(embed.dtype)], dim=-1))  # [B, T, H]
+        x = self.fc(self._inputs(tokens, features))  # [B, T, H]
         ctx = attention_context(
             positions,
             cache,
@@ -126,21 +131,38 @@ class Drafter(nn.Module):
     ) -> torch.Tensor:
         """Cache-free forward for training: `tokens [B, T]`, `features [B, T, H]`, `positions [B, T]`,
         `mask [B, 1, T, T]` bool (block-diagonal causal for packed windows). Returns `[B, T, H]`."""
-        embed, _ = self._require_bound()
-        x = self.fc(torch.cat([F.embedding(tokens, embed), features.to(embed.dtype)], dim=-1))
+        x = self.fc(self._inputs(tokens, features))
         cos, sin = rope_tables(positions, self.inv_freq, x.dtype, self.spec.rope_attention_factor)
         return self.layer.dense(x, cos, sin, mask)
 
+    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """`[embed(tokens); features]` in the drafter's own dtype, which may be wider than the borrowed
+        embedding's (the online trainer keeps float32 weights for a bf16 policy)."""
+        embed, _ = self._require_bound()
+        dtype = self.fc.weight.dtype
+        return torch.cat([F.embedding(tokens, embed).to(dtype), features.to(dtype)], dim=-1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The borrowed LM head over `hidden`, computed in the head's dtype."""
         _, head = self._require_bound()
-        return F.linear(hidden, head)
+        return F.linear(hidden.to(head.dtype), head)
 
 
-def save_drafter(drafter: Drafter, path: str | Path, *, metadata: dict[str, object] | None = None) -> Path:
-    """Write the drafter's own weights (not the borrowed embedding/head) and config to directory `path`."""
+def save_drafter(
+    drafter: Drafter,
+    path: str | Path,
+    *,
+    metadata: dict[str, object] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the drafter's own weights (not the borrowed embedding/head) and config to directory `path`;
+    with `dtype`, its floating-point weights cast to that dtype."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    tensors = {
+        k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).contiguous()
+        for k, v in drafter.state_dict().items()
+    }
     save_file(tensors, str(path / WEIGHTS))
     config = {"architectures": [DRAFTER_ARCHITECTURE], "spec": dataclasses.asdict(drafter.spec), **(metadata or {})}
     (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -220,7 +242,8 @@ def read_drafter_spec(path: str | Path) -> ModelSpec:
 
 def read_drafter(path: str | Path) -> Drafter:
     """Read a drafter saved by `save_drafter` without binding it: float32 on the CPU, its own weights only
-    (what an export needs; `load_drafter` binds it to a target for drafting)."""
+    (what an export needs; `load_drafter` binds it to a target for drafting). Weights that are not all finite
+    are refused, in one line."""
     path = Path(path)
     weights_file = path / WEIGHTS
     spec = read_drafter_spec(path)
@@ -237,6 +260,12 @@ def read_drafter(path: str | Path) -> Drafter:
         if tensor.shape != expected[name].shape:
             raise CheckpointError(
                 f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+    for name in sorted(state):  # a diverged drafter drafts nothing and would be exported as it is
+        if state[name].is_floating_point() and not bool(torch.isfinite(state[name]).all()):
+            raise CheckpointError(
+                f"{weights_file}: {name} holds NaN or infinite values; "
+                "remake the drafter with `tlt-stream drafter init`"
             )
     drafter.load_state_dict(state)
     return drafter

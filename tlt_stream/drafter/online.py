@@ -10,7 +10,10 @@ is bound to (`rebind`), which is what keeps it aligned with the live policy.
 
 State goes to disk as safetensors (tensors) and JSON (everything else) in a directory written under a
 temporary name, fsynced and renamed into place, so a reader sees a whole state or none. The `drafter/`
-inside it is a plain drafter checkpoint (`load_drafter`), ready to be published as is.
+inside it is a plain drafter checkpoint (`load_drafter`), ready to be published as is, in its policy's
+dtype (what an engine drafts with); the trainer itself keeps float32 weights, and for a narrower policy dtype
+(bf16) saves them beside it (`master.safetensors`) so training resumes from them. A step whose loss or
+gradient is not finite is skipped rather than taken.
 
 `held_out_acceptance` is the guard rail: the expected number of draft tokens accepted per verification,
 measured on windows held back from training, so a new drafter replaces the current one only if it is not
@@ -59,6 +62,8 @@ DRAFTER_DIR = "drafter"
 OPTIMIZER = "optimizer.safetensors"
 RNG = "rng.safetensors"
 TRAINER = "trainer.json"
+MASTER = "master.safetensors"
+"""The float32 weights training resumes from, beside a `drafter/` saved in the policy's narrower dtype."""
 
 
 def lr_at(config: DrafterConfig, step: int) -> float:
@@ -117,7 +122,10 @@ class OnlineDrafterTrainer:
     ) -> None:
         if not drafter.bound:
             raise ValueError("bind the drafter to the current policy (drafter.bind(target)) before training it")
-        self.drafter = drafter
+        # AdamW steps at the drafter's learning rate are far below bf16's resolution (a weight of 0.05 moves in
+        # steps of 2.4e-4, a norm gain of 1 in steps of 7.8e-3): in bf16 most weights would never change. The
+        # trainer keeps float32 weights; the borrowed embedding and head stay in the policy's dtype.
+        self.drafter = drafter.float()
         self.buffer = buffer
         self.config = config
         self.policy_version = policy_version
@@ -157,9 +165,20 @@ class OnlineDrafterTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.clip)
-        self.optimizer.step()
-        self.step_count += 1
-        stats.update(lr=lr, grad_norm=float(norm), pairs=float(batch.loss_mask.sum()), windows=float(len(windows)))
+        skipped = not (math.isfinite(stats["loss"]) and math.isfinite(float(norm)))
+        if skipped:  # one bad batch would turn every weight and moment into NaN for good: leave them as they are
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("drafter step %d: non-finite loss or gradient; the step was skipped", self.step_count)
+        else:
+            self.optimizer.step()
+            self.step_count += 1
+        stats.update(
+            lr=lr,
+            grad_norm=float(norm),
+            pairs=float(batch.loss_mask.sum()),
+            windows=float(len(windows)),
+            skipped=float(skipped),
+        )
         return stats
 
     def train_slice(
@@ -192,7 +211,8 @@ class OnlineDrafterTrainer:
                 break
             losses.append(stats["loss"])
             last = stats
-        loss = sum(losses) / len(losses) if losses else None
+        finite = [x for x in losses if math.isfinite(x)]
+        loss = sum(finite) / len(finite) if finite else None
         return SliceResult(len(losses), time.monotonic() - start, loss, end, last)
 
     # ------------------------------------------------------------------------------------------ state
@@ -210,7 +230,11 @@ class OnlineDrafterTrainer:
         final.parent.mkdir(parents=True, exist_ok=True)
         with atomic_directory(final) as tmp:
             about = {"policy_version": self.policy_version, "step": self.step_count}
-            save_drafter(self.drafter, tmp / DRAFTER_DIR, metadata=about)
+            # `drafter/` holds what an engine bound to the policy drafts with (`load_drafter` casts to its dtype)
+            serve = self.drafter.policy_dtype
+            save_drafter(self.drafter, tmp / DRAFTER_DIR, metadata=about, dtype=serve)
+            if serve != torch.float32:  # rounded there: training resumes from the float32 weights
+                save_file(_own_weights(self.drafter), str(tmp / MASTER))
             tensors, optimizer_meta = optimizer_tensors(self.optimizer.state_dict())
             save_file(tensors, str(tmp / OPTIMIZER))
             save_file({"batch_generator": self.generator.get_state()}, str(tmp / RNG))
@@ -247,7 +271,8 @@ class OnlineDrafterTrainer:
         if meta["param_names"] != self.param_names:
             raise CheckpointError(f"{path}: trainable parameters {meta['param_names']} differ from {self.param_names}")
         device = self.params[0].device
-        weights = load_file(str(path / DRAFTER_DIR / WEIGHTS), device=str(device))
+        master = path / MASTER if (path / MASTER).is_file() else path / DRAFTER_DIR / WEIGHTS
+        weights = load_file(str(master), device=str(device))
         own = self.drafter.state_dict()
         if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
             raise CheckpointError(f"{path}: drafter weights do not match this drafter's shapes")
@@ -261,8 +286,12 @@ class OnlineDrafterTrainer:
         return dict(meta["metadata"])
 
 
+def _own_weights(drafter: Drafter) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+
+
 def _to_drafter(batch: PackedBatch, weight: torch.Tensor) -> PackedBatch:
-    """The batch on the drafter's device, its hidden states in the drafter's dtype (the LM head's)."""
+    """The batch on the drafter's device, its hidden states in the dtype of the drafter's own weights."""
     moved = {f.name: getattr(batch, f.name).to(weight.device) for f in dataclasses.fields(batch)}
     moved["features"] = moved["features"].to(weight.dtype)
     moved["targets"] = moved["targets"].to(weight.dtype)
