@@ -326,3 +326,29 @@ async def test_a_stopping_worker_neither_judges_nor_publishes_its_pending_slice(
         assert pending.end == "preempted" and pending.steps >= 1 and not pending.judged
         assert control["w"].version("drafter") == -1 and "drafter" not in await read_mirror(redis, keys)
     await redis.aclose()
+
+
+async def test_a_held_out_window_with_nothing_to_judge_on_neither_stops_the_trainer_nor_publishes(
+    bus_config: Config, tmp_path: Path, init_policy: Path, init_drafter: Path
+) -> None:
+    """A window picked for the held-out set (h/6, by its id's hash) that is all prompt gives the judgement no
+    position to measure: `held_out_acceptance` raised, and the idle trainer's task died with it. Such a
+    window is trained on instead; the trainer goes on, and nothing is published unjudged."""
+    keys = Keys(bus_config.run)
+    redis = connect_redis(bus_config.bus.redis_url)
+    training = training_settings(tmp_path, holdout_percent=1, slice_seconds=0.01)
+    config = worker_config(bus_config, init_drafter, training, max_batch=2, max_len=64)
+    async with planes(bus_config, {"w": ["drafter"]}) as control:
+        worker = RolloutWorker(config, redis, control["w"], worker_id="w", reward=reward)
+        trainer = worker.idle_trainer
+        assert trainer is not None
+        engine = sd_engine(init_policy, init_drafter)
+        windows = hidden_windows(engine)
+        prompt_only = msgspec.structs.replace(windows[0], sample_id="h/6", prompt_len=len(windows[0].token_ids))
+        await StreamProducer(redis, keys, bus_config.bus).send("hidden", [*windows, prompt_only])
+        await idle_until(trainer, engine, lambda: trainer.slices >= 4)  # asserts the task is alive throughout
+        assert not trainer.holdout
+        assert control["w"].version("drafter") == -1
+        slices: list[DrafterStats] = await stats_of(redis, keys, DrafterStats)
+        assert len(slices) >= 4 and not any(s.judged for s in slices)
+    await redis.aclose()

@@ -77,6 +77,14 @@ def _stable_hash(text: str) -> int:
     return stable_int(text, 8)
 
 
+def _judgeable(window: Any) -> bool:
+    """Whether `held_out_acceptance` can measure a chain on `window`: three tokens at least, two of them past
+    its prompt (a window of prompt only, or of two tokens, would leave nothing to judge on; it is trained on
+    instead)."""
+    tokens = int(window.tokens.shape[0])
+    return tokens >= 3 and tokens > window.prompt_len + 1
+
+
 def _held_out(sample_id: str, percent: int) -> bool:
     return _stable_hash(sample_id) % 100 < percent
 
@@ -260,7 +268,7 @@ class IdleDrafterTrainer:
             for delivery in deliveries:
                 message = delivery.message
                 window = window_from_message(message)
-                if _held_out(message.sample_id, self.own.holdout_percent):
+                if _held_out(message.sample_id, self.own.holdout_percent) and _judgeable(window):
                     self.holdout = [*self.holdout, window][-self.own.holdout_max :]
                     self.added["held_out_added"].append(message.sample_id)
                 else:
@@ -325,7 +333,12 @@ class IdleDrafterTrainer:
             await self._report(done)
             return
         started = time.monotonic()
-        accept_new, accept_current = await self._low(self._accepts, engine)
+        try:
+            accept_new, accept_current = await self._low(self._accepts, engine)
+        except ValueError as exc:  # no held-out position to measure on yet: judged later, never published unjudged
+            log.warning("%s: cannot judge the slice's drafter yet (%s)", self.worker_id, exc)
+            await self._report(done)
+            return
         self.judged_step = done.step
         adopted = accept_new >= accept_current - self.own.tolerance
         if adopted and self._stopping.is_set():
