@@ -284,3 +284,23 @@ def test_a_reward_that_returns_no_number_scores_its_rows_0_in_valid_json(
     line = (tmp_path / "eval.jsonl").read_text().strip()
     row = json.loads(line, parse_constant=lambda name: pytest.fail(f"eval.jsonl holds {name}, not JSON"))
     assert row["mean_reward"] == 0.0 and row["accuracy"] == 0.0
+
+
+def test_a_long_run_name_stays_a_valid_one_with_the_runs_time_stamp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new run's name gets its start time appended; a configured name of 49-64 characters became 65-80,
+    which the run's own config.toml then refused, so every service exited at start-up."""
+    from tlt_stream.basics.config.tree import RUN_MAX_CHARS
+    from tlt_stream.commands.cli import build_parser
+    from tlt_stream.commands.run.setup import settings_of
+
+    for name in [n for n in os.environ if n.startswith("TLT_")]:
+        monkeypatch.delenv(name)
+    long = "r" * RUN_MAX_CHARS
+    args = build_parser().parse_args(["run", "--set", f"run={long}", "--out", str(tmp_path / "run")])
+    config, _, _ = settings_of(args)
+    assert len(config.run) == RUN_MAX_CHARS and config.run.startswith("r" * 40) and config.run != long
+    written = tmp_path / "config.toml"
+    written.write_text(f'run = "{config.run}"\n')
+    assert load_config(written, environ={}).run == config.run  # as the services read RUN_DIR/config.toml

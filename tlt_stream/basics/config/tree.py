@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 
-RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+RUN_MAX_CHARS = 64
+"""The longest run name the configuration takes."""
+RUN_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{RUN_MAX_CHARS - 1}}}$"
 
 
 class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

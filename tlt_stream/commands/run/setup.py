@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from tlt_stream.basics.config import DEFAULTS, Config, override, redact_text, redact_url
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.commands.args import EXIT_CONFIG, load
@@ -66,7 +64,10 @@ def settings_of(args: argparse.Namespace) -> tuple[Config, Path, bool]:
     if not own:
         config = load(args, default_preset=TINY_WORLD)
     if resume is None and args.run is None and "TLT_RUN" not in os.environ:  # a fresh namespace per new run
-        config = msgspec.structs.replace(config, run=f"{config.run}-{time.strftime('%Y%m%d-%H%M%S')}")
+        from tlt_stream.basics.config.tree import RUN_MAX_CHARS
+
+        stamp = f"-{time.strftime('%Y%m%d-%H%M%S')}"  # after the name cut to leave it room: still a valid run
+        config = override(config, {"run": config.run[: RUN_MAX_CHARS - len(stamp)] + stamp})
     out = Path(args.out or f"runs/{config.run}")
     if resume is not None:
         newest = latest_checkpoint(out / "checkpoints")
