@@ -364,3 +364,15 @@ def test_metrics_server_serves_what_was_published() -> None:
 def test_bad_options_are_config_errors(options: dict) -> None:
     with pytest.raises(ConfigError):
         MonitorOptions(**options)
+
+
+def test_the_dashboards_head_shows_names_with_brackets_as_written() -> None:
+    """The head line is Rich markup: an IPv6 Redis host or a name holding `[/x]` was read as markup (a
+    MarkupError for a closing tag nothing opened)."""
+    from rich.console import Console
+
+    from tlt_stream.roles.monitor.dashboard import render
+
+    console = Console(width=200, record=True)
+    console.print(render({"run": "a[/x]b", "redis": "redis://[::1]:6379/0", "reachable": False, "error": "down"}))
+    assert "run a[/x]b  redis redis://[::1]:6379/0" in console.export_text()

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -178,7 +179,8 @@ def _drafter(drafter: Mapping[str, Any] | None) -> Text:
 
 def render(snap: Mapping[str, Any]) -> Group:
     """The dashboard: one rich renderable (used live and by `--once`)."""
-    head = Text.from_markup(f"[bold]tlt-stream monitor[/bold]  run [cyan]{snap['run']}[/cyan]  redis {snap['redis']}")
+    run, redis = escape(str(snap["run"])), escape(str(snap["redis"]))  # text, whatever brackets they hold
+    head = Text.from_markup(f"[bold]tlt-stream monitor[/bold]  run [cyan]{run}[/cyan]  redis {redis}")
     if not snap["reachable"]:
         return Group(head, Text(snap.get("error", "unreachable"), style="red"))
     versions = snap["versions"]
