@@ -8,23 +8,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import REAL_MQTT, REAL_REDIS
+from tests.integration.test_control import policy, running
 from tlt_stream.basics.config import BusConfig, Config, ConfigError, load_config
-from tlt_stream.basics.messages import PolicyVersion
 from tlt_stream.bus.connect import mqtt_params, purge_run
 from tlt_stream.bus.control import ControlPlane, read_mirror
 from tlt_stream.bus.streams import Keys
 from tlt_stream.commands.doctor_checks import inspect_mqtt, inspect_redis
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
-
-SHA = "ab" * 32
 
 
 @pytest.fixture
@@ -51,23 +48,6 @@ def config_for(run: str, urls: tuple[str, str]) -> Config:
 
 def base_name() -> str:
     return f"probe-names-{uuid.uuid4().hex[:8]}"
-
-
-def policy(version: int) -> PolicyVersion:
-    return PolicyVersion(version=version, location=f"/ckpt/policy-{version}", sha256=SHA, step=version)
-
-
-@contextlib.asynccontextmanager
-async def running(plane: ControlPlane) -> AsyncIterator[ControlPlane]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(plane.run(stop))
-    try:
-        async with asyncio.timeout(15):
-            await plane.connected.wait()
-        yield plane
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=15)
 
 
 async def retained_topics(mqtt_url: str, topic_filter: str) -> dict[str, bytes]:
