@@ -13,6 +13,7 @@ COMMANDS = (
     "drafter",
     "run",
     "report",
+    "purge",
     "plan",
     "learner",
     "rollout_worker",

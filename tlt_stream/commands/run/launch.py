@@ -385,7 +385,8 @@ async def ensure_new_run(config: Config) -> None:
     if used:
         raise RuntimeError(
             f"run {config.run!r} already has state in Redis ({redact_url(config.bus.redis_url)}); choose another "
-            f"--run name (or delete its keys: redis-cli --scan --pattern '{config.key_prefix}*' | xargs redis-cli del)"
+            f"--run name, or delete its state from the servers with `tlt-stream purge --run {config.run} --yes` and "
+            "the same --redis-url and --mqtt-url (its keys and retained messages; the run directory stays)"
         )
 
 
