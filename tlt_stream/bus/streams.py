@@ -22,12 +22,16 @@ def run_problem(run: str) -> str | None:
     Redis keys are `tlt:{run}:...`, so a name holding `:` would make one run's keys another's (`a` would own
     `tlt:a:b:versions` of run `a:b`, and a scan of `tlt:a:*` would find them); MQTT topics are `tlt/{run}/...`,
     which may not hold the wildcards `+` and `#`, a control character (the broker drops the connection) or text
-    that is not UTF-8. A `/` is fine: run `a/b`'s topics are a level deeper than `tlt/a/+` reaches. The
-    configuration allows a narrower alphabet still (`run`'s pattern); this is what the bus itself needs, for
-    a name that reaches it some other way.
+    that is not UTF-8. Nor a `/`: a broker's ACL grants each role its kind as `tlt/+/{kind}`
+    (deploy/mosquitto.acl), which run `a/b`'s topics are a level too deep to match, and the broker drops a
+    publish its ACL refuses without a word (MQTT 3.1.1 acknowledges it all the same). The configuration
+    allows a narrower alphabet still (`run`'s pattern); this is what the bus itself needs, for a name that
+    reaches it some other way.
     """
     if ":" in run:
         return "holds ':', the separator of Redis keys (run 'a' would own the keys of run 'a:b')"
+    if "/" in run:
+        return "holds '/': its topics would be a level deeper than a broker's ACL grants roles (tlt/+/<kind>)"
     if "+" in run or "#" in run:
         return "holds an MQTT wildcard ('+' or '#'), which no topic may contain"
     if any(unicodedata.category(c) == "Cc" for c in run):
