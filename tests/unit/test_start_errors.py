@@ -194,8 +194,24 @@ def test_run_refuses_a_wrong_redis_password_in_one_line_without_it(
 @pytest.mark.parametrize("temperature", ["-1", "nan", "inf", "warm"])
 def test_eval_refuses_a_temperature_it_cannot_sample_at(world: Path, temperature: str) -> None:
     result = cli("eval", "--model", str(world / "policy"), "--n", "1", f"--temperature={temperature}", timeout=60)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.splitlines()[-1].startswith("tlt-stream eval: error: argument --temperature: must be")
+    one_line(result, 2, "tlt-stream eval: error: argument --temperature: must be")
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (("plan", "--rollout-gpus", "x"), "tlt-stream plan: error: argument --rollout-gpus: invalid"),
+        (("plan", "--model-size", "-7B"), "tlt-stream plan: error: argument --model-size: expected one argument"),
+        (("run", "--steps"), "tlt-stream run: error: argument --steps: expected one argument"),
+        (("nope",), "tlt-stream: error: argument COMMAND: invalid choice: 'nope'"),
+        ((), "tlt-stream: error: the following arguments are required: COMMAND"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_help(args: tuple[str, ...], text: str) -> None:
+    """argparse printed the command's whole usage block (a dozen lines for `plan`) above the one that says
+    what is wrong."""
+    line = one_line(cli(*args, timeout=60), 2, text)
+    assert line.endswith("--help)"), line
 
 
 @pytest.mark.parametrize(

@@ -9,16 +9,25 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from tlt_stream.commands import COMMANDS
 from tlt_stream.commands.args import EXIT_CONFIG
 
-__all__ = ["RedactingFormatter", "build_parser", "console", "main", "setup_logging"]
+__all__ = ["Parser", "RedactingFormatter", "build_parser", "console", "main", "setup_logging"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (which command, what is wrong, where the help is) instead of
+    the command's whole usage block above it, in which the one line that matters was easy to miss. Its
+    subcommands' parsers are of the same class (`add_subparsers` takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tlt-stream",
         description="Reasoning-RL training that tames the long tail: adaptive speculative decoding with an "
         "online drafter, streamed through Redis and MQTT.",
