@@ -74,9 +74,9 @@ def test_bad_rows_name_file_row_and_field(tmp_path: Path, rows: list, kwargs: di
 def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="does not exist"):
         load_examples(tmp_path / "missing.jsonl")
-    (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(DatasetError, match=r"unsupported dataset format '\.csv'"):
-        load_examples(tmp_path / "d.csv")
+    (tmp_path / "d.xlsx").write_bytes(b"PK")
+    with pytest.raises(DatasetError, match=r"unsupported dataset format '\.xlsx' \(use \.jsonl, .*\.csv, \.tsv"):
+        load_examples(tmp_path / "d.xlsx")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(DatasetError, match="not a readable Parquet file"):
         load_examples(tmp_path / "bad.parquet")

@@ -34,8 +34,8 @@ def register(commands: Any) -> None:
         ev,
         "--dataset",
         keys="data.eval_dataset",
-        help="held-out prompts of your own (JSONL, JSON or Parquet, read as `run` reads them; data.* settings): "
-        "pass@1 and mean reward of the model on them, instead of the tiny task",
+        help="held-out prompts of your own (JSONL, JSON, CSV, TSV or Parquet, read as `run` reads them; data.* "
+        "settings): pass@1 and mean reward of the model on them, instead of the tiny task",
     )
     setting(ev, "--reward", keys="rollout.reward")
     add_config_args(ev, bus=False)

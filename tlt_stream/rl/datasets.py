@@ -1,24 +1,24 @@
-"""Real datasets: JSONL and Parquet rows with a prompt and a reference answer, verl-style parquet included.
+"""Real datasets: rows of a JSONL, JSON, CSV, TSV or Parquet file (`dataset_files`) with a prompt and a
+reference answer, verl-style parquet included.
 
 A row becomes an `Example(prompt_id, prompt_text, answer)`. Field names are configurable (dotted paths
-reach into nested records, e.g. `reward_model.ground_truth`). A prompt may be a string or a list of chat
-messages (`[{"role": ..., "content": ...}]`, as in verl's parquet files); messages are rendered with the
-tokenizer's chat template when it has one, else as "role: content" lines. A bad row stops loading with
-one line naming the file, the row and the field.
+reach into nested records, e.g. `reward_model.ground_truth`, or name a flat column written with a dot, as
+a CSV header may). A prompt may be a string or a list of chat messages (`[{"role": ..., "content": ...}]`,
+as in verl's parquet files); messages are rendered with the tokenizer's chat template when it has one, else
+as "role: content" lines. A bad row stops loading with one line naming the file, the row and the field.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from tlt_stream.basics.common import stable_hex
+from tlt_stream.rl.dataset_files import FORMATS, DatasetError, jsonl_lines, read_rows
 
 __all__ = [
     "ANSWER_FIELDS",
@@ -34,10 +34,6 @@ ANSWER_FIELDS = ("answer", "reward_model.ground_truth")
 """Where a row's reference answer is looked for when no field is named: a plain row's, then verl's."""
 
 
-class DatasetError(Exception):
-    """A dataset file or row is unusable; the message names the file, row and field."""
-
-
 @dataclass(frozen=True)
 class Example:
     prompt_id: str
@@ -47,69 +43,9 @@ class Example:
     """The row's other top-level fields, handed to a reward that asks for them by name."""
 
 
-def jsonl_lines(path: Path, error: type[Exception], where: Callable[[int], str]) -> list[tuple[int, str]]:
-    """(line number, line) of every non-blank line of the JSONL file `path`, read as UTF-8 (a leading BOM
-    dropped) and split at line feeds only, a carriage return before one dropped: `str.splitlines` also splits
-    at U+2028, U+0085 and other characters a JSON string may hold raw. A file that cannot be read or is not UTF-8 raises
-    `error` in one line, `where(line)` naming the line that is not."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = exc.object[: exc.start].count(b"\n") + 1
-        raise error(f"{where(line)}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
-    lines = enumerate(text.split("\n"), start=1)
-    return [(number, line.removesuffix("\r")) for number, line in lines if line.strip()]
-
-
-def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """A `.json` file's rows: a JSON array of rows (row i is its i-th element), or JSON lines, as Hugging Face
-    `datasets` writes a `.json` file by default."""
-    lines = jsonl_lines(path, DatasetError, lambda n: f"{path}: row {n}")
-    if lines and lines[0][1].lstrip().startswith("["):
-        try:
-            rows = json.loads("\n".join(line for _, line in lines))
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(rows, list):
-            raise DatasetError(f"{path}: expected a JSON array of rows or one JSON object a line")
-        yield from enumerate(rows, start=1)
-        return
-    yield from _jsonl_rows(path, lines)
-
-
-def _jsonl_rows(path: Path, lines: list[tuple[int, str]]) -> Iterator[tuple[int, Any]]:
-    for number, line in lines:
-        try:
-            yield number, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}: row {number}: not valid JSON ({exc.msg})") from None
-
-
-def _rows(path: Path) -> Iterator[tuple[int, Any]]:
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        yield from _jsonl_rows(path, jsonl_lines(path, DatasetError, lambda n: f"{path}: row {n}"))
-    elif suffix == ".json":
-        yield from _json_rows(path)
-    elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for a bad file
-            raise DatasetError(f"{path}: not a readable Parquet file ({exc})") from None
-        yield from enumerate(table.to_pylist(), start=1)
-    else:
-        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl, .json or .parquet)")
-
-
 def _field(row: Any, dotted: str) -> Any:
+    if isinstance(row, dict) and dotted in row:  # a flat column named with a dot, as a CSV header may write it
+        return row[dotted]
     node = row
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -186,7 +122,7 @@ def load_examples(
     chat_template: bool = True,
     enable_thinking: bool | None = None,
 ) -> list[Example]:
-    """Every row of a JSONL, JSON or Parquet file as an `Example`. `answer_field` None: the first of
+    """Every row of a JSONL, JSON, CSV, TSV or Parquet file as an `Example`. `answer_field` None: the first of
     `ANSWER_FIELDS` the first row has (verl-style parquet keeps it in `reward_model.ground_truth`). String
     prompts are rendered as one user turn with the tokenizer's chat template when `chat_template` and the
     tokenizer has one; message lists always are. `enable_thinking` goes to the template when not None.
@@ -196,12 +132,12 @@ def load_examples(
     and every row its own id, so its other fields (`PromptPool.fields`) are its own."""
     path = Path(path)
     if path.is_dir():
-        raise DatasetError(f"{path}: is a directory; name the dataset file (.jsonl, .json or .parquet)")
+        raise DatasetError(f"{path}: is a directory; name the dataset file ({FORMATS})")
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file does not exist")
     examples = []
     seen: set[str] = set()
-    for number, row in _rows(path):
+    for number, row in read_rows(path):
         where = f"{path}: row {number}"
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected an object")
@@ -223,7 +159,7 @@ def load_examples(
         key = f"{text}\x00{answer}"
         prompt_id = stable_hex(key if key not in seen else f"{key}\x00{number}", 16)
         seen.add(key)
-        used = {prompt_field.split(".")[0], answer_field.split(".")[0]}
+        used = {name if name in row else name.split(".")[0] for name in (prompt_field, answer_field)}
         examples.append(Example(prompt_id, text, answer, {k: v for k, v in row.items() if k not in used}))
     if not examples:
         raise DatasetError(f"{path}: no rows")

@@ -167,8 +167,8 @@ class DataConfig(Section, frozen=True):
     dataset: Annotated[
         str | None,
         doc(
-            "Training prompts: a JSONL, JSON or Parquet file (verl's parquet included) with a prompt and a reference "
-            "answer per row, visited in epochs, shuffled by policy.seed. None: the tiny world's task."
+            "Training prompts: a JSONL, JSON, CSV, TSV or Parquet file (verl's parquet included) with a prompt and "
+            "a reference answer per row, visited in epochs, shuffled by policy.seed. None: the tiny world's task."
         ),
     ] = None
     eval_dataset: Annotated[
