@@ -7,7 +7,9 @@ directory that does not match is refused before any tensor of it reaches a model
 
 The layout is what `save_pretrained` writes: `model.safetensors`, or `model-0000i-of-0000n.safetensors`
 shards with `model.safetensors.index.json` when the weights exceed one shard; `{"format": "pt"}` metadata;
-a tensor shared under several names (a tied LM head) is written once, under its first name.
+a tensor shared under several names (a tied LM head) is written once, under its first name. `config.json`
+carries RoPE and dtype under transformers 5's keys and transformers 4's (`transformers4_keys`), so a consumer
+pinned to either reads the same model.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "PolicyWeights",
     "read_weights",
     "save_policy",
+    "transformers4_keys",
     "unique_tensors",
     "write_weights",
 ]
@@ -183,6 +186,42 @@ def tensors_in(data: bytearray) -> dict[str, torch.Tensor]:
     return out
 
 
+TRANSFORMERS4_TOP_LEVEL = ("rope_theta", "partial_rotary_factor")
+"""RoPE parameters transformers 4 kept at the top level of a config, beside `rope_scaling` rather than in it."""
+
+
+def transformers4_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """The keys a transformers 4 reader takes RoPE and dtype from, carrying the values of `config`'s
+    transformers 5 `rope_parameters` and `dtype`, to add to a config this project writes: `rope_theta` at the
+    top level, `rope_scaling` (the other parameters, `rope_type` with them) unless the RoPE is default, and
+    `torch_dtype`.
+
+    Why: transformers 4, and the engines pinned to it, never read `rope_parameters` or `dtype`; from a config
+    without these keys they run default RoPE (wrong logits at every position of a scaled model) in no stated
+    dtype. Transformers 5 and the runtime's `spec_from_hf_config` read `rope_scaling` first, so it holds
+    exactly the same parameters and both generations load the same RoPE. Per-layer RoPE has no transformers 4
+    spelling and is left alone."""
+    out: dict[str, Any] = {}
+    if config.get("dtype") is not None:
+        out["torch_dtype"] = config["dtype"]
+    params = dict(config.get("rope_parameters") or {})
+    if not params or any(isinstance(v, dict) for v in params.values()):
+        return out
+    out.update({key: params.pop(key) for key in TRANSFORMERS4_TOP_LEVEL if key in params})
+    if params.get("rope_type", "default") != "default":
+        out["rope_scaling"] = params
+    return out
+
+
+def _add_transformers4_keys(path: Path) -> None:
+    """Add to the `config.json` transformers 5 wrote at `path` the keys transformers 4 reads RoPE and dtype
+    from (`transformers4_keys`): a consumer pinned to transformers 4 would otherwise run a scaled policy with
+    default RoPE. Written as `save_pretrained` writes it (sorted keys, two-space indent)."""
+    config = json.loads(path.read_text())
+    config.update(transformers4_keys(config))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_policy(
     model: PreTrainedModel,
     out: Path,
@@ -192,10 +231,10 @@ def save_policy(
     dtype: torch.dtype | None = None,
 ) -> str:
     """`model` (or its gathered `weights`) as a Hugging Face directory in `out`, as `save_pretrained` writes
-    it for the Llama/Qwen2 models the runtime loads (config with `architectures` and `dtype`, generation
-    config, safetensors, tied tensors once), its floating-point weights cast to `dtype` when given; returns
-    its v2 sha256, hashed from the bytes as they were written (the config and tokenizer files, small, are
-    hashed from disk)."""
+    it for the Llama/Qwen2 models the runtime loads (config with `architectures` and `dtype`, and the same RoPE
+    and dtype under transformers 4's keys; generation config, safetensors, tied tensors once), its
+    floating-point weights cast to `dtype` when given; returns its v2 sha256, hashed from the bytes as they
+    were written (the config and tokenizer files, small, are hashed from disk)."""
     state = dict(model.state_dict() if weights is None else weights)
     for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(ignored, None)
@@ -214,6 +253,7 @@ def save_policy(
         config.save_pretrained(out)
     finally:
         config.dtype, config.architectures = saved
+    _add_transformers4_keys(out / "config.json")
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(out)
     if tokenizer is not None:
