@@ -49,8 +49,9 @@ with PP = 1 vLLM shares the target's embedding when the two are equal and keeps 
 **Config.** vLLM reads the draft `config.json` with transformers (`model_type: llama`, `architectures:
 ["LlamaForCausalLM"]`, renamed to `EagleLlamaForCausalLM` by `EAGLEConfig`), and `LlamaDecoderLayer` reads
 `hidden_size`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `intermediate_size`, `hidden_act`,
-`rms_norm_eps`, `rope_parameters`, `max_position_embeddings`, `attention_bias` (q/k/v *and* o bias),
-`qkv_bias` (overrides the q/k/v part: Qwen2's bias layout), `mlp_bias`; `num_hidden_layers` sizes the draft;
+`rms_norm_eps`, `rope_parameters` (`rope_theta` and `rope_scaling` under transformers 4: the export writes both),
+`max_position_embeddings`, `attention_bias` (q/k/v *and* o bias), `qkv_bias` (overrides the q/k/v part: Qwen2's
+bias layout), `mlp_bias`; `num_hidden_layers` sizes the draft;
 `vocab_size` sizes the (shared) embedding and the logits processor. Bias flags must match the tensors:
 `AutoWeightsLoader` silently ignores an unexpected `.bias`, and a missing tensor is not an error for EAGLE
 drafts (`EagleLlamaForCausalLM.load_weights` returns no loaded-name set, so the loader's strict check is
@@ -80,6 +81,7 @@ from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, read_drafter
 from tlt_stream.model.families import hf_rope_parameters
 from tlt_stream.model.loader import layer_tensor_names
 from tlt_stream.model.spec import ModelSpec
+from tlt_stream.store.weights import transformers4_keys
 
 __all__ = [
     "EAGLE_ARCHITECTURE",
@@ -127,8 +129,10 @@ def resolve_drafter_dir(path: str | Path) -> Path:
 
 
 def eagle_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
-    """The draft `config.json` vLLM's EAGLE-1 Llama model reads for a drafter of shape `spec`."""
-    return {
+    """The draft `config.json` vLLM's EAGLE-1 Llama model reads for a drafter of shape `spec`: RoPE and dtype
+    as transformers 5 writes them and as transformers 4 reads them (`transformers4_keys`), so a vLLM on either
+    runs the target's RoPE."""
+    config = {
         "architectures": [EAGLE_ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": spec.hidden_size,
@@ -139,7 +143,6 @@ def eagle_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
         "head_dim": spec.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
         "rope_parameters": hf_rope_parameters(spec),
         "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
@@ -147,8 +150,9 @@ def eagle_config(spec: ModelSpec, *, dtype: str) -> dict[str, Any]:
         "qkv_bias": spec.qkv_bias,
         "mlp_bias": spec.mlp_bias,
         "tie_word_embeddings": False,
-        "torch_dtype": dtype,
+        "dtype": dtype,
     }
+    return {**config, **transformers4_keys(config)}
 
 
 def eagle_tensor_names(spec: ModelSpec, *, with_embedding: bool = False) -> list[str]:
