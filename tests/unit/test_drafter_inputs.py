@@ -394,14 +394,18 @@ def test_generate_refuses_a_draft_deeper_than_any_arm(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A huge --depth stalled every round (a drafter forward per level) or tried to allocate a KV cache of
-    terabytes and died in a traceback; it is now one line before any load."""
+    terabytes and died in a traceback; it is now one line before any load: even with no model at --model, the
+    refusal names --depth (with --verify past the tree as well, --depth is what is named)."""
     source = "ngram" if drafter == "ngram" else str(drafter_dir)
     out = tmp_path / "out.jsonl"
-    for depth in (MAX_DRAFT_DEPTH + 1, 10**11):
-        argv = _generate(init_policy, prompts, out, "--drafter", source, "--depth", str(depth))
-        assert f"--depth {depth}: a draft is at most {MAX_DRAFT_DEPTH} levels deep" in _refused(
-            capsys, "generate", argv
-        )
+    for model in (init_policy, tmp_path / "no-such-model"):
+        for depth in (MAX_DRAFT_DEPTH + 1, 10**11):
+            argv = _generate(model, prompts, out, "--drafter", source, "--depth", str(depth))
+            assert f"--depth {depth}: a draft is at most {MAX_DRAFT_DEPTH} levels deep" in _refused(
+                capsys, "generate", argv
+            )
+    argv = _generate(init_policy, prompts, out, "--drafter", source, "--depth", "300", "--verify", str(10**6))
+    assert f"--depth 300: a draft is at most {MAX_DRAFT_DEPTH} levels deep" in _refused(capsys, "generate", argv)
     assert not out.exists()
 
 

@@ -18,6 +18,7 @@ from tlt_stream.drafter.online import (
     OnlineDrafterTrainer,
     SliceEnd,
     held_out_acceptance,
+    judgeable,
     lr_at,
 )
 from tlt_stream.drafter.train import PackedBatch, Window, pack_windows
@@ -341,3 +342,21 @@ def test_a_chain_counts_drafts_up_to_its_first_rejection_and_stops_at_the_window
     both = torch.cat([next_tokens, next_tokens])
     always = [torch.ones(2, 5)] * 3
     assert held_out_acceptance(ScriptedDrafter(always, both), [window, window], 3) == (3 + 3 + 2 + 1) / 4  # type: ignore[arg-type]
+
+
+def test_a_window_is_judgeable_exactly_when_the_measure_has_a_chain_to_start_in_it() -> None:
+    """The held-out set takes only windows the measure can judge (`judgeable`, what the trainer asks): one whose
+    only response token is its last is judged on the one pair that predicts it; one of prompt only, or of two
+    tokens, has no start, and the measure refuses it."""
+    tokens = torch.tensor([3, 1, 4, 1, 5])  # pairs t=1..4 predict x_2..x_5; x_4 = 5 is the one response token
+    next_tokens = torch.tensor([[4, 1, 5, 0]])
+    one_response = Window(tokens, torch.zeros(5, 2), prompt_len=4)
+    assert judgeable(one_response)
+    missed_there = ScriptedDrafter([torch.tensor([[1, 1, 0, 1]])], next_tokens)  # right everywhere but at t=3
+    hit_there = ScriptedDrafter([torch.tensor([[0, 0, 1, 0]])], next_tokens)  # right only at t=3
+    assert held_out_acceptance(missed_there, [one_response], 1) == 0.0  # type: ignore[arg-type]
+    assert held_out_acceptance(hit_there, [one_response], 1) == 1.0  # type: ignore[arg-type]
+    for nothing in (Window(tokens, torch.zeros(5, 2), prompt_len=5), Window(tokens[:2], torch.zeros(2, 2))):
+        assert not judgeable(nothing)
+        with pytest.raises(ValueError, match="held_out_acceptance needs"):
+            held_out_acceptance(ScriptedDrafter([torch.ones(1, 4)], next_tokens), [nothing], 1)  # type: ignore[arg-type]

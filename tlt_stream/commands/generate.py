@@ -18,9 +18,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tlt_stream.commands.args import EXIT_CONFIG, positive
+
+if TYPE_CHECKING:
+    from tlt_stream.rollout.arms import Arm
 
 __all__ = ["SEED_RANGE", "InputError", "handle", "read_prompts", "register", "run_generate", "seed"]
 
@@ -279,16 +282,36 @@ def _vllm_engine(opts: GenerateOptions, max_len: int, arm: Any) -> Any:
 def _check_drafter(path: Path, spec: Any) -> None:
     """Refuse, before the model loads, a drafter checkpoint that is unreadable or made for another policy's
     shape (its weights are read when the proposer is built)."""
-    from tlt_stream.drafter.model import read_drafter_spec
-    from tlt_stream.model import CheckpointError
+    from tlt_stream.drafter.model import check_drafter_fits, read_drafter_spec
 
     drafter = read_drafter_spec(path)
-    if (drafter.hidden_size, drafter.vocab_size) != (spec.hidden_size, spec.vocab_size):
-        raise CheckpointError(
-            f"--drafter {path}: made for a policy of hidden size {drafter.hidden_size} and vocabulary "
-            f"{drafter.vocab_size}, not this one ({spec.hidden_size}, {spec.vocab_size}); "
-            "make one for it with `tlt-stream drafter init`"
-        )
+    check_drafter_fits(
+        (drafter.hidden_size, drafter.vocab_size),
+        (spec.hidden_size, spec.vocab_size),
+        named=f"--drafter {path}",
+        fits="this one",
+    )
+
+
+def _arm(opts: GenerateOptions) -> Arm | None:
+    """The drafter arm of --depth, --topk and --verify (None without --drafter); what `Arm` refuses, in one line
+    naming the flag."""
+    from tlt_stream.rollout.arms import MAX_DRAFT_DEPTH, Arm, ArmTooDeep
+
+    if opts.drafter is None:
+        return None
+    verify = opts.verify or opts.depth * opts.topk
+    try:
+        return Arm.drafter(opts.depth, opts.topk, verify)
+    except ArmTooDeep:
+        raise InputError(f"--depth {opts.depth}: a draft is at most {MAX_DRAFT_DEPTH} levels deep") from None
+    except ValueError:
+        if verify <= opts.depth * opts.topk**2:
+            raise
+        raise InputError(
+            f"--verify {verify}: a tree of --depth {opts.depth} and --topk {opts.topk} offers at most "
+            f"{opts.depth * opts.topk**2} nodes to verify; lower --verify or raise --depth/--topk"
+        ) from None
 
 
 def run_generate(opts: GenerateOptions) -> dict[str, Any]:
@@ -297,7 +320,6 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
 
     from tlt_stream.model import CheckpointError, load_model, load_spec, stop_token_ids
     from tlt_stream.model.loader import check_checkpoint, checkpoint_positions
-    from tlt_stream.rollout.arms import MAX_DRAFT_DEPTH, Arm
     from tlt_stream.rollout.engine import GenerationEngine
     from tlt_stream.rollout.proposers import build_proposer
 
@@ -309,8 +331,7 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
         require_vllm()  # before reading anything: one line when it is missing
     _check_sampling(opts)
     _check_output(opts.output)
-    if opts.drafter is not None and opts.depth > MAX_DRAFT_DEPTH:
-        raise InputError(f"--depth {opts.depth}: a draft is at most {MAX_DRAFT_DEPTH} levels deep")
+    arm = _arm(opts)  # before anything loads
     if not opts.model.is_dir():
         raise CheckpointError(f"{opts.model}: checkpoint directory does not exist")
     spec = load_spec(opts.model)
@@ -334,15 +355,6 @@ def run_generate(opts: GenerateOptions) -> dict[str, Any]:
             raise CheckpointError(f"{opts.model}: unreadable safetensors ({exc})") from None
     budgets = _response_budgets(prompts, opts.max_new_tokens, context)
     max_len = max(len(p) + b for p, b in zip(prompts, budgets, strict=True))
-    arm = None
-    if opts.drafter is not None:
-        verify = opts.verify or opts.depth * opts.topk
-        if verify > opts.depth * opts.topk**2:
-            raise InputError(
-                f"--verify {verify}: a tree of --depth {opts.depth} and --topk {opts.topk} offers at most "
-                f"{opts.depth * opts.topk**2} nodes to verify; lower --verify or raise --depth/--topk"
-            )
-        arm = Arm.drafter(opts.depth, opts.topk, verify)
     if opts.backend == "vllm":
         engine = _vllm_engine(opts, max_len, arm)
     else:

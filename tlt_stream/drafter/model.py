@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -30,11 +31,14 @@ from tlt_stream.model.transformer import Transformer
 __all__ = [
     "DRAFTER_ARCHITECTURE",
     "Drafter",
+    "check_drafter_fits",
     "drafter_layer_spec",
+    "layout_mismatch",
     "load_drafter",
     "read_drafter",
     "read_drafter_spec",
     "save_drafter",
+    "tensor_shapes",
 ]
 
 DRAFTER_ARCHITECTURE = "TltEagleDrafter"
@@ -240,27 +244,64 @@ def read_drafter_spec(path: str | Path) -> ModelSpec:
     return spec
 
 
+def check_drafter_fits(drafter: tuple[object, object], policy: tuple[object, object], *, named: str, fits: str) -> None:
+    """Refuse, in one line, a drafter of (hidden size, vocabulary) `drafter` for a policy of `policy`: it reads
+    the policy's hidden states and borrows its embedding and LM head, so both must be equal. `named` says
+    which drafter (a path, a flag), `fits` which policy."""
+    if drafter != policy:
+        raise CheckpointError(
+            f"{named}: made for a policy of hidden size {drafter[0]} and vocabulary {drafter[1]}, not {fits} "
+            f"({policy[0]}, {policy[1]}); make one for it with `tlt-stream drafter init`"
+        )
+
+
+Shapes = Mapping[str, tuple[int, ...]]
+"""A drafter's layout: tensor name -> shape."""
+
+
+def tensor_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    """The layout of the tensors in safetensors `files`, from their headers alone (no tensor is read): what a
+    drafter's weights can be checked against before they are loaded anywhere. A file that is not whole
+    safetensors is refused with `CheckpointError`, in one line."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open handles have keys(), not __iter__)
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as exc:  # truncated, foreign or unreadable file
+            raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+    return shapes
+
+
+def layout_mismatch(found: Shapes, expected: Shapes) -> str | None:
+    """Why drafter weights of layout `found` do not fit a drafter of layout `expected`, in words for one line
+    (None when they fit): names missing or unexpected, else the first tensor of another shape."""
+    if set(found) != set(expected):
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        return f"drafter weights do not match (missing {missing}, unexpected {extra})"
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            return f"{name} has shape {tuple(shape)}, expected {tuple(expected[name])}"
+    return None
+
+
 def read_drafter(path: str | Path) -> Drafter:
     """Read a drafter saved by `save_drafter` without binding it: float32 on the CPU, its own weights only
-    (what an export needs; `load_drafter` binds it to a target for drafting). Weights that are not all finite
-    are refused, in one line."""
+    (what an export needs; `load_drafter` binds it to a target for drafting). Weights of another layout than
+    the spec's (checked from the file's header before any tensor is read) or not all finite are refused, in
+    one line."""
     path = Path(path)
     weights_file = path / WEIGHTS
     spec = read_drafter_spec(path)
     drafter = Drafter(spec)
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    if (why := layout_mismatch(tensor_shapes([weights_file]), expected)) is not None:
+        raise CheckpointError(f"{path}: {why}")
     try:
         state = load_file(str(weights_file))
-    except (SafetensorError, OSError) as exc:  # truncated, foreign or unreadable file
+    except (SafetensorError, OSError) as exc:  # changed or unreadable since its header was read
         raise CheckpointError(f"{weights_file}: unreadable safetensors ({exc})") from None
-    expected = drafter.state_dict()
-    if set(state) != set(expected):
-        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        raise CheckpointError(f"{path}: drafter weights do not match (missing {missing}, unexpected {extra})")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
-            )
     for name in sorted(state):  # a diverged drafter drafts nothing and would be exported as it is
         if state[name].is_floating_point() and not bool(torch.isfinite(state[name]).all()):
             raise CheckpointError(

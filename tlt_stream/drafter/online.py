@@ -52,6 +52,7 @@ __all__ = [
     "SliceResult",
     "WindowBuffer",
     "held_out_acceptance",
+    "judgeable",
     "lr_at",
 ]
 
@@ -310,6 +311,14 @@ def _ahead(x: torch.Tensor, k: int, fill: int | bool) -> torch.Tensor:
     return out
 
 
+def judgeable(window: Window) -> bool:
+    """Whether `held_out_acceptance` has a chain to measure on `window`: a position past its first whose next
+    token is a response token (pair i, i >= 1, predicts x_{i+1}; the prompt's tokens are not judged). A window of
+    two tokens, or of prompt only, leaves nothing to judge on."""
+    length = int(window.tokens.shape[0])
+    return length >= 3 and length > window.prompt_len
+
+
 @torch.no_grad()
 def held_out_acceptance(drafter: Drafter, windows: Sequence[Window], depth: int, *, batch_pairs: int = 8192) -> float:
     """Expected draft tokens accepted per verification on `windows` (add 1 for the target's bonus token).
@@ -322,9 +331,9 @@ def held_out_acceptance(drafter: Drafter, windows: Sequence[Window], depth: int,
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    usable = [w for w in windows if w.num_pairs > 1]
+    usable = [w for w in windows if judgeable(w)]  # the others hold no start: they would add nothing
     if not usable:
-        raise ValueError("held_out_acceptance needs windows with at least 3 tokens")
+        raise ValueError("held_out_acceptance needs a window of at least 3 tokens with a response position to judge")
     was_training = drafter.training
     drafter.eval()
     accepted, starts = 0.0, 0.0

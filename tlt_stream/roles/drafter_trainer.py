@@ -50,7 +50,7 @@ from tlt_stream.bus.lease import DrafterLease, LeaseGrant
 from tlt_stream.bus.producer import StreamProducer
 from tlt_stream.bus.registry import WorkerRegistry
 from tlt_stream.bus.streams import Keys
-from tlt_stream.drafter.online import WindowBuffer, held_out_acceptance
+from tlt_stream.drafter.online import WindowBuffer, held_out_acceptance, judgeable
 from tlt_stream.model.threads import one_torch_thread
 from tlt_stream.store.digest import directory_sha256
 
@@ -75,14 +75,6 @@ def _side_thread() -> None:
 def _stable_hash(text: str) -> int:
     """A 32-bit hash of `text` that is the same in every process (Python's `hash` of a str is salted)."""
     return stable_int(text, 8)
-
-
-def _judgeable(window: Any) -> bool:
-    """Whether `held_out_acceptance` can measure a chain on `window`: three tokens at least, two of them past
-    its prompt (a window of prompt only, or of two tokens, would leave nothing to judge on; it is trained on
-    instead)."""
-    tokens = int(window.tokens.shape[0])
-    return tokens >= 3 and tokens > window.prompt_len + 1
 
 
 def _held_out(sample_id: str, percent: int) -> bool:
@@ -268,7 +260,7 @@ class IdleDrafterTrainer:
             for delivery in deliveries:
                 message = delivery.message
                 window = window_from_message(message)
-                if _held_out(message.sample_id, self.own.holdout_percent) and _judgeable(window):
+                if _held_out(message.sample_id, self.own.holdout_percent) and judgeable(window):
                     self.holdout = [*self.holdout, window][-self.own.holdout_max :]
                     self.added["held_out_added"].append(message.sample_id)
                 else:

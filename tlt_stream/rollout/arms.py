@@ -8,11 +8,16 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MAX_DRAFT_DEPTH", "Arm", "ArmKind"]
+__all__ = ["MAX_DRAFT_DEPTH", "Arm", "ArmKind", "ArmTooDeep"]
 
 MAX_DRAFT_DEPTH = 256
 """The deepest draft an arm may ask for: each level costs a drafter forward (or a lookup) every round, and
 accepted lengths stay far below it for any drafter, so a deeper arm is a typo that would stall every round."""
+
+
+class ArmTooDeep(ValueError):
+    """An arm deeper than `MAX_DRAFT_DEPTH` (a command names its own flag for it)."""
+
 
 ArmKind = Literal["plain", "ngram", "group", "drafter", "mixed", "either"]
 
@@ -63,13 +68,13 @@ class Arm:
         else:
             raise ValueError(f"unknown arm kind {self.kind!r} (plain, ngram, group, drafter, mixed, either)")
         valid = valid and (self.group_nodes >= 1 if self.kind in ("mixed", "either") else self.group_nodes == 0)
+        if self.depth > MAX_DRAFT_DEPTH:
+            raise ArmTooDeep(f"{self.kind} arm of depth {self.depth}: an arm drafts at most {MAX_DRAFT_DEPTH} levels")
         if not valid:
             raise ValueError(
                 f"invalid {self.kind} arm: depth={self.depth}, topk={self.topk}, verify={self.verify}, "
                 f"group_nodes={self.group_nodes}"
             )
-        if self.depth > MAX_DRAFT_DEPTH:
-            raise ValueError(f"{self.kind} arm of depth {self.depth}: an arm drafts at most {MAX_DRAFT_DEPTH} levels")
 
     @classmethod
     def plain(cls) -> Arm:
