@@ -228,6 +228,67 @@ def test_a_drafter_that_does_not_fit_the_engine_is_refused_in_one_line(
     assert result.token_ids == oracle.greedy(prompt, 24) and result.accept_lengths
 
 
+def test_a_hand_made_export_of_another_layout_is_refused_before_vllm_loads_it(
+    engine, models: dict[str, Path], tmp_path: Path, oracle: Oracle
+) -> None:
+    """An EAGLE export edited by hand, its config still the engine's: q/k/v fused under one name (vLLM loaded
+    the rest and kept the old attention without a word), or an MLP tensor cut short (vLLM's in-place reload
+    raised a traceback half-way and the engine died at its next step). Each is refused in one line, from the
+    files' headers, and a worker that was announced one logs it and drafts on with the drafter it had."""
+    import asyncio
+
+    from safetensors.torch import load_file, save_file
+
+    from tlt_stream.basics.config import DEFAULTS, override
+    from tlt_stream.basics.errors import CheckpointError
+    from tlt_stream.basics.messages import DrafterVersion
+    from tlt_stream.drafter.export import export_drafter
+    from tlt_stream.roles.worker.drafters import DrafterSwaps
+    from tlt_stream.store.digest import directory_sha256
+
+    norm = "model.layers.0.post_attention_layernorm.weight"
+    export = export_drafter(models["drafter"], tmp_path / "export").path
+
+    def edited(name: str, edit) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        for file in export.iterdir():
+            (out / file.name).write_bytes(file.read_bytes())
+        tensors = load_file(str(out / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+        return out
+
+    def fuse(t: dict) -> None:
+        parts = [t.pop(f"layers.0.self_attn.{x}_proj.weight") for x in "qkv"]
+        t["layers.0.self_attn.qkv_proj.weight"] = torch.cat(parts)
+
+    def cut(t: dict) -> None:
+        t["layers.0.mlp.gate_proj.weight"] = t["layers.0.mlp.gate_proj.weight"][:64].contiguous()
+
+    fused, short = edited("fused", fuse), edited("short", cut)
+    held = engine.draft_tensor(norm)
+    for bad, words in (
+        (fused, r"missing \['layers.0.self_attn.k_proj.weight'"),
+        (short, r"gate_proj.weight has shape"),
+    ):
+        with pytest.raises(CheckpointError, match=f"not the layout of the engine's drafter: .*{words}") as caught:
+            engine.load_drafter(bad)
+        assert "\n" not in str(caught.value)
+    config = override(DEFAULTS, {"sd.drafter": str(models["drafter"]), "sd.adaptive": False})
+    plane, registry = _Plane(), _Registry()
+    swaps = DrafterSwaps(config, plane, registry, "w")  # type: ignore[arg-type]
+    plane.current["drafter"] = DrafterVersion(version=7, location=str(short), sha256=directory_sha256(short))
+    asyncio.run(swaps.maybe_swap(engine, None))
+    refused = str(registry.info["refused_drafter"])
+    assert refused.startswith("7: ") and "gate_proj.weight has shape" in refused
+    assert swaps.swaps == 0 and "drafter_version" not in registry.info
+    torch.testing.assert_close(engine.draft_tensor(norm), held, rtol=0, atol=0)
+    prompts = prompt_ids(2, seed=27)
+    for prompt, result in zip(prompts, engine.generate(prompts, 24, temperature=0.0), strict=True):
+        assert result.token_ids == oracle.greedy(prompt, 24) and result.accept_lengths
+
+
 class _Plane:
     """The control plane as the worker reads it: the retained version of each kind."""
 

@@ -9,7 +9,9 @@ export.
 - Inputs vLLM cannot serve are refused before vLLM starts, in one line: a head size vLLM's CPU attention has
   no kernel for, a drafter made for another policy (both used to start an engine that died at its first
   step), an architecture vLLM does not know and a context longer than the checkpoint's (both a multi-line
-  validation error of vLLM's).
+  validation error of vLLM's), a Qwen2 config whose `head_dim` is not hidden / heads (vLLM's Qwen2 ignores it:
+  a smaller one killed the engine as it loaded the weights, a larger one ran with weights cut to the wrong
+  shape and gave other tokens than transformers).
 - An engine starts in a process that imported numba (an inline n-gram engine before it): vLLM's kernel
   registry scan failed on llvmlite (`kernels.tolerate_numba_in_kernel_scan`).
 """
@@ -155,6 +157,11 @@ def test_inputs_vllm_cannot_serve_are_refused_before_it_starts_in_one_line(chat:
     from tlt_stream.rollout.vllm.config import UnsupportedSetting
 
     build_family("llama", tmp_path / "hd16")  # hidden 64 over 4 heads: head size 16
+    narrow = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # not 128 / 2
+    wide_heads = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # not 64 / 2
+    for name, shape in (("qwen2-narrow", narrow), ("qwen2-wide", wide_heads)):
+        build_family("qwen2", tmp_path / name, **shape)
+        assert json.loads((tmp_path / name / "config.json").read_text())["head_dim"] == shape["head_dim"]
     wide = hf_policy(tmp_path / "wide", seed=0)  # hidden 128, vocabulary 100
     target = load_model(wide)
     save_drafter(Drafter(target.spec).bind(target), tmp_path / "wide-drafter")
@@ -175,6 +182,16 @@ def test_inputs_vllm_cannot_serve_are_refused_before_it_starts_in_one_line(chat:
             ),
         ),
         (ConfigError, "longer than the 192 positions", lambda: VllmEngine(chat["a"], settings=settings(tmp_path))),
+        (
+            UnsupportedSetting,
+            r"head_dim 32, .*Qwen2ForCausalLM.* \(128 / 2 = 64\).*rollout.backend=torch",
+            lambda: VllmEngine(tmp_path / "qwen2-narrow", settings=settings(tmp_path, max_len=128)),
+        ),
+        (
+            UnsupportedSetting,
+            r"head_dim 64, .*\(64 / 2 = 32\)",
+            lambda: VllmEngine(tmp_path / "qwen2-wide", settings=settings(tmp_path, max_len=128)),
+        ),
         (
             UnsupportedSetting,
             "TltUnknownForCausalLM",

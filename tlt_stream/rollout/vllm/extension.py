@@ -32,7 +32,13 @@ import torch
 
 from tlt_stream.basics.errors import CheckpointError
 
-__all__ = ["DRAFT_SHAPE_KEYS", "WORKER_EXTENSION", "TltWorkerExtension", "drafter_swap_tensors"]
+__all__ = [
+    "DRAFT_SHAPE_KEYS",
+    "WORKER_EXTENSION",
+    "TltWorkerExtension",
+    "drafter_swap_shapes",
+    "drafter_swap_tensors",
+]
 
 DRAFT_SHAPE_KEYS = (
     "hidden_size",
@@ -48,13 +54,21 @@ DRAFT_SHAPE_KEYS = (
 """Draft config keys that fix the draft model's parameter shapes (an in-place swap must keep them)."""
 
 
-def _safetensors_items(directory: Path, *, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
+"""Draft tensors a swap never loads: the draft shares these modules with the target."""
 
+
+def _weight_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no safetensors weights")
-    for file in files:
+    return files
+
+
+def _safetensors_items(directory: Path, *, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in _weight_files(directory):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles have keys(), not __iter__)
                 if not name.startswith(skip):
@@ -65,7 +79,17 @@ def drafter_swap_tensors(export: str | Path) -> list[tuple[str, torch.Tensor]]:
     """The tensors of an EAGLE export that an in-place drafter swap loads: the draft's own (fc and its layer),
     never `embed_tokens`/`lm_head`. The draft shares those modules with the target, so loading an export's
     embedding (written with `--policy`) would overwrite the live policy's."""
-    return list(_safetensors_items(Path(export), skip=("embed_tokens.", "lm_head.")))
+    return list(_safetensors_items(Path(export), skip=SHARED_WITH_TARGET))
+
+
+def drafter_swap_shapes(export: str | Path) -> dict[str, tuple[int, ...]]:
+    """The layout of what `drafter_swap_tensors` would load (name -> shape), from the files' headers alone: an
+    export whose layout is not the engine's drafter's is refused before vLLM loads any of it (vLLM fails
+    half-way through an in-place reload, and its draft model is broken after that)."""
+    from tlt_stream.drafter.model import tensor_shapes
+
+    shapes = tensor_shapes(_weight_files(Path(export)))
+    return {name: shape for name, shape in shapes.items() if not name.startswith(SHARED_WITH_TARGET)}
 
 
 def _runner_model(runner: Any) -> Any:
