@@ -224,3 +224,27 @@ def test_greedy_decoding_stays_transformers_own_through_training_and_export(fami
             engine = GenerationEngine(target, 3, 40, proposer=proposer)
         engine.arm = arm
         assert [r.token_ids for r in engine.generate(prompts, 16, eos_ids=[EOS])] == reference
+
+
+def test_a_drafter_of_another_layout_is_refused_at_the_swap_and_the_current_one_keeps_drafting(
+    qwen2_dir: Path, tmp_path: Path
+) -> None:
+    """A drafter for the same policy (hidden size and vocabulary) but of another width raised torch's
+    multi-line size-mismatch RuntimeError from the engine's swap, which the worker's swap does not catch."""
+    import dataclasses
+
+    torch.set_num_threads(1)
+    target = load_model(qwen2_dir)
+    torch.manual_seed(0)
+    save_drafter(Drafter(target.spec), tmp_path / "current")
+    wider = dataclasses.replace(target.spec, intermediate_size=target.spec.intermediate_size * 2)
+    save_drafter(Drafter(wider), tmp_path / "wider")
+    engine = GenerationEngine(target, 2, 40, proposer=EagleProposer(load_drafter(tmp_path / "current", target)))
+    before = {k: v.clone() for k, v in engine.proposer.drafter.state_dict().items()}  # type: ignore[union-attr]
+
+    with pytest.raises(CheckpointError) as refused:
+        engine.load_drafter(tmp_path / "wider")
+    assert "\n" not in str(refused.value) and "layout" in str(refused.value)
+    after = engine.proposer.drafter.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.load_drafter(tmp_path / "current")  # a drafter of its own layout still swaps in

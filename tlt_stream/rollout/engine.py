@@ -186,13 +186,20 @@ class GenerationEngine:
 
     def load_drafter(self, path: str | Path) -> None:
         """Swap the EAGLE drafter's weights in place (a drafter checkpoint that fits this engine's model);
-        rows in flight keep going: speculative decoding is lossless whatever the drafter proposes."""
-        from tlt_stream.drafter.model import load_drafter
+        rows in flight keep going: speculative decoding is lossless whatever the drafter proposes. A drafter of
+        another layout than the one drafting (another width or depth, made by hand or for another setting) is
+        refused with `CheckpointError` in one line, before any weight changes."""
+        from tlt_stream.basics.errors import CheckpointError
+        from tlt_stream.drafter.model import layout_mismatch, load_drafter
 
         drafter = getattr(self.proposer, "drafter", None)
         if drafter is None:
             raise RuntimeError("this engine drafts without an EAGLE drafter; there is nothing to swap")
-        drafter.load_state_dict(load_drafter(path, self.model).state_dict())
+        state = load_drafter(path, self.model).state_dict()
+        current = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+        if (why := layout_mismatch({name: tuple(t.shape) for name, t in state.items()}, current)) is not None:
+            raise CheckpointError(f"{path}: not the layout of the drafter this engine drafts with: {why}")
+        drafter.load_state_dict(state)
 
     @property
     def arm(self) -> Arm | None:
