@@ -137,6 +137,7 @@ def _on_dataset(args: argparse.Namespace, config: Any) -> int:
     import json
 
     from tlt_stream.basics.config import override
+    from tlt_stream.basics.interrupts import noting_sigint, sigint_received
     from tlt_stream.commands.run.setup import EVAL_ERRORS, warn_tiny_reward
     from tlt_stream.rl.evaluate import evaluate_dataset
     from tlt_stream.rl.rewards import resolve_reward
@@ -148,11 +149,14 @@ def _on_dataset(args: argparse.Namespace, config: Any) -> int:
     config = override(config, {"policy.seed": args.seed})
     warn_tiny_reward(config.rollout.reward, "eval")
     try:
-        resolve_reward(config.rollout.reward)  # a missing module or function: before the model loads
-        report = evaluate_dataset(
-            args.model, config, n=args.n, batch_size=args.batch_size, temperature=args.temperature
-        )
+        with noting_sigint():
+            resolve_reward(config.rollout.reward)  # a missing module or function: before the model loads
+            report = evaluate_dataset(
+                args.model, config, n=args.n, batch_size=args.batch_size, temperature=args.temperature
+            )
     except EVAL_ERRORS as exc:
+        if sigint_received():  # a Ctrl-C that torch turned into this error (`basics.interrupts`)
+            raise KeyboardInterrupt from None
         print(f"tlt-stream eval: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     report = {"model": str(args.model), "temperature": args.temperature, **report}

@@ -87,6 +87,7 @@ def handle(args: argparse.Namespace) -> int:
 
     import torch
 
+    from tlt_stream.basics.interrupts import noting_sigint, sigint_received
     from tlt_stream.basics.progress import PhaseProgress
     from tlt_stream.commands.run.setup import (
         RunRefused,
@@ -102,15 +103,19 @@ def handle(args: argparse.Namespace) -> int:
         config, out, own = settings_of(args)
         torch.set_num_threads(cores := _cores())
         with PhaseProgress() as progress:
-            world_ready(config, own, progress)
-            plan = check_plan(config, out, own, cores)
-            evals = evaluate_before(plan, config, own)
+            with noting_sigint():  # the services' own event loop handles a Ctrl-C while they run
+                world_ready(config, own, progress)
+                plan = check_plan(config, out, own, cores)
+                evals = evaluate_before(plan, config, own)
             started = time.perf_counter()
             code = run_services(plan, config, evals, progress, resume=args.resume is not None)
     except RunRefused as refused:
+        if sigint_received():  # a Ctrl-C that torch turned into the error refused: an interruption all the same
+            raise KeyboardInterrupt from None
         print(f"tlt-stream run: {refused}", file=sys.stderr)
         return refused.code
-    return finish(plan, config, code, evals, time.perf_counter() - started)
+    with noting_sigint():
+        return finish(plan, config, code, evals, time.perf_counter() - started)
 
 
 def _cores() -> int:
