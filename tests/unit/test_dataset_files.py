@@ -134,3 +134,26 @@ def test_float32_parquet_answers_read_as_written(tmp_path: Path) -> None:
     wide = pa.table({"prompt": ["a"], "answer": pa.array([0.1], pa.float64())})
     pq.write_table(wide, tmp_path / "w.parquet")
     assert load_examples(tmp_path / "w.parquet")[0].answer == "0.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "question\tanswer\nwhat is 1 plus 2?\t3\n",
+            r"row 2: missing field 'prompt' \(the row's fields: question, answer; set data\.prompt_field to the one",
+        ),
+        (
+            "prompt\tsolution\nwhat is 1 plus 2?\t3\n",
+            r"row 2: missing field 'answer' \(the row's fields: prompt, solution; set data\.answer_field to the one",
+        ),
+    ],
+)
+def test_a_first_row_without_the_field_names_the_columns_it_has_and_the_setting(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """It said only "missing field 'prompt'" of a file whose prompt column is named otherwise."""
+    path = tmp_path / "d.tsv"
+    path.write_text(text)
+    with pytest.raises(DatasetError, match=message):
+        load_examples(path)

@@ -320,3 +320,25 @@ def test_a_long_run_name_stays_a_valid_one_with_the_runs_time_stamp(
     written = tmp_path / "config.toml"
     written.write_text(f'run = "{config.run}"\n')
     assert load_config(written, environ={}).run == config.run  # as the services read RUN_DIR/config.toml
+
+
+def test_run_counts_the_held_out_prompts_it_leaves_out_as_over_the_prompt_limit(
+    world: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said so of the training prompts only, then "held-out accuracy ... (2 prompts)" of a file of 3."""
+    from transformers import AutoTokenizer
+
+    from tlt_stream.basics.config import Config, override
+    from tlt_stream.commands.run.setup import check_plan
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 100, "answer": "9"}, {"prompt": "2+2=", "answer": "4"}]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lengths = [len(AutoTokenizer.from_pretrained(world / "policy")(row["prompt"])["input_ids"]) for row in rows]
+    assert lengths[1] > 48 > 2 * max(lengths[0], lengths[2]), "over any limit at 48 tokens a row, and the others not"
+    settings = {"launch.policy": str(world / "policy"), "data.eval_dataset": str(held_out), "rollout.max_len": 48}
+    check_plan(override(Config(), {**settings, "rollout.reward": "exact", "launch.eval": 3}), tmp_path / "run", True, 1)
+    assert (
+        f"{held_out}: 2 held-out prompts, 1 over the prompt limit skipped (data.max_prompt_len)"
+        in capsys.readouterr().err
+    )

@@ -62,6 +62,14 @@ def _has(row: Any, dotted: str) -> bool:
     return True
 
 
+def _fields_hint(row: dict, role: str) -> str:
+    """What the first row holds and the setting that names its `role` ("prompt" or "answer") field: a first
+    row without the field is most often a file whose column is named otherwise (a CSV's `question`)."""
+    names = [str(name) for name in row]
+    shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+    return f" (the row's fields: {shown or 'none'}; set data.{role}_field to the one that holds the {role})"
+
+
 def _render(
     prompt: Any, tokenizer: Any, where: str, chat_template: bool = True, enable_thinking: bool | None = None
 ) -> str:
@@ -146,11 +154,13 @@ def load_examples(
         try:
             prompt = _field(row, prompt_field)
         except KeyError:
-            raise DatasetError(f"{where}: missing field {prompt_field!r}") from None
+            hint = _fields_hint(row, "prompt") if not examples else ""
+            raise DatasetError(f"{where}: missing field {prompt_field!r}{hint}") from None
         try:
             answer = _field(row, answer_field)
         except KeyError:
-            raise DatasetError(f"{where}: missing field {answer_field!r}") from None
+            hint = _fields_hint(row, "answer") if not examples else ""
+            raise DatasetError(f"{where}: missing field {answer_field!r}{hint}") from None
         if isinstance(answer, numbers.Real | Decimal) and not isinstance(answer, bool):
             answer = _number_text(answer, f"{where}: field {answer_field!r}")
         if not isinstance(answer, str) or not answer.strip():

@@ -166,6 +166,12 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
 
             held_out, _ = held_out_pool(plan.policy_dir, config, tokenizer)
             rows += [held_out.fields.get(prompt_id) or {} for prompt_id, *_ in held_out.rows[: config.launch.eval]]
+            if held_out.skipped:  # else "accuracy ... (N prompts)" later, fewer than the file has, unexplained
+                print(
+                    f"tlt-stream run: {config.data.eval_dataset}: {len(held_out)} held-out prompts, "
+                    f"{held_out.skipped} over the prompt limit skipped (data.max_prompt_len)",
+                    file=sys.stderr,
+                )
         check_reward_call(reward, config.rollout.reward, rows or [{}])
     except (CheckpointError, FileNotFoundError, ValueError, DatasetError) as exc:
         raise RunRefused(redact_text(str(exc))) from None
@@ -297,6 +303,7 @@ def run_services(plan: RunPlan, config: Config, evals: int, progress: Any, *, re
 
 def finish(plan: RunPlan, config: Config, code: int, evals: int, seconds: float) -> int:
     """Held-out accuracy after the last version, the report, and the line that says how the run ended."""
+    from tlt_stream.basics.interrupts import sigint_received
     from tlt_stream.commands.report import write_report
     from tlt_stream.commands.run.launch import evaluate_version
     from tlt_stream.rl.checkpoint import latest_checkpoint
@@ -312,6 +319,8 @@ def finish(plan: RunPlan, config: Config, code: int, evals: int, seconds: float)
                 )
                 print(f"held-out accuracy after {final.step} steps: {row['accuracy']:.3f}", file=sys.stderr)
             except EVAL_ERRORS as exc:  # the run is done: its report is still written
+                if sigint_received():  # a Ctrl-C that torch turned into this error
+                    raise KeyboardInterrupt from None
                 print(redact_text(f"tlt-stream run: evaluation after training failed: {exc}"), file=sys.stderr)
     try:
         where = f"report: {write_report(out)}"
