@@ -1,7 +1,8 @@
 """Progress bars for long work: one rich bar per phase, fed by `progress(phase, done, total, metrics)`.
 
 Bars go to stderr. When stderr is not a terminal (a cluster job's log, nohup, CI), each phase instead
-prints one plain line per tenth of its work, so a log still shows how far a job got. The callback
+prints one plain line per tenth of its work, so a log still shows how far a job got; each line's seconds are
+its phase's own, from the phase's first report, as the bar's clock is. The callback
 signature is plain, so library code reports progress without importing rich.
 """
 
@@ -33,7 +34,7 @@ class PhaseProgress:
         self._tasks: dict[str, Any] = {}
         self._plain = not console.is_terminal
         self._logged: dict[str, int] = {}
-        self._started = time.perf_counter()
+        self._started: dict[str, float] = {}
 
     def __enter__(self) -> PhaseProgress:
         self._progress.__enter__()
@@ -47,11 +48,12 @@ class PhaseProgress:
     def __call__(self, phase: str, done: int, total: int, metrics: dict[str, float]) -> None:
         if phase not in self._tasks:
             self._tasks[phase] = self._progress.add_task(phase, total=total, metrics="")
+            self._started[phase] = time.perf_counter()
         text = "  ".join(f"{k} {v:.3g}" for k, v in metrics.items())
         if self._plain:
             tenth = (10 * done) // max(1, total)
             if tenth > self._logged.get(phase, -1):
                 self._logged[phase] = tenth
-                elapsed = time.perf_counter() - self._started
+                elapsed = time.perf_counter() - self._started[phase]
                 print(f"{phase}: {done}/{total} ({elapsed:.0f}s) {text}".rstrip(), file=sys.stderr, flush=True)
         self._progress.update(self._tasks[phase], completed=done, total=total, metrics=text)

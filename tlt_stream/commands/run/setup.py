@@ -290,6 +290,7 @@ def run_services(plan: RunPlan, config: Config, evals: int, progress: Any, *, re
     async def main() -> int:
         stop = asyncio.Event()
         install_stop_signals(stop)
+        progress("train", 0, plan.steps, {})  # the bar (and its clock, which the last line's agrees with) starts now
         code = await run_plan(plan, on_step=on_step, stop=stop, resume=resume)
         if code == 130:
             print("tlt-stream run: stopped; every service was shut down, checkpoints are intact", file=sys.stderr)
