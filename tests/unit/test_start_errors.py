@@ -337,8 +337,8 @@ def test_run_counts_the_held_out_prompts_it_leaves_out_as_over_the_prompt_limit(
     lengths = [len(AutoTokenizer.from_pretrained(world / "policy")(row["prompt"])["input_ids"]) for row in rows]
     assert lengths[1] > 48 > 2 * max(lengths[0], lengths[2]), "over any limit at 48 tokens a row, and the others not"
     settings = {"launch.policy": str(world / "policy"), "data.eval_dataset": str(held_out), "rollout.max_len": 48}
-    check_plan(override(Config(), {**settings, "rollout.reward": "exact", "launch.eval": 3}), tmp_path / "run", True, 1)
-    assert (
-        f"{held_out}: 2 held-out prompts, 1 over the prompt limit skipped (data.max_prompt_len)"
-        in capsys.readouterr().err
-    )
+    config = override(Config(), {**settings, "rollout.reward": "exact", "launch.eval": 3, "run": "named-7"})
+    check_plan(config, tmp_path / "run", True, 1)
+    err = capsys.readouterr().err
+    assert f"{held_out}: 2 held-out prompts, 1 over the prompt limit skipped (data.max_prompt_len)" in err
+    assert f"run named-7, run dir {tmp_path / 'run'}" in err  # the name monitor, doctor and purge take

@@ -175,7 +175,10 @@ def check_plan(config: Config, out: Path, own: bool, cores: int) -> RunPlan:
         check_reward_call(reward, config.rollout.reward, rows or [{}])
     except (CheckpointError, FileNotFoundError, ValueError, DatasetError) as exc:
         raise RunRefused(redact_text(str(exc))) from None
-    print(f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run dir {out}", file=sys.stderr)
+    print(  # the name is what `monitor --run`, `doctor --run` and `purge --run` take
+        f"tlt-stream run: {plan.steps} steps, {plan.workers} worker(s), run {config.run}, run dir {out}",
+        file=sys.stderr,
+    )
     if placed := placement(plan, config):  # a ConfigError (too few GPUs) stops the run here, exit code 2
         print(f"tlt-stream run: GPUs (CUDA_VISIBLE_DEVICES): {describe(placed)}", file=sys.stderr)
     if own and plan.sd != config.launch.sd:
