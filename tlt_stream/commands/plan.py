@@ -45,7 +45,8 @@ def register(commands: Any) -> None:
         "--acceptance-table",
         metavar="JSON",
         help='tokens per round per arm and bucket, e.g. {"d4k1v4": {"0": 3.4, "*": 3.0}, "*": {"*": 2.5}} '
-        "(bucket indices of the SD edges; * for any), inline or a file holding it; arms it omits use --acceptance",
+        "(bucket indices of the SD edges; * for any; an arm's figure at most its depth + 1, a * figure capped "
+        "there), inline or a file holding it; arms it omits use --acceptance",
     )
     p.add_argument(
         "--acceptance-arm",
@@ -214,7 +215,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     from tlt_stream.plan import lengths as L
     from tlt_stream.plan.acceptance import Acceptance, from_run
     from tlt_stream.plan.costs import CpuCosts
-    from tlt_stream.plan.project import project, recommend, split_devices
+    from tlt_stream.plan.project import MODES, project, recommend, split_devices
     from tlt_stream.plan.roofline import GPUS, MODELS, GpuCosts
     from tlt_stream.plan.simulate import Setup
     from tlt_stream.rollout.arms import Arm
@@ -228,26 +229,49 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         dist = L.named(args.lengths)
     else:
         dist = L.from_lengths(_json_file(args.lengths_file, "--lengths-file"), args.lengths_file)
-    tokens = args.acceptance or (_run_acceptance(args.from_run) if args.from_run else None)
-    if tokens is None and args.from_run:
+    sd_modes = [m for m in modes if MODES[m].sd]
+    measured = _run_acceptance_read(args.from_run) if args.from_run and not args.acceptance else None
+    tokens = args.acceptance or (measured[0] if measured else None)
+    unpriced = tokens is None and not sd_modes  # plain decoding only: no speculative round to price
+    if unpriced:
+        tokens = 1.0
+        acceptance = Acceptance.uniform(tokens, "not used: no mode with speculative decoding")
+    elif tokens is None and args.from_run:
         raise PlanInputError(
-            f"{args.from_run} recorded no speculative decoding (a plain run?); give --acceptance TOKENS per round"
+            f"{args.from_run} recorded no speculative decoding (a plain run?); its acceptance is unknown, so give "
+            f"--acceptance TOKENS per round for the modes with speculative decoding ({', '.join(sd_modes)}), "
+            "or --modes a_sync_plain"
         )
-    if tokens is None:
+    elif tokens is None:
         raise PlanInputError("--acceptance TOKENS is needed without --from-run (tokens per speculative round)")
-    acceptance = Acceptance.uniform(tokens, "given" if args.acceptance else f"{args.from_run} (accept_length_mean)")
-    if args.from_run and not args.acceptance:  # each arm's own acceptance per bucket, where the run measured it
-        acceptance = from_run(args.from_run, fallback=tokens) or acceptance
+    elif measured:  # each arm's own acceptance per bucket, where the run's timeline measured it
+        source = f"{Path(args.from_run) / 'metrics.jsonl'} ({measured[1]})"
+        timeline = Path(args.from_run) / "timeline.jsonl"
+        acceptance = from_run(args.from_run, fallback=tokens) or Acceptance.uniform(
+            tokens,
+            f"{source}; every SD arm alike: {timeline} "
+            f"{'has no usable SD arm report' if timeline.is_file() else 'is missing'}",
+        )
+    else:
+        acceptance = Acceptance.uniform(tokens, "given")
     if args.arms:
         labels = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-        for label in labels:
-            Arm.from_label(label)
+        if sd_modes and not any(Arm.from_label(label).kind != "plain" for label in labels):
+            raise PlanInputError(
+                f"--arms {args.arms!r} names no SD arm; the modes with speculative decoding ({', '.join(sd_modes)}) "
+                "need one (e.g. d4k1v4), or give --modes a_sync_plain"
+            )
         if "plain" not in labels:
             labels = ("plain", *labels)
     if args.acceptance_arm:
         ref = Arm.from_label(args.acceptance_arm)
         if ref.kind == "plain":
             raise PlanInputError("--acceptance-arm must be an SD arm")
+        if tokens > ref.depth + 1:
+            raise PlanInputError(
+                f"--acceptance {tokens:g} for {ref.label}: a round of depth {ref.depth} emits at most "
+                f"{ref.depth + 1} tokens"
+            )
         acceptance = Acceptance.published(tokens, ref, f"given for {ref.label}; other arms by the budget law")
     if args.acceptance_table:
         acceptance = _table(args.acceptance_table, acceptance)
@@ -307,14 +331,15 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         setup = dataclasses.replace(setup, arms=labels)
     if setup.group_size > setup.max_batch:
         raise PlanInputError(f"--group-size {setup.group_size} exceeds the engine's {setup.max_batch} rows")
+    no_recommend = args.no_recommend or unpriced  # the settings turn on acceptance, which is not known here
     if args.gpu:  # the recommended switch, then the projection with it
-        rec = recommend(setup, dist, acceptance, costs, progress=say) if not args.no_recommend else None
+        rec = recommend(setup, dist, acceptance, costs, progress=say) if not no_recommend else None
         if rec:
             setup = dataclasses.replace(setup, crossover=rec["sd_crossover"], margin=0)
     else:
         rec = None
     rows = project(setup, dist, acceptance, costs, modes, seeds=args.seeds, progress=say)
-    if rec is None and not args.no_recommend:
+    if rec is None and not no_recommend:
         rec = recommend(setup, dist, acceptance, costs, progress=say)
     out: dict[str, Any] = {
         "kind": "PROJECTION (simulated, not measured)",
@@ -336,7 +361,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         "modes": rows,
         "recommended": rec,
     }
-    if args.gpu and not args.no_recommend:
+    if args.gpu and not no_recommend:
         out["device_split"] = split_devices(
             setup, dist, acceptance, costs, args.rollout_gpus + (args.learner_gpus or 0), progress=say
         )
@@ -358,24 +383,43 @@ def _json_file(path: str, flag: str) -> Any:
 
 
 def _table(path: str, fallback):
-    """An acceptance table file: {arm label or *: {bucket index or *: tokens per round}}."""
+    """An acceptance table, inline or a file: {arm label or *: {bucket index or *: tokens per round}}; each
+    entry a number from 1 to its arm's depth + 1 (what a round can emit), each bucket one of the SD edges'."""
     from tlt_stream.plan.acceptance import Acceptance
     from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.switch import DEFAULT_EDGES
 
-    inline = path.lstrip().startswith("{")
+    inline = path.lstrip().startswith(("{", "["))
     try:
         raw = json.loads(path) if inline else _json_file(path, "--acceptance-table")
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise PlanInputError(f"--acceptance-table: not JSON ({exc})") from None
-    try:
-        table = {}
-        for arm, buckets in raw.items():
-            if arm != "*":
-                Arm.from_label(arm)
-            for bucket, value in buckets.items():
-                table[arm, None if bucket == "*" else int(bucket)] = float(value)
-    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
-        raise PlanInputError(f"--acceptance-table {path}: not {{arm: {{bucket: tokens}}}} ({exc})") from None
+    name = "--acceptance-table" + ("" if inline else f" {path}")
+    shape = f"{name}: not {{arm: {{bucket: tokens}}}}"
+    if not isinstance(raw, dict) or not all(isinstance(b, dict) for b in raw.values()):
+        raise PlanInputError(f'{shape}, e.g. {{"d4k1v4": {{"0": 3.4, "*": 3.0}}, "*": {{"*": 2.5}}}}')
+    buckets_known = range(len(DEFAULT_EDGES) + 1)
+    table = {}
+    for label, buckets in raw.items():
+        arm = None if label == "*" else Arm.from_label(label)
+        if arm is not None and arm.kind == "plain":
+            raise PlanInputError(f"{name}: plain decoding emits 1 token per step; leave 'plain' out")
+        for bucket, value in buckets.items():
+            if bucket != "*" and not (bucket.isdigit() and int(bucket) in buckets_known):
+                raise PlanInputError(
+                    f"{name}: bucket {bucket!r} of {label!r} is not * or an SD bucket index 0-{buckets_known[-1]} "
+                    f"(edges {list(DEFAULT_EDGES)})"
+                )
+            top = math.inf if arm is None else arm.depth + 1
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 1 <= value <= top
+                or math.isinf(value)
+            ):
+                most = "" if arm is None else f" and at most {top} (depth {arm.depth} + 1)"
+                raise PlanInputError(f"{name}: {label}@{bucket} is {value!r}; tokens per round are >= 1{most}")
+            table[label, None if bucket == "*" else int(bucket)] = float(value)
     source = "--acceptance-table (given)" if inline else path
     return Acceptance({**fallback.table, **table}, fallback.ref_nodes, fallback.ref_tokens, source=source)
 
@@ -395,7 +439,13 @@ def _trained_share(args: argparse.Namespace) -> float:
 
 def _run_acceptance(run_dir: str) -> float | None:
     """Tokens per target forward of the run's SD samples (every step but the first): per sample where the
-    learner recorded them (weighted by length, as forwards are), else each step's mean."""
+    learner recorded them (weighted by length, as forwards are), else the median of the steps' means."""
+    read = _run_acceptance_read(run_dir)
+    return read[0] if read else None
+
+
+def _run_acceptance_read(run_dir: str) -> tuple[float, str] | None:
+    """`_run_acceptance` and how it was read; None: the run recorded no SD sample."""
     from tlt_stream.plan.lengths import run_rows
 
     rows = run_rows(run_dir)
@@ -409,14 +459,24 @@ def _run_acceptance(run_dir: str) -> float | None:
             if _real(n) and _real(a) and n > 0 and a > 1.0:
                 tokens, forwards = tokens + n, forwards + n / a
     if forwards:
-        return tokens / forwards
+        return tokens / forwards, "tokens per target forward of its SD samples"
     sd = sorted(a for r in rows if _real(a := r.get("accept_length_mean")) and a > 1.0)
-    return sd[len(sd) // 2] if sd else None
+    return (sd[len(sd) // 2], "the median of its steps' accept_length_mean") if sd else None
 
 
 def _real(value: object) -> bool:
     """A finite number (not a bool) in a run's records."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_SECTIONS = {
+    "recommended": "the settings the projections favour; times PROJECTED",
+    "device_split": "PROJECTED step time of each rollout + learner split, s",
+    "varied": "PROJECTED speedup over (a) with each assumption at its low and high",
+    "paper": "PROJECTED",
+    "verdict": "from the PROJECTIONS",
+}
+"""The sections after the table, each headed as the projection it is."""
 
 
 def render(result: dict[str, Any]) -> str:
@@ -425,6 +485,7 @@ def render(result: dict[str, Any]) -> str:
     for key, value in inputs.items():
         lines.append(f"  {key}: {json.dumps(value, default=str)[:300]}")
     lines.append("")
+    lines.append("  PROJECTED per mode (median over seeds):")
     lines.append(f"  {'mode':<18} {'step s':>10} {'vs (a)':>8} {'rollout s':>10} {'learner s':>10} {'SD steps':>9}")
     for name, row in result.get("modes", {}).items():
         lines.append(
@@ -432,9 +493,9 @@ def render(result: dict[str, Any]) -> str:
             f"{_cell(row.get('rollout_span_s') or 0, '>10.3f')} {_cell(row.get('learner_s') or 0, '>10.3f')} "
             f"{_cell(row.get('sd_step_share'), '>9.1%')}"
         )
-    for key in ("recommended", "device_split", "varied", "paper", "verdict"):
+    for key, heading in _SECTIONS.items():
         if result.get(key):
-            lines.append(f"\n  {key}: {json.dumps(result[key], indent=2, default=str)}")
+            lines.append(f"\n  {key} ({heading}): {json.dumps(result[key], indent=2, default=str)}")
     return "\n".join(lines)
 
 

@@ -101,7 +101,8 @@ class Acceptance:
 
 
 def _pooled(reports: Iterable[Mapping[str, Any]], *, by_bucket: bool) -> dict[tuple[str, int | None], float]:
-    """Tokens over rows per (arm label, bucket or None) over the reports that counted rows."""
+    """Tokens over rows per (arm label, bucket or None) over the reports that counted rows (a report of more
+    tokens per row than its arm's depth + 1, which no round emits, is left out as damaged)."""
     tokens: dict[tuple[str, int | None], int] = defaultdict(int)
     rows: dict[tuple[str, int | None], int] = defaultdict(int)
     for report in reports:
@@ -113,7 +114,7 @@ def _pooled(reports: Iterable[Mapping[str, Any]], *, by_bucket: bool) -> dict[tu
             n_tokens, n_rows = _count(report["tokens"]), _count(report["rows"])
         except (KeyError, TypeError, ValueError):  # a report of another shape: the others stay usable
             continue
-        if not n_rows:
+        if not n_rows or n_tokens > n_rows * (arm.depth + 1):  # more than a round can emit: a damaged report
             continue
         tokens[key] += n_tokens
         rows[key] += n_rows

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
@@ -330,7 +331,34 @@ class CpuCosts:
             if key in kinds and not _of_kind(value, kinds[key]):
                 raise ValueError(f"{path}: {key} is {value!r}, not a {kinds[key].split('[')[0]}; {hint}")
         values = {k: _tuples(v) if isinstance(v, list) else v for k, v in raw.items() if k in kinds}
-        return cls(**values)
+        costs = cls(**values)
+        if problem := costs._unusable():
+            raise ValueError(f"{path}: {problem}; {hint}")
+        return costs
+
+    def _unusable(self) -> str | None:
+        """Why the simulator cannot run on these constants (a rate or count that is not positive, a measured
+        time below zero, a decode step or a configured arm's round of no time or less), else None; a fit's
+        intercepts may be negative so long as the steps they add up to are not."""
+        for name in ("learn_tokens_per_s", "cores", "micro_batch_tokens"):
+            if not getattr(self, name) > 0:
+                return f"{name} is {getattr(self, name)!r}, not a positive number"
+        measured = ("optimizer_s", "publish_s", "load_s", "hop_s", "finish_s", "group_s", "prefill_step_s")
+        for name in (*measured, "prefill_token_s", "reverify_step_s", "reverify_token_s"):
+            if getattr(self, name) < 0:
+                return f"{name} is {getattr(self, name)!r}, a time below zero"
+        for name in ("engine_k", "engine_wait_s", "learner_k"):
+            if any(k < 0 for k in getattr(self, name)):
+                return f"{name} is {list(getattr(self, name))!r}: contention does not speed work up"
+        arms = [Arm.from_label(label) for label in DEFAULTS.sd.arms]
+        for batch, context in itertools.product((1, 2, 8, 64, 256), (1, 1024, 32768)):
+            for arm in arms:
+                if not (seconds := self.round_s(batch, arm, context)) > 0:
+                    what = "a decode step" if arm.kind == "plain" else f"a {arm.label} round"
+                    return f"{what} of {batch} rows at {context} tokens of context takes {seconds:.3g} s"
+        if not self.learn_rows_s([128.0] * 8, 32.0) > 0:
+            return "the learner's update takes no time"
+        return None
 
 
 def micro_batches(lengths: Sequence[float], prompt_len: float, tokens: int) -> list[tuple[int, float]]:
@@ -346,7 +374,7 @@ def _at(per_threads: tuple, threads: int):
 
 
 def _of_kind(value: object, kind: str) -> bool:
-    """Whether a loaded JSON value fits a field annotated `kind` (a number: not NaN)."""
+    """Whether a loaded JSON value fits a field annotated `kind` (a number: finite)."""
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "str":
@@ -354,7 +382,7 @@ def _of_kind(value: object, kind: str) -> bool:
     if kind.startswith("tuple"):
         return isinstance(value, list) and all(_of_kind(v, "tuple" if isinstance(v, list) else "float") for v in value)
     if kind in ("float", "int"):
-        return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     return True
 
 

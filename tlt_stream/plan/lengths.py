@@ -83,26 +83,34 @@ def run_rows(run_dir: str | Path) -> list[dict]:
     """The learner's per-step records in a run's `metrics.jsonl`, one per policy version in version order (a
     resumed run's repeats of a version keep the last line written; a row without a version keeps its place).
     Lines that are not a JSON object (one cut short by a killed writer) are left out; none: no such file."""
+    return _read_rows(run_dir)[0]
+
+
+def _read_rows(run_dir: str | Path) -> tuple[list[dict], int]:
+    """`run_rows` and how many of the file's non-blank lines were left out (not a JSON object)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        return []
+        return [], 0
     try:
         text = path.read_text(errors="replace")
     except OSError as exc:
         raise LengthError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     by_version: dict[object, dict] = {}
+    damaged = 0
     for number, line in enumerate(text.splitlines()):
         try:
             row = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
+            damaged += bool(line.strip())
             continue
+        damaged += not isinstance(row, dict)
         if isinstance(row, dict):
             version = row.get("version")
             key = version if isinstance(version, int) and not isinstance(version, bool) else ("line", number)
             by_version.pop(key, None)
             by_version[key] = row
     ordered = sorted(by_version.items(), key=lambda kv: (0, kv[0], 0) if isinstance(kv[0], int) else (1, 0, kv[0][1]))
-    return [row for _, row in ordered]
+    return [row for _, row in ordered], damaged
 
 
 def _number(value: object) -> float | None:
@@ -127,10 +135,14 @@ def from_run(run_dir: str | Path, *, skip_first: bool = True) -> LengthDist:
     """The response lengths a run's learner recorded in `metrics.jsonl` (every step but the first, which
     ran under the untrained policy, unless it is the only one). Steps whose lengths are not numbers are left out."""
     path = Path(run_dir) / "metrics.jsonl"
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise LengthError(f"{run_dir}: not a directory; give a run directory (the --out of `tlt-stream run`)")
     if not path.is_file():
         raise LengthError(f"{run_dir}: no metrics.jsonl (not a run directory, or no step finished)")
+    records, damaged = _read_rows(run_dir)
+    left_out = f"{damaged} line{'s' * (damaged != 1)} not a JSON record (cut short?) left out" if damaged else ""
     rows = []
-    for r in run_rows(run_dir):
+    for r in records:
         exact = r.get("response_lens")
         counts = [_token_count(x) for x in exact] if isinstance(exact, list) else []
         if counts and all(n is not None and n >= 0 for n in counts):
@@ -142,8 +154,8 @@ def from_run(run_dir: str | Path, *, skip_first: bool = True) -> LengthDist:
             rows.append({"fit": (p50, p90, top), "n": int(samples) if samples and samples >= 1 else 128})
     if not rows:
         raise LengthError(
-            f"{path}: no step records response lengths (response_lens, or response_len_p50/p90/max); "
-            "give --lengths LAW or --lengths-file FILE instead"
+            f"{path}: no step records response lengths (response_lens, or response_len_p50/p90/max)"
+            f"{'; ' + left_out if left_out else ''}; give --lengths LAW or --lengths-file FILE instead"
         )
     if skip_first and len(rows) > 1:
         rows = rows[1:]
@@ -155,7 +167,7 @@ def from_run(run_dir: str | Path, *, skip_first: bool = True) -> LengthDist:
         else:
             lengths += _lognormal_quantiles(*r["fit"], min(r["n"], 4096))
     how = "per-sample lengths" if exact else "log-normal fitted to each step's p50/p90, capped at its max"
-    return LengthDist(tuple(lengths), f"{run_dir} ({len(rows)} steps, {how})")
+    return LengthDist(tuple(lengths), f"{run_dir} ({len(rows)} steps, {how}{'; ' + left_out if left_out else ''})")
 
 
 def _p50_p90_max(lengths: Sequence[int]) -> tuple[float, float, float]:

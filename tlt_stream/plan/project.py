@@ -13,6 +13,7 @@ read the same cost model and acceptance the simulation used:
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -62,6 +63,11 @@ def project(
             runs.append(simulate(MODES[name], dataclasses.replace(setup, seed=seed), lengths, acceptance, costs))
         summaries = [r.summary() for r in runs]
         times = [r.step_time for r in runs]
+        if bad := [t for t in times if not (math.isfinite(t) and round(t, 4) > 0)]:
+            raise ValueError(
+                f"{name}: the cost model gives a step time of {bad[0]:.3g} s (a projection reports finite times of "
+                "at least 0.0001 s); check its constants"
+            )
         row = dict(summaries[len(summaries) // 2])
         row["step_time_s"] = round(statistics.median(times), 4)
         row["step_time_range_s"] = [round(min(times), 4), round(max(times), 4)]
