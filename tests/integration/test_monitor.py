@@ -324,7 +324,7 @@ async def check_once(bus_config: Config, began: float) -> None:
     for text in ("policy v3, drafter v2, sd_config v1", "TRAINING_DRAFTER", "learner: step 2", "loss 0.5"):
         assert text in human.stdout, (text, human.stdout)
     assert "judged at step 40: held-out acceptance 2.00 -> 2.25, adopted as v2" in human.stdout, human.stdout
-    assert "undecodable prompts entry" in human.stdout and "SD on in 1/2 workers" in human.stdout
+    assert "undecodable prompts entry" in human.stdout and "SD on in 1/2 live workers" in human.stdout
     shown = " ".join(human.stdout.split())  # the terminal wraps long lines
     assert "v3 48 ahead, kept 36 (75%), discarded 12, tail filled 0.0 worker-s" in shown, shown
     assert "groups dropped as too stale: 3 in the run, 3 in the 2 updates read" in shown, shown

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from typing import Any
 
 from tlt_stream.commands.args import EXIT_CONFIG, add_config_args, load
 
-__all__ = ["handle", "register"]
+__all__ = ["handle", "quiet_retries", "register"]
 
 
 def register(commands: Any) -> None:
@@ -36,11 +37,19 @@ def seconds(text: str) -> float:
     return value
 
 
+def quiet_retries(verbose: int) -> None:
+    """A check that answers at once says what failed in one line: the Redis client's "unreachable, retrying"
+    warnings before it are logged only with -v."""
+    if not verbose:
+        logging.getLogger("tlt_stream.bus.connect").setLevel(logging.ERROR)
+
+
 def handle(args: argparse.Namespace) -> int:
     from tlt_stream.basics.config import redact_text
     from tlt_stream.commands.doctor_checks import doctor
 
     config = load(args)
+    quiet_retries(args.verbose)
     try:
         return doctor(config, as_json=args.json, timeout=args.timeout)
     except ValueError as exc:  # a URL the Redis or MQTT client refuses (an option it cannot read): one line

@@ -20,7 +20,7 @@ from tlt_stream.basics.config import Config, redact_url
 from tlt_stream.basics.messages import CONTROL_CODEC
 from tlt_stream.bus.connect import endpoints, mqtt_params
 from tlt_stream.bus.streams import check_run
-from tlt_stream.roles.monitor.snapshot import check_redis_url, inspect_redis, reason
+from tlt_stream.roles.monitor.snapshot import check_redis_url, empty_run_note, inspect_redis, reason
 
 __all__ = ["doctor", "inspect_mqtt", "inspect_redis"]
 
@@ -58,6 +58,7 @@ async def inspect_mqtt(config: Config, timeout: float) -> dict[str, Any]:
 
 def _print_human(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -68,9 +69,7 @@ def _print_human(report: dict[str, Any]) -> None:
     for name in ("redis", "mqtt"):
         part = report[name]
         status = "[green]ok[/green]" if part["reachable"] else "[red]unreachable[/red]"
-        console.print(f"{name:5s} {status}  {part['url']}  {part.get('server', '')}")
-        if "error" in part:
-            console.print(f"      [red]{part['error']}[/red]")
+        console.print(f"{name:5s} {status}  {escape(part['url'])}  {escape(part.get('server', ''))}")
     redis = report["redis"]
     if redis.get("streams"):
         table = Table("stream", "length", "group", "pending", "lag", "consumers", title="streams")
@@ -89,6 +88,8 @@ def _print_human(report: dict[str, Any]) -> None:
         console.print(
             "versions (Redis mirror): " + (", ".join(f"{k} v{v['version']}" for k, v in versions.items()) or "none")
         )
+        if redis.get("run_found") is False:
+            console.print(f"[yellow]{escape(empty_run_note(report['run'], redis.get('other_runs')))}[/yellow]")
     retained = report["mqtt"].get("retained") or {}
     if report["mqtt"]["reachable"]:
         console.print(
@@ -119,7 +120,7 @@ def doctor(config: Config, *, as_json: bool, timeout: float) -> int:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
     else:
         _print_human(report)
-    if not ok:
+    if not ok:  # the reason, once, on stderr (the human view above says which server)
         for part in (redis_report, mqtt_report):
             if "error" in part:
                 print(f"tlt-stream doctor: {part['error']}", file=sys.stderr)

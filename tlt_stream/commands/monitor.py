@@ -35,7 +35,11 @@ def register(commands: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from tlt_stream.commands.doctor import quiet_retries
     from tlt_stream.roles.monitor import MonitorOptions, monitor
+
+    if args.once:
+        quiet_retries(args.verbose)
 
     options = MonitorOptions(
         once=args.once,

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tlt_stream.basics.messages import CONTROL_KINDS
+from tlt_stream.roles.monitor.snapshot import empty_run_note
 
 __all__ = ["render", "summary_line"]
 
@@ -58,7 +59,7 @@ def _streams(snap: Mapping[str, Any]) -> Table:
 
 def _workers(snap: Mapping[str, Any]) -> Table | Text:
     if not snap["workers"]:
-        return Text("workers: none alive")
+        return Text("workers: none alive (the run has finished or stopped, or its workers have not started yet)")
     rollout = snap["rollout"]
     table = Table("worker", "role", "state", "for", "policy", "drafter", "SD", "batch", "gen tok/s", title="workers")
     for w in snap["workers"]:
@@ -72,12 +73,19 @@ def _workers(snap: Mapping[str, Any]) -> Table | Text:
 
 
 def _rollout(rollout: Mapping[str, Any]) -> Text:
+    if rollout["reports"]:
+        head = (
+            f"rollout: {rollout['tokens_per_s']:.0f} tok/s over the last {_ago(rollout['span_s'])} "
+            f"({rollout['tokens']} tokens, {rollout['reports']} reports); generation "
+            f"{_fmt(rollout['generation_tokens_per_s'], '.0f')} tok/s per worker; "
+            f"{_fmt(rollout['tokens_per_forward'], '.2f')} tokens per row per target forward; "
+        )
+    else:
+        head = f"rollout: no report in the last {_ago(rollout['window_s'])}; "
+    live = rollout.get("live_workers", len(rollout["workers"]))
     return Text(
-        f"rollout: {rollout['tokens_per_s']:.0f} tok/s over the last {_ago(rollout['span_s'])} "
-        f"({rollout['tokens']} tokens, {rollout['reports']} reports); generation "
-        f"{_fmt(rollout['generation_tokens_per_s'], '.0f')} tok/s per worker; "
-        f"{_fmt(rollout['tokens_per_forward'], '.2f')} tokens per row per target forward; "
-        f"SD on in {rollout['sd_on_workers']}/{len(rollout['workers'])} workers"
+        head
+        + f"SD on in {rollout['sd_on_workers']}/{live} live workers"
         + _sources(rollout.get("draft_sources") or {})
         + (f"; ACCEPTANCE COLLAPSED after {n} swap(s)" if (n := rollout.get("acceptance_collapses")) else "")
     )
@@ -191,8 +199,8 @@ def render(snap: Mapping[str, Any]) -> Group:
     table = (versions.get("sd_config") or {}).get("table") or []
     sd_table = f"  (SD table: {len(table)} batch buckets)" if table else ""
     rows: list[Any] = [head, Text("versions: " + ", ".join(parts) + sd_table)]
-    if not (any(message for message in versions.values()) or any(e["length"] for e in snap["streams"].values())):
-        rows.append(Text(f"nothing in Redis for run {snap['run']!r} yet (check --run / TLT_RUN)", style="yellow"))
+    if snap.get("run_found") is False:
+        rows.append(Text(empty_run_note(snap["run"], snap.get("other_runs")), style="yellow"))
     rows += [_streams(snap), _workers(snap), _rollout(snap["rollout"]), _load_latency(snap["rollout"])]
     rows += [line for line in (_partial(snap["rollout"]), _stale_drops(snap.get("stale_drops"))) if line]
     rows += [_learner(snap["learner"])]

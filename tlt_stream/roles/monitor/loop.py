@@ -76,7 +76,7 @@ async def _once(config: Config, options: MonitorOptions) -> int:
     snap = await snapshot(config, window_s=options.window_s, timeout=options.timeout)
     if options.as_json:
         print(_json(snap), flush=True)
-    else:
+    elif snap["reachable"]:  # else the one line below says it all
         Console().print(render(snap))
     if not snap["reachable"]:
         print(f"tlt-stream monitor: {snap['error']}", file=sys.stderr)

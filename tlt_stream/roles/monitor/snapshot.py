@@ -25,7 +25,7 @@ from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.registry import list_workers
-from tlt_stream.bus.streams import STREAMS, Keys
+from tlt_stream.bus.streams import STREAMS, Keys, run_problem
 from tlt_stream.roles.monitor.summaries import (
     entry_seconds,
     group_lag,
@@ -35,12 +35,16 @@ from tlt_stream.roles.monitor.summaries import (
     worker_summary,
 )
 
-__all__ = ["STATS_LIMIT", "check_redis_url", "inspect_redis", "read_stats", "reason", "snapshot"]
+__all__ = ["STATS_LIMIT", "check_redis_url", "empty_run_note", "inspect_redis", "read_stats", "reason", "snapshot"]
 
 STATS_PAGE = 500
 STATS_LIMIT = 2000
 """At most this many `stats` entries are read per snapshot (newest first)."""
 DEAD_RECENT = 5
+OTHER_RUNS_SHOWN = 10
+"""Runs named when the one asked for has nothing in Redis (a mistyped or forgotten --run)."""
+OTHER_RUNS_SCAN = 20_000
+"""At most this many keys are looked at to find those runs (one SCAN, only when the run has nothing)."""
 LAG_COUNT_LIMIT = 10_000
 """When Redis cannot tell a group's lag, at most this many undelivered entries are counted (server-side, in
 pages small enough that large `hidden` entries stay cheap); a lag at the cap is a lower bound."""
@@ -118,9 +122,49 @@ async def _scan(redis: aioredis.Redis, keys: Keys, bus: BusConfig) -> dict[str, 
     }
 
 
+def _nothing(scan: dict[str, Any]) -> bool:
+    """Whether the scan found nothing of the run: no stream entry or group, dead letter, worker or version."""
+    streams = scan["streams"].values()
+    return not (
+        any(e["length"] or e["groups"] for e in streams) or scan["dead_counts"] or scan["workers"] or scan["versions"]
+    )
+
+
+async def _other_runs(redis: aioredis.Redis, run: str) -> list[str] | None:
+    """The names of runs with keys on this Redis besides `run` (sorted, at most `OTHER_RUNS_SCAN` keys looked
+    at), or None when the server does not allow the SCAN."""
+    names: set[str] = set()
+    try:
+        seen = 0
+        async for key in redis.scan_iter(match="tlt:*", count=1000):
+            name = as_text(key)[len("tlt:") :].partition(":")[0]
+            if name != run and run_problem(name) is None:
+                names.add(name)
+            seen += 1
+            if seen >= OTHER_RUNS_SCAN:
+                break
+    except RedisError:
+        return None
+    return sorted(names)
+
+
+def empty_run_note(run: str, other_runs: list[str] | None) -> str:
+    """What to say when a run has nothing in Redis: a run not started yet, or a --run that names no run (with
+    the runs that do have keys there, which is where a forgotten --run or a run's own timestamped name shows)."""
+    note = f"nothing in Redis for run {run!r} yet (check --run / TLT_RUN)"
+    if other_runs:
+        shown = ", ".join(other_runs[:OTHER_RUNS_SHOWN])
+        more = f" and {len(other_runs) - OTHER_RUNS_SHOWN} more" if len(other_runs) > OTHER_RUNS_SHOWN else ""
+        return f"{note}; runs with keys on this server: {shown}{more}"
+    if other_runs is not None:
+        return f"{note}; no run has keys on this server"
+    return note
+
+
 async def inspect_redis(config: Config, timeout: float, *, redis: aioredis.Redis | None = None) -> dict[str, Any]:
     """Whether the run's Redis answers (`reachable`, else `error`), which server it is, and the scan: what
-    `doctor` shows and a snapshot starts from. A client passed in is used and left open."""
+    `doctor` shows and a snapshot starts from. `run_found` says whether the run has anything there; when it
+    has not, `other_runs` names the runs that do (else it is None). A client passed in is used and left open."""
     client = redis or connect_redis(config.bus.redis_url or "", name="tlt-doctor", retries=2)
     report: dict[str, Any] = {"url": redact_url(config.bus.redis_url), "reachable": False}
     try:
@@ -133,6 +177,8 @@ async def inspect_redis(config: Config, timeout: float, *, redis: aioredis.Redis
             except Exception:  # fakeredis answers no INFO
                 report["server"] = "Redis protocol server without INFO (embedded fakeredis?)"
             report.update(await _scan(client, Keys(config.run), config.bus))
+            report["run_found"] = not _nothing(report)
+            report["other_runs"] = None if report["run_found"] else await _other_runs(client, config.run)
     except (*REDIS_RETRYABLE, TimeoutError) as exc:
         report.update(reachable=False, error=f"cannot reach Redis at {redact_url(config.bus.redis_url)}: {reason(exc)}")
     except RedisError as exc:  # it answers, but not to what a scan reads: the run cannot be shown
@@ -221,6 +267,22 @@ async def _recent_dead(redis: aioredis.Redis, keys: Keys, now: float) -> list[di
     return recent
 
 
+def _with_the_registry(rollout: dict[str, Any], workers: list[dict[str, Any]]) -> None:
+    """Join the workers' latest rollout reports to the registry: a report's worker is `alive` while it is
+    registered (a stopped or finished run's reports stay in `stats`, its workers do not), SD is counted on
+    in live workers only, and a live worker that has not swapped a drafter in yet (it records its version on
+    a swap) shows the version its reports draft with."""
+    live = {w["worker_id"]: w for w in workers}
+    for worker_id, report in rollout["workers"].items():
+        report["alive"] = worker_id in live
+        worker = live.get(worker_id)
+        drafter = report["drafter_version"]
+        if worker is not None and worker["drafter_version"] is None and drafter is not None and drafter >= 0:
+            worker["drafter_version"] = drafter
+    rollout["sd_on_workers"] = sum(bool(r["sd_on"]) for r in rollout["workers"].values() if r["alive"])
+    rollout["live_workers"] = sum(r["alive"] for r in rollout["workers"].values())
+
+
 async def _details(
     redis: aioredis.Redis, keys: Keys, base: dict[str, Any], window_s: float, limit: int
 ) -> dict[str, Any]:
@@ -239,6 +301,8 @@ async def _details(
     states: dict[str, int] = {}
     for worker in workers:
         states[worker["state"]] = states.get(worker["state"], 0) + 1
+    figures = stats_summary(stats, undecodable, oldest, truncated, now, window_s, dropped_total)
+    _with_the_registry(figures["rollout"], workers)
     return {
         "time": now,
         "streams": streams,
@@ -251,7 +315,7 @@ async def _details(
         "workers": workers,
         "worker_states": states,
         "versions": {kind: base["versions"].get(kind) for kind in CONTROL_KINDS},
-        **stats_summary(stats, undecodable, oldest, truncated, now, window_s, dropped_total),
+        **figures,
     }
 
 
@@ -270,6 +334,7 @@ async def snapshot(
         base = await inspect_redis(config, timeout, redis=client)
         snap: dict[str, Any] = {"run": config.run, "redis": base["url"], "reachable": base["reachable"]}
         snap["server"] = base.get("server")
+        snap["run_found"], snap["other_runs"] = base.get("run_found"), base.get("other_runs")
         if "error" in base:
             return {**snap, "error": base["error"]}
         try:
