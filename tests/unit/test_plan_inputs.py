@@ -18,10 +18,11 @@ LAW = ["--lengths", "const:5", "--acceptance", "2"]
 
 
 def _refused(capsys, argv: list[str]) -> str:
-    """The one line `plan` refuses `argv` with (exit code 2, no traceback)."""
+    """The one line `plan` refuses `argv` with (exit code 2, nothing on stdout, no traceback)."""
     assert main(["plan", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("tlt-stream plan:") and "\n" not in err, err
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and err.startswith("tlt-stream plan:") and "\n" not in err, err
     return err
 
 

@@ -7,31 +7,13 @@ import json
 
 import pytest
 
+from tests.unit.test_plan_inputs import FAST, _json, _refused, _write_rows
 from tlt_stream.basics.config import DEFAULTS
 from tlt_stream.commands.cli import main
 from tlt_stream.plan.acceptance import from_run as acceptance_from_run
 from tlt_stream.rollout.arms import Arm
 
-FAST = ["--steps", "1", "--seeds", "1", "-q", "--no-recommend", "--modes", "a_sync_plain,b_sync_tlt"]
 LAW = ["--lengths", "const:5", "--acceptance", "2", "--gpu", "h100"]
-
-
-def _refused(capsys, argv: list[str]) -> str:
-    """The one line `plan` refuses `argv` with (exit code 2, nothing on stdout)."""
-    assert main(["plan", *argv]) == 2
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert captured.out == "" and err.startswith("tlt-stream plan:") and "\n" not in err, err
-    return err
-
-
-def _json(capsys, argv: list[str]) -> dict:
-    assert main(["plan", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def _write_rows(path, rows) -> None:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
 
 
 def test_an_acceptance_table_a_round_cannot_produce_is_refused(capsys):
