@@ -440,7 +440,7 @@ def test_plan_from_run_reads_lengths_and_acceptance(tmp_path, capsys):
         {"version": 3, "response_lens": [100], "accept_lengths": [1.0]},
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert _run_acceptance(str(tmp_path)) == pytest.approx(3.0)  # only rows with SD: 300 tokens / 100 forwards
+    assert _run_acceptance(str(tmp_path))[0] == pytest.approx(3.0)  # only rows with SD: 300 tokens / 100 forwards
     argv = ["plan", "--from-run", str(tmp_path), "--gpu", "a100", "--steps", "2", "--seeds", "1", "--json", "-q"]
     assert main([*argv, "--no-recommend", "--modes", "a_sync_plain"]) == 0
     out = json.loads(capsys.readouterr().out)

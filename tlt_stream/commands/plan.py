@@ -230,7 +230,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     else:
         dist = L.from_lengths(_json_file(args.lengths_file, "--lengths-file"), args.lengths_file)
     sd_modes = [m for m in modes if MODES[m].sd]
-    measured = _run_acceptance_read(args.from_run) if args.from_run and not args.acceptance else None
+    measured = _run_acceptance(args.from_run) if args.from_run and not args.acceptance else None
     tokens = args.acceptance or (measured[0] if measured else None)
     unpriced = tokens is None and not sd_modes  # plain decoding only: no speculative round to price
     if unpriced:
@@ -437,15 +437,10 @@ def _trained_share(args: argparse.Namespace) -> float:
     return round(trained_share(rows[1:] if len(rows) > 1 else rows), 4)
 
 
-def _run_acceptance(run_dir: str) -> float | None:
-    """Tokens per target forward of the run's SD samples (every step but the first): per sample where the
-    learner recorded them (weighted by length, as forwards are), else the median of the steps' means."""
-    read = _run_acceptance_read(run_dir)
-    return read[0] if read else None
-
-
-def _run_acceptance_read(run_dir: str) -> tuple[float, str] | None:
-    """`_run_acceptance` and how it was read; None: the run recorded no SD sample."""
+def _run_acceptance(run_dir: str) -> tuple[float, str] | None:
+    """Tokens per target forward of the run's SD samples (every step but the first), and how it was read: per
+    sample where the learner recorded them (weighted by length, as forwards are), else the median of the steps'
+    means. None: the run recorded no SD sample."""
     from tlt_stream.plan.lengths import run_rows
 
     rows = run_rows(run_dir)
