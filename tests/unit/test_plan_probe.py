@@ -38,6 +38,10 @@ def test_an_acceptance_figure_beyond_its_arms_depth_is_refused(capsys):
     assert "at most 5 tokens" in err
     argv = ["--lengths", "const:5", "--acceptance", "5", "--acceptance-arm", "d4k1v4", "--gpu", "h100", *FAST]
     assert _json(capsys, argv)["inputs"]["acceptance"]["table"] == {"d4k1v4@*": 5}
+    # a group chain of 8 tokens reaches past a depth-1 drafter: a round of d1k1v1|g8 emits up to 9
+    argv = ["--lengths", "const:5", "--acceptance", "6", "--acceptance-arm", "d1k1v1|g8", "--gpu", "h100", *FAST]
+    assert _json(capsys, argv)["inputs"]["acceptance"]["table"] == {"d1k1v1|g8@*": 6}
+    assert "at most 9" in _refused(capsys, [*LAW, "--acceptance-table", '{"d1k1v1+g8": {"*": 10}}', *FAST])
 
 
 def test_arms_that_name_no_sd_arm_are_refused_for_the_sd_modes(capsys):

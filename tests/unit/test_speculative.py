@@ -437,6 +437,28 @@ def test_greedy_with_group_and_history_drafts_equals_transformers_even_when_they
         assert engine.drafted_by["eagle"] > 0
 
 
+@pytest.mark.parametrize("arm", [Arm.either(1, 8), Arm.mixed(1, 1, 1, 8)], ids=lambda a: a.label)
+def test_a_group_chain_deeper_than_the_drafter_emits_beyond_depth_plus_one(models, arm: Arm) -> None:
+    """`mixed` and `either` arms verify the group source's chain of up to `group_nodes` tokens, deeper than the
+    drafter's `depth`: a round then emits more than depth + 1 tokens, at most `Arm.most_tokens`. The planner
+    read such a round as damaged (it bounded a round at depth + 1) and left the arm's measurement out."""
+    from tlt_stream.plan.acceptance import from_reports
+
+    hf, model = models
+    ps = prompts()
+    group = GroupProposer(max_match=6, strong_match=2)
+    for p in ps:
+        group.remember(p, hf_greedy(hf, p, 24))  # a sibling that wrote exactly what greedy decoding will
+    engine = GenerationEngine(model, 8, 64, proposer=MixedProposer(eagle(model), group), arm=arm)
+    rounds = [n for result in engine.generate(ps, 24, eos_ids=[EOS]) for n in result.accept_lengths]
+    assert max(rounds) > arm.depth + 1 and max(rounds) <= arm.most_tokens == 9
+    report = {"kind": "sd_arm", "bucket": 0, "depth": arm.depth, "topk": arm.topk, "verify": arm.verify}
+    report |= {"proposer": arm.kind, "group": arm.group_nodes, "tokens": sum(rounds), "rows": len(rounds)}
+    acceptance = from_reports([report], None, "engine")
+    assert acceptance is not None and acceptance.mean(arm, 0) == pytest.approx(sum(rounds) / len(rounds))
+    assert acceptance.mean(arm, 0) > arm.depth + 1
+
+
 def test_merged_trees_keep_a_token_two_sources_propose_under_one_node_once() -> None:
     from tlt_stream.rollout.proposers import SOURCE_EAGLE, SOURCE_GROUP, merge_trees
 

@@ -45,8 +45,8 @@ def register(commands: Any) -> None:
         "--acceptance-table",
         metavar="JSON",
         help='tokens per round per arm and bucket, e.g. {"d4k1v4": {"0": 3.4, "*": 3.0}, "*": {"*": 2.5}} '
-        "(bucket indices of the SD edges; * for any; an arm's figure at most its depth + 1, a * figure capped "
-        "there), inline or a file holding it; arms it omits use --acceptance",
+        "(bucket indices of the SD edges; * for any; an arm's figure at most what its round can emit, its "
+        "deepest draft + 1, a * figure capped there), inline or a file holding it; arms it omits use --acceptance",
     )
     p.add_argument(
         "--acceptance-arm",
@@ -267,10 +267,10 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         ref = Arm.from_label(args.acceptance_arm)
         if ref.kind == "plain":
             raise PlanInputError("--acceptance-arm must be an SD arm")
-        if tokens > ref.depth + 1:
+        if tokens > ref.most_tokens:
             raise PlanInputError(
-                f"--acceptance {tokens:g} for {ref.label}: a round of depth {ref.depth} emits at most "
-                f"{ref.depth + 1} tokens"
+                f"--acceptance {tokens:g} for {ref.label}: a round of {ref.levels} levels emits at most "
+                f"{ref.most_tokens} tokens"
             )
         acceptance = Acceptance.published(tokens, ref, f"given for {ref.label}; other arms by the budget law")
     if args.acceptance_table:
@@ -384,7 +384,7 @@ def _json_file(path: str, flag: str) -> Any:
 
 def _table(path: str, fallback):
     """An acceptance table, inline or a file: {arm label or *: {bucket index or *: tokens per round}}; each
-    entry a number from 1 to its arm's depth + 1 (what a round can emit), each bucket one of the SD edges'."""
+    entry a number from 1 to its arm's `most_tokens` (what a round can emit), each bucket one of the SD edges'."""
     from tlt_stream.plan.acceptance import Acceptance
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.switch import DEFAULT_EDGES
@@ -410,14 +410,14 @@ def _table(path: str, fallback):
                     f"{name}: bucket {bucket!r} of {label!r} is not * or an SD bucket index 0-{buckets_known[-1]} "
                     f"(edges {list(DEFAULT_EDGES)})"
                 )
-            top = math.inf if arm is None else arm.depth + 1
+            top = math.inf if arm is None else arm.most_tokens
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
                 or not 1 <= value <= top
                 or math.isinf(value)
             ):
-                most = "" if arm is None else f" and at most {top} (depth {arm.depth} + 1)"
+                most = "" if arm is None else f" and at most {top} ({arm.levels} levels + 1)"
                 raise PlanInputError(f"{name}: {label}@{bucket} is {value!r}; tokens per round are >= 1{most}")
             table[label, None if bucket == "*" else int(bucket)] = float(value)
     source = "--acceptance-table (given)" if inline else path

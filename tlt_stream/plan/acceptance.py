@@ -7,10 +7,11 @@ arms it does not cover.
 
 - `Acceptance.mean(arm, bucket)`: the table's entry for (arm, bucket), else (arm, any bucket), else ("*", any
   bucket), else the budget law: tau(arm) = 1 + (tau_ref - 1) * log2(1 + nodes) / log2(1 + nodes_ref), at most
-  depth + 1 (more verified nodes help with diminishing returns; an assumption, varied in the output);
-- `Acceptance.draw(arm, bucket, rng)`: one round's emitted tokens, 1 .. depth + 1, from the chain model whose
-  per-token acceptance `a` gives that mean: P(k accepted) = a^k (1 - a) for k < depth, a^depth at depth,
-  so the mean is (1 - a^(depth + 1)) / (1 - a).
+  the arm's `most_tokens` (more verified nodes help with diminishing returns; an assumption, varied in the
+  output);
+- `Acceptance.draw(arm, bucket, rng)`: one round's emitted tokens, 1 .. L + 1 for an arm of L = `Arm.levels`,
+  from the chain model whose per-token acceptance `a` gives that mean: P(k accepted) = a^k (1 - a) for k < L,
+  a^L at L, so the mean is (1 - a^(L + 1)) / (1 - a).
 """
 
 from __future__ import annotations
@@ -74,18 +75,18 @@ class Acceptance:
             return 1.0
         for key in ((arm.label, bucket), (arm.label, None), ("*", bucket), ("*", None)):
             if key in self.table:
-                return min(self.table[key], arm.depth + 1.0)
+                return min(self.table[key], float(arm.most_tokens))
         scale = math.log2(1 + arm.nodes) / math.log2(1 + self.ref_nodes)
-        return min(1.0 + (self.ref_tokens - 1.0) * scale, arm.depth + 1.0)
+        return min(1.0 + (self.ref_tokens - 1.0) * scale, float(arm.most_tokens))
 
     def draw(self, arm: Arm, bucket: int, rng: random.Random | None) -> float:
         """One round's emitted tokens; with no `rng`, the mean itself (the expected-value simulation)."""
         mean = self.mean(arm, bucket)
         if rng is None or arm.kind == "plain":
             return mean
-        alpha = chain_alpha(round(mean, 6), arm.depth)
+        alpha = chain_alpha(round(mean, 6), arm.levels)
         k = 0
-        while k < arm.depth and rng.random() < alpha:
+        while k < arm.levels and rng.random() < alpha:
             k += 1
         return float(k + 1)
 
@@ -96,13 +97,13 @@ class Acceptance:
 
     @classmethod
     def uniform(cls, tokens: float, source: str = "given") -> Acceptance:
-        """Every SD arm emits `tokens` per round (capped at its depth + 1) in every bucket."""
+        """Every SD arm emits `tokens` per round (capped at its `Arm.most_tokens`) in every bucket."""
         return cls({("*", None): tokens}, ref_tokens=tokens, source=source)
 
 
 def _pooled(reports: Iterable[Mapping[str, Any]], *, by_bucket: bool) -> dict[tuple[str, int | None], float]:
     """Tokens over rows per (arm label, bucket or None) over the reports that counted rows (a report of more
-    tokens per row than its arm's depth + 1, which no round emits, is left out as damaged)."""
+    tokens per row than its arm's `most_tokens`, which no round emits, is left out as damaged)."""
     tokens: dict[tuple[str, int | None], int] = defaultdict(int)
     rows: dict[tuple[str, int | None], int] = defaultdict(int)
     for report in reports:
@@ -114,7 +115,7 @@ def _pooled(reports: Iterable[Mapping[str, Any]], *, by_bucket: bool) -> dict[tu
             n_tokens, n_rows = _count(report["tokens"]), _count(report["rows"])
         except (KeyError, TypeError, ValueError):  # a report of another shape: the others stay usable
             continue
-        if not n_rows or n_tokens > n_rows * (arm.depth + 1):  # more than a round can emit: a damaged report
+        if not n_rows or n_tokens > n_rows * arm.most_tokens:  # more than a round can emit: a damaged report
             continue
         tokens[key] += n_tokens
         rows[key] += n_rows

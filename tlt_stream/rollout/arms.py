@@ -142,6 +142,17 @@ class Arm:
         return self.verify + self.group_nodes
 
     @property
+    def levels(self) -> int:
+        """The deepest draft a round verifies: the drafter's `depth`, or the group source's chain or tree where
+        it reaches deeper (`mixed` and `either` draft up to `group_nodes` levels from it; 0 for plain)."""
+        return max(self.depth, self.group_nodes)
+
+    @property
+    def most_tokens(self) -> int:
+        """Tokens one round emits at most: every level accepted plus the verifier's own token (1 for plain)."""
+        return self.levels + 1
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         """(depth, topk, verify)."""
         return self.depth, self.topk, self.verify
