@@ -16,7 +16,7 @@ from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import WorkerStatus
 from tlt_stream.bus.control import ControlPlane
 from tlt_stream.bus.registry import WorkerRegistry
-from tlt_stream.bus.streams import Keys
+from tlt_stream.bus.streams import Keys, run_glob
 from tlt_stream.commands.cli import main
 from tlt_stream.commands.run.launch import ensure_new_run
 
@@ -39,12 +39,12 @@ async def leave_state(config: Config, redis: aioredis.Redis) -> None:
     """What a run leaves behind: a retained policy version (and its mirror), a dispatch cursor, stream entries."""
     async with running(ControlPlane(config, redis, role="policy", owns=["policy"])) as plane:
         assert await plane.publish(policy(3))
-    await redis.set(f"{config.key_prefix}dispatch", 7)
+    await redis.set(Keys(config.run).dispatch, 7)
     await redis.xadd(Keys(config.run).stream("samples"), {"x": b"1"})
 
 
 async def keys_of(redis: aioredis.Redis, config: Config) -> list[bytes]:
-    return [key async for key in redis.scan_iter(match=f"{config.key_prefix}*")]
+    return [key async for key in redis.scan_iter(match=run_glob(config.run))]
 
 
 async def retained_policy(config: Config, redis: aioredis.Redis) -> bool:

@@ -18,7 +18,7 @@ from tests.integration.test_control import policy, running
 from tlt_stream.basics.config import BusConfig, Config, ConfigError, load_config
 from tlt_stream.bus.connect import mqtt_params, purge_run
 from tlt_stream.bus.control import ControlPlane, read_mirror
-from tlt_stream.bus.streams import Keys
+from tlt_stream.bus.streams import Keys, run_of_key
 from tlt_stream.commands.doctor_checks import inspect_mqtt, inspect_redis
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
@@ -110,6 +110,17 @@ def test_loading_refuses_a_run_name_with_a_trailing_newline() -> None:
         with pytest.raises(ConfigError, match=r"^run: "):
             load_config(None, **layer)  # type: ignore[arg-type]
     assert load_config(None, environ={"TLT_RUN": "probe-names"}).run == "probe-names"
+
+
+def test_a_keys_run_is_read_back_from_the_key_whatever_the_name() -> None:
+    """The monitor names the other runs on a server from their keys: `run_of_key` inverts `Keys.prefix` for odd
+    names, and a key no run could have written (another tool's, a refused name's) names no run."""
+    for run in ("a", "a.b-c_d", "x*", "x[z]", "é", "tlt"):
+        keys = Keys(run)
+        for key in (keys.versions, keys.stream("samples"), keys.worker("w:1"), keys.dispatch):
+            assert run_of_key(key) == run
+    for key in ("tlt:", "tlt:a", "other:a:versions", "tlt:a+b:versions", "tlt::versions", "TLT:a:versions"):
+        assert run_of_key(key) is None, key
 
 
 # ------------------------------------------------------------------------------------------ purge

@@ -20,7 +20,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_validate_and_describe_every_field() -> None:
     config = load_config(environ={})
     assert config == Config()
-    assert config.key_prefix == "tlt:default:" and config.topic_prefix == "tlt/default/"
+    assert config.topic_prefix == "tlt/default/"
     rows = describe()
     assert {"run", "bus.redis_url", "bus.block_ms"} <= {key for key, _, _ in rows}
     assert all(text for _, _, text in rows), "every field carries a description"

@@ -7,7 +7,18 @@ from dataclasses import dataclass
 
 from tlt_stream.basics.config import BusConfig
 
-__all__ = ["RUN_MAX_BYTES", "STREAMS", "Keys", "StreamSpec", "check_run", "run_glob", "run_problem", "spec"]
+__all__ = [
+    "ALL_RUNS_GLOB",
+    "RUN_MAX_BYTES",
+    "STREAMS",
+    "Keys",
+    "StreamSpec",
+    "check_run",
+    "run_glob",
+    "run_of_key",
+    "run_problem",
+    "spec",
+]
 
 RUN_MAX_BYTES = 65_535 - 1024
 """The longest run name, in UTF-8 bytes: an MQTT topic (`tlt/{run}/sd_config`) and an MQTT client id
@@ -28,6 +39,8 @@ def run_problem(run: str) -> str | None:
     allows a narrower alphabet still (`run`'s pattern); this is what the bus itself needs, for a name that
     reaches it some other way.
     """
+    if not run:
+        return "is empty"
     if ":" in run:
         return "holds ':', the separator of Redis keys (run 'a' would own the keys of run 'a:b')"
     if "/" in run:
@@ -52,6 +65,20 @@ def check_run(run: str) -> str:
         shown = repr(run) if len(run) <= 80 else f"{run[:60]!r}... ({len(run)} characters)"
         raise ValueError(f"run {shown}: {problem}; use letters, digits, '_', '.' and '-'")
     return run
+
+
+KEY_ROOT = "tlt:"
+"""Every run's keys start with it, then the run's name and a ':' (`Keys.prefix`)."""
+ALL_RUNS_GLOB = KEY_ROOT + "*"
+"""A Redis SCAN pattern matching the keys of every run."""
+
+
+def run_of_key(key: str) -> str | None:
+    """The run a key belongs to (`Keys.prefix`'s inverse), or None for a key no run could have written."""
+    if not key.startswith(KEY_ROOT):
+        return None
+    name, colon, _ = key[len(KEY_ROOT) :].partition(":")
+    return name if colon and run_problem(name) is None else None
 
 
 def run_glob(run: str) -> str:
@@ -111,7 +138,12 @@ class Keys:
 
     @property
     def prefix(self) -> str:
-        return f"tlt:{self.run}:"
+        return f"{KEY_ROOT}{self.run}:"
+
+    @property
+    def dispatch(self) -> str:
+        """Hash: the policy service's dispatch cursor (`next_step` whose prompts it sends, `dispatched_by`)."""
+        return f"{self.prefix}dispatch"
 
     def stream(self, name: str) -> str:
         spec(name)

@@ -69,7 +69,6 @@ async def _purge(config: Any, *, yes: bool, force: bool) -> int:
     keys = Keys(config.run)
     redis = connect_redis(config.bus.redis_url, retries=3)
     try:
-        found = [key async for key in redis.scan_iter(match=run_glob(config.run), count=1000)]
         live = [w for w in await list_workers(redis, keys, config.bus) if w.get("state") != str(WorkerStatus.STOPPED)]
     finally:
         await redis.aclose()
@@ -82,9 +81,14 @@ async def _purge(config: Any, *, yes: bool, force: bool) -> int:
             file=sys.stderr,
         )
         return 1
-    if not yes:
+    if not yes:  # a dry run counts the keys; with --yes `purge_run` scans them once, as it deletes them
+        redis = connect_redis(config.bus.redis_url, retries=3)
+        try:
+            found = sum([1 async for _ in redis.scan_iter(match=run_glob(config.run), count=1000)])
+        finally:
+            await redis.aclose()
         print(
-            f"run {config.run!r}: {len(found)} Redis key(s) and its retained control messages on {where} would be "
+            f"run {config.run!r}: {found} Redis key(s) and its retained control messages on {where} would be "
             "deleted; run again with --yes to delete them (its run directory stays)"
         )
         return 0

@@ -134,7 +134,7 @@ class PolicyService:
         """Where dispatch starts when Redis holds no cursor (a resumed run on fresh servers)."""
         self.total_steps = total_steps
         self.keys = Keys(config.run)
-        self.cursor_key = f"{config.key_prefix}dispatch"
+        self.cursor_key = self.keys.dispatch
         self.codec = codec_for("prompts")
         self.trimmed = 0
         """`prompts` entries this service trimmed (acked by every group)."""

@@ -68,10 +68,6 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     launch: Annotated[LaunchConfig, doc("`tlt-stream run`.")] = field(default_factory=LaunchConfig)
 
     @property
-    def key_prefix(self) -> str:
-        return f"tlt:{self.run}:"
-
-    @property
     def topic_prefix(self) -> str:
         return f"tlt/{self.run}/"
 

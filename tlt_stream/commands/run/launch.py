@@ -379,7 +379,7 @@ async def ensure_new_run(config: Config) -> None:
     redis = aioredis.Redis.from_url(config.bus.redis_url)
     try:
         keys = Keys(config.run)
-        used = await redis.exists(keys.versions, f"{config.key_prefix}dispatch", keys.stream("samples"))
+        used = await redis.exists(keys.versions, keys.dispatch, keys.stream("samples"))
     finally:
         await redis.aclose()
     if used:

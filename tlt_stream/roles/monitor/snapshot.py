@@ -25,7 +25,7 @@ from tlt_stream.bus.connect import REDIS_RETRYABLE, connect_redis
 from tlt_stream.bus.control import read_mirror
 from tlt_stream.bus.producer import PAYLOAD_FIELD
 from tlt_stream.bus.registry import list_workers
-from tlt_stream.bus.streams import STREAMS, Keys, run_problem
+from tlt_stream.bus.streams import ALL_RUNS_GLOB, STREAMS, Keys, run_of_key
 from tlt_stream.roles.monitor.summaries import (
     entry_seconds,
     group_lag,
@@ -136,9 +136,9 @@ async def _other_runs(redis: aioredis.Redis, run: str) -> list[str] | None:
     names: set[str] = set()
     try:
         seen = 0
-        async for key in redis.scan_iter(match="tlt:*", count=1000):
-            name = as_text(key)[len("tlt:") :].partition(":")[0]
-            if name != run and run_problem(name) is None:
+        async for key in redis.scan_iter(match=ALL_RUNS_GLOB, count=1000):
+            name = run_of_key(as_text(key))
+            if name is not None and name != run:
                 names.add(name)
             seen += 1
             if seen >= OTHER_RUNS_SCAN:
