@@ -501,7 +501,7 @@ OUTSIDE_GAP_MAX_S = 1.0
 """Two rollout reports further apart than this lie across an update: left out of the time outside the hops."""
 
 
-def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
+def in_situ(runs: list[dict], engines: list[tuple] | None = None, stream_engines: list[tuple] | None = None) -> dict:
     """Per config, the worker's own account of its engine steps in the runs (`timeline.jsonl`'s rollout reports:
     engine-hop seconds over target forwards) beside the rollout span: where a rollout's time went; the median
     time between two consecutive reports outside the later one's hop (the worker's loop: intake, Redis, reports). With
@@ -518,7 +518,7 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None) -> dict:
                     hop, model = hop + entry["seconds"], model + entry["target_forwards"] * step
             ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
         out["a_engine_hops_vs_model"] = ratios
-        out["rounds_vs_model"] = rounds_vs_model(runs, engines)
+        out["rounds_vs_model"] = rounds_vs_model(runs, engines, stream_engines)
     for name in CONFIGS:
         hop = forwards = span = 0.0
         gaps: list[float] = []
@@ -551,29 +551,35 @@ def rollout_entries(run_dir: Path) -> tuple[dict, ...]:
     return tuple(entry for entry in timeline_entries(run_dir) if entry.get("kind") == "rollout")
 
 
-def modelled_round_s(costs, u: float, rows: float, arm=None, context: float | None = None) -> float:
-    """What the synchronous cost model charges one engine step of `arm` (plain by default) at `rows` rows, a
-    context of `context` tokens (None: the prompt and 90), beside `u` cores of other work."""
+def modelled_round_s(costs, u: float, rows: float, arm=None, context: float | None = None, threads: int = 2) -> float:
+    """What the cost model of `threads` torch threads charges one engine step of `arm` (plain by default) at
+    `rows` rows, a context of `context` tokens (None: the prompt and 90), beside `u` cores of other work."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.rollout.arms import Arm
 
     context = prompt_len() + 90 if context is None else context
     step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), context)
-    return step * slowdown(costs, "engine", 2, u, 1 / step)
+    return step * slowdown(costs, "engine", threads, u, 1 / step)
 
 
-def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
-    """Per synchronous SD config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm`
-    reports: steps, row-steps, contexts and seconds per arm and batch bucket) over what the synchronous cost
-    model gives the same steps at the same mean rows and longest context (`modelled_round_s`; the prompt and 90
-    tokens for reports without contexts, as `in_situ` charges (a)'s hops): plain steps and
-    drafter rounds apart, per run. (a) reports no arms; streaming runs on another thread count: not here."""
+def rounds_vs_model(runs: list[dict], engines: list[tuple], stream_engines: list[tuple] | None = None) -> dict:
+    """Per SD config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm` reports: steps,
+    row-steps, contexts and seconds per arm and batch bucket) over what the cost model gives the same steps at
+    the same mean rows and longest context (`modelled_round_s`; the prompt and 90 tokens for reports without
+    contexts, as `in_situ` charges (a)'s hops): plain steps and drafter rounds apart, per run. The synchronous
+    configs with `engines` (2 threads), the streaming one with `stream_engines` (its worker's 1 thread, the
+    background its own runs kept busy; the learner's update beside some of its rounds is not charged here, so a
+    ratio above the synchronous configs' is the engine slower in the streaming worker, one near theirs puts a
+    miss of the check in the schedule). (a) reports no arms."""
     from tlt_stream.rollout.switch import arm_of_report
 
     out: dict = {}
-    for name in ("b_sync_tlt", "g_sync_partial"):
+    configs = [("b_sync_tlt", engines, 2), ("g_sync_partial", engines, 2)]
+    if stream_engines is not None:
+        configs.append(("c_stream_tlt", stream_engines, 1))
+    for name, models, threads in configs:
         per_run = []
-        for run, (costs, u) in zip(runs, engines, strict=True):
+        for run, (costs, u) in zip(runs, models, strict=True):
             sums: dict[str, list[float]] = {}
             for entry in timeline_reports(Path(run["configs"][name]["run_dir"])):
                 if not entry.get("steps"):
@@ -581,7 +587,7 @@ def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
                 arm = arm_of_report(SimpleNamespace(**entry))
                 # the steps' own longest context where the worker counted it (reports since 2026-12-06)
                 context = entry["contexts"] / entry["steps"] if entry.get("contexts") else None
-                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm, context)
+                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm, context, threads)
                 measured, model = sums.setdefault(arm.kind, [0.0, 0.0])
                 sums[arm.kind] = [measured + entry["seconds"], model + entry["steps"] * step]
             per_run.append({k: round(m / x, 3) for k, (m, x) in sorted(sums.items()) if x})
@@ -589,16 +595,19 @@ def rounds_vs_model(runs: list[dict], engines: list[tuple]) -> dict:
     return out
 
 
-def engines(args: argparse.Namespace, loads: list[dict[str, dict]]) -> list[tuple]:
-    """Per run, the synchronous configs' cost model and the background (a) ran beside, as `predict` uses them."""
+def engines(
+    args: argparse.Namespace, loads: list[dict[str, dict]], threads: str = "t2", config: str = "a_sync_plain"
+) -> list[tuple]:
+    """Per run, the cost model of `threads` ("t2": the synchronous configs', "t1": the streaming worker's) and
+    the background `config` ran beside, as `predict` uses them."""
     contention = contention_of(args)
     if args.calibrated:
         return [
-            (beside(Path(d), "t2", contention), load.get("a_sync_plain", {}).get("other", 0.0) if contention else 0.0)
+            (beside(Path(d), threads, contention), load.get(config, {}).get("other", 0.0) if contention else 0.0)
             for d, load in zip(args.calibrated, loads, strict=True)
         ]
-    costs = fitted_costs(args.costs_sync, contention)
-    return [(costs, load.get("a_sync_plain", {}).get("other", 0.0)) for load in loads]
+    costs = fitted_costs(args.costs_sync if threads == "t2" else args.costs_stream, contention)
+    return [(costs, load.get(config, {}).get("other", 0.0)) for load in loads]
 
 
 def main() -> None:
@@ -724,7 +733,7 @@ def main() -> None:
                 "table": table,
                 "predicted": got,
                 "measured": want,
-                "in_situ": in_situ(runs, engines(args, loads)),
+                "in_situ": in_situ(runs, engines(args, loads), engines(args, loads, "t1", "c_stream_tlt")),
             },
             indent=2,
         )

@@ -166,3 +166,34 @@ def test_a_run_s_worker_time_per_step_comes_from_its_workers_state_changes(plan_
 def test_the_simulators_parts_sum_into_the_states_with_hops_and_loop_apart(plan_check):
     got = plan_check.as_states({"plain": 2.0, "prefill": 0.5, "loop": 0.25, "load": 1.0, "reverify": 0.5, "idle": 3.0})
     assert got == {"generating": 2.75, "loading": 1.5, "idle": 3.0, "hops": 2.5, "loop": 0.25}
+
+
+def test_the_streaming_configs_rounds_are_set_against_its_one_thread_model(plan_check, tmp_path):
+    """`rounds_vs_model`: each SD config's rounds (its `sd_arm` reports) over its own model's charge for them,
+    (c) with the 1-thread model its worker runs on, the synchronous configs with the 2-thread one."""
+    from tlt_stream.plan.costs import FixedCosts
+
+    def run_dir(name: str, seconds: float) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        reports = [
+            {"kind": "sd_arm", "bucket": 0, "depth": 4, "topk": 1, "verify": 4, "tokens": 60, "rows": 20},
+            {"kind": "sd_arm", "bucket": 5, "depth": 0, "topk": 0, "verify": 0, "tokens": 40, "rows": 40},
+        ]
+        lines = [json.dumps({**r, "steps": 10, "contexts": 2000, "seconds": seconds}) for r in reports]
+        (path / "timeline.jsonl").write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    runs = [
+        {
+            "configs": {
+                n: {"run_dir": run_dir(n, s)}
+                for n, s in [("b_sync_tlt", 4.0), ("g_sync_partial", 4.0), ("c_stream_tlt", 9.0)]
+            }
+        }
+    ]
+    sync, stream = FixedCosts(decode=0.2, round=0.4), FixedCosts(decode=0.3, round=0.6)
+    got = plan_check.rounds_vs_model(runs, [(sync, 0.0)], [(stream, 0.0)])
+    assert got["b_sync_tlt"] == got["g_sync_partial"] == [{"drafter": 1.0, "plain": 2.0}]
+    assert got["c_stream_tlt"] == [{"drafter": 1.5, "plain": 3.0}]
+    assert "c_stream_tlt" not in plan_check.rounds_vs_model(runs, [(sync, 0.0)])
