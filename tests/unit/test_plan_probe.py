@@ -4,6 +4,7 @@ short or without a timeline, a plain run, and the output's labels, plot files an
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -157,3 +158,67 @@ def test_a_step_time_too_short_to_report_is_refused_not_divided_by():
     setup = Setup(prompts=2, group_size=2, steps=1)
     with pytest.raises(ValueError, match=r"at least 0\.0001 s"):
         project(setup, named("const:5"), Acceptance.uniform(2.0), costs, ["a_sync_plain"], seeds=1)
+
+
+def test_gpu_only_flags_beside_a_cpu_model_are_refused_naming_them(capsys, tmp_path):
+    """--cpu-model prices steps by this machine's fit and read none of them, so the projection looked shaped by
+    GPUs, a model size or a split it never saw. A flag given at its default value counts as given."""
+    path = tmp_path / "cpu.json"
+    path.write_text('{"model": "cpu", "step_s": 0.01, "row_s": 0.001}')
+    cpu = ["--lengths", "const:5", "--acceptance", "2", "--cpu-model", str(path), *FAST]
+    for flags, named in (
+        (["--rollout-gpus", "8"], "--rollout-gpus"),
+        (["--model-size", "7B"], "--model-size"),
+        (["--learner-gpus", "2"], "--learner-gpus"),
+        (["--tp", "1"], "--tp"),
+        (["--vary"], "--vary"),
+        (["--tp", "2", "--model-size", "14B", "--rollout-gpus", "4"], "--model-size, --rollout-gpus, --tp"),
+    ):
+        err = _refused(capsys, [*cpu, *flags])
+        assert f"--cpu-model ignores {named} (" in err and "give --gpu" in err, err
+    assert "choose --gpu or --cpu-model" in _refused(capsys, [*cpu, "--gpu", "h100", "--tp", "2"])
+    assert set(_json(capsys, cpu)["modes"]) == {"a_sync_plain", "b_sync_tlt"}
+
+
+def test_a_default_plot_that_cannot_be_written_is_said_and_the_projection_still_printed(capsys, tmp_path):
+    """The plot beside the run was skipped without a word; the projection is what was asked for, so it is
+    printed and the exit status is 0, with one line saying where the plot was not written and why."""
+    _sd_run(tmp_path)
+    (tmp_path / "plan.png").mkdir()  # a folder in the plot's place
+    argv = ["plan", "--from-run", str(tmp_path), "--gpu", "h100", *FAST]
+    for extra in (["--json"], []):
+        assert main([*argv, *extra]) == 0
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert err.startswith("tlt-stream plan: plot not written") and "\n" not in err, err
+        assert f"{tmp_path / 'plan.png'}: Is a directory" in err and "--plot" in err
+        if extra:
+            assert set(json.loads(captured.out)["modes"]) == {"a_sync_plain", "b_sync_tlt"}
+        else:
+            assert "PROJECTED per mode" in captured.out
+    assert list((tmp_path / "plan.png").iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_default_plot_in_a_read_only_run_is_said(capsys, tmp_path):
+    _sd_run(tmp_path)
+    tmp_path.chmod(0o555)
+    try:
+        assert main(["plan", "--from-run", str(tmp_path), "--gpu", "h100", *FAST, "--json"]) == 0
+        captured = capsys.readouterr()
+    finally:
+        tmp_path.chmod(0o755)
+    assert json.loads(captured.out)["modes"] and not (tmp_path / "plan.png").exists()
+    err = captured.err.strip()
+    assert err.startswith("tlt-stream plan: plot not written") and "Permission denied" in err and "\n" not in err
+
+
+def test_a_plot_path_asked_for_that_cannot_be_written_is_refused_before_simulating(capsys, tmp_path):
+    """A folder given to --plot gets plan.png in it; a folder named so in there was found only when drawing, after
+    the projection, and reported as a failure to draw."""
+    (tmp_path / "plan.png").mkdir()
+    err = _refused(capsys, [*LAW, *FAST, "--plot", str(tmp_path)])
+    assert f"--plot {tmp_path / 'plan.png'}: a folder is in its place" in err
+    if os.geteuid() != 0:  # root writes into a read-only folder
+        (tmp_path / "ro").mkdir(mode=0o555)
+        assert "not writable" in _refused(capsys, [*LAW, *FAST, "--plot", str(tmp_path / "ro" / "p.png")])

@@ -70,12 +70,15 @@ def register(commands: Any) -> None:
     p.add_argument("--modes", default=_MODE_NAMES, help=f"comma-separated (default {_MODE_NAMES})")
     hw = p.add_argument_group("hardware (a GPU roofline, or this machine's fitted CPU model)")
     hw.add_argument("--gpu", help="GPU type: h100, h200 or a100 (datasheet figures)")
-    hw.add_argument("--model-size", default="7B", help="7B, 14B or 32B (Qwen2.5 shapes; default 7B)")
-    hw.add_argument("--rollout-gpus", type=int, default=8, help="GPUs generating (default 8)")
+    # the GPU-only flags default to None, so that one given beside --cpu-model (which ignores it) is told apart
+    hw.add_argument("--model-size", default=None, help="7B, 14B or 32B (Qwen2.5 shapes; default 7B)")
+    hw.add_argument("--rollout-gpus", type=int, default=None, help="GPUs generating (default 8)")
     hw.add_argument("--learner-gpus", type=int, default=None, help="GPUs training; none: colocated with rollout")
     hw.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per engine (default: by size)")
     hw.add_argument("--cpu-model", metavar="FILE", help="a CPU cost model fitted by bench/plan_fit.py")
-    p.add_argument("--vary", action="store_true", help="also project with each GPU assumption at its low and high")
+    p.add_argument(
+        "--vary", action="store_true", help="also project with each GPU assumption at its low and high (with --gpu)"
+    )
     p.add_argument("--paper", action="store_true", help="TLT's published setup (Qwen2.5-7B/32B on H100) vs 1.7x")
     p.add_argument("--no-recommend", action="store_true", help="skip the recommended settings (faster)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -114,8 +117,15 @@ def handle(args: argparse.Namespace) -> int:
         try:
             plot(result, path)
         except (OSError, ValueError) as exc:
-            print(f"tlt-stream plan: --plot {path}: not drawn ({_one_line(exc)})", file=sys.stderr)
-            return EXIT_CONFIG
+            if args.plot:  # asked for: the command did not do all it was told
+                print(f"tlt-stream plan: --plot {path}: not drawn ({_one_line(exc)})", file=sys.stderr)
+                return EXIT_CONFIG
+            # the default beside the run is an extra: the projection stands; say why no plot is there
+            print(
+                f"tlt-stream plan: plot not written ({_one_line(exc)}); give --plot PNG to draw it elsewhere",
+                file=sys.stderr,
+            )
+            return 0
         print(f"[plan] plot: {path}", file=sys.stderr)
     return 0
 
@@ -142,14 +152,14 @@ _PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def _plot_path(args: argparse.Namespace) -> str | None:
-    """Where to draw the plot (a folder given: plan.png in it), checked before the simulation runs: its folder
-    must exist and be writable and its name end in a format the plot can be drawn in."""
+    """Where to draw the plot (a folder given: plan.png in it). A --plot path is checked before the simulation
+    runs: its folder must exist and be writable, its name end in a format the plot can be drawn in and not be a
+    folder. The default beside the run is not: where it cannot be drawn, `handle` says so after the projection."""
     import os
 
-    if not args.plot:  # beside the run, where it can be written
-        path = Path(args.from_run or "") / "plan.png"
-        usable = args.from_run and not args.paper and Path(args.from_run).is_dir() and os.access(path.parent, os.W_OK)
-        return str(path) if usable and (not path.exists() or os.access(path, os.W_OK)) else None
+    if not args.plot:
+        usable = args.from_run and not args.paper and Path(args.from_run).is_dir()
+        return str(Path(args.from_run) / "plan.png") if usable else None
     path = Path(args.plot)
     if path.is_dir():
         path = path / "plan.png"
@@ -158,6 +168,8 @@ def _plot_path(args: argparse.Namespace) -> str | None:
     folder = path.parent
     if not folder.is_dir():
         raise PlanInputError(f"--plot {path}: no folder {folder}; create it or give another path")
+    if path.is_dir():
+        raise PlanInputError(f"--plot {path}: a folder is in its place; give another path")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PlanInputError(f"--plot {path}: not writable; give another path")
     return str(path)
@@ -209,6 +221,16 @@ def _model_size(name: str) -> str:
     return key
 
 
+_GPU_ONLY = {
+    "--model-size": "model_size",
+    "--rollout-gpus": "rollout_gpus",
+    "--learner-gpus": "learner_gpus",
+    "--tp": "tp",
+    "--vary": "vary",
+}
+"""The flags only the GPU roofline reads (each None or False unless given): --cpu-model ignores them."""
+
+
 def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]:
     import dataclasses
 
@@ -220,6 +242,14 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     from tlt_stream.plan.simulate import Setup
     from tlt_stream.rollout.arms import Arm
 
+    if args.cpu_model:
+        if args.gpu:
+            raise PlanInputError("choose --gpu or --cpu-model, not both")
+        if ignored := [flag for flag, dest in _GPU_ONLY.items() if getattr(args, dest) not in (None, False)]:
+            raise PlanInputError(
+                f"--cpu-model ignores {', '.join(ignored)} (the GPU roofline's inputs); drop them, or give --gpu "
+                "instead of --cpu-model"
+            )
     given = [x for x in (args.from_run, args.lengths, args.lengths_file) if x]
     if len(given) != 1:
         raise PlanInputError("give the workload once: --from-run DIR, --lengths LAW or --lengths-file FILE")
@@ -275,10 +305,10 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
         acceptance = Acceptance.published(tokens, ref, f"given for {ref.label}; other arms by the budget law")
     if args.acceptance_table:
         acceptance = _table(args.acceptance_table, acceptance)
-    if args.cpu_model and args.gpu:
-        raise PlanInputError("choose --gpu or --cpu-model, not both")
     if args.gpu:
-        size = _model_size(args.model_size)
+        size = _model_size("7B" if args.model_size is None else args.model_size)
+        if args.rollout_gpus is None:
+            args.rollout_gpus = 8
         tp = args.tp or (8 if size == "32B" else 4 if size == "14B" else 1)
         if args.rollout_gpus % tp:
             raise PlanInputError(f"--rollout-gpus {args.rollout_gpus} is not a multiple of --tp {tp}")
