@@ -18,7 +18,8 @@ def register(commands: Any) -> None:
         "doctor",
         help="check Redis and MQTT: versions, streams, pending entries, workers, retained versions",
         description="Connect to the configured (or embedded) Redis and MQTT and report what is there. Exits 1 "
-        "when something is unreachable.",
+        "when something is unreachable; warns (exit 0) when a server admits clients without credentials, so "
+        "that it may not have checked the URL's.",
     )
     add_config_args(doctor)
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
