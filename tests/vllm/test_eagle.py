@@ -289,6 +289,26 @@ def test_a_hand_made_export_of_another_layout_is_refused_before_vllm_loads_it(
         assert result.token_ids == oracle.greedy(prompt, 24) and result.accept_lengths
 
 
+def test_an_export_whose_tensors_are_not_its_configs_is_refused_before_vllm_starts(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The export an engine starts with, a `.bias` its config does not imply added by hand: vLLM would skip it
+    without a word. The engine refuses it in one line before vLLM starts (`drafter.export.check_eagle_export`)."""
+    from safetensors.torch import load_file, save_file
+
+    from tlt_stream.basics.errors import CheckpointError
+    from tlt_stream.drafter.export import export_drafter
+    from tlt_stream.rollout.vllm.backend import VllmEngine
+
+    export = export_drafter(models["drafter"], tmp_path / "export").path
+    tensors = load_file(str(export / "model.safetensors"))
+    tensors["layers.0.self_attn.o_proj.bias"] = torch.zeros(tensors["fc.weight"].shape[0])
+    save_file(tensors, str(export / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"implies: .*unexpected \['layers.0.self_attn.o_proj.bias'\]") as caught:
+        VllmEngine(models["policy"], settings=settings(tmp_path, arm="d4k1v4"), drafter=export)
+    assert "\n" not in str(caught.value) and str(export) in str(caught.value)
+
+
 class _Plane:
     """The control plane as the worker reads it: the retained version of each kind."""
 

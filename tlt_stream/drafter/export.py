@@ -56,7 +56,10 @@ bias layout), `mlp_bias`; `num_hidden_layers` sizes the draft;
 `AutoWeightsLoader` silently ignores an unexpected `.bias`, and a missing tensor is not an error for EAGLE
 drafts (`EagleLlamaForCausalLM.load_weights` returns no loaded-name set, so the loader's strict check is
 skipped), so a mismatch would run wrong weights without complaint. The export writes exactly the tensors
-its config implies.
+its config implies, and `check_eagle_export` refuses, before vLLM starts on it, an export whose tensors are
+not the ones its own `config.json` implies (`eagle_layout`: vLLM's reading of the config above, layers after the
+first keeping their `input_layernorm`, `embed_tokens.weight` optional): a hand-made or third-party export, or
+one whose config was edited.
 
 Tree drafting (top-k > 1) is a runtime setting, not part of the export; see `rollout/vllm/config.py`.
 """
@@ -77,7 +80,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tlt_stream.basics.errors import CheckpointError
-from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, read_drafter
+from tlt_stream.drafter.model import CONFIG, WEIGHTS, Drafter, layout_mismatch, read_drafter, tensor_shapes
 from tlt_stream.model.families import hf_rope_parameters
 from tlt_stream.model.loader import layer_tensor_names
 from tlt_stream.model.spec import ModelSpec
@@ -85,11 +88,15 @@ from tlt_stream.store.weights import transformers4_keys
 
 __all__ = [
     "EAGLE_ARCHITECTURE",
+    "EAGLE_CONFIG_ARCHITECTURES",
     "EXPORT_RECORD",
     "FORMATS",
     "ExportError",
     "ExportResult",
+    "check_eagle_export",
     "eagle_config",
+    "eagle_config_spec",
+    "eagle_layout",
     "eagle_tensor_names",
     "eagle_tensors",
     "export_drafter",
@@ -100,6 +107,9 @@ __all__ = [
 FORMATS = ("eagle",)
 EAGLE_ARCHITECTURE = "LlamaForCausalLM"
 """What the draft config names; vLLM's `EAGLEConfig` turns it into `EagleLlamaForCausalLM`."""
+EAGLE_CONFIG_ARCHITECTURES = (EAGLE_ARCHITECTURE, f"Eagle{EAGLE_ARCHITECTURE}")
+"""The `architectures` of a draft config vLLM runs as `EagleLlamaForCausalLM` (`EAGLEConfig` keeps an `Eagle`
+prefix that is already there)."""
 EXPORT_RECORD = "tlt_export.json"
 """Provenance written next to the export (vLLM ignores it)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,9 +191,14 @@ def _check_architecture(drafter: Drafter) -> None:
 
 def eagle_tensors(drafter: Drafter, *, embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The drafter's own weights under vLLM's checkpoint names (see the module docstring's table)."""
+    return {name: t.to("cpu").contiguous() for name, t in _eagle_named(drafter, embedding).items()}
+
+
+def _eagle_named(drafter: Drafter, embedding: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`eagle_tensors` where the drafter's tensors are (a drafter on the meta device gives the layout alone)."""
     _check_architecture(drafter)
     spec = drafter.spec
-    own = {name: t.detach().to("cpu") for name, t in drafter.state_dict().items()}
+    own = {name: t.detach() for name, t in drafter.state_dict().items()}
     q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
     p = "layers.0."
     out: dict[str, torch.Tensor] = {
@@ -212,10 +227,117 @@ def eagle_tensors(drafter: Drafter, *, embedding: torch.Tensor | None = None) ->
                 f"policy embedding has shape {tuple(embedding.shape)}, the drafter needs "
                 f"{(spec.vocab_size, spec.hidden_size)}"
             )
-        out["embed_tokens.weight"] = embedding.detach().to("cpu")
+        out["embed_tokens.weight"] = embedding.detach()
     expected = eagle_tensor_names(spec, with_embedding=embedding is not None)
     assert sorted(out) == expected, (sorted(out), expected)
-    return {name: t.contiguous() for name, t in out.items()}
+    return out
+
+
+_EAGLE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+"""The draft config keys that size vLLM's EAGLE Llama model and have no default this check would trust."""
+
+
+def _eagle_config_refusal(where: str | Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: config.json is not an EAGLE-1 Llama draft config ({why}); vLLM's EAGLE drafts read "
+        f"architectures {[EAGLE_ARCHITECTURE]} with model_type 'llama' (what `tlt-stream export-drafter` writes)"
+    )
+
+
+def eagle_config_spec(config: object, *, where: str | Path = "<config>") -> ModelSpec:
+    """The shape of the draft model vLLM builds from the EAGLE-1 draft `config` (a parsed `config.json`), read
+    as vLLM's `LlamaDecoderLayer` reads it: `num_key_value_heads` defaults to the heads, `head_dim` to hidden
+    size / heads; q/k/v bias from `qkv_bias` when the key is there, else `attention_bias or bias`; o bias from
+    `attention_bias or bias`; `mlp_bias` on gate, up and down. Refuses with `CheckpointError`, in one line naming
+    `where`, a config that is not a Llama EAGLE draft's or whose sizes are missing or invalid."""
+    if not isinstance(config, dict):
+        raise _eagle_config_refusal(where, f"not a JSON object: {type(config).__name__}")
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in EAGLE_CONFIG_ARCHITECTURES:
+        raise _eagle_config_refusal(where, f"architectures {archs!r}")
+    if config.get("model_type") != "llama":
+        raise _eagle_config_refusal(where, f"model_type {config.get('model_type')!r}")
+    sizes: dict[str, int] = {}
+    for key in (*_EAGLE_SIZES, "num_key_value_heads", "head_dim"):
+        value = config.get(key)
+        if value is None and key not in _EAGLE_SIZES:
+            continue  # vLLM's default: as many KV heads as heads, heads of hidden_size / num_attention_heads
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            why = "missing" if key not in config else f"{value!r} is not a positive integer"
+            raise _eagle_config_refusal(where, f"{key} {why}")
+        sizes[key] = value
+    flags: dict[str, bool] = {}
+    for key in ("attention_bias", "bias", "qkv_bias", "mlp_bias"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise _eagle_config_refusal(where, f"{key} {value!r} is not true or false")
+        flags[key] = bool(value)
+    attention_bias = flags["attention_bias"] or flags["bias"]
+    heads = sizes["num_attention_heads"]
+    try:
+        return ModelSpec(
+            architecture="llama",
+            vocab_size=sizes["vocab_size"],
+            hidden_size=sizes["hidden_size"],
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=sizes.get("num_key_value_heads", heads),
+            head_dim=sizes.get("head_dim", sizes["hidden_size"] // heads),
+            qkv_bias=flags["qkv_bias"] if "qkv_bias" in config else attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=flags["mlp_bias"],
+        )
+    except ValueError as exc:  # GQA heads that do not divide, an odd or zero head size...
+        raise _eagle_config_refusal(where, str(exc)) from None
+
+
+def eagle_layout(
+    config: object, *, with_embedding: bool = False, where: str | Path = "<config>"
+) -> dict[str, tuple[int, ...]]:
+    """The tensors (name -> shape) an EAGLE-1 export with draft config `config` must hold: exactly what vLLM's
+    `EagleLlamaForCausalLM` loads for it, under the names `eagle_tensors` writes; `embed_tokens.weight` with
+    `with_embedding`. Layer 0 is this project's drafter layer (no input norm); the layers after it, where the
+    config has several, are the same plus their `input_layernorm` (vLLM drops the norm of layer 0 only). No
+    weight is allocated (the drafter is built on the meta device). Refuses a config `eagle_config_spec` refuses."""
+    spec = eagle_config_spec(config, where=where)
+    with torch.device("meta"):
+        drafter = Drafter(spec)
+    first = {name: tuple(t.shape) for name, t in _eagle_named(drafter, None).items()}
+    layout = dict(first)
+    for i in range(1, spec.num_layers):
+        layout.update(
+            {f"layers.{i}." + n.removeprefix("layers.0."): s for n, s in first.items() if n.startswith("layers.0.")}
+        )
+        layout[f"layers.{i}.input_layernorm.weight"] = (spec.hidden_size,)
+    if with_embedding:
+        layout["embed_tokens.weight"] = (spec.vocab_size, spec.hidden_size)
+    return layout
+
+
+def check_eagle_export(export: str | Path) -> dict[str, tuple[int, ...]]:
+    """Refuse, with `CheckpointError` in one line naming `export` and the first difference, an EAGLE export
+    directory whose safetensors (every `*.safetensors` in it, as vLLM loads them; headers only) do not hold
+    exactly the tensors its own `config.json` implies (`eagle_layout`; `embed_tokens.weight` may be there or
+    not): vLLM ignores an unexpected tensor and leaves a missing one as initialised, and drafts with wrong weights
+    without a word. Returns the layout found."""
+    export = Path(export)
+    try:
+        config = json.loads((export / CONFIG).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
+    files = sorted(export.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{export}: no safetensors weights")
+    found = tensor_shapes(files)
+    expected = eagle_layout(config, with_embedding="embed_tokens.weight" in found, where=export)
+    if (why := layout_mismatch(found, expected)) is not None:
+        raise CheckpointError(
+            f"{export}: the EAGLE export does not hold the tensors its config.json implies: {why} (vLLM would "
+            "skip or leave unset what differs and draft with wrong weights); re-export it with "
+            "`tlt-stream export-drafter`"
+        )
+    return found
 
 
 def _policy_embedding(policy: Path, spec: ModelSpec) -> torch.Tensor:
