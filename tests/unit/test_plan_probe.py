@@ -222,3 +222,11 @@ def test_a_plot_path_asked_for_that_cannot_be_written_is_refused_before_simulati
     if os.geteuid() != 0:  # root writes into a read-only folder
         (tmp_path / "ro").mkdir(mode=0o555)
         assert "not writable" in _refused(capsys, [*LAW, *FAST, "--plot", str(tmp_path / "ro" / "p.png")])
+
+
+def test_the_papers_projection_refuses_a_users_own_workload_and_hardware_flags(capsys, tmp_path):
+    """--paper projects TLT's published setup; --from-run, --cpu-model or --model-size beside it were ignored
+    without a word, and the user read the paper's figures as their own."""
+    for extra in (["--from-run", str(tmp_path)], ["--cpu-model", "x.json"], ["--model-size", "32B", "--tp", "8"]):
+        err = _refused(capsys, ["--paper", "--seeds", "1", "-q", *extra])
+        assert "--paper projects TLT's published" in err and all(f in err for f in extra if f.startswith("--"))

@@ -193,6 +193,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.paper:
         from tlt_stream.plan.paper import compare
 
+        if ignored := [flag for flag, dest in _PAPER_IGNORES.items() if getattr(args, dest) not in (None, False)]:
+            raise PlanInputError(
+                f"--paper projects TLT's published workload and hardware (only --gpu, --seeds and --vary apply); "
+                f"drop {', '.join(ignored)}, or leave out --paper to project your own"
+            )
+
         return compare(gpu=args.gpu or "h100", seeds=args.seeds, progress=say, vary=args.vary)
     return _workload(args, modes, say)
 
@@ -219,6 +225,27 @@ def _model_size(name: str) -> str:
             f"unknown --model-size {name!r}; choose from {', '.join(MODELS)} (the Qwen2.5 shapes the planner knows)"
         )
     return key
+
+
+_PAPER_IGNORES = {
+    "--from-run": "from_run",
+    "--lengths": "lengths",
+    "--lengths-file": "lengths_file",
+    "--acceptance": "acceptance",
+    "--acceptance-table": "acceptance_table",
+    "--acceptance-arm": "acceptance_arm",
+    "--arms": "arms",
+    "--trained-share": "trained_share",
+    "--prompts": "prompts",
+    "--prompt-len": "prompt_len",
+    "--max-response": "max_response",
+    "--model-size": "model_size",
+    "--rollout-gpus": "rollout_gpus",
+    "--learner-gpus": "learner_gpus",
+    "--tp": "tp",
+    "--cpu-model": "cpu_model",
+}
+"""The flags of a user's own workload and hardware (each None unless given), which `--paper` does not read."""
 
 
 _GPU_ONLY = {
