@@ -1,6 +1,7 @@
 """The model families reasoning RL trains on, through the vLLM backend: Qwen3 (QK norm, explicit head_dim),
-Llama 3.x (rope_type llama3), a YaRN-scaled Qwen2 and Mistral, each a small random checkpoint built here with
-transformers, greedy output identical to transformers' (fp32). One engine per family, one at a time.
+Llama 3.x (rope_type llama3), a YaRN-scaled Qwen2, Mistral and Ministral (which vLLM runs through its
+Transformers backend), each a small random checkpoint built here with transformers, greedy output identical to
+transformers' (fp32). One engine per family, one at a time.
 
 The Qwen3 engine drafts with EAGLE: its drafter is made as a user makes one for a policy of their own
 (`tlt-stream drafter init` on the checkpoint's chat template and a dataset, then `tlt-stream export-drafter`),
@@ -33,7 +34,7 @@ SHAPE = dict(
 
 
 def family_config(name: str):  # -> transformers.PretrainedConfig
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MinistralConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if name == "qwen3":
         return Qwen3Config(head_dim=32, **SHAPE)
@@ -46,6 +47,8 @@ def family_config(name: str):  # -> transformers.PretrainedConfig
         )
     if name == "mistral":
         return MistralConfig(head_dim=32, sliding_window=None, **SHAPE)
+    if name == "ministral":  # every layer windowed, the window longer than any sequence here (as families.py)
+        return MinistralConfig(head_dim=32, sliding_window=4096, **SHAPE)
     raise ValueError(name)
 
 
@@ -88,9 +91,12 @@ def qwen3_with_drafter(root: Path) -> tuple[Path, Path, list[list[int]]]:
     return policy, root / "eagle", [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama3", "yarn", "mistral"])
+@pytest.fixture(scope="module", params=["qwen3", "llama3", "yarn", "mistral", "ministral"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(name, engine, oracle, prompts); the Qwen3 engine drafts with EAGLE (`qwen3_with_drafter`), d4k1v4."""
+    """(name, engine, transformers' greedy output per prompt, prompts); the Qwen3 engine drafts with EAGLE
+    (`qwen3_with_drafter`), d4k1v4. The oracle's output is computed before the engine starts: vLLM runs
+    Ministral through its Transformers backend, which may patch transformers' classes in this process, and
+    the oracle must be transformers as shipped."""
     from transformers import AutoModelForCausalLM
 
     from tlt_stream.rollout.vllm.backend import VllmEngine
@@ -98,7 +104,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3":
         policy, export, prompts = qwen3_with_drafter(root)
-        engine = VllmEngine(policy, settings=settings(root, max_len=256, arm="d4k1v4"), drafter=export)
     else:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(family_config(request.param))
@@ -106,9 +111,15 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             model.model.norm.weight.fill_(12.0)  # peaked distributions: greedy ties are rare
         model.save_pretrained(root / "policy")
         policy, prompts = root / "policy", [p + p for p in prompt_ids(3, seed=41)]  # past the unscaled range
+    oracle = Oracle(policy)
+    expected = [oracle.greedy(prompt, 48) for prompt in prompts]
+    del oracle
+    if request.param == "qwen3":
+        engine = VllmEngine(policy, settings=settings(root, max_len=256, arm="d4k1v4"), drafter=export)
+    else:
         engine = VllmEngine(policy, settings=settings(root, max_len=256))
     try:
-        yield request.param, engine, Oracle(policy), prompts
+        yield request.param, engine, expected, prompts
     finally:
         engine.close()
 
@@ -117,10 +128,10 @@ def test_greedy_output_of_each_family_is_transformers_greedy(family: tuple) -> N
     """Each family's greedy output is transformers'; the Qwen3 engine's with the exported drafter's EAGLE
     drafts verified in every round, and accepted as often as the torch engine accepts the same drafter's (the
     rounds per request within one: drafts computed by vLLM's kernels may differ in rounding)."""
-    name, engine, oracle, prompts = family
+    name, engine, expected, prompts = family
     results = engine.generate(prompts, 48, temperature=0.0)
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.token_ids == oracle.greedy(prompt, 48), name
+    for tokens, result in zip(expected, results, strict=True):
+        assert result.token_ids == tokens, name
     if name == "qwen3":
         assert engine.arm is not None and engine.arm.label == "d4k1v4"
         assert all(r.accept_lengths for r in results)
