@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from tests.compose_file import deployed_server, make_env, missing_binaries
+from tlt_stream.bus.embedded import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -134,12 +134,6 @@ def test_servers_with_authentication_on_get_no_warning(tmp_path: Path) -> None:
         assert mqtt_password not in result.stdout + result.stderr
         wrong = doctor(f"redis://monitor:wrong@127.0.0.1:{redis_port}/0", mqtt_url)
         assert wrong.returncode == 1 and "cannot reach Redis" in wrong.stderr  # still a failure, as before
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tlt_stream.basics.config import ConfigError, load_config, override
+from tlt_stream.bus.embedded import free_port
 
 CLI = [sys.executable, "-m", "tlt_stream.commands.cli"]
 REWARD_SOURCE = """
@@ -151,12 +152,6 @@ def test_run_refuses_an_unreachable_redis_in_one_line_without_its_password(world
     result = cli("run", "--world", str(world), "--sd", "off", "--out", str(tmp_path / "run"), "--redis-url", url)
     line = one_line(result, 2, "cannot use Redis at redis://app:***@127.0.0.1:1/0")
     assert "Hj5secret" not in result.stderr + result.stdout, line
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
