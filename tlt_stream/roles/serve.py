@@ -7,17 +7,22 @@ directory, a bad argument) print one line and exit 2.
 
 Once the body has returned, the teardown (the control plane's MQTT disconnect, closing Redis) is bounded
 (`TEARDOWN_S` each): a close that never completes (a TLS peer that never answers the closing handshake) is
-left behind with every pending task's stack in the log, so a stopped service always exits, within the
-grace a supervisor gives it (compose: 10 s), and the log says what hung.
+left behind with every pending task's stack in the log. What comes after it is bounded too (`exit_watchdog`,
+`EXIT_GRACE_S`): the loop's own shutdown waits for every cancelled task and joins the default executor's
+threads, so a task that ignores its cancellation or an executor job that never returns would hold a stopped
+service alive; past the grace the service logs every thread's stack and exits.
+So a stopped service always exits, within the grace a supervisor gives it, and the log says what hung.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import io
 import logging
 import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 
 import redis.asyncio as aioredis
@@ -27,12 +32,25 @@ from tlt_stream.basics.config import Config, redact_text, redact_url
 from tlt_stream.basics.errors import CheckpointError
 from tlt_stream.bus.control import ControlPlane
 
-__all__ = ["LAUNCHER_PID_ENV", "TEARDOWN_S", "Body", "device_or_refuse", "refuse", "serve", "watch_launcher"]
+__all__ = [
+    "EXIT_GRACE_S",
+    "LAUNCHER_PID_ENV",
+    "TEARDOWN_S",
+    "Body",
+    "device_or_refuse",
+    "exit_watchdog",
+    "refuse",
+    "serve",
+    "watch_launcher",
+]
 
 Body = Callable[[Config, aioredis.Redis, ControlPlane, asyncio.Event], Awaitable[None]]
 
 TEARDOWN_S = 4.0
 """Seconds each teardown step (the control plane's end, closing Redis) may take after the body returned."""
+
+EXIT_GRACE_S = 5.0
+"""Seconds a service's loop may take to close once its teardown is done (its tasks, its executor, the servers)."""
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +66,37 @@ async def bounded(step: Awaitable[None], what: str, seconds: float = TEARDOWN_S)
     log.error("%s did not finish within %.0f s of the stop; left behind. Pending tasks:\n%s", what, seconds,
               pending_stacks())  # fmt: skip
     task.cancel()
+
+
+def exit_watchdog(role: str, code: int, seconds: float = EXIT_GRACE_S) -> threading.Timer:
+    """Arm a daemon timer that ends the process with `code` if it is still alive `seconds` from now, after
+    logging every thread's stack: what the loop's shutdown waits on (a task that ignores its cancellation, an
+    executor job that never returns). `serve` arms it once the teardown is done,
+    when the service's state is durable (entries acked, checkpoints written atomically) and only its exit can
+    be held up, and cancels it once the loop and the embedded servers are closed."""
+
+    def fire() -> None:
+        log.error("%s: still alive %.0f s after its teardown; exiting with code %d. Every thread's stack:",
+                  role, seconds, code)  # fmt: skip
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        try:
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):  # a stderr without a file descriptor: the line above stays
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.name = f"{role}-exit-watchdog"
+    timer.start()
+    return timer
 
 
 def pending_stacks() -> str:
@@ -83,6 +132,7 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
     from tlt_stream.bus.connect import connect_redis, endpoints
 
     stopped_in_outage: list[BaseException] = []
+    watchdogs: list[threading.Timer] = []  # armed once the teardown is done, disarmed once the loop is closed
 
     async def main(config: Config) -> None:
         assert config.bus.redis_url is not None
@@ -98,17 +148,23 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
         install_stop_signals(stop)
         launcher = asyncio.create_task(watch_launcher(stop), name=f"{role}-launcher-watch")
         plane = asyncio.create_task(control.run(stop), name=f"{role}-control-plane")
+        code = 1  # what the process exits with if it must be ended (`exit_watchdog`): an error unless it ends well
         try:
             await body(config, redis, control, stop)
+            code = 0
         except Exception as exc:
             if not stop.is_set() or (outage := _outage(exc)) is None:
                 raise
             stopped_in_outage.append(outage)  # asked to stop, and Redis is gone: nothing left to drain into
+            code = 0
         finally:
             stop.set()
             launcher.cancel()
-            await bounded(plane, "the control plane (MQTT)")
-            await bounded(redis.aclose(), "closing Redis")
+            try:
+                await bounded(plane, "the control plane (MQTT)")
+                await bounded(redis.aclose(), "closing Redis")
+            finally:
+                watchdogs.append(exit_watchdog(role, code))
 
     try:
         with endpoints(config) as resolved:
@@ -129,6 +185,9 @@ def serve(config: Config, role: str, owns: Iterable[str], body: Body) -> int:
             file=sys.stderr,
         )
         return 3
+    finally:
+        for timer in watchdogs:  # the loop and the servers are closed: what remains is the caller's exit
+            timer.cancel()
     if stopped_in_outage:
         error = stopped_in_outage[0]
         print(
