@@ -382,6 +382,35 @@ async def test_a_notification_redis_cannot_confirm_waits_for_the_mirror(bus_conf
     await redis.aclose()
 
 
+async def test_a_forgery_redis_cannot_judge_at_once_is_refused_once_it_answers(bus_config: Config) -> None:
+    """A forged version that arrives while the mirror cannot be read was dropped unjudged: the recheck caught
+    up from the mirror, but the forgery was never refused nor logged (a loaded service whose mirror read
+    timed out said nothing of it). Now it is judged once Redis answers, as when the mirror answered at once."""
+    redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
+    assert await ControlPlane(bus_config, redis, role="policy").publish(policy(1))
+    fast = msgspec.structs.replace(bus_config, bus=msgspec.structs.replace(bus_config.bus, reconnect_max_s=0.5))
+    unreachable = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    worker = ControlPlane(fast, unreachable, role="worker", mirror_timeout_s=1.0)
+    forged = PolicyVersion(version=2**62, location="/evil/policy", sha256=EVIL_SHA, step=0)
+    with recording("to confirm policy version") as unread, recording("forged") as refused:
+        async with running(worker):
+            await forge(bus_config, forged, retain=False)
+            async with asyncio.timeout(10):
+                await unread.seen.wait()
+            assert worker.forged == 0 and worker.version("policy") == -1
+            worker.redis = redis  # Redis is back
+            async with asyncio.timeout(10):
+                assert (await worker.wait_for("policy", 1)).location == "/ckpt/policy-1"
+                while worker.forged < 1:  # noqa: ASYNC110 (a counter, no event to wait on)
+                    await asyncio.sleep(0.02)
+            assert worker.current["policy"].version == 1 and worker.forged == 1
+    warnings = [r.getMessage() for r in refused.records if r.levelno == logging.WARNING]
+    warnings = [w for w in warnings if "forged" in w]
+    assert len(warnings) == 1 and str(2**62) in warnings[0] and "unconfirmed" in warnings[0], warnings
+    await unreachable.aclose()
+    await redis.aclose()
+
+
 async def test_the_mirror_ignores_garbage_and_misfiled_messages(bus_config: Config) -> None:
     redis = aioredis.Redis.from_url(bus_config.bus.redis_url)
     keys = Keys(bus_config.run)

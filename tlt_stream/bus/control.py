@@ -139,6 +139,8 @@ class ControlPlane:
         self.forged = 0
         self.connected = asyncio.Event()
         self._recheck = asyncio.Event()
+        self._unconfirmed: dict[str, ControlMessage] = {}
+        """Per kind, the newest announcement the mirror could not be read to judge: judged at the recheck."""
         self._reported: dict[tuple[str, int], None] = {}
         self._client: aiomqtt.Client | None = None
         self._subscribers: list[asyncio.Queue[ControlMessage]] = []
@@ -247,11 +249,18 @@ class ControlPlane:
                 self._ignore(announced, held)
             return
         mirrored = await self._read_mirror(f"confirm {kind} version {announced.version}")
-        if mirrored is None:
+        if mirrored is None:  # judged once the mirror answers (`_recheck_mirror`): adopted, ignored or refused
+            pending = self._unconfirmed.get(kind)
+            if pending is None or announced.version >= pending.version:
+                self._unconfirmed[kind] = announced
             self._recheck.set()
             return
-        truth = mirrored.get(kind)
-        if truth is not None and truth.version > self.version(kind):
+        self._judge(announced, mirrored.get(kind))
+
+    def _judge(self, announced: ControlMessage, truth: ControlMessage | None) -> None:
+        """An announcement against the mirror's message of its kind (`truth`): adopt the mirror's where it is
+        newer than what is held; the announcement is then confirmed, older (a replay: ignored) or forged."""
+        if truth is not None and truth.version > self.version(announced.kind):
             self.offer(truth, "mqtt, confirmed by the redis mirror" if truth == announced else "redis mirror")
         if truth == announced:
             return
@@ -453,17 +462,29 @@ class ControlPlane:
 
     async def _recheck_mirror(self, stop: asyncio.Event) -> None:
         """After a notification could not be confirmed (Redis unreadable), re-read the mirror with backoff
-        until it answers: the version announced then is adopted without waiting for another notification."""
+        until it answers: the version announced then is adopted without waiting for another notification, and
+        each kind's newest unconfirmed announcement is judged against it (a forgery refused and logged, as when
+        the mirror answered at once)."""
         backoff = Backoff(base=0.2, cap=self.config.bus.reconnect_max_s)
         while True:
             await self._recheck.wait()
             if await sleep_or_stop(stop, backoff.next_delay()):
                 return
             self._recheck.clear()
-            if await self.refresh_from_mirror():
-                backoff.reset()
-            else:
+            mirrored = await self._read_mirror("catch up")
+            if mirrored is None:
                 self._recheck.set()
+                continue
+            backoff.reset()
+            for message in mirrored.values():
+                self.offer(message, "redis mirror")
+            pending, self._unconfirmed = self._unconfirmed, {}
+            for announced in pending.values():
+                held = self.current.get(announced.kind)
+                if held is not None and announced.version < held.version:
+                    self._ignore(announced, held)
+                else:
+                    self._judge(announced, mirrored.get(announced.kind))
 
 
 def _describe(message: ControlMessage) -> str:
