@@ -209,6 +209,7 @@ def save_checkpoint(
             "extra": extra,
         }
         write_json(tmp / "meta.json", meta)
+        failpoint("learner.checkpoint")  # fault tests: die with the checkpoint whole but not yet named, not durable
     _write_pointer(root, final.name)
     if background:
         assert optimizer_writes is not None and state is not None
