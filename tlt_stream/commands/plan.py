@@ -70,9 +70,8 @@ def register(commands: Any) -> None:
     p.add_argument("--modes", default=_MODE_NAMES, help=f"comma-separated (default {_MODE_NAMES})")
     hw = p.add_argument_group("hardware (a GPU roofline, or this machine's fitted CPU model)")
     hw.add_argument("--gpu", help="GPU type: h100, h200 or a100 (datasheet figures)")
-    # the GPU-only flags default to None, so that one given beside --cpu-model (which ignores it) is told apart
-    hw.add_argument("--model-size", default=None, help="7B, 14B or 32B (Qwen2.5 shapes; default 7B)")
-    hw.add_argument("--rollout-gpus", type=int, default=None, help="GPUs generating (default 8)")
+    hw.add_argument("--model-size", help=f"7B, 14B or 32B (Qwen2.5 shapes; default {_DEFAULT_MODEL_SIZE})")
+    hw.add_argument("--rollout-gpus", type=int, help=f"GPUs generating (default {_DEFAULT_ROLLOUT_GPUS})")
     hw.add_argument("--learner-gpus", type=int, default=None, help="GPUs training; none: colocated with rollout")
     hw.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per engine (default: by size)")
     hw.add_argument("--cpu-model", metavar="FILE", help="a CPU cost model fitted by bench/plan_fit.py")
@@ -193,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.paper:
         from tlt_stream.plan.paper import compare
 
-        if ignored := [flag for flag, dest in _PAPER_IGNORES.items() if getattr(args, dest) not in (None, False)]:
+        if ignored := _given(args, _PAPER_IGNORES):
             raise PlanInputError(
                 f"--paper projects TLT's published workload and hardware (only --gpu, --seeds and --vary apply); "
                 f"drop {', '.join(ignored)}, or leave out --paper to project your own"
@@ -227,7 +226,20 @@ def _model_size(name: str) -> str:
     return key
 
 
-_PAPER_IGNORES = {
+_DEFAULT_MODEL_SIZE, _DEFAULT_ROLLOUT_GPUS = "7B", 8
+"""What the GPU roofline projects when --model-size and --rollout-gpus are not given (they default to None, so
+that one given beside --cpu-model or --paper, which ignore them, is told apart)."""
+
+_GPU_ONLY = {
+    "--model-size": "model_size",
+    "--rollout-gpus": "rollout_gpus",
+    "--learner-gpus": "learner_gpus",
+    "--tp": "tp",
+    "--vary": "vary",
+}
+"""The flags only the GPU roofline reads (each None or False unless given): --cpu-model ignores them."""
+
+_WORKLOAD = {
     "--from-run": "from_run",
     "--lengths": "lengths",
     "--lengths-file": "lengths_file",
@@ -239,23 +251,16 @@ _PAPER_IGNORES = {
     "--prompts": "prompts",
     "--prompt-len": "prompt_len",
     "--max-response": "max_response",
-    "--model-size": "model_size",
-    "--rollout-gpus": "rollout_gpus",
-    "--learner-gpus": "learner_gpus",
-    "--tp": "tp",
-    "--cpu-model": "cpu_model",
 }
-"""The flags of a user's own workload and hardware (each None unless given), which `--paper` does not read."""
+"""The flags of a user's own workload (each None unless given)."""
+
+_PAPER_IGNORES = {**_WORKLOAD, **{f: d for f, d in _GPU_ONLY.items() if f != "--vary"}, "--cpu-model": "cpu_model"}
+"""The flags of a user's own workload and hardware, which `--paper` does not read (its --vary it does)."""
 
 
-_GPU_ONLY = {
-    "--model-size": "model_size",
-    "--rollout-gpus": "rollout_gpus",
-    "--learner-gpus": "learner_gpus",
-    "--tp": "tp",
-    "--vary": "vary",
-}
-"""The flags only the GPU roofline reads (each None or False unless given): --cpu-model ignores them."""
+def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """Those of `flags` (flag -> its dest, None or False unless given) that the user gave, in their order."""
+    return [flag for flag, dest in flags.items() if getattr(args, dest) not in (None, False)]
 
 
 def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]:
@@ -272,7 +277,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     if args.cpu_model:
         if args.gpu:
             raise PlanInputError("choose --gpu or --cpu-model, not both")
-        if ignored := [flag for flag, dest in _GPU_ONLY.items() if getattr(args, dest) not in (None, False)]:
+        if ignored := _given(args, _GPU_ONLY):
             raise PlanInputError(
                 f"--cpu-model ignores {', '.join(ignored)} (the GPU roofline's inputs); drop them, or give --gpu "
                 "instead of --cpu-model"
@@ -333,19 +338,18 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     if args.acceptance_table:
         acceptance = _table(args.acceptance_table, acceptance)
     if args.gpu:
-        size = _model_size("7B" if args.model_size is None else args.model_size)
-        if args.rollout_gpus is None:
-            args.rollout_gpus = 8
+        size = _model_size(_DEFAULT_MODEL_SIZE if args.model_size is None else args.model_size)
+        rollout_gpus = _DEFAULT_ROLLOUT_GPUS if args.rollout_gpus is None else args.rollout_gpus
         tp = args.tp or (8 if size == "32B" else 4 if size == "14B" else 1)
-        if args.rollout_gpus % tp:
-            raise PlanInputError(f"--rollout-gpus {args.rollout_gpus} is not a multiple of --tp {tp}")
+        if rollout_gpus % tp:
+            raise PlanInputError(f"--rollout-gpus {rollout_gpus} is not a multiple of --tp {tp}")
         if MODELS[size].heads % tp:
             raise PlanInputError(
                 f"{size}'s {MODELS[size].heads} attention heads do not split over --tp {tp}; give a --tp dividing them"
             )
-        engines, prompts = args.rollout_gpus // tp, args.prompts or 16
+        engines, prompts = rollout_gpus // tp, args.prompts or 16
         colocated = args.learner_gpus is None
-        costs = GpuCosts(GPUS[args.gpu], MODELS[size], tp=tp, learner_gpus=args.learner_gpus or args.rollout_gpus)
+        costs = GpuCosts(GPUS[args.gpu], MODELS[size], tp=tp, learner_gpus=args.learner_gpus or rollout_gpus)
         if costs.kv_capacity_tokens < 1:
             raise PlanInputError(
                 f"{size}'s weights ({2 * costs.model.total_params / 1e9:.0f} GB) leave no room for a KV cache on "
@@ -420,7 +424,7 @@ def _workload(args: argparse.Namespace, modes: list[str], say) -> dict[str, Any]
     }
     if args.gpu and not no_recommend:
         out["device_split"] = split_devices(
-            setup, dist, acceptance, costs, args.rollout_gpus + (args.learner_gpus or 0), progress=say
+            setup, dist, acceptance, costs, rollout_gpus + (args.learner_gpus or 0), progress=say
         )
     if args.vary and args.gpu:
         from tlt_stream.plan.paper import vary_assumptions

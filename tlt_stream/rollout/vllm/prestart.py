@@ -17,14 +17,7 @@ from tlt_stream.drafter.model import check_drafter_fits as drafter_fits
 from tlt_stream.rollout.vllm.config import UnsupportedSetting
 from tlt_stream.rollout.vllm.settings import VllmSettings
 
-__all__ = [
-    "check_cpu_attention",
-    "check_drafter_fits",
-    "check_drafter_layout",
-    "check_head_dim",
-    "check_recompute",
-    "first_error",
-]
+__all__ = ["check_cpu_attention", "check_drafter_fits", "check_head_dim", "check_recompute", "first_error"]
 
 
 def _config(directory: Path) -> dict[str, Any]:
@@ -88,26 +81,20 @@ def check_head_dim(policy: Path) -> None:
         )
 
 
-def check_drafter_layout(export: Path) -> None:
-    """Refuse, before vLLM starts, an EAGLE export whose tensors are not exactly those its own config.json implies
-    (`drafter.export.check_eagle_export`: a hand-made or third-party export, or one whose config was edited), or
-    whose config is not a Llama EAGLE draft's: vLLM's EAGLE loader skips an unexpected tensor (a `.bias` the
-    config does not imply, fused `qkv_proj` names) and leaves a missing one as initialised, and drafts with wrong
-    weights without a word. A drafter swapped in later is held to the layout of this one."""
+def check_drafter_fits(export: Path, policy: Path, source: str | Path | None) -> None:
+    """Refuse, before vLLM starts, an EAGLE export whose tensors are not exactly those its own config.json
+    implies, or whose config is not a Llama EAGLE draft's (`drafter.export.check_eagle_export`: a hand-made or
+    third-party export, or one whose config was edited; vLLM's EAGLE loader skips an unexpected tensor and leaves
+    a missing one as initialised, drafting with wrong weights without a word; a drafter swapped in later is held
+    to this one's layout), and an EAGLE drafter made for a policy of another hidden size or vocabulary: vLLM
+    loads it and its core dies at the first drafting step (a shape mismatch in the draft's fc)."""
     from tlt_stream.drafter.export import check_eagle_export
 
-    check_eagle_export(export)
-
-
-def check_drafter_fits(export: Path, policy: Path, source: str | Path | None) -> None:
-    """Refuse, before vLLM starts, an EAGLE export whose tensors do not match its own config
-    (`check_drafter_layout`), and an EAGLE drafter made for a policy of another hidden size or vocabulary: vLLM
-    loads it and its core dies at the first drafting step (a shape mismatch in the draft's fc)."""
     try:
         draft, target = _config(export), _config(policy)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
-    check_drafter_layout(export)
+    check_eagle_export(export)
     drafter_fits(
         (draft.get("hidden_size"), draft.get("vocab_size")),
         (target.get("hidden_size"), target.get("vocab_size")),
