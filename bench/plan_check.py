@@ -409,8 +409,8 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
             "trained_share": round(share, 3) if args.trained_share else 1.0,
             "contention": contention,
             "costs": {
-                "sync": fitted_costs(args.costs_sync, contention).describe(),
-                "stream": fitted_costs(args.costs_stream, contention).describe(),
+                "sync": fits(args, "t2", contention).describe(),
+                "stream": fits(args, "t1", contention).describe(),
             },
             "calibrated": args.calibrated,
             "probe_factors": factors or None,
@@ -420,7 +420,8 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
     for name in CONFIGS:
         mode = MODES[name]
         worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
-        costs = fitted_costs(args.costs_sync if mode.max_staleness == 0 else args.costs_stream, contention)
+        threads = "t2" if mode.max_staleness == 0 else "t1"
+        costs = fits(args, threads, contention)
         setup = Setup(
             prompts=args.prompts,
             steps=args.steps,
@@ -431,15 +432,10 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
         )
 
         quiet = simulated(mode, setup, (lengths, acceptance, costs), args.seeds, 0.0)
-        threads = "t2" if mode.max_staleness == 0 else "t1"
         per_run, in_run = [], []
-        for i, (run, load) in enumerate(zip(runs, loads, strict=True)):
-            if args.calibrated:  # the run's own fits, made beside it: the machine's state is in their constants,
-                # and the run's own background (its services: not in the fits) slows it by the law, where fitted
-                model = on_machine(beside(Path(args.calibrated[i]), threads, contention), factors, run, name, threads)
-                u = load.get(name, {}).get("other", 0.0) if contention else 0.0
-            else:
-                model, u = costs, load.get(name, {}).get("other", 0.0)
+        for run, (model, u) in zip(runs, engines(args, loads, threads, name), strict=True):
+            if args.calibrated:  # the run's own fits, made beside it, and the machine's speed beside it (probes)
+                model = on_machine(model, factors, run, name, threads)
             own = own_workload(args, run, name, acceptance) if args.replay else None
             result = simulated(mode, setup, (lengths, acceptance, model), args.seeds, u, own)
             if args.engine_factor == "in-run":  # a diagnostic: the engine as fast as the run's own hops were
@@ -599,15 +595,22 @@ def engines(
     args: argparse.Namespace, loads: list[dict[str, dict]], threads: str = "t2", config: str = "a_sync_plain"
 ) -> list[tuple]:
     """Per run, the cost model of `threads` ("t2": the synchronous configs', "t1": the streaming worker's) and
-    the background `config` ran beside, as `predict` uses them."""
+    the background `config` ran beside: with `--calibrated`, the run's own fits, made beside it (the machine's
+    state is in their constants), and its services' background (not in the fits) where a contention law says
+    what it costs; else the one fit given, and the background as measured."""
     contention = contention_of(args)
     if args.calibrated:
         return [
             (beside(Path(d), threads, contention), load.get(config, {}).get("other", 0.0) if contention else 0.0)
             for d, load in zip(args.calibrated, loads, strict=True)
         ]
-    costs = fitted_costs(args.costs_sync if threads == "t2" else args.costs_stream, contention)
+    costs = fits(args, threads, contention)
     return [(costs, load.get(config, {}).get("other", 0.0)) for load in loads]
+
+
+def fits(args: argparse.Namespace, threads: str, contention: dict | None):
+    """The fit given on the command line for `threads`: `--costs-sync` ("t2") or `--costs-stream` ("t1")."""
+    return fitted_costs(args.costs_sync if threads == "t2" else args.costs_stream, contention)
 
 
 def main() -> None:
