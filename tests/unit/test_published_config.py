@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.families import build_family
 from tlt_stream.drafter.export import eagle_config
 from tlt_stream.model.families import spec_from_hf_config
+from tlt_stream.store.digest import directory_sha256
 from tlt_stream.store.weights import save_policy
 
 CASES = {
@@ -85,6 +86,31 @@ def test_a_published_policy_reads_as_the_source_rope_and_dtype_under_both_transf
     assert (older.rope_parameters, older.dtype) == (theirs.rope_parameters, torch.bfloat16)
 
     assert spec_from_hf_config(written, policy) == spec_from_hf_config(config_of(source), source)
+
+
+def test_a_published_config_holds_both_spellings_and_loads_as_the_published_model(tmp_path: Path) -> None:
+    """`save_policy` writes `config.json` itself, in one pass: it must still parse, carry transformers 5's keys
+    and transformers 4's beside them, name the published class and dtype (not the float32 source's), be part
+    of the returned digest, and leave the live model's config as it was."""
+    source = tmp_path / "source"
+    build_family("yarn", source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    before = model.config.to_dict()
+    sha = save_policy(model, tmp_path / "policy", None, None, dtype=torch.bfloat16)
+    policy = tmp_path / "policy"
+
+    written = config_of(policy)
+    assert {*TRANSFORMERS5_ONLY, "rope_theta", "rope_scaling", "torch_dtype"} <= written.keys()
+    assert written["dtype"] == written["torch_dtype"] == "bfloat16"
+    assert written["architectures"] == ["Qwen2ForCausalLM"]
+
+    config = AutoConfig.from_pretrained(policy)
+    assert (config.architectures, config.dtype) == (["Qwen2ForCausalLM"], torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(policy)
+    assert (type(loaded).__name__, loaded.dtype) == ("Qwen2ForCausalLM", torch.bfloat16)
+
+    assert sha == directory_sha256(policy, scheme="v2")
+    assert model.config.to_dict() == before
 
 
 def test_a_llama3_policy_is_not_default_rope_to_a_transformers4_reader(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from safetensors.torch import load, save
 from tlt_stream.store.digest import DigestScheme, HashingWriter, read_verified
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "INDEX",
@@ -213,13 +213,17 @@ def transformers4_keys(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _add_transformers4_keys(path: Path) -> None:
-    """Add to the `config.json` transformers 5 wrote at `path` the keys transformers 4 reads RoPE and dtype
-    from (`transformers4_keys`): a consumer pinned to transformers 4 would otherwise run a scaled policy with
-    default RoPE. Written as `save_pretrained` writes it (sorted keys, two-space indent)."""
-    config = json.loads(path.read_text())
-    config.update(transformers4_keys(config))
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def _config_json(config: PreTrainedConfig) -> bytes:
+    """`config.json` for `config` as `save_pretrained` writes it (validated, its diff from the defaults, sorted
+    keys, two-space indent), plus the keys transformers 4 reads RoPE and dtype from (`transformers4_keys`): a
+    consumer pinned to transformers 4 would otherwise run a scaled policy with default RoPE. Built in memory so
+    the file is written, and hashed, once rather than written by transformers and rewritten here."""
+    if hasattr(config, "validate"):  # save_pretrained's check: not every config class is strict
+        config.validate()
+    data = json.loads(config.to_json_string(use_diff=True))
+    data.pop("transformers_weights", None)  # names the source's weights file; save_pretrained drops it too
+    data.update(transformers4_keys(data))
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
 
 def save_policy(
@@ -234,7 +238,7 @@ def save_policy(
     it for the Llama/Qwen2 models the runtime loads (config with `architectures` and `dtype`, and the same RoPE
     and dtype under transformers 4's keys; generation config, safetensors, tied tensors once), its
     floating-point weights cast to `dtype` when given; returns its v2 sha256, hashed from the bytes as they
-    were written (the config and tokenizer files, small, are hashed from disk)."""
+    were written (the generation config and tokenizer files, small, are hashed from disk)."""
     state = dict(model.state_dict() if weights is None else weights)
     for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(ignored, None)
@@ -245,19 +249,18 @@ def save_policy(
             for name, t in state.items()
         }
     out.mkdir()
+    writer = HashingWriter(out)
     config = model.config
     saved = config.dtype, config.architectures
     config.dtype = str(dtype or model.dtype).removeprefix("torch.")  # config.json says what the files hold
     config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the sharded class
     try:
-        config.save_pretrained(out)
+        writer.write("config.json", _config_json(config))
     finally:
         config.dtype, config.architectures = saved
-    _add_transformers4_keys(out / "config.json")
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    writer = HashingWriter(out)
     write_weights(writer, state)
     return writer.sha256()
