@@ -3,7 +3,8 @@ interpolation, a service's full command line, and a Compose v2 binary when one i
 
 The interpolation here is checked against the real `docker compose config` in tests/unit/test_compose.py
 whenever a binary is available, so the launch test can start services from it on machines without one.
-`deployed_server` starts compose's Redis or Mosquitto here, from the same deploy/ files and entry point.
+`deployed_server` starts compose's Redis or Mosquitto here, from the same deploy/ files and entry point;
+`private_redis` a bare Redis of a test's own. Both wait, in one place, until the server accepts connections.
 """
 
 from __future__ import annotations
@@ -242,16 +243,15 @@ def _deployed_line(name: str, env: dict[str, str], root: Path, port: int) -> tup
 
 
 @contextlib.contextmanager
-def deployed_server(name: str, root: Path, env: dict[str, str], *, timeout: float = 20.0) -> Iterator[int]:
-    """compose.yaml's `redis` or `mosquitto` started on this machine as the compose file starts it (through
-    deploy/server-auth.sh, with the service's environment and deploy/'s configuration and ACLs) on a free
-    loopback port, which it yields; stopped (SIGTERM, then SIGKILL) when the block ends."""
-    root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    line, process_env = _deployed_line(name, env, root, port)
+def _serving(
+    name: str, line: list[str], root: Path, port: int, *, env: dict[str, str] | None, timeout: float
+) -> Iterator[int]:
+    """`line` started in `root` (its output in `root/<name>.log`), yielding `port` once the server accepts
+    connections on it; stopped (SIGTERM, then SIGKILL) when the block ends. A server that exits first, or does
+    not listen within `timeout` seconds, fails the test with its log rather than leaving it to time out later."""
     log = root / f"{name}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(line, env=process_env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+        process = subprocess.Popen(line, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -270,3 +270,27 @@ def deployed_server(name: str, root: Path, env: dict[str, str], *, timeout: floa
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def deployed_server(name: str, root: Path, env: dict[str, str], *, timeout: float = 20.0) -> Iterator[int]:
+    """compose.yaml's `redis` or `mosquitto` started on this machine as the compose file starts it (through
+    deploy/server-auth.sh, with the service's environment and deploy/'s configuration and ACLs) on a free
+    loopback port, which it yields; stopped (SIGTERM, then SIGKILL) when the block ends."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    line, process_env = _deployed_line(name, env, root, port)
+    with _serving(name, line, root, port, env=process_env, timeout=timeout):
+        yield port
+
+
+@contextlib.contextmanager
+def private_redis(root: Path, *args: str, timeout: float = 20.0) -> Iterator[int]:
+    """A bare `redis-server` of the test's own (no persistence, no compose configuration) on a free loopback
+    port, with `args` added (`--requirepass`, say), which it yields; stopped when the block ends. A caller skips where
+    `missing_binaries("redis-server")` says none is installed."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    line = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with _serving("redis", [*line, "--dir", str(root), *args], root, port, env=None, timeout=timeout):
+        yield port

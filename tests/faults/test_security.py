@@ -21,6 +21,7 @@ SECRETS = (SecureServers.REDIS_PASSWORD, SecureServers.MQTT_PASSWORD)
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("faults")  # a whole run, as a fault scenario is: on `make test`'s workers, never beside one
 async def test_a_run_trains_over_tls_with_acl_and_broker_passwords_and_logs_no_secret(
     tmp_path: Path, init_policy: Path
 ) -> None:

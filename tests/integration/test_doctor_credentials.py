@@ -6,22 +6,17 @@ warnings), never printing them; a server with authentication on, or a URL withou
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tests.compose_file import deployed_server, make_env, missing_binaries
-from tlt_stream.bus.embedded import free_port
+from tests.compose_file import deployed_server, make_env, missing_binaries, private_redis
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]
 
@@ -136,34 +131,13 @@ def test_servers_with_authentication_on_get_no_warning(tmp_path: Path) -> None:
         assert wrong.returncode == 1 and "cannot reach Redis" in wrong.stderr  # still a failure, as before
 
 
-@contextlib.contextmanager
-def plain_redis(root: Path) -> Iterator[int]:
-    """A Redis of the test's own without authentication (no persistence), on a free loopback port."""
-    port = free_port()
-    root.mkdir(parents=True, exist_ok=True)
-    line = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    with (root / "redis.log").open("wb") as log:
-        process = subprocess.Popen([*line, "--dir", str(root)], stdout=log, stderr=subprocess.STDOUT, cwd=root)
-    try:
-        deadline = time.monotonic() + 20
-        while (
-            subprocess.run(["redis-cli", "-p", str(port), "PING"], capture_output=True, check=False).stdout != b"PONG\n"
-        ):
-            assert process.poll() is None and time.monotonic() < deadline, (root / "redis.log").read_text()
-            time.sleep(0.05)
-        yield port
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
 def test_a_named_user_without_a_password_is_reported_one_with_a_password_is_not(
     tmp_path: Path, real: tuple[str, str]
 ) -> None:
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("needs redis-server and redis-cli on PATH")
+    if why := missing_binaries("redis-server", "redis-cli"):
+        pytest.skip(why)
     secret = f"pw{uuid.uuid4().hex}"
-    with plain_redis(tmp_path / "redis") as port:
+    with private_redis(tmp_path / "redis") as port:
         for acl in (["alice", "on", "nopass", "~*", "&*", "+@all"], ["bob", "on", f">{secret}", "~*", "&*", "+@all"]):
             subprocess.run(["redis-cli", "-p", str(port), "ACL", "SETUSER", *acl], check=True, capture_output=True)
         unchecked = doctor(f"redis://alice:{secret}@127.0.0.1:{port}/0", real[1])

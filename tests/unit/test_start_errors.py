@@ -8,17 +8,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.compose_file import missing_binaries, private_redis
 from tlt_stream.basics.config import ConfigError, load_config, override
-from tlt_stream.bus.embedded import free_port
 
 CLI = [sys.executable, "-m", "tlt_stream.commands.cli"]
 REWARD_SOURCE = """
@@ -157,24 +155,10 @@ def test_run_refuses_an_unreachable_redis_in_one_line_without_its_password(world
 @pytest.fixture
 def protected_redis(tmp_path: Path) -> Iterator[int]:
     """A Redis of this test's own that asks for a password; its port."""
-    server = "/usr/bin/redis-server"
-    if not Path(server).exists():
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    args = [server, "--port", str(port), "--requirepass", "the-right-one", "--save", "", "--dir", str(tmp_path)]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+    if why := missing_binaries("redis-server"):
+        pytest.skip(why)
+    with private_redis(tmp_path / "redis", "--requirepass", "the-right-one") as port:
         yield port
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def test_run_refuses_a_wrong_redis_password_in_one_line_without_it(
