@@ -2,13 +2,18 @@
 transformers config class with the keys its real releases carry (Qwen3's explicit `head_dim` and tied
 embeddings, Llama 3.1's `llama3` RoPE, a YaRN-scaled Qwen2.5, Mistral without a window, Ministral's
 per-layer window). The RoPE of the scaled families changes at every position; `ORIGINAL` is short so a
-test's positions pass it."""
+test's positions pass it. `tiny_spec` is a tiny Llama as the runtime's own `ModelSpec`, for tests that build a
+model or a drafter without a checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tlt_stream.model.spec import ModelSpec
 
 VOCAB = 41
 EOS = 0
@@ -53,6 +58,26 @@ def family_config(name: str, *, vocab: int = VOCAB, **overrides: Any):  # -> tra
     if name == "ministral":  # every layer windowed, the window longer than any test sequence
         return MinistralConfig(**{"head_dim": 16, "sliding_window": 4096, **shape})
     raise ValueError(f"unknown family {name!r}")
+
+
+def tiny_spec(**changes: Any) -> ModelSpec:
+    """A one-layer GQA Llama of vocabulary 50 and hidden size 32, whose head_dim (12) is not hidden / heads (32 /
+    4), so a config written from it must carry head_dim (the drafter export tests build drafters and targets of
+    it); `changes` replace any field."""
+    from tlt_stream.model.spec import ModelSpec
+
+    spec = ModelSpec(
+        architecture="llama",
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        max_position_embeddings=128,
+    )
+    return dataclasses.replace(spec, **changes)
 
 
 def build_family(name: str, out: Path, *, seed: int = 0, vocab: int = VOCAB, **overrides: Any):

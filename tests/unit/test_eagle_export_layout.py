@@ -3,12 +3,14 @@
 skips an unexpected tensor and leaves a missing one as initialised, so an export whose tensors are not the ones
 its config implies would draft with wrong weights without a word. Our own exports pass, with and without the
 policy embedding; a stray bias, fused q/k/v names, a missing tensor, a wrong shape, an edited config and a config
-that is no Llama EAGLE draft's are refused in one line naming the export."""
+that is no Llama EAGLE draft's are refused in one line naming the export. The checks read each file of the export
+once, and what they read gives the layout the engine holds drafter swaps to."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,23 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.families import tiny_spec
 from tlt_stream.basics.errors import CheckpointError
+from tlt_stream.drafter import model as drafter_model
 from tlt_stream.drafter.export import check_eagle_export, eagle_config_spec, eagle_layout, export_drafter
 from tlt_stream.drafter.model import Drafter, save_drafter, tensor_shapes
 from tlt_stream.model.spec import ModelSpec
+from tlt_stream.rollout.vllm.extension import drafter_swap_layout, drafter_swap_shapes
 from tlt_stream.rollout.vllm.prestart import check_drafter_fits
 
-BASE = ModelSpec(
-    architecture="llama",
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=12,  # != hidden / heads: the config must carry it
-    max_position_embeddings=128,
-)
+BASE = tiny_spec()  # head_dim 12 != hidden / heads: the config must carry it
 SPECS = {
     "gqa-explicit-head-dim": BASE,
     "mha-derived-head-dim": dataclasses.replace(BASE, num_kv_heads=4, head_dim=8),
@@ -169,6 +164,35 @@ def test_a_two_layer_export_passes_and_a_config_saying_two_over_one_layer_is_ref
     check_drafter_fits(out, policy, None)
 
 
+def test_the_start_checks_read_each_file_of_the_export_once(
+    tmp_path: Path, policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `VllmEngine` runs on its export before vLLM starts: `check_drafter_fits`, then the swap layout from
+    the layout it returns. Every open of a file (`Path.open`, under `read_text`/`read_bytes`) and of a safetensors
+    header (`safe_open`, under `tensor_shapes`) is counted."""
+    out = export(tmp_path, policy=policy)
+    opened: Counter[str] = Counter()
+    open_path, open_header = Path.open, drafter_model.safe_open
+
+    def counted_path(self: Path, *args: object, **kwargs: object):
+        opened[str(self)] += 1
+        return open_path(self, *args, **kwargs)
+
+    def counted_header(file: str, *args: object, **kwargs: object):
+        opened[str(file)] += 1
+        return open_header(file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "open", counted_path)
+        patch.setattr(drafter_model, "safe_open", counted_header)
+        swap = drafter_swap_layout(check_drafter_fits(out, policy, None))
+    assert opened[str(out / "config.json")] == 1
+    assert opened[str(out / "model.safetensors")] == 1
+    assert opened[str(policy / "config.json")] == 1
+    assert swap == drafter_swap_shapes(out)  # what a swap is checked against, read from the files themselves
+    assert "embed_tokens.weight" not in swap and "fc.weight" in swap
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 
 
@@ -250,6 +274,17 @@ def test_an_unreadable_or_foreign_config_json_is_refused_in_one_line(tmp_path: P
     with pytest.raises(CheckpointError) as exc:
         check_eagle_export(out)
     assert "\n" not in str(exc.value) and str(out) in str(exc.value)
+
+
+def test_an_unreadable_policy_config_is_refused_naming_the_policy(tmp_path: Path, policy: Path) -> None:
+    out = export(tmp_path)
+    broken = tmp_path / "policy"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError) as exc:
+        check_drafter_fits(out, broken, None)
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith(f"{broken}: unreadable policy config"), message
 
 
 def test_a_config_without_head_dim_or_kv_heads_reads_vllms_defaults(tmp_path: Path, policy: Path) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tests.families import tiny_spec
 from tlt_stream.commands.cli import main
 from tlt_stream.drafter.export import (
     ExportError,
@@ -45,19 +46,8 @@ from tlt_stream.rollout.proposers import EagleProposer
 
 torch.set_default_dtype(torch.float32)
 
-BASE = ModelSpec(
-    architecture="llama",
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=12,  # != hidden / heads: the config must carry head_dim
-    rms_norm_eps=1e-5,
-    rope_theta=500.0,
-    max_position_embeddings=128,
-)
+BASE = tiny_spec(num_layers=2, rms_norm_eps=1e-5, rope_theta=500.0)
+"""A two-layer target (its drafter has one); head_dim 12 != hidden / heads: the config must carry head_dim."""
 SPECS = {
     "llama": BASE,
     "qwen2-qkv-bias": dataclasses.replace(BASE, architecture="qwen2", qkv_bias=True),

@@ -101,6 +101,7 @@ __all__ = [
     "eagle_tensors",
     "export_drafter",
     "file_in_the_way",
+    "read_eagle_config",
     "resolve_drafter_dir",
 ]
 
@@ -315,17 +316,27 @@ def eagle_layout(
     return layout
 
 
-def check_eagle_export(export: str | Path) -> dict[str, tuple[int, ...]]:
+def read_eagle_config(export: str | Path) -> Any:
+    """The parsed `config.json` of the EAGLE export directory `export`, as `check_eagle_export` reads it (a
+    caller that needs the config too reads it here and hands it over, so the file is read once). Refuses, with
+    `CheckpointError` in one line naming `export`, a file that is missing, unreadable or not JSON."""
+    export = Path(export)
+    try:
+        return json.loads((export / CONFIG).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
+
+
+def check_eagle_export(export: str | Path, *, config: object | None = None) -> dict[str, tuple[int, ...]]:
     """Refuse, with `CheckpointError` in one line naming `export` and the first difference, an EAGLE export
     directory whose safetensors (every `*.safetensors` in it, as vLLM loads them; headers only) do not hold
     exactly the tensors its own `config.json` implies (`eagle_layout`; `embed_tokens.weight` may be there or
     not): vLLM ignores an unexpected tensor and leaves a missing one as initialised, and drafts with wrong weights
-    without a word. Returns the layout found."""
+    without a word. `config`: that `config.json` as `read_eagle_config` parsed it (None: read here). Returns the
+    layout found (every tensor, the embedding included)."""
     export = Path(export)
-    try:
-        config = json.loads((export / CONFIG).read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
+    if config is None:
+        config = read_eagle_config(export)
     files = sorted(export.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{export}: no safetensors weights")

@@ -50,7 +50,12 @@ from tlt_stream.rollout.engine import GenerationResult, generate_all
 from tlt_stream.rollout.scheduler import StopRule
 from tlt_stream.rollout.stops import StopStrings
 from tlt_stream.rollout.vllm.config import UnsupportedSetting, llm_kwargs, sampling_params
-from tlt_stream.rollout.vllm.extension import DRAFT_SHAPE_KEYS, WORKER_EXTENSION, drafter_swap_shapes
+from tlt_stream.rollout.vllm.extension import (
+    DRAFT_SHAPE_KEYS,
+    WORKER_EXTENSION,
+    drafter_swap_layout,
+    drafter_swap_shapes,
+)
 from tlt_stream.rollout.vllm.hidden import recompute_hidden
 from tlt_stream.rollout.vllm.install import INSTALL_HINT, BackendUnavailable, field_names, require_vllm, vllm_build
 from tlt_stream.rollout.vllm.lifecycle import EngineDied, EngineWatch, exit_codes, inline_engine
@@ -151,11 +156,10 @@ class VllmEngine:
         self._exports = itertools.count()
         (self.work_dir / SCHEDULE_FILE).unlink(missing_ok=True)  # an earlier engine's schedule is not this one's
         spec = speculation(settings, drafter, self._export, field_names(SpeculativeConfig))
-        if spec.export is not None:
-            check_drafter_fits(spec.export, self.policy, drafter)
+        layout = None if spec.export is None else check_drafter_fits(spec.export, self.policy, drafter)
         self.arm = spec.arm
         self._drafter_export = spec.export
-        self._drafter_layout = drafter_swap_shapes(spec.export) if spec.export is not None else None
+        self._drafter_layout = None if layout is None else drafter_swap_layout(layout)
         """The draft model's layout (name -> shape) as a swap loads it: every swap must keep it."""
         kwargs = llm_kwargs(
             self.policy,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "DRAFT_SHAPE_KEYS",
     "WORKER_EXTENSION",
     "TltWorkerExtension",
+    "drafter_swap_layout",
     "drafter_swap_shapes",
     "drafter_swap_tensors",
 ]
@@ -88,8 +89,13 @@ def drafter_swap_shapes(export: str | Path) -> dict[str, tuple[int, ...]]:
     half-way through an in-place reload, and its draft model is broken after that)."""
     from tlt_stream.drafter.model import tensor_shapes
 
-    shapes = tensor_shapes(_weight_files(Path(export)))
-    return {name: shape for name, shape in shapes.items() if not name.startswith(SHARED_WITH_TARGET)}
+    return drafter_swap_layout(tensor_shapes(_weight_files(Path(export))))
+
+
+def drafter_swap_layout(layout: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The part of an export's whole `layout` (name -> shape, its headers as read) that a swap loads: what
+    `drafter_swap_shapes` gives for the same files, for a caller that has read the headers already."""
+    return {name: shape for name, shape in layout.items() if not name.startswith(SHARED_WITH_TARGET)}
 
 
 def _runner_model(runner: Any) -> Any:

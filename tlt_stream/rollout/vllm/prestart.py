@@ -81,26 +81,29 @@ def check_head_dim(policy: Path) -> None:
         )
 
 
-def check_drafter_fits(export: Path, policy: Path, source: str | Path | None) -> None:
+def check_drafter_fits(export: Path, policy: Path, source: str | Path | None) -> dict[str, tuple[int, ...]]:
     """Refuse, before vLLM starts, an EAGLE export whose tensors are not exactly those its own config.json
     implies, or whose config is not a Llama EAGLE draft's (`drafter.export.check_eagle_export`: a hand-made or
     third-party export, or one whose config was edited; vLLM's EAGLE loader skips an unexpected tensor and leaves
     a missing one as initialised, drafting with wrong weights without a word; a drafter swapped in later is held
     to this one's layout), and an EAGLE drafter made for a policy of another hidden size or vocabulary: vLLM
-    loads it and its core dies at the first drafting step (a shape mismatch in the draft's fc)."""
-    from tlt_stream.drafter.export import check_eagle_export
+    loads it and its core dies at the first drafting step (a shape mismatch in the draft's fc). Returns the
+    export's layout (name -> shape), so the engine holds later swaps to it without reading the files again."""
+    from tlt_stream.drafter.export import check_eagle_export, read_eagle_config
 
+    draft = read_eagle_config(export)
     try:
-        draft, target = _config(export), _config(policy)
+        target = _config(policy)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{export}: unreadable drafter config ({exc})") from None
-    check_eagle_export(export)
+        raise CheckpointError(f"{policy}: unreadable policy config ({exc})") from None
+    layout = check_eagle_export(export, config=draft)
     drafter_fits(
         (draft.get("hidden_size"), draft.get("vocab_size")),
         (target.get("hidden_size"), target.get("vocab_size")),
         named=f"drafter {source or export}",
         fits=str(policy),
     )
+    return layout
 
 
 def check_recompute(policy: Path, settings: VllmSettings) -> None:
