@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"
 CPU_OVERRIDE = ROOT / "compose.cpu.yaml"
@@ -204,12 +206,6 @@ def missing_binaries(*names: str) -> str | None:
     """Why the servers cannot be started here (None when every binary is on PATH)."""
     missing = [name for name in names if shutil.which(name) is None]
     return f"needs {' and '.join(missing)} on PATH" if missing else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _deployed_line(name: str, env: dict[str, str], root: Path, port: int) -> tuple[list[str], dict[str, str]]:

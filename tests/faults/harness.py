@@ -14,22 +14,16 @@ import os
 import re
 import shutil
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from tests.faults.audit import AuditResult, RunRecord, audit, read_checkpoints
+from tests.ports import free_port
 from tests.worlds import build_world
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def have_servers() -> str | None:
@@ -77,7 +71,7 @@ class PrivateServers:
             stderr=log,
         )
         log.close()
-        await _wait_port(self.redis_port, self.redis_host)
+        await _wait_port(self.redis_port, self.redis, self.root / "redis.log", self.redis_host)
 
     async def start_broker(self) -> None:
         conf = self.root / "mosquitto.conf"
@@ -90,7 +84,7 @@ class PrivateServers:
         log = (self.root / "mosquitto.log").open("ab")
         self.broker = await asyncio.create_subprocess_exec("mosquitto", "-c", str(conf), stdout=log, stderr=log)
         log.close()
-        await _wait_port(self.mqtt_port)
+        await _wait_port(self.mqtt_port, self.broker, self.root / "mosquitto.log")
 
     def redis_persistence(self) -> list[str]:
         return ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
@@ -180,17 +174,22 @@ def make_certificates(where: Path) -> None:
         "-out", "server.crt", "-days", "2", "-extfile", "san.cnf")  # fmt: skip
 
 
-async def _wait_port(port: int, host: str = "127.0.0.1", timeout: float = 20.0) -> None:
+async def _wait_port(
+    port: int, server: asyncio.subprocess.Process, log: Path, host: str = "127.0.0.1", timeout: float = 20.0
+) -> None:
+    """Until `server` listens on `host:port`; a server that exits first (it could not bind) fails here, naming
+    its log, rather than leaving its clients to whatever else answers on that port."""
     deadline = time.monotonic() + timeout
-    while True:
+    while server.returncode is None:
         try:
             _, writer = await asyncio.open_connection(host, port)
             writer.close()
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {host}:{port}") from None
+                raise TimeoutError(f"nothing listens on {host}:{port}; see {log}") from None
             await asyncio.sleep(0.05)
+    raise RuntimeError(f"the server for {host}:{port} exited ({server.returncode}) before it listened; see {log}")
 
 
 async def _stop(process: asyncio.subprocess.Process | None, sig: int) -> None:
@@ -539,6 +538,5 @@ __all__ = [
     "SecureServers",
     "audit",
     "build_world",
-    "free_port",
     "have_servers",
 ]

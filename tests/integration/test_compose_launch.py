@@ -42,6 +42,7 @@ from tests.compose_file import (
     mounted_config,
     services,
 )
+from tests.ports import free_port
 from tests.worlds import build_world
 from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.bus.control import read_mirror
@@ -91,12 +92,6 @@ def on_loopback(url: str, real: str, *, credentials: bool) -> str:
         assert parts.username and parts.password, url
         netloc = f"{parts.username}:{parts.password}@{server.hostname}:{server.port}"
     return urlunsplit(parts._replace(netloc=netloc))
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def localize(text: str, data: Path, ports: dict[str, str]) -> str:
@@ -222,7 +217,7 @@ async def run_the_stack(
     small.write_text(f'run = "{config.run}"\n{SMALL}\n[bus]\nstore_root = "{data}"\n')
     spec = services({**dotenv, "TLT_CONFIG_FILE": str(small)})
     run_dir = data / "runs" / config.run
-    ports = {port: free_port() for port in spec["monitor"].get("expose", [])}
+    ports = {port: str(free_port()) for port in spec["monitor"].get("expose", [])}
     running: list[Started] = []
     try:
         for role in ROLES:

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from tests.ports import free_port
 from tlt_stream.basics.config import Config
 from tlt_stream.basics.messages import (
     CONTROL_CODEC,
@@ -25,7 +26,7 @@ from tlt_stream.basics.messages import (
 )
 from tlt_stream.bus.connect import mqtt_params
 from tlt_stream.bus.control import ControlPlane, read_mirror
-from tlt_stream.bus.embedded import EmbeddedServers, free_port
+from tlt_stream.bus.embedded import EmbeddedServers
 from tlt_stream.bus.streams import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.mqtt]

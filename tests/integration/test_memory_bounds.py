@@ -20,8 +20,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
-from tests.faults.harness import free_port
 from tests.integration.loop import until_redis
+from tests.ports import free_port
 from tlt_stream.basics.config import BusConfig, Config
 from tlt_stream.basics.messages import HiddenWindow, Sample, Tensor, WorkerState, WorkerStatus, codec_for
 from tlt_stream.bus.connect import connect_redis

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
+from tests.ports import free_port
 from tlt_stream.basics.config import BusConfig
 from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.bus.producer import StreamProducer
@@ -28,12 +28,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_redis(port: int, data: Path) -> asyncio.subprocess.Process:

@@ -16,8 +16,8 @@ import aiomqtt
 import pytest
 from amqtt.broker import Broker
 
+from tests.ports import free_port
 from tlt_stream.bus.amqtt_broker import GuardedBroker
-from tlt_stream.bus.embedded import free_port
 
 LATE = "late"
 

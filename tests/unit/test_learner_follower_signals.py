@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ports import free_port
 from tests.unit.test_sharded_learner import (
     ROOT,
     SETTINGS,
@@ -127,9 +127,7 @@ def two_ranks(tmp_path: Path, init: Path) -> Iterator[tuple[Ranks, Path, Path]]:
     gate.mkdir()
     spec = {"init": str(init), "root": str(root), "hold": {"step": 1, "ranks": [1], "dir": str(gate)}}
     code = f"from tests.unit.test_learner_follower_signals import rank_main; rank_main({json.dumps(json.dumps(spec))})"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # rank 0's rendezvous store binds it
     ranks: Ranks = []
     try:
         for rank in range(2):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tlt_stream.bus.embedded import EmbeddedServers, free_port
+from tests.ports import free_port
+from tlt_stream.bus.embedded import EmbeddedServers
 from tlt_stream.commands.cli import RedactingFormatter, main
 
 SECRET = "hunter2-Zq9"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.ports import free_port
 from tlt_stream.basics.messages import Sample, Tensor
 from tlt_stream.rl.checkpoint import checkpoint_at, latest_checkpoint, restore_checkpoint
 from tlt_stream.rl.groups import ReadyGroup
@@ -203,9 +203,7 @@ Ranks = list[tuple[subprocess.Popen, IO[bytes]]]
 def start_ranks(world: int, *, entry: str = "tests.unit.test_sharded_learner:rank_main", **spec: object) -> Ranks:
     """`world` rank processes under torchrun's environment, each running `entry` ("module:function") with
     `spec` as its one argument (a JSON string)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # rank 0's rendezvous store binds it
     module, function = entry.split(":")
     code = f"from {module} import {function}; {function}({json.dumps(json.dumps(spec))})"
     processes = []
