@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import select
 import socket
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["EmbeddedServers", "embedded_servers", "free_port"]
+__all__ = ["AddressInUse", "EmbeddedServers", "embedded_servers"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+BIND_TRIES = 3
+"""Ports the embedded broker tries when it picks its own and finds each taken before it bound it."""
+
+
+class AddressInUse(RuntimeError):
+    """The embedded broker's port was taken by another process."""
+
+
+def _address_in_use(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an error it was raised from (amqtt wraps the bind's OSError), is EADDRINUSE."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @dataclass
@@ -56,7 +74,18 @@ class EmbeddedServers:
         return self.redis_url
 
     def start_mqtt(self, host: str = "127.0.0.1", port: int | None = None, timeout: float = 15.0) -> str:
-        port = port or free_port(host)
+        """Start the broker on `port`, or on a free one: a port found free can be taken by another process
+        before the broker binds it, and then another is tried (`BIND_TRIES` in all), as the caller cannot."""
+        for attempt in range(1 if port else BIND_TRIES):
+            try:
+                return self._start_mqtt_on(host, port or free_port(host), timeout)
+            except AddressInUse:
+                if port or attempt == BIND_TRIES - 1:
+                    raise
+                log.info("the free port found for the embedded MQTT broker was taken before it bound; trying another")
+        raise AssertionError("unreachable")
+
+    def _start_mqtt_on(self, host: str, port: int, timeout: float) -> str:
         ready = threading.Event()
         failure: list[BaseException] = []
 
@@ -81,7 +110,9 @@ class EmbeddedServers:
         if not ready.wait(timeout):
             raise RuntimeError(f"embedded MQTT broker did not start within {timeout:.0f}s")
         if failure:
-            raise RuntimeError(f"embedded MQTT broker failed to start: {failure[0]}") from failure[0]
+            thread.join(timeout)
+            error = AddressInUse if _address_in_use(failure[0]) else RuntimeError
+            raise error(f"embedded MQTT broker failed to start on {host}:{port}: {failure[0]}") from failure[0]
         self._threads.append(thread)
         self.mqtt_url = f"mqtt://{host}:{port}"
         log.info("started embedded MQTT broker (amqtt) on %s:%d", host, port)
