@@ -76,14 +76,14 @@ class EmbeddedServers:
     def start_mqtt(self, host: str = "127.0.0.1", port: int | None = None, timeout: float = 15.0) -> str:
         """Start the broker on `port`, or on a free one: a port found free can be taken by another process
         before the broker binds it, and then another is tried (`BIND_TRIES` in all), as the caller cannot."""
-        for attempt in range(1 if port else BIND_TRIES):
+        if port:
+            return self._start_mqtt_on(host, port, timeout)
+        for _ in range(BIND_TRIES - 1):
             try:
-                return self._start_mqtt_on(host, port or free_port(host), timeout)
+                return self._start_mqtt_on(host, free_port(host), timeout)
             except AddressInUse:
-                if port or attempt == BIND_TRIES - 1:
-                    raise
                 log.info("the free port found for the embedded MQTT broker was taken before it bound; trying another")
-        raise AssertionError("unreachable")
+        return self._start_mqtt_on(host, free_port(host), timeout)
 
     def _start_mqtt_on(self, host: str, port: int, timeout: float) -> str:
         ready = threading.Event()
