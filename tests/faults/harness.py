@@ -71,7 +71,7 @@ class PrivateServers:
             stderr=log,
         )
         log.close()
-        await _wait_port(self.redis_port, self.redis, self.root / "redis.log", self.redis_host)
+        await wait_listening(self.redis_port, self.redis, self.root / "redis.log", self.redis_host)
 
     async def start_broker(self) -> None:
         conf = self.root / "mosquitto.conf"
@@ -84,7 +84,7 @@ class PrivateServers:
         log = (self.root / "mosquitto.log").open("ab")
         self.broker = await asyncio.create_subprocess_exec("mosquitto", "-c", str(conf), stdout=log, stderr=log)
         log.close()
-        await _wait_port(self.mqtt_port, self.broker, self.root / "mosquitto.log")
+        await wait_listening(self.mqtt_port, self.broker, self.root / "mosquitto.log")
 
     def redis_persistence(self) -> list[str]:
         return ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
@@ -174,7 +174,7 @@ def make_certificates(where: Path) -> None:
         "-out", "server.crt", "-days", "2", "-extfile", "san.cnf")  # fmt: skip
 
 
-async def _wait_port(
+async def wait_listening(
     port: int, server: asyncio.subprocess.Process, log: Path, host: str = "127.0.0.1", timeout: float = 20.0
 ) -> None:
     """Until `server` listens on `host:port`; a server that exits first (it could not bind) fails here, naming
@@ -539,4 +539,5 @@ __all__ = [
     "audit",
     "build_world",
     "have_servers",
+    "wait_listening",
 ]

@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
+from tests.faults.harness import wait_listening
 from tests.integration.loop import until_redis
 from tests.ports import free_port
 from tlt_stream.basics.config import BusConfig, Config
@@ -125,22 +126,18 @@ async def full_redis(root: Path) -> AsyncIterator[aioredis.Redis]:
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server on PATH")
     port = free_port()
-    server = await asyncio.create_subprocess_exec(
-        "redis-server",
-        *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(root), "--save", "", "--appendonly", "no"),
-        *("--maxmemory", "2mb", "--maxmemory-policy", "noeviction"),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    log = root / "redis.log"
+    with log.open("ab") as out:
+        server = await asyncio.create_subprocess_exec(
+            "redis-server",
+            *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(root), "--save", "", "--appendonly", "no"),
+            *("--maxmemory", "2mb", "--maxmemory-policy", "noeviction"),
+            stdout=out,
+            stderr=out,
+        )
     redis = aioredis.Redis(port=port)
     try:
-        async with asyncio.timeout(WAIT_S):
-            while True:
-                try:
-                    await redis.ping()
-                    break
-                except aioredis.ConnectionError:
-                    await asyncio.sleep(0.05)
+        await wait_listening(port, server, log, timeout=WAIT_S)
         yield redis
     finally:
         await redis.aclose()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tests.faults.harness import wait_listening
 from tests.ports import free_port
 from tlt_stream.basics.config import BusConfig
 from tlt_stream.basics.messages import Sample, Tensor
@@ -31,20 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def start_redis(port: int, data: Path) -> asyncio.subprocess.Process:
-    process = await asyncio.create_subprocess_exec(
-        *("redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)),
-        *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return process
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise TimeoutError("redis-server did not start")
+    log = data / "redis.log"
+    with log.open("ab") as out:
+        process = await asyncio.create_subprocess_exec(
+            *("redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)),
+            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+            stdout=out,
+            stderr=out,
+        )
+    await wait_listening(port, process, log, timeout=10.0)
+    return process
 
 
 def learner_env(url: str, run: str, **settings: str) -> dict[str, str]:
