@@ -12,6 +12,11 @@ streaming: fit both), wall clock, median of `--repeats`:
   them, the drafter's proposals timed apart -> the verify-cost curve (round_s_fixed, round_row_s, node_frac,
   node_ctx_frac) and draft_step_s, draft_row_s, draft_ctx_s; decode and round points are measured alternately,
   pass after pass (`measure_engine`), so that the machine's drift moves both alike;
+- switching: on an engine that drafts, rounds and plain steps mixed as a worker mixes them (a round after one
+  plain step, `SWITCH_SPAN` plain steps, a round after them, a round back to back, one plain step), each step
+  timed -> after_round_frac and after_round_decay (the j-th plain step after a round over the decode line, j = 1
+  .. `SWITCH_SPAN`), after_one_plain_frac and after_plain_frac (a round after one and after `SWITCH_SPAN` plain
+  steps over one back to back); measured among the decode and round points, like them;
 - learner: `LearnerCore.step` over 2, 4, 8 and 16 synthetic groups of the world's lengths, and 4 and 16 of
   shorter and of longer-tailed ones -> learn_token_s and learn_attn_s (per padded token of the micro-batches the
   learner makes, and per padded token per token of their width), optimizer_s (least squares); the plain
@@ -175,6 +180,54 @@ ROUND_NEW = 1000
 """Tokens a measured round's rows may generate: the deepest arm's 7 a round for every skipped and timed round."""
 
 
+SWITCH_SPAN = 12
+"""Plain steps timed after each round of a switching point (`switch_steps`), and before the round measured as
+one after many: a round's cost to the plain steps after it lasts several steps on this CPU (2026-12-07, 16 rows,
+2 threads: +21% on the first, +9% on the fourth, +7-8% on the eighth to twelfth)."""
+SWITCH_CYCLES = 6
+"""Cycles of rounds and plain steps timed per switching point and pass."""
+
+
+def switch_steps(policy, drafter, batch: int, label: str, cycles: int = SWITCH_CYCLES) -> dict[str, list[tuple]]:
+    """Rounds of arm `label` and plain steps of `batch` rows on one engine that drafts, switched as a worker
+    switches them, every step timed: per cycle a round after one plain step, `SWITCH_SPAN` plain steps, a round
+    after them, a round back to back, one plain step. {"plain": [(j, seconds, longest context)] for the j-th plain
+    step after a round, "rounds": [(k, seconds, longest context)] for a round after k plain steps (0: after a
+    round)}."""
+    from tlt_stream.rollout.arms import Arm
+    from tlt_stream.rollout.engine import GenerationEngine
+    from tlt_stream.rollout.proposers import EagleProposer
+
+    arm = Arm.from_label(label)
+    prompts = ragged(prompts_of(batch), RAGGED_SPREAD) if batch > 1 else prompts_of(batch)
+    new = cycles * (3 * (arm.depth + 1) + SWITCH_SPAN + 1) + 8 * (arm.depth + 2) + 8
+    engine = GenerationEngine(
+        policy, batch, max(len(p) for p in prompts) + new + 70, proposer=EagleProposer(drafter), max_draft_nodes=64
+    )
+    for i, p in enumerate(prompts):
+        engine.add_request(p, new, 1.0, seed=i, eos_ids=())
+    engine.step()  # the prefill
+
+    def step(speculate: bool) -> tuple[float, int]:
+        engine.arm = arm if speculate else None
+        started = CLOCK()
+        engine.step()
+        seconds = CLOCK() - started
+        return seconds, max(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
+
+    for _ in range(4):  # warm-up: both kinds' code paths and buffers
+        step(True)
+        step(False)
+    out: dict[str, list[tuple]] = {"plain": [], "rounds": []}
+    for _ in range(cycles):
+        out["rounds"].append((1, *step(True)))
+        out["plain"] += [(j, *step(False)) for j in range(1, SWITCH_SPAN + 1)]
+        out["rounds"].append((SWITCH_SPAN, *step(True)))
+        out["rounds"].append((0, *step(True)))
+        out["plain"].append((1, *step(False)))
+    return out
+
+
 def interleaved(*kinds: list) -> list:
     """The points of every kind in one order, each kind spread evenly over it (decode, round, decode, ...)."""
     tagged = [(i / len(points), k, i) for k, points in enumerate(kinds) for i in range(len(points))]
@@ -191,11 +244,14 @@ def measure_engine(policy, drafter, repeats: int) -> dict[tuple, list[tuple]]:
     from tlt_stream.rollout.arms import Arm
     from tlt_stream.rollout.proposers import EagleProposer
 
-    results: dict[tuple, list[tuple]] = {}
+    results: dict[tuple, list] = {}
     for point in measuring_order(repeats):
         if point[0] == "decode":
             _, batch, skip = point
             measured = engine_steps(policy, batch, skip=skip, steps=24, spread=RAGGED_SPREAD)
+        elif point[0] == "switch":
+            _, label, batch = point
+            measured = switch_steps(policy, drafter, batch, label)
         else:
             _, label, batch, skip = point
             arm, proposer = Arm.from_label(label), EagleProposer(drafter)
@@ -208,7 +264,8 @@ def measuring_order(repeats: int) -> list[tuple]:
     """`measure_engine`'s points in the order it measures them, `repeats` passes."""
     decode = [("decode", batch, skip) for batch in BATCHES for skip in (4, LATE // 2, LATE)]
     rounds = [("round", label, batch, skip) for label in ARMS for batch in ROUND_BATCHES for skip in ROUND_SKIPS]
-    order = interleaved(decode, rounds)
+    switching = [("switch", label, batch) for label in ARMS for batch in ROUND_BATCHES]
+    order = interleaved(decode, rounds, switching)
     return [point for r in range(repeats) for point in (order if r % 2 == 0 else order[::-1])]
 
 
@@ -265,7 +322,7 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
     # a round's fixed and per-row costs, whether the verify or the drafter pays them, are one figure each
     verify_fixed, verify_row_s, node_frac, node_ctx_frac = lstsq(verify_rows, verify_y)
     draft_fixed, draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s = lstsq(draft_rows, draft_y)
-    fitted = {
+    fitted: dict = {
         "step_s": step_s,
         "row_s": row_s,
         "ctx_s": ctx_s,
@@ -280,7 +337,66 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
         "prefill_step_s": max(0.0, prefill_step_s),
         "prefill_token_s": max(0.0, prefill_token_s),
     }
+    switching = {p: passes for p, passes in results.items() if p[0] == "switch"}
+    if switching:
+        fitted_switch, measured["switching"] = switch_constants(switching, fitted)
+        fitted |= fitted_switch
     return fitted, measured
+
+
+def switch_constants(results: dict[tuple, list[dict]], fitted: dict) -> tuple[dict, dict]:
+    """The cost of switching between plain steps and rounds through `switch_steps`' points: each plain step
+    over the decode line at its rows and context (`fitted`), the median per j over every point and pass, a
+    geometric decay `after_round_frac * after_round_decay ** (j - 1)` through those medians (least squares,
+    the decay on a grid); each round over the fitted round's cost at its shape, over the same point's rounds
+    back to back, the median per k over every point and pass (1 and `SWITCH_SPAN`). Shares below 0 (a machine
+    noisier than the effect) are 0."""
+    from tlt_stream.plan.costs import CpuCosts
+    from tlt_stream.rollout.arms import Arm
+
+    line = CpuCosts(**fitted)
+    plain = Arm.plain()
+    by_j: dict[int, list[float]] = {}
+    by_k: dict[int, list[float]] = {}
+    for (_, label, batch), passes in results.items():
+        arm = Arm.from_label(label)
+        for measured in passes:
+            for j, sec, ctx in measured["plain"]:
+                by_j.setdefault(j, []).append(sec / line.round_s(batch, plain, ctx) - 1)
+            relative = {}
+            for k, sec, ctx in measured["rounds"]:
+                relative.setdefault(k, []).append(sec / line.round_s(batch, arm, ctx))
+            back_to_back = statistics.median(relative[0])
+            for k in (1, SWITCH_SPAN):
+                by_k.setdefault(k, []).append(statistics.median(relative[k]) / back_to_back - 1)
+    js = sorted(by_j)
+    y = [statistics.median(by_j[j]) for j in js]
+    best = (float("inf"), 0.0, 0.0)
+    for decay in (i / 100 for i in range(100)):
+        weights = [decay ** (j - 1) for j in js]
+        frac = sum(w * v for w, v in zip(weights, y, strict=True)) / sum(w * w for w in weights)
+        error = sum((v - frac * w) ** 2 for w, v in zip(weights, y, strict=True))
+        if error < best[0]:
+            best = (error, frac, decay)
+    _, after_round_frac, after_round_decay = best
+    after = {k: statistics.median(v) for k, v in by_k.items()}
+    constants = {
+        "after_round_frac": max(0.0, after_round_frac),
+        "after_round_decay": after_round_decay if after_round_frac > 0 else 0.0,
+        "after_one_plain_frac": max(0.0, after[1]),
+        "after_plain_frac": max(0.0, after[SWITCH_SPAN]),
+        "after_plain_steps": SWITCH_SPAN,
+    }
+    log(
+        "switching: plain steps after a round "
+        + ", ".join(f"{1 + v:.3f}" for v in y)
+        + f" the decode line; rounds after 1 and {SWITCH_SPAN} plain steps {1 + after[1]:.3f}, "
+        f"{1 + after[SWITCH_SPAN]:.3f} one after a round"
+    )
+    return constants, {
+        "plain_after_round": [round(1 + v, 4) for v in y],
+        "round_after_plain": {str(k): round(1 + v, 4) for k, v in sorted(after.items())},
+    }
 
 
 LENGTH_LAWS = {"world": (5.0, 0.6), "short": (4.1, 0.5), "tail": (5.0, 1.0)}

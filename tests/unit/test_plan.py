@@ -517,6 +517,56 @@ def test_a_round_deep_in_a_response_pays_every_node_s_and_candidate_s_attention_
     assert quiet.round_s(b, arm, 400) == pytest.approx(costs.round_s(b, arm, 400) / 1.5)
 
 
+SWITCHING = dict(after_round_frac=0.2, after_round_decay=0.5, after_one_plain_frac=0.04, after_plain_frac=0.1,
+                 after_plain_steps=4)  # fmt: skip
+
+
+def test_a_step_after_the_other_kind_pays_the_switch_in_closed_form():
+    """A plain step j steps after a round pays after_round_frac * decay^(j-1) of a decode step; a round after k
+    plain steps pays after_one_plain_frac at k = 1, linear up to after_plain_frac at after_plain_steps and
+    beyond; nothing back to back, before any round, on a GPU or in the hand-computable model."""
+    costs = dataclasses.replace(CPU, **SWITCHING)
+    arm, plain = Arm.from_label("d4k1v4"), Arm.plain()
+    d, r = costs.decode_s(8, 100), costs.round_s(8, arm, 100)
+    assert costs.switch_s(8, plain, 100, None) == costs.switch_s(8, arm, 100, None) == 0.0
+    assert costs.switch_s(8, plain, 100, 0) == pytest.approx(0.2 * d)
+    assert costs.switch_s(8, plain, 100, 2) == pytest.approx(0.2 * 0.25 * d)
+    assert costs.switch_s(8, plain, 100, 1, repeat=3) == pytest.approx(0.2 * (0.5 + 0.25 + 0.125) * d)
+    assert costs.switch_s(8, arm, 100, 0) == 0.0
+    assert costs.switch_s(8, arm, 100, 1) == pytest.approx(0.04 * r)
+    assert costs.switch_s(8, arm, 100, 2) == pytest.approx((0.04 + 0.06 / 3) * r)
+    assert costs.switch_s(8, arm, 100, 4) == pytest.approx(0.1 * r) == costs.switch_s(8, arm, 100, 40)
+    assert CPU.switch_s(8, plain, 100, 0) == CPU.switch_s(8, arm, 100, 5) == 0.0
+    assert FixedCosts().switch_s(8, arm, 100, 5) == 0.0
+    assert GpuCosts(MODELS["7B"], GPUS["h100"]).switch_s(8, plain, 100, 0) == 0.0
+    for bad in ({"after_round_decay": 1.0}, {"after_plain_frac": -1.0}, {"after_plain_steps": 0}):
+        assert dataclasses.replace(costs, **bad)._unusable() is not None
+
+
+def test_the_simulator_charges_each_switch_between_plain_steps_and_rounds_in_closed_form():
+    """Two steps of one group of 8 rows, 4 of 3 tokens and 4 of 30; SD on at 4 rows and below, plain above.
+    Each step: 3 plain steps of 1 s (the short rows end), then 9 rounds of 2 s emitting 3 tokens each. With the
+    switching constants, each step's first round follows 3 plain steps (0.04 + 0.06 * 2 / 3 of a round), and the
+    second step's plain steps follow the first step's last round (0.2 * (1 + 0.5 + 0.25) of a decode step); the
+    first step's plain steps follow no round and pay nothing."""
+    base = CpuCosts(step_s=1.0, row_s=0.0, round_s_fixed=1.0, learn_tokens_per_s=1e12)
+    setup = Setup(
+        prompts=1, group_size=8, steps=2, seed=None, max_batch=8, arms=("d4k1v4",), crossover=5, margin=0,
+        above_crossover="plain", train_drafter=False,
+    )  # fmt: skip
+    lengths = from_lengths([3, 3, 3, 3, 30, 30, 30, 30])
+    plain = simulate(SD, setup, lengths, Acceptance.uniform(3.0), base)
+    assert plain.version_times == pytest.approx([0.0, 21.0, 42.0], abs=1e-6)
+    assert plain.rounds == {"plain": 6, "d4k1v4": 18}
+    switched = simulate(SD, setup, lengths, Acceptance.uniform(3.0), dataclasses.replace(base, **SWITCHING))
+    first_round = (0.04 + 0.06 * 2 / 3) * 2.0
+    after_round = 0.2 * (1 + 0.5 + 0.25) * 1.0
+    assert switched.version_times == pytest.approx(
+        [0.0, 21.0 + first_round, 42.0 + 2 * first_round + after_round], abs=1e-6
+    )
+    assert switched.rounds == plain.rounds
+
+
 def test_an_engine_made_slower_leaves_the_learner_publication_and_loading_as_measured():
     from tlt_stream.rollout.arms import Arm
 

@@ -4,6 +4,7 @@ kinds of points over the same minutes."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -33,7 +34,8 @@ def plan_fit():
 TRUE = CpuCosts(
     step_s=1.1e-3, row_s=3.0e-5, ctx_s=1.5e-7, ragged_s=2.0e-4, node_frac=0.7, node_ctx_frac=0.45,
     round_s_fixed=6.0e-4, round_row_s=9.0e-5, draft_step_s=4.0e-4, draft_row_s=2.0e-5, draft_ctx_s=3.0e-8,
-    prefill_step_s=2.0e-3, prefill_token_s=2.0e-5,
+    prefill_step_s=2.0e-3, prefill_token_s=2.0e-5, after_round_frac=0.18, after_round_decay=0.55,
+    after_one_plain_frac=0.03, after_plain_frac=0.12, after_plain_steps=12,
 )  # fmt: skip
 
 
@@ -54,7 +56,23 @@ def points_of(model: CpuCosts, plan_fit) -> dict[tuple, list[tuple]]:
             model.draft_step_s + batch * arm.topk * (model.draft_row_s + model.draft_ctx_s * ctx)
         )
         results[("round", label, batch, skip)] = [(model.round_s(batch, arm, ctx), 0.0, ctx, draft, 0)] * 2
+    for label, batch in itertools.product(plan_fit.ARMS, plan_fit.ROUND_BATCHES):
+        results[("switch", label, batch)] = [switching_of(model, plan_fit, Arm.from_label(label), batch)] * 2
     return results
+
+
+def switching_of(model: CpuCosts, plan_fit, arm: Arm, batch: int) -> dict[str, list[tuple]]:
+    """`switch_steps`' record as `model` would time it: two cycles, contexts growing as steps run."""
+    out: dict[str, list[tuple]] = {"plain": [], "rounds": []}
+    ctx = 80 + batch % 3
+    plain, span = Arm.plain(), plan_fit.SWITCH_SPAN
+    for _ in range(2):
+        for k, after in ((1, 1), *((None, j - 1) for j in range(1, span + 1)), (span, span), (0, 0), (None, 0)):
+            step = arm if k is not None else plain
+            sec = model.round_s(batch, step, ctx) + model.switch_s(batch, step, ctx, after)
+            out["rounds" if k is not None else "plain"].append((k if k is not None else after + 1, sec, ctx))
+            ctx += 4 if k is not None else 1
+    return out
 
 
 def test_the_fit_gives_back_the_constants_that_made_the_points(plan_fit):
@@ -62,6 +80,17 @@ def test_the_fit_gives_back_the_constants_that_made_the_points(plan_fit):
     for name, value in fitted.items():
         assert value == pytest.approx(getattr(TRUE, name), rel=1e-6, abs=1e-12), name
     assert len(measured["rounds"]) == len(plan_fit.ARMS) * len(plan_fit.ROUND_BATCHES) * len(plan_fit.ROUND_SKIPS)
+    assert {"after_round_frac", "after_round_decay", "after_one_plain_frac", "after_plain_frac"} <= set(fitted)
+
+
+def test_switching_points_measured_without_any_cost_fit_no_cost(plan_fit):
+    """Steps that cost what they cost back to back whichever kind came before fit no switching cost, and
+    steps measured faster after a switch (a machine noisier than the effect) fit none either."""
+    for share in (0.0, -0.05):
+        none = dataclasses.replace(TRUE, after_round_frac=share, after_one_plain_frac=share, after_plain_frac=share)
+        fitted, _ = plan_fit.engine_constants(points_of(none, plan_fit))
+        for name in ("after_round_frac", "after_one_plain_frac", "after_plain_frac"):
+            assert fitted[name] == pytest.approx(0.0, abs=1e-9), (share, name)
 
 
 def test_a_machine_drifting_during_the_fit_moves_rounds_and_decode_steps_alike(plan_fit):
@@ -83,7 +112,7 @@ def test_a_machine_drifting_during_the_fit_moves_rounds_and_decode_steps_alike(p
     def ratio(model: CpuCosts) -> float:
         return model.round_s(16, arm, 300) / model.decode_s(16, 300)
 
-    fit_order = plan_fit.measuring_order(3)
+    fit_order = [p for p in plan_fit.measuring_order(3) if p[0] != "switch"]
     blocks = sorted(fit_order, key=lambda p: p[0] == "round")  # every decode point first, stable otherwise
     assert ratio(drifted(fit_order)) == pytest.approx(ratio(TRUE), rel=0.05)
     assert abs(ratio(drifted(blocks)) / ratio(TRUE) - 1) > 0.10

@@ -6,6 +6,8 @@ Every model answers, in seconds:
 - `decode_s(b, ctx)`: one plain decode step of `b` rows whose mean context is `ctx` tokens;
 - `round_s(b, arm, ctx)`: one speculative round of `b` rows: the arm's drafting plus the verify forward of
   its nodes (and the round's own bookkeeping);
+- `switch_s(b, arm, ctx, plain_run, repeat)`: what steps of `arm` cost beyond `round_s` for following steps of
+  the other kind (a plain step after a round, a round after plain steps);
 - `prefill_s(tokens)`: prefilling that many prompt tokens;
 - `reverify_s(held, prompt_len)`: a partial rollout's re-verification under a new version of rows holding
   `held` response tokens each (beyond the plain `load_s`);
@@ -30,6 +32,13 @@ engine attends every row over the longest, depth d, top-k w):
                 (the new policy's forward over every row's prompt and tokens, padded to the longest, the old
                 policy's over the rows it rejects, the weights swapped; without those constants,
                 prefill_s of the held tokens)
+    switch_s  = after_round_frac * after_round_decay^(j - 1) * decode_s
+                (the j-th plain step after a speculative round: the round's working set, the drafter, its tree
+                and the verify's wider attention, has displaced the target's weights and KV lines from this CPU's
+                caches, and the plain steps after it pay to bring them back, most right after the round)
+              = after_k * round_s, after_k = after_one_plain_frac at k = 1 plain step before the round, rising
+                linearly to after_plain_frac at k = after_plain_steps and beyond (the round's own working set
+                displaced by the plain steps before it); 0 for a round after a round, or before any round
     learn_s   = tokens / learn_tokens_per_s   (a fit without the micro-batch constants), else, over the update's
                 rows as the learner batches them (longest first, each micro-batch `micro_batch_tokens // W` rows
                 padded to its longest, W tokens of prompt and response):
@@ -89,6 +98,13 @@ class EngineCosts(Protocol):
 
     def decode_s(self, batch: int, context: float) -> float: ...
     def round_s(self, batch: int, arm: Arm, context: float) -> float: ...
+    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+        """Seconds that `repeat` steps of `arm` (more than one: plain steps only) cost beyond `round_s` when
+        the worker has run `plain_run` plain steps since its last speculative round or since it began (0: the
+        step before was a round; None: plain steps before any round): switching between the two kinds of
+        step."""
+        ...
+
     def prefill_s(self, tokens: int) -> float: ...
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float: ...
     def learn_s(self, tokens: int, context: float) -> float: ...
@@ -123,6 +139,9 @@ class FixedCosts:
 
     def round_s(self, batch: int, arm: Arm, context: float) -> float:
         return self.decode if arm.kind == "plain" else self.round
+
+    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+        return 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill if tokens else 0.0
@@ -171,6 +190,18 @@ class CpuCosts:
     """Cost per row and drafted candidate of one drafter forward."""
     draft_ctx_s: float = 0.0
     """Its attention's part: per row, drafted candidate and context token."""
+    after_round_frac: float = 0.0
+    """A plain step right after a speculative round costs this share of `decode_s` more (this CPU's caches:
+    the round's working set displaced the target's)."""
+    after_round_decay: float = 0.0
+    """The share of that extra left at each further plain step: the j-th plain step after a round pays
+    `after_round_frac * after_round_decay ** (j - 1)`."""
+    after_one_plain_frac: float = 0.0
+    """A speculative round right after one plain step costs this share of `round_s` more (rounds back to back
+    cost `round_s`)."""
+    after_plain_frac: float = 0.0
+    """... right after `after_plain_steps` plain steps or more; between one and those, linear in the steps."""
+    after_plain_steps: int = 8
     prefill_step_s: float = 0.0
     prefill_token_s: float = 0.0
     reverify_step_s: float = 0.0
@@ -227,6 +258,23 @@ class CpuCosts:
         width = max(arm.topk, 1)
         drafts = 0 if arm.kind in ("ngram", "group") else arm.depth
         return verify + drafts * (self.draft_step_s + batch * width * (self.draft_row_s + self.draft_ctx_s * context))
+
+    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+        if plain_run is None:
+            return 0.0
+        if arm.kind == "plain":  # the steps are the (plain_run + 1)-th ... after the last round
+            share = sum(self.after_round_decay ** (plain_run + i) for i in range(repeat))
+            return self.after_round_frac * share * self.decode_s(batch, context)
+        if plain_run == 0:
+            return 0.0
+        span = max(self.after_plain_steps, 1)
+        if plain_run >= span or span == 1:
+            frac = self.after_plain_frac
+        else:
+            frac = self.after_one_plain_frac + (self.after_plain_frac - self.after_one_plain_frac) * (
+                (plain_run - 1) / (span - 1)
+            )
+        return repeat * frac * self.round_s(batch, arm, context)
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_step_s + self.prefill_token_s * tokens if tokens else 0.0
@@ -347,6 +395,13 @@ class CpuCosts:
         for name in (*measured, "prefill_token_s", "reverify_step_s", "reverify_token_s"):
             if getattr(self, name) < 0:
                 return f"{name} is {getattr(self, name)!r}, a time below zero"
+        if not 0.0 <= self.after_round_decay < 1.0:
+            return f"after_round_decay is {self.after_round_decay!r}, not a share in [0, 1)"
+        for name in ("after_round_frac", "after_one_plain_frac", "after_plain_frac"):
+            if not getattr(self, name) > -1.0:
+                return f"{name} is {getattr(self, name)!r}: a step after a switch would take no time"
+        if self.after_plain_steps < 1:
+            return f"after_plain_steps is {self.after_plain_steps!r}, not a positive count"
         for name in ("engine_k", "engine_wait_s", "learner_k"):
             if any(k < 0 for k in getattr(self, name)):
                 return f"{name} is {list(getattr(self, name))!r}: contention does not speed work up"

@@ -159,6 +159,11 @@ class GpuCosts:
         level = self._forward(m.drafter_params, batch, max(arm.topk, 1), context, 1)
         return verify + arm.depth * (level + self.draft_overhead_s + self._comm(1))
 
+    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+        """None: a GPU forward streams its weights from HBM every step, whatever the step before it (the CPU's
+        cost of switching, `CpuCosts.switch_s`, is a cost of caches that hold the weights between steps)."""
+        return 0.0
+
     def prefill_s(self, tokens: int) -> float:
         if not tokens:
             return 0.0

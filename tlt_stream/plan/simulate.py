@@ -12,7 +12,8 @@ system's own rules.
   the SD switch (`rollout.switch.SdSwitch`, the configured crossover and margin) and, per batch bucket, the
   tuner's converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost),
   explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
-  beats plain (`above_crossover = "measure"`) or never (`"plain"`).
+  beats plain (`above_crossover = "measure"`) or never (`"plain"`). A step that follows steps of the other
+  kind (a plain step after a round, a round after plain steps) costs `costs.switch_s` more.
 - The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
   work (`costs.hop_s`), after a hop in which rows finished it publishes its rows in flight (`costs.finish_s`),
   and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
@@ -148,6 +149,8 @@ class _Worker:
     idle_s: float = 0.0
     idle_since: float | None = 0.0
     began: float = 0.0  # when the step in progress started
+    plain_run: int = 0  # plain steps since its last speculative round, or since it began
+    rounded: bool = False  # it has run a speculative round
     hop_steps: int = 0  # engine steps since the loop's last poll
     owed: float = 0.0  # the loop's polls not yet charged
     outbox: list = field(default_factory=list)  # complete groups whose output (`costs.group_s`) is not yet sent
@@ -519,6 +522,12 @@ class _Sim:
             drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
             repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
         rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2)
+        after = w.plain_run if arm.kind != "plain" or w.rounded else None
+        rounds_s += costs.switch_s(b, arm, ctx + (repeat - 1) / 2, after, repeat)
+        if arm.kind != "plain":
+            w.plain_run, w.rounded = 0, True
+        else:
+            w.plain_run += repeat
         prefill = costs.prefill_s(admitted * s.prompt_len)
         seconds = rounds_s + prefill
         w.arm, w.step, w.repeat = arm, (arm.label, seconds + extra), repeat
