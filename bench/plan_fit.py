@@ -322,6 +322,9 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
     # a round's fixed and per-row costs, whether the verify or the drafter pays them, are one figure each
     verify_fixed, verify_row_s, node_frac, node_ctx_frac = lstsq(verify_rows, verify_y)
     draft_fixed, draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s = lstsq(draft_rows, draft_y)
+    if draft_fixed < 0:  # a line through deep arms' drafting, extended to depth 0: no drafter costs less than none
+        draft_fixed = 0.0
+        draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s = lstsq([r[1:] for r in draft_rows], draft_y)
     fitted: dict = {
         "step_s": step_s,
         "row_s": row_s,

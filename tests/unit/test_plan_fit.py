@@ -83,6 +83,23 @@ def test_the_fit_gives_back_the_constants_that_made_the_points(plan_fit):
     assert {"after_round_frac", "after_round_decay", "after_one_plain_frac", "after_plain_frac"} <= set(fitted)
 
 
+def test_drafting_that_grows_faster_than_its_depth_fits_no_drafter_cost_below_zero(plan_fit):
+    """Drafting measured at 0.5 ms a level at depth 2 and 1 ms a level deeper (as on this CPU at one row): a line
+    through it crosses zero above depth 0, and a round without a drafter (an n-gram arm) would be charged less
+    than its verify. The fit keeps the drafter's fixed cost at zero or more, so every arm's round stays a cost."""
+    results = points_of(TRUE, plan_fit)
+    for point, passes in results.items():
+        if point[0] == "round":
+            depth = Arm.from_label(point[1]).depth
+            sec, first, ctx, draft, prompt = passes[0]
+            extra = 1e-3 * (depth - 2) * 1.5  # every level past the second costs 1.5 ms more
+            results[point] = [(sec + extra, first, ctx, draft + extra, prompt)] * 2
+    fitted, _ = plan_fit.engine_constants(results)
+    costs = CpuCosts(**fitted)
+    assert costs._unusable() is None
+    assert costs.round_s(1, Arm.from_label("ngram-d4"), 1) > costs.decode_s(1, 1)
+
+
 def test_switching_points_measured_without_any_cost_fit_no_cost(plan_fit):
     """Steps that cost what they cost back to back whichever kind came before fit no switching cost, and
     steps measured faster after a switch (a machine noisier than the effect) fit none either."""
