@@ -421,7 +421,7 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
         mode = MODES[name]
         worker_threads, learner_threads = thread_split(cores, 1, mode.max_staleness)
         threads = "t2" if mode.max_staleness == 0 else "t1"
-        costs = fits(args, threads, contention)
+        costs = as_asked(args, fits(args, threads, contention))
         setup = Setup(
             prompts=args.prompts,
             steps=args.steps,
@@ -429,11 +429,13 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
             worker_threads=worker_threads,
             learner_threads=learner_threads,
             trained_share=share if args.trained_share else 1.0,
+            judged_as_run=args.judged == "as-run",
         )
 
         quiet = simulated(mode, setup, (lengths, acceptance, costs), args.seeds, 0.0)
         per_run, in_run = [], []
         for run, (model, u) in zip(runs, engines(args, loads, threads, name), strict=True):
+            model = as_asked(args, model)
             if args.calibrated:  # the run's own fits, made beside it, and the machine's speed beside it (probes)
                 model = on_machine(model, factors, run, name, threads)
             own = own_workload(args, run, name, acceptance) if args.replay else None
@@ -460,6 +462,16 @@ def predict(args: argparse.Namespace, runs: list[dict], loads: list[dict[str, di
         for k, v in RATIOS.items()
     }
     return out
+
+
+def as_asked(args: argparse.Namespace, costs):
+    """The fitted model, without its cost of switching between plain steps and rounds where `--no-switching`
+    asks (an ablation: what the switching constants move)."""
+    import dataclasses
+
+    if args.switching:
+        return costs
+    return dataclasses.replace(costs, after_round_frac=0.0, after_one_plain_frac=0.0, after_plain_frac=0.0)
 
 
 def measured(runs: list[dict]) -> dict:
@@ -681,6 +693,20 @@ def main() -> None:
         help="the engine's speed: the fitted model's (the check), or, as a diagnostic of everything else the "
         "simulator models, each run's own (its measured hop seconds over the model's for the same work, the "
         "engine's constants scaled by it: not a prediction)",
+    )
+    p.add_argument(
+        "--switching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="charge a step what following steps of the other kind costs (the fits' `switch_s`; --no-switching: "
+        "every step its back-to-back cost, an ablation)",
+    )
+    p.add_argument(
+        "--judged",
+        choices=("as-run", "back-to-back"),
+        default="as-run",
+        help="the simulated tuner judges an arm by what its step would cost after the steps the worker ran (as "
+        "the real tuner measures it), or by its back-to-back cost (an ablation)",
     )
     args = p.parse_args()
     if args.probes and not args.calibrated:

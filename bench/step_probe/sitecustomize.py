@@ -38,6 +38,7 @@ def _wrap(cls: type) -> None:
         proposer = self.proposer
         if proposer is not None:
             observe = proposer.observe_step
+            own = "observe_step" in vars(proposer)  # an instance attribute already (else the class's method)
 
             def timed_observe(*args, **kwargs):
                 started = time.perf_counter()
@@ -51,8 +52,10 @@ def _wrap(cls: type) -> None:
         try:
             decode(self, seqs)
         finally:
-            if proposer is not None:
+            if proposer is not None and own:
                 proposer.observe_step = observe
+            elif proposer is not None:
+                del proposer.observe_step
         _steps.append(("plain", rows, context, time.perf_counter() - started, observed[0]))
 
     def timed_speculate(self, seqs, arm):

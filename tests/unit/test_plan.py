@@ -567,6 +567,24 @@ def test_the_simulator_charges_each_switch_between_plain_steps_and_rounds_in_clo
     assert switched.rounds == plain.rounds
 
 
+def test_the_tuner_judges_an_arm_by_what_its_step_would_cost_after_the_steps_run_in_closed_form():
+    """One group of 8 rows, 4 of 3 tokens and 4 of 30; SD on at 4 rows and below. Back to back a round (2 s,
+    2.1 tokens a row) beats a plain step (1 s, 1 token); after 3 plain steps the round would cost 8% more
+    (0.04 + 0.06 * 2 / 3), 2.16 s: 0.97 tokens a second a row, below plain's 1. The tuner that judges steps as
+    they would run keeps decoding plain (27 more steps, the round after more plain steps costlier still); the one
+    that judges them back to back speculates (ceil(27 / 2.1) = 13 rounds)."""
+    costs = CpuCosts(step_s=1.0, row_s=0.0, round_s_fixed=1.0, learn_tokens_per_s=1e12, **SWITCHING)
+    setup = Setup(
+        prompts=1, group_size=8, steps=1, seed=None, max_batch=8, arms=("d4k1v4",), crossover=5, margin=0,
+        above_crossover="plain", train_drafter=False,
+    )  # fmt: skip
+    lengths = from_lengths([3, 3, 3, 3, 30, 30, 30, 30])
+    as_run = simulate(SD, setup, lengths, Acceptance.uniform(2.1), costs)
+    assert as_run.rounds == {"plain": 30}
+    back_to_back = dataclasses.replace(setup, judged_as_run=False)
+    assert simulate(SD, back_to_back, lengths, Acceptance.uniform(2.1), costs).rounds == {"plain": 3, "d4k1v4": 13}
+
+
 def test_an_engine_made_slower_leaves_the_learner_publication_and_loading_as_measured():
     from tlt_stream.rollout.arms import Arm
 

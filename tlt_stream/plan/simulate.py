@@ -13,7 +13,8 @@ system's own rules.
   tuner's converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost),
   explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
   beats plain (`above_crossover = "measure"`) or never (`"plain"`). A step that follows steps of the other
-  kind (a plain step after a round, a round after plain steps) costs `costs.switch_s` more.
+  kind (a plain step after a round, a round after plain steps) costs `costs.switch_s` more, and the tuner
+  judges arms by what their steps would cost now, the switch included (`Setup.judged_as_run`).
 - The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
   work (`costs.hop_s`), after a hop in which rows finished it publishes its rows in flight (`costs.finish_s`),
   and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
@@ -109,6 +110,10 @@ class Setup:
     background_cores: float = 0.0
     """Cores kept busy by work the simulator does not model (the policy service, Redis, the launcher, the
     machine's neighbours): a measured input of a run (`bench/plan_load.py`), 0 on a machine of one's own."""
+    judged_as_run: bool = True
+    """The tuner judges each arm by what a step of it would cost now, after the steps the worker ran (a switch of
+    kind included, `costs.switch_s`), as the real tuner measures arms in the steps it runs; False: by its cost
+    back to back."""
     steps_per_hop: int = DEFAULTS.rollout.steps_per_hop
     """Engine steps a worker runs before its loop polls for work (fewer when a row finishes): `costs.hop_s` is
     charged per hop."""
@@ -559,7 +564,7 @@ class _Sim:
             return self.plain
         on = w.switch.update(b)
         bucket = bucket_of(b, self.setup.edges)
-        rate = {a: b * self.acc.mean(a, bucket) / self.costs.round_s(b, a, ctx) for a in [self.plain, *self.arms]}
+        rate = {a: b * self.acc.mean(a, bucket) / self.judged_s(w, b, a, ctx) for a in [self.plain, *self.arms]}
         candidates = [self.plain, *self.arms] if on or self.setup.above_crossover == "measure" else [self.plain]
         best = max(sorted(candidates, key=lambda a: a.simplicity), key=rate.__getitem__)
         if self.rng is not None and len(candidates) > 1 and self.rng.random() < self.setup.epsilon:
@@ -567,6 +572,16 @@ class _Sim:
             weights = [max(0.1, (rate[a] / rate[best]) ** 4) for a in others]
             return self.rng.choices(others, weights)[0]
         return best
+
+    def judged_s(self, w: _Worker, b: int, arm: Arm, ctx: float) -> float:
+        """What the tuner goes by for a step of `arm`: its cost back to back, or with `Setup.judged_as_run` its
+        cost if it ran now, after the steps `w` ran (`costs.switch_s`): the tuner measures an arm in the steps it
+        runs, and an arm of the other kind than the bucket's usual one only in exploring steps right after it."""
+        seconds = self.costs.round_s(b, arm, ctx)
+        if self.setup.judged_as_run:
+            after = w.plain_run if arm.kind != "plain" or w.rounded else None
+            seconds += self.costs.switch_s(b, arm, ctx, after)
+        return seconds
 
     def finish_step(self, w: _Worker, t: float) -> None:
         label, _ = w.step
