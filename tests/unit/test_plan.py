@@ -543,18 +543,27 @@ def test_a_step_after_the_other_kind_pays_the_switch_in_closed_form():
         assert dataclasses.replace(costs, **bad)._unusable() is not None
 
 
+UNIT_STEPS = CpuCosts(step_s=1.0, row_s=0.0, round_s_fixed=1.0, learn_tokens_per_s=1e12)
+"""A decode step of 1 s and a round of 2 s whatever the rows and context; an update of no time."""
+
+
+def short_and_long(steps: int):
+    """(Setup, lengths): a group of 8 rows a step, 4 of 3 tokens and 4 of 30, one `d4k1v4` arm, SD on at 4 rows
+    and below and plain above, no drafter training; lengths in order (no seed)."""
+    setup = Setup(
+        prompts=1, group_size=8, steps=steps, seed=None, max_batch=8, arms=("d4k1v4",), crossover=5, margin=0,
+        above_crossover="plain", train_drafter=False,
+    )  # fmt: skip
+    return setup, from_lengths([3, 3, 3, 3, 30, 30, 30, 30])
+
+
 def test_the_simulator_charges_each_switch_between_plain_steps_and_rounds_in_closed_form():
     """Two steps of one group of 8 rows, 4 of 3 tokens and 4 of 30; SD on at 4 rows and below, plain above.
     Each step: 3 plain steps of 1 s (the short rows end), then 9 rounds of 2 s emitting 3 tokens each. With the
     switching constants, each step's first round follows 3 plain steps (0.04 + 0.06 * 2 / 3 of a round), and the
     second step's plain steps follow the first step's last round (0.2 * (1 + 0.5 + 0.25) of a decode step); the
     first step's plain steps follow no round and pay nothing."""
-    base = CpuCosts(step_s=1.0, row_s=0.0, round_s_fixed=1.0, learn_tokens_per_s=1e12)
-    setup = Setup(
-        prompts=1, group_size=8, steps=2, seed=None, max_batch=8, arms=("d4k1v4",), crossover=5, margin=0,
-        above_crossover="plain", train_drafter=False,
-    )  # fmt: skip
-    lengths = from_lengths([3, 3, 3, 3, 30, 30, 30, 30])
+    base, (setup, lengths) = UNIT_STEPS, short_and_long(steps=2)
     plain = simulate(SD, setup, lengths, Acceptance.uniform(3.0), base)
     assert plain.version_times == pytest.approx([0.0, 21.0, 42.0], abs=1e-6)
     assert plain.rounds == {"plain": 6, "d4k1v4": 18}
@@ -573,12 +582,7 @@ def test_the_tuner_judges_an_arm_by_what_its_step_would_cost_after_the_steps_run
     (0.04 + 0.06 * 2 / 3), 2.16 s: 0.97 tokens a second a row, below plain's 1. The tuner that judges steps as
     they would run keeps decoding plain (27 more steps, the round after more plain steps costlier still); the one
     that judges them back to back speculates (ceil(27 / 2.1) = 13 rounds)."""
-    costs = CpuCosts(step_s=1.0, row_s=0.0, round_s_fixed=1.0, learn_tokens_per_s=1e12, **SWITCHING)
-    setup = Setup(
-        prompts=1, group_size=8, steps=1, seed=None, max_batch=8, arms=("d4k1v4",), crossover=5, margin=0,
-        above_crossover="plain", train_drafter=False,
-    )  # fmt: skip
-    lengths = from_lengths([3, 3, 3, 3, 30, 30, 30, 30])
+    costs, (setup, lengths) = dataclasses.replace(UNIT_STEPS, **SWITCHING), short_and_long(steps=1)
     as_run = simulate(SD, setup, lengths, Acceptance.uniform(2.1), costs)
     assert as_run.rounds == {"plain": 30}
     back_to_back = dataclasses.replace(setup, judged_as_run=False)
