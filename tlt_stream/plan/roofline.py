@@ -160,8 +160,8 @@ class GpuCosts:
         return verify + arm.depth * (level + self.draft_overhead_s + self._comm(1))
 
     def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
-        """None: a GPU forward streams its weights from HBM every step, whatever the step before it (the CPU's
-        cost of switching, `CpuCosts.switch_s`, is a cost of caches that hold the weights between steps)."""
+        """Nothing: a GPU forward streams its weights from HBM every step, whatever the step before it (the
+        CPU's cost of switching, `CpuCosts.switch_s`, is a cost of caches that hold the weights between steps)."""
         return 0.0
 
     def prefill_s(self, tokens: int) -> float:
