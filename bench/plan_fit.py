@@ -358,14 +358,13 @@ def switch_constants(results: dict[tuple, list[dict]], fitted: dict) -> tuple[di
     from tlt_stream.rollout.arms import Arm
 
     line = CpuCosts(**fitted)
-    plain = Arm.plain()
     by_j: dict[int, list[float]] = {}
     by_k: dict[int, list[float]] = {}
     for (_, label, batch), passes in results.items():
         arm = Arm.from_label(label)
         for measured in passes:
             for j, sec, ctx in measured["plain"]:
-                by_j.setdefault(j, []).append(sec / line.round_s(batch, plain, ctx) - 1)
+                by_j.setdefault(j, []).append(sec / line.decode_s(batch, ctx) - 1)
             relative = {}
             for k, sec, ctx in measured["rounds"]:
                 relative.setdefault(k, []).append(sec / line.round_s(batch, arm, ctx))

@@ -52,10 +52,11 @@ def _wrap(cls: type) -> None:
         try:
             decode(self, seqs)
         finally:
-            if proposer is not None and own:
-                proposer.observe_step = observe
-            elif proposer is not None:
-                del proposer.observe_step
+            if proposer is not None:
+                if own:
+                    proposer.observe_step = observe
+                else:
+                    del proposer.observe_step
         _steps.append(("plain", rows, context, time.perf_counter() - started, observed[0]))
 
     def timed_speculate(self, seqs, arm):

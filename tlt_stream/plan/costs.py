@@ -267,8 +267,8 @@ class CpuCosts:
             return self.after_round_frac * share * self.decode_s(batch, context)
         if plain_run == 0:
             return 0.0
-        span = max(self.after_plain_steps, 1)
-        if plain_run >= span or span == 1:
+        span = self.after_plain_steps
+        if plain_run >= span:  # (below it, span >= 2: plain_run is at least 1 here)
             frac = self.after_plain_frac
         else:
             frac = self.after_one_plain_frac + (self.after_plain_frac - self.after_one_plain_frac) * (

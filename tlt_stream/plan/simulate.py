@@ -527,8 +527,7 @@ class _Sim:
             drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
             repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
         rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2)
-        after = w.plain_run if arm.kind != "plain" or w.rounded else None
-        rounds_s += costs.switch_s(b, arm, ctx + (repeat - 1) / 2, after, repeat)
+        rounds_s += self.switched_s(w, b, arm, ctx + (repeat - 1) / 2, repeat)
         if arm.kind != "plain":
             w.plain_run, w.rounded = 0, True
         else:
@@ -578,10 +577,13 @@ class _Sim:
         cost if it ran now, after the steps `w` ran (`costs.switch_s`): the tuner measures an arm in the steps it
         runs, and an arm of the other kind than the bucket's usual one only in exploring steps right after it."""
         seconds = self.costs.round_s(b, arm, ctx)
-        if self.setup.judged_as_run:
-            after = w.plain_run if arm.kind != "plain" or w.rounded else None
-            seconds += self.costs.switch_s(b, arm, ctx, after)
-        return seconds
+        return seconds + self.switched_s(w, b, arm, ctx) if self.setup.judged_as_run else seconds
+
+    def switched_s(self, w: _Worker, b: int, arm: Arm, ctx: float, repeat: int = 1) -> float:
+        """What `repeat` steps of `arm` on `w` now cost beyond `round_s` after the steps `w` ran (`costs.switch_s`;
+        plain steps before any round pay nothing)."""
+        after = w.plain_run if arm.kind != "plain" or w.rounded else None
+        return self.costs.switch_s(b, arm, ctx, after, repeat)
 
     def finish_step(self, w: _Worker, t: float) -> None:
         label, _ = w.step
