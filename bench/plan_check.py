@@ -559,26 +559,29 @@ def rollout_entries(run_dir: Path) -> tuple[dict, ...]:
     return tuple(entry for entry in timeline_entries(run_dir) if entry.get("kind") == "rollout")
 
 
-def modelled_round_s(costs, u: float, rows: float, arm=None, context: float | None = None, threads: int = 2) -> float:
+def modelled_round_s(
+    costs, u: float, rows: float, arm=None, context: float | None = None, threads: int = 2, accepted: float = 0.0
+) -> float:
     """What the cost model of `threads` torch threads charges one engine step of `arm` (plain by default) at
-    `rows` rows, a context of `context` tokens (None: the prompt and 90), beside `u` cores of other work."""
+    `rows` rows, a context of `context` tokens (None: the prompt and 90), its rows accepting `accepted` draft
+    tokens each, beside `u` cores of other work."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.rollout.arms import Arm
 
     context = prompt_len() + 90 if context is None else context
-    step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), context)
+    step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), context, accepted)
     return step * slowdown(costs, "engine", threads, u, 1 / step)
 
 
 def rounds_vs_model(runs: list[dict], engines: list[tuple], stream_engines: list[tuple] | None = None) -> dict:
     """Per SD config, the worker's own time in each kind of round (`timeline.jsonl`'s `sd_arm` reports: steps,
-    row-steps, contexts and seconds per arm and batch bucket) over what the cost model gives the same steps at
-    the same mean rows and longest context (`modelled_round_s`; the prompt and 90 tokens for reports without
-    contexts, as `in_situ` charges (a)'s hops): plain steps and drafter rounds apart, per run. The synchronous
-    configs with `engines` (2 threads), the streaming one with `stream_engines` (its worker's 1 thread, the
-    background its own runs kept busy; the learner's update beside some of its rounds is not charged here, so a
-    ratio above the synchronous configs' is the engine slower in the streaming worker, one near theirs puts a
-    miss of the check in the schedule). (a) reports no arms."""
+    row-steps, contexts, tokens and seconds per arm and batch bucket) over what the cost model gives the same steps
+    at the same mean rows, longest context and acceptance (`modelled_round_s`; the prompt and 90 tokens for reports
+    without contexts, as `in_situ` charges (a)'s hops): plain steps and drafter rounds apart, per run. The
+    synchronous configs with `engines` (2 threads), the streaming one with `stream_engines` (its worker's 1 thread,
+    the background its own runs kept busy; the learner's update beside some of its rounds is not charged here, so a
+    ratio above the synchronous configs' is the engine slower in the streaming worker, one near theirs puts a miss
+    of the check in the schedule). (a) reports no arms."""
     from tlt_stream.rollout.switch import arm_of_report
 
     out: dict = {}
@@ -595,7 +598,8 @@ def rounds_vs_model(runs: list[dict], engines: list[tuple], stream_engines: list
                 arm = arm_of_report(SimpleNamespace(**entry))
                 # the steps' own longest context where the worker counted it (reports since 2026-12-06)
                 context = entry["contexts"] / entry["steps"] if entry.get("contexts") else None
-                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm, context, threads)
+                accepted = max(0.0, entry["tokens"] / entry["rows"] - 1.0) if entry.get("rows") else 0.0
+                step = modelled_round_s(costs, u, entry["rows"] / entry["steps"], arm, context, threads, accepted)
                 measured, model = sums.setdefault(arm.kind, [0.0, 0.0])
                 sums[arm.kind] = [measured + entry["seconds"], model + entry["steps"] * step]
             per_run.append({k: round(m / x, 3) for k, (m, x) in sorted(sums.items()) if x})

@@ -9,9 +9,11 @@ streaming: fit both), wall clock, median of `--repeats`:
   engine builds an attention mask that rows of one context do without;
 - prefill: the first step's extra time over a decode step, b prompts -> prefill_step_s, prefill_token_s;
 - round costs: speculative rounds of the drafter arms at b = 1, 4, 16, 64, near the responses' start and deep in
-  them, the drafter's proposals timed apart -> the verify-cost curve (round_s_fixed, round_row_s, node_frac,
-  node_ctx_frac) and draft_step_s, draft_row_s, draft_ctx_s; decode and round points are measured alternately,
-  pass after pass (`measure_engine`), so that the machine's drift moves both alike;
+  them, the drafter's proposals timed apart, each point's draft tokens accepted per row counted; the same with a
+  drafter of the same shape whose drafts are seldom accepted (`seldom_accepted`) -> the verify-cost curve
+  (round_s_fixed, round_row_s, node_frac, node_ctx_frac), draft_step_s, draft_row_s, draft_ctx_s, and accept_s
+  (per row and draft token accepted: the drafter's catch-up over them, their commit); decode and round points
+  are measured alternately, pass after pass (`measure_engine`), so that the machine's drift moves both alike;
 - switching: on an engine that drafts, rounds and plain steps mixed as a worker mixes them (a round after one
   plain step, `SWITCH_SPAN` plain steps, a round after them, a round back to back, one plain step), each step
   timed -> after_round_frac and after_round_decay (the j-th plain step after a round over the decode line, j = 1
@@ -121,8 +123,8 @@ def engine_steps(
     policy, batch: int, *, proposer=None, arm=None, skip: int, steps: int, new: int = 420, spread: int = 0
 ):
     """(seconds per step over `steps` steps after `skip`, the first step's seconds, the longest row's context,
-    draft seconds per step, prompt tokens); with `spread`, the rows' contexts differ by up to that many tokens
-    (`ragged`)."""
+    draft seconds per step, prompt tokens, draft tokens a row accepted per timed step); with `spread`, the rows'
+    contexts differ by up to that many tokens (`ragged`)."""
     from tlt_stream.rollout.engine import GenerationEngine
 
     prompts = prompts_of(batch)
@@ -150,12 +152,14 @@ def engine_steps(
     for _ in range(skip):
         engine.step()
     drafting[0] = 0.0
+    generated = engine.tokens_generated
     started = CLOCK()
     for _ in range(steps):
         engine.step()
     seconds = (CLOCK() - started) / steps
     context = max(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
-    return seconds, first, context, drafting[0] / steps, sum(len(p) for p in prompts)
+    accepted = (engine.tokens_generated - generated) / (steps * batch) - 1.0  # beyond the target's own token
+    return seconds, first, context, drafting[0] / steps, sum(len(p) for p in prompts), accepted
 
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -178,6 +182,28 @@ grows with the context faster than a decode step's (2026-12-06, 16 rows of `d6k1
 tail, where speculation is on, is where the contexts are longest."""
 ROUND_NEW = 1000
 """Tokens a measured round's rows may generate: the deepest arm's 7 a round for every skipped and timed round."""
+SELDOM_SKIPS = (4, 120)
+"""Rounds into the responses at which rounds of a drafter seldom accepted are measured (`seldom_accepted`):
+~1 token a round, so more rounds than `ROUND_SKIPS` reach contexts like the world drafter's deep ones."""
+
+
+def seldom_accepted(drafter):
+    """A drafter of `drafter`'s shape, dtype and cost whose drafts the target seldom accepts: its own weights
+    (not the target's embedding and head it borrows) drawn afresh at their scale, seeded. Its rounds beside the
+    drafter's own part what a round costs per draft token accepted (the drafter's catch-up forward over them,
+    their commit: `accept_s`) from the rest: a fit on one drafter alone folds its acceptance into the round's
+    per-row cost, and a run's online-trained drafter accepts more than the fit's."""
+    import copy
+
+    import torch
+
+    seldom = copy.deepcopy(drafter)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in (p for p in seldom.parameters() if p.dim() >= 2):
+            scale = weight.float().std().item() or 1.0
+            weight.copy_((torch.randn(weight.shape, generator=generator) * 4 * scale).to(weight.dtype))
+    return seldom
 
 
 SWITCH_SPAN = 12
@@ -235,7 +261,8 @@ def interleaved(*kinds: list) -> list:
 
 
 def measure_engine(policy, drafter, repeats: int) -> dict[tuple, list[tuple]]:
-    """Every decode point (rows, steps skipped) and round point (arm, rows, rounds skipped), measured in
+    """Every decode point (rows, steps skipped) and round point (arm, rows, rounds skipped; of `drafter` and,
+    as "seldom" points, of one whose drafts are seldom accepted, `seldom_accepted`), measured in
     `repeats` passes over all of them, decode and round points alternating (`interleaved`), every other pass
     in reverse. A shared machine's speed drifts by tens of percent within minutes (the same decode point
     3.1-5.1 ms within 40 s, 2026-12-06), and the verify-cost curve is fitted on the rounds' excess over the decode
@@ -245,6 +272,7 @@ def measure_engine(policy, drafter, repeats: int) -> dict[tuple, list[tuple]]:
     from tlt_stream.rollout.proposers import EagleProposer
 
     results: dict[tuple, list] = {}
+    drafters = {"round": drafter, "seldom": seldom_accepted(drafter)}
     for point in measuring_order(repeats):
         if point[0] == "decode":
             _, batch, skip = point
@@ -253,8 +281,8 @@ def measure_engine(policy, drafter, repeats: int) -> dict[tuple, list[tuple]]:
             _, label, batch = point
             measured = switch_steps(policy, drafter, batch, label)
         else:
-            _, label, batch, skip = point
-            arm, proposer = Arm.from_label(label), EagleProposer(drafter)
+            kind, label, batch, skip = point
+            arm, proposer = Arm.from_label(label), EagleProposer(drafters[kind])
             measured = engine_steps(policy, batch, proposer=proposer, arm=arm, skip=skip, steps=16, new=ROUND_NEW)
         results.setdefault(point, []).append(measured)
     return results
@@ -264,8 +292,9 @@ def measuring_order(repeats: int) -> list[tuple]:
     """`measure_engine`'s points in the order it measures them, `repeats` passes."""
     decode = [("decode", batch, skip) for batch in BATCHES for skip in (4, LATE // 2, LATE)]
     rounds = [("round", label, batch, skip) for label in ARMS for batch in ROUND_BATCHES for skip in ROUND_SKIPS]
+    seldom = [("seldom", label, batch, skip) for label in ARMS for batch in ROUND_BATCHES for skip in SELDOM_SKIPS]
     switching = [("switch", label, batch) for label in ARMS for batch in ROUND_BATCHES]
-    order = interleaved(decode, rounds, switching)
+    order = interleaved(decode, rounds, seldom, switching)
     return [point for r in range(repeats) for point in (order if r % 2 == 0 else order[::-1])]
 
 
@@ -299,32 +328,42 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
     step_s, row_s, ctx_s, ragged_s = lstsq(plain_rows, plain_y)
     prefill_step_s, prefill_token_s = lstsq(prefill_rows, prefill_y)
     verify_rows, verify_y, draft_rows, draft_y = [], [], [], []
-    for point in (p for p in results if p[0] == "round"):
-        _, label, batch, _ = point
+    round_points = [p for p in results if p[0] in ("round", "seldom")]
+    # the acceptance term where every point measured what its rows accepted and some accepted more than others
+    acceptance = [median(p, 5) if len(results[p][0]) > 5 else None for p in round_points]
+    with_acceptance = None not in acceptance and max(acceptance, default=0.0) - min(acceptance, default=0.0) > 0.5
+    for point, accepted in zip(round_points, acceptance, strict=True):
+        kind, label, batch, _ = point
         arm = Arm.from_label(label)
         sec, ctx, draft = median(point, 0), median(point, 2), median(point, 3)
         base = step_s + row_s * batch + ctx_s * batch * ctx
-        verify_rows.append([1.0, batch, row_s * batch * arm.nodes, ctx_s * batch * ctx * arm.nodes])
+        accepting = [batch * accepted] if with_acceptance else []
+        verify_rows.append([1.0, batch, row_s * batch * arm.nodes, ctx_s * batch * ctx * arm.nodes, *accepting])
         verify_y.append(sec - draft - base)
         width = arm.depth * batch * arm.topk
-        draft_rows.append([1.0, batch, arm.depth, width, width * ctx])
+        draft_rows.append([1.0, batch, arm.depth, width, width * ctx, *accepting])
         draft_y.append(draft)
         measured["rounds"].append(
             {
                 "arm": label,
+                "drafter": "seldom accepted" if kind == "seldom" else "world",
                 "batch": batch,
                 "context": round(ctx, 1),
+                "accepted": None if accepted is None else round(accepted, 3),
                 "ms": round(1e3 * sec, 3),
                 "draft_ms": round(1e3 * draft, 3),
             }
         )
-        log(f"round {label} b={batch} longest ctx={ctx:.0f}: {1e3 * sec:.2f} ms (drafting {1e3 * draft:.2f})")
+        accepts = "" if accepted is None else f", accepting {accepted:.2f} a row"
+        log(f"{kind} {label} b={batch} longest ctx={ctx:.0f}{accepts}: {1e3 * sec:.2f} ms (drafting {1e3 * draft:.2f})")
     # a round's fixed and per-row costs, whether the verify or the drafter pays them, are one figure each
-    verify_fixed, verify_row_s, node_frac, node_ctx_frac = lstsq(verify_rows, verify_y)
-    draft_fixed, draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s = lstsq(draft_rows, draft_y)
+    verify_fixed, verify_row_s, node_frac, node_ctx_frac, *verify_accept = lstsq(verify_rows, verify_y)
+    draft_fixed, draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s, *draft_accept = lstsq(draft_rows, draft_y)
     if draft_fixed < 0:  # a line through deep arms' drafting, extended to depth 0: no drafter costs less than none
         draft_fixed = 0.0
-        draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s = lstsq([r[1:] for r in draft_rows], draft_y)
+        draft_round_row_s, draft_step_s, draft_row_s, draft_ctx_s, *draft_accept = lstsq(
+            [r[1:] for r in draft_rows], draft_y
+        )
     fitted: dict = {
         "step_s": step_s,
         "row_s": row_s,
@@ -337,6 +376,7 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
         "draft_step_s": draft_step_s,
         "draft_row_s": draft_row_s,
         "draft_ctx_s": max(0.0, draft_ctx_s),
+        "accept_s": max(0.0, sum(verify_accept) + sum(draft_accept)),
         "prefill_step_s": max(0.0, prefill_step_s),
         "prefill_token_s": max(0.0, prefill_token_s),
     }

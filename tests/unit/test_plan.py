@@ -589,6 +589,36 @@ def test_the_tuner_judges_an_arm_by_what_its_step_would_cost_after_the_steps_run
     assert simulate(SD, back_to_back, lengths, Acceptance.uniform(2.1), costs).rounds == {"plain": 3, "d4k1v4": 13}
 
 
+def test_a_drafter_round_pays_for_the_draft_tokens_its_rows_accept_in_closed_form():
+    """accept_s per row and draft token accepted, on a drafter arm's round only (an n-gram round has no drafter
+    to catch up, a plain step accepts nothing); scaled with the engine; charged in a round's switch; a negative
+    constant refused."""
+    costs = dataclasses.replace(CPU, accept_s=5e-5, **SWITCHING)
+    arm, ngram, plain = Arm.from_label("d4k1v4"), Arm.from_label("ngram-d4"), Arm.plain()
+    assert costs.round_s(8, arm, 100, 3.0) - costs.round_s(8, arm, 100) == pytest.approx(5e-5 * 8 * 3.0)
+    assert costs.round_s(8, arm, 100, -1.0) == costs.round_s(8, arm, 100)
+    for other in (ngram, plain):
+        assert costs.round_s(8, other, 100, 3.0) == costs.round_s(8, other, 100)
+    assert costs.engine_slower(1.5).round_s(8, arm, 100, 3.0) == pytest.approx(1.5 * costs.round_s(8, arm, 100, 3.0))
+    assert costs.switch_s(8, arm, 100, 1, accepted=3.0) == pytest.approx(0.04 * costs.round_s(8, arm, 100, 3.0))
+    assert "accept_s" in (dataclasses.replace(CPU, accept_s=-1e-6)._unusable() or "")
+
+
+def test_the_simulator_charges_a_round_for_what_its_rows_accept_and_the_tuner_weighs_it_in_closed_form():
+    """One group of 8 rows, 4 of 3 tokens and 4 of 30; SD on at 4 rows and below; rounds of 2 s emitting 3 tokens
+    a row (2 of them accepted draft tokens), plain steps of 1 s. At accept_s = 0.05 a round costs 2 + 0.05 * 4 * 2
+    = 2.4 s, 5 tokens a second against plain's 4: 3 plain steps, then 9 rounds, 24.6 s. At 0.2 a round costs 3.6 s,
+    3.3 tokens a second: the tuner decodes plain, 30 steps of 1 s."""
+    setup, lengths = short_and_long(steps=1)
+    costs = dataclasses.replace(UNIT_STEPS, accept_s=0.05)
+    run = simulate(SD, setup, lengths, Acceptance.uniform(3.0), costs)
+    assert run.rounds == {"plain": 3, "d4k1v4": 9}
+    assert run.version_times == pytest.approx([0.0, 24.6], abs=1e-6)
+    dear = simulate(SD, setup, lengths, Acceptance.uniform(3.0), dataclasses.replace(costs, accept_s=0.2))
+    assert dear.rounds == {"plain": 30}
+    assert dear.version_times == pytest.approx([0.0, 30.0], abs=1e-6)
+
+
 def test_an_engine_made_slower_leaves_the_learner_publication_and_loading_as_measured():
     from tlt_stream.rollout.arms import Arm
 

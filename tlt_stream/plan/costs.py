@@ -4,8 +4,9 @@ microbenchmarks (`bench/plan_fit.py`), never on the end-to-end runs they are che
 Every model answers, in seconds:
 
 - `decode_s(b, ctx)`: one plain decode step of `b` rows whose mean context is `ctx` tokens;
-- `round_s(b, arm, ctx)`: one speculative round of `b` rows: the arm's drafting plus the verify forward of
-  its nodes (and the round's own bookkeeping);
+- `round_s(b, arm, ctx, accepted)`: one speculative round of `b` rows: the arm's drafting plus the verify
+  forward of its nodes (and the round's own bookkeeping), its rows accepting `accepted` draft tokens each on
+  average;
 - `switch_s(b, arm, ctx, plain_run, repeat)`: what steps of `arm` cost beyond `round_s` for following steps of
   the other kind (a plain step after a round, a round after plain steps);
 - `prefill_s(tokens)`: prefilling that many prompt tokens;
@@ -24,9 +25,12 @@ engine attends every row over the longest, depth d, top-k w):
     round_s   = step_s + round_s_fixed + round_row_s * b + row_s * b * (1 + node_frac * n)
                 + ctx_s * b * ctx * (1 + node_ctx_frac * n)
                 + d * (draft_step_s + draft_row_s * b * w + draft_ctx_s * b * w * ctx)
+                + accept_s * b * a      (drafter arms; a: draft tokens a row accepts a round, on average)
                 (a round's own work per row: its tree, acceptance and commit, and the drafter catching up on the
-                row's accepted tokens; a verified node attends the whole context, as the drafter's candidates do
-                theirs: a round deep in a response costs more than one near its start)
+                row's tokens; a verified node attends the whole context, as the drafter's candidates do theirs: a
+                round deep in a response costs more than one near its start; the drafter's catch-up forward runs
+                over the tokens the rows accepted since its last one, so a round of a drafter that is accepted
+                more costs more: the fit's own drafter accepts what it accepts, a run's online-trained one more)
     prefill_s = prefill_step_s + prefill_token_s * tokens
     reverify_s = reverify_step_s + reverify_token_s * rows * (prompt_len + max(held))
                 (the new policy's forward over every row's prompt and tokens, padded to the longest, the old
@@ -97,8 +101,14 @@ class EngineCosts(Protocol):
     (paged KV caches), so `context` is the rows' mean."""
 
     def decode_s(self, batch: int, context: float) -> float: ...
-    def round_s(self, batch: int, arm: Arm, context: float) -> float: ...
-    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+    def round_s(self, batch: int, arm: Arm, context: float, accepted: float = 0.0) -> float:
+        """One step of `arm`; `accepted`: the draft tokens each row accepts in a round of it, on average (a
+        plain step, whatever it is given, accepts none)."""
+        ...
+
+    def switch_s(
+        self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1, accepted: float = 0.0
+    ) -> float:
         """Seconds that `repeat` steps of `arm` (more than one: plain steps only) cost beyond `round_s` when
         the worker has run `plain_run` plain steps since its last speculative round or since it began (0: the
         step before was a round; None: plain steps before any round): switching between the two kinds of
@@ -137,10 +147,12 @@ class FixedCosts:
     def decode_s(self, batch: int, context: float) -> float:
         return self.decode
 
-    def round_s(self, batch: int, arm: Arm, context: float) -> float:
+    def round_s(self, batch: int, arm: Arm, context: float, accepted: float = 0.0) -> float:
         return self.decode if arm.kind == "plain" else self.round
 
-    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+    def switch_s(
+        self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1, accepted: float = 0.0
+    ) -> float:
         return 0.0
 
     def prefill_s(self, tokens: int) -> float:
@@ -183,13 +195,18 @@ class CpuCosts:
     """A speculative round's own bookkeeping beyond its forwards (tree mask, acceptance, KV commit)."""
     round_row_s: float = 0.0
     """Its cost per row beyond the row's decode token and verified nodes, whatever the arm's nodes: the row's
-    tree, acceptance and KV commit, and the drafter's forward over the tokens the row accepted."""
+    tree, acceptance and KV commit, and the drafter's forward over its newest token (over the tokens it
+    accepted: `accept_s`)."""
     draft_step_s: float = 0.0
     """Fixed cost of one drafter forward (one tree level)."""
     draft_row_s: float = 0.0
     """Cost per row and drafted candidate of one drafter forward."""
     draft_ctx_s: float = 0.0
     """Its attention's part: per row, drafted candidate and context token."""
+    accept_s: float = 0.0
+    """A drafter round's cost per row and draft token the row accepts: the drafter's catch-up forward over the
+    tokens accepted since its last one, and their commit (the fit measures rounds of its drafter and of one
+    whose drafts are seldom accepted, so that the other constants are those of a round that accepts none)."""
     after_round_frac: float = 0.0
     """A plain step right after a speculative round costs this share of `decode_s` more (this CPU's caches:
     the round's working set displaced the target's)."""
@@ -249,17 +266,21 @@ class CpuCosts:
         ragged = self.ragged_s if batch > 1 else 0.0
         return self.step_s + self.row_s * batch + self.ctx_s * batch * context + ragged
 
-    def round_s(self, batch: int, arm: Arm, context: float) -> float:
+    def round_s(self, batch: int, arm: Arm, context: float, accepted: float = 0.0) -> float:
         if arm.kind == "plain":
             return self.decode_s(batch, context)
         verify = self.step_s + self.round_s_fixed + self.round_row_s * batch
         verify += self.row_s * batch * (1 + self.node_frac * arm.nodes)
         verify += self.ctx_s * batch * context * (1 + self.node_ctx_frac * arm.nodes)
         width = max(arm.topk, 1)
-        drafts = 0 if arm.kind in ("ngram", "group") else arm.depth
-        return verify + drafts * (self.draft_step_s + batch * width * (self.draft_row_s + self.draft_ctx_s * context))
+        if arm.kind in ("ngram", "group"):
+            return verify
+        drafting = self.draft_step_s + batch * width * (self.draft_row_s + self.draft_ctx_s * context)
+        return verify + arm.depth * drafting + self.accept_s * batch * max(0.0, accepted)
 
-    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+    def switch_s(
+        self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1, accepted: float = 0.0
+    ) -> float:
         if plain_run is None:
             return 0.0
         if arm.kind == "plain":  # the steps are the (plain_run + 1)-th ... after the last round
@@ -274,7 +295,7 @@ class CpuCosts:
             frac = self.after_one_plain_frac + (self.after_plain_frac - self.after_one_plain_frac) * (
                 (plain_run - 1) / (span - 1)
             )
-        return repeat * frac * self.round_s(batch, arm, context)
+        return repeat * frac * self.round_s(batch, arm, context, accepted)
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_step_s + self.prefill_token_s * tokens if tokens else 0.0
@@ -346,6 +367,7 @@ class CpuCosts:
             draft_step_s=max(0.0, self.draft_step_s - waited) / scale,
             draft_row_s=self.draft_row_s / scale,
             draft_ctx_s=self.draft_ctx_s / scale,
+            accept_s=self.accept_s / scale,
             prefill_step_s=max(0.0, self.prefill_step_s - waited) / scale,
             prefill_token_s=self.prefill_token_s / scale,
             reverify_step_s=self.reverify_step_s / scale,
@@ -395,6 +417,8 @@ class CpuCosts:
         for name in (*measured, "prefill_token_s", "reverify_step_s", "reverify_token_s"):
             if getattr(self, name) < 0:
                 return f"{name} is {getattr(self, name)!r}, a time below zero"
+        if self.accept_s < 0:
+            return f"accept_s is {self.accept_s!r}: a round would cost less the more of its draft it accepted"
         if not 0.0 <= self.after_round_decay < 1.0:
             return f"after_round_decay is {self.after_round_decay!r}, not a share in [0, 1)"
         for name in ("after_round_frac", "after_one_plain_frac", "after_plain_frac"):

@@ -148,7 +148,9 @@ class GpuCosts:
         m = self.model
         return self._forward(m.params, batch, 1, context, m.layers) + self.step_overhead_s + self._comm(m.layers)
 
-    def round_s(self, batch: int, arm: Arm, context: float) -> float:
+    def round_s(self, batch: int, arm: Arm, context: float, accepted: float = 0.0) -> float:
+        """`accepted` changes nothing here: the drafter's catch-up over a row's accepted tokens widens one forward
+        of a one-layer drafter by a few tokens, whose weights it streams once whatever their number."""
         if arm.kind == "plain":
             return self.decode_s(batch, context)
         m = self.model
@@ -159,7 +161,9 @@ class GpuCosts:
         level = self._forward(m.drafter_params, batch, max(arm.topk, 1), context, 1)
         return verify + arm.depth * (level + self.draft_overhead_s + self._comm(1))
 
-    def switch_s(self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1) -> float:
+    def switch_s(
+        self, batch: int, arm: Arm, context: float, plain_run: int | None, repeat: int = 1, accepted: float = 0.0
+    ) -> float:
         """Nothing: a GPU forward streams its weights from HBM every step, whatever the step before it (the
         CPU's cost of switching, `CpuCosts.switch_s`, is a cost of caches that hold the weights between steps)."""
         return 0.0

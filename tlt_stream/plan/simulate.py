@@ -9,12 +9,13 @@ system's own rules.
   tokens (`costs.reverify_s`; `kept_share` of the tokens survive). A draft row (a group of the version after
   the worker's) runs at most `ahead_tokens` tokens, then parks without its slot; with `ahead_rows` drafts start
   only while fewer rows run. Each engine step is a plain decode or a speculative round of the arm chosen:
-  the SD switch (`rollout.switch.SdSwitch`, the configured crossover and margin) and, per batch bucket, the
-  tuner's converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost),
-  explored with probability epsilon by the tuner's weights. Above the crossover an arm runs only where it
-  beats plain (`above_crossover = "measure"`) or never (`"plain"`). A step that follows steps of the other
-  kind (a plain step after a round, a round after plain steps) costs `costs.switch_s` more, and the tuner
-  judges arms by what their steps would cost now, the switch included (`Setup.judged_as_run`).
+  the SD switch (`rollout.switch.SdSwitch`, the configured crossover and margin) and, per batch bucket, the tuner's
+  converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost), explored with
+  probability epsilon by the tuner's weights. A round is charged for what its rows accept on average
+  (`costs.round_s`'s `accepted`: the arm's tokens a round at the bucket, less the target's own). Above the crossover
+  an arm runs only where it beats plain (`above_crossover = "measure"`) or never (`"plain"`). A step that follows
+  steps of the other kind (a plain step after a round, a round after plain steps) costs `costs.switch_s` more, and
+  the tuner judges arms by what their steps would cost now, the switch included (`Setup.judged_as_run`).
 - The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
   work (`costs.hop_s`), after a hop in which rows finished it publishes its rows in flight (`costs.finish_s`),
   and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
@@ -526,7 +527,8 @@ class _Sim:
             left = min(r.length - r.done for r in w.running)
             drafts = [s.ahead_tokens - r.done for r in w.running if r.draft_of > w.version]
             repeat = max(1, min(s.macro_steps, math.ceil(min([left, *drafts]) - 1e-9)))
-        rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2)
+        accepted = self.accepted(arm, b)
+        rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2, accepted)
         rounds_s += self.switched_s(w, b, arm, ctx + (repeat - 1) / 2, repeat)
         if arm.kind != "plain":
             w.plain_run, w.rounded = 0, True
@@ -576,14 +578,22 @@ class _Sim:
         """What the tuner goes by for a step of `arm`: its cost back to back, or with `Setup.judged_as_run` its
         cost if it ran now, after the steps `w` ran (`costs.switch_s`): the tuner measures an arm in the steps it
         runs, and an arm of the other kind than the bucket's usual one only in exploring steps right after it."""
-        seconds = self.costs.round_s(b, arm, ctx)
+        seconds = self.costs.round_s(b, arm, ctx, self.accepted(arm, b))
         return seconds + self.switched_s(w, b, arm, ctx) if self.setup.judged_as_run else seconds
 
     def switched_s(self, w: _Worker, b: int, arm: Arm, ctx: float, repeat: int = 1) -> float:
         """What `repeat` steps of `arm` on `w` now cost beyond `round_s` after the steps `w` ran (`costs.switch_s`;
         plain steps before any round pay nothing)."""
         after = w.plain_run if arm.kind != "plain" or w.rounded else None
-        return self.costs.switch_s(b, arm, ctx, after, repeat)
+        return self.costs.switch_s(b, arm, ctx, after, repeat, self.accepted(arm, b))
+
+    def accepted(self, arm: Arm, b: int) -> float:
+        """The draft tokens a row accepts in a round of `arm` at `b` rows, on average: the acceptance's tokens a
+        round less the one the target adds (`costs.round_s` charges what accepting costs; a round's own draw may
+        differ, the cost is the mean's)."""
+        if arm.kind == "plain":
+            return 0.0
+        return max(0.0, self.acc.mean(arm, bucket_of(b, self.setup.edges)) - 1.0)
 
     def finish_step(self, w: _Worker, t: float) -> None:
         label, _ = w.step
