@@ -122,9 +122,10 @@ batch's rollout begins."""
 def engine_steps(
     policy, batch: int, *, proposer=None, arm=None, skip: int, steps: int, new: int = 420, spread: int = 0
 ):
-    """(seconds per step over `steps` steps after `skip`, the first step's seconds, the longest row's context,
-    draft seconds per step, prompt tokens, draft tokens a row accepted per timed step); with `spread`, the rows'
-    contexts differ by up to that many tokens (`ragged`)."""
+    """(seconds per step over `steps` steps after `skip`, the first step's seconds, the longest row's context
+    at a timed step's start (their mean, as a worker's reports count it: `longest_context`), draft seconds per
+    step, prompt tokens, draft tokens a row accepted per timed step); with `spread`, the rows' contexts differ by
+    up to that many tokens (`ragged`)."""
     from tlt_stream.rollout.engine import GenerationEngine
 
     prompts = prompts_of(batch)
@@ -152,14 +153,22 @@ def engine_steps(
     for _ in range(skip):
         engine.step()
     drafting[0] = 0.0
-    generated = engine.tokens_generated
-    started = CLOCK()
+    generated, seconds, contexts = engine.tokens_generated, 0.0, 0
     for _ in range(steps):
+        contexts += longest_context(engine)
+        started = CLOCK()
         engine.step()
-    seconds = (CLOCK() - started) / steps
-    context = max(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
+        seconds += CLOCK() - started
     accepted = (engine.tokens_generated - generated) / (steps * batch) - 1.0  # beyond the target's own token
-    return seconds, first, context, drafting[0] / steps, sum(len(p) for p in prompts), accepted
+    return seconds / steps, first, contexts / steps, drafting[0] / steps, sum(len(p) for p in prompts), accepted
+
+
+def longest_context(engine) -> int:
+    """The longest running row's context (prompt and tokens) at a step's start: what a worker's SD arm reports
+    count (`SdArmReport.contexts`) and the model is charged at. Read after the step instead, a point of rounds
+    that emit several tokens a row would stand at a context its steps had not reached (16 rounds of 4 tokens:
+    ~30 tokens past their mean), and its share of the context's cost would land in the per-row constants."""
+    return max(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
 
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -236,10 +245,10 @@ def switch_steps(policy, drafter, batch: int, label: str, cycles: int = SWITCH_C
 
     def step(speculate: bool) -> tuple[float, int]:
         engine.arm = arm if speculate else None
+        context = longest_context(engine)
         started = CLOCK()
         engine.step()
-        seconds = CLOCK() - started
-        return seconds, max(len(s.prompt_ids) + len(s.token_ids) for s in engine.scheduler.running)
+        return CLOCK() - started, context
 
     for _ in range(4):  # warm-up: both kinds' code paths and buffers
         step(True)
