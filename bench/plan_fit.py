@@ -14,6 +14,9 @@ streaming: fit both), wall clock, median of `--repeats`:
   (round_s_fixed, round_row_s, node_frac, node_ctx_frac), draft_step_s, draft_row_s, draft_ctx_s, and accept_s
   (per row and draft token accepted: the drafter's catch-up over them, their commit); decode and round points
   are measured alternately, pass after pass (`measure_engine`), so that the machine's drift moves both alike;
+- the drafter's catch-up: each round point's first step (the prefill, and the round whose drafter runs over every
+  row's prompt) less a timed round and the fitted prefill, over the rows times the longest prompt ->
+  catch_up_token_s;
 - switching: on an engine that drafts, rounds and plain steps mixed as a worker mixes them (a round after one
   plain step, `SWITCH_SPAN` plain steps, a round after them, a round back to back, one plain step), each step
   timed -> after_round_frac and after_round_decay (the j-th plain step after a round over the decode line, j = 1
@@ -124,8 +127,9 @@ def engine_steps(
 ):
     """(seconds per step over `steps` steps after `skip`, the first step's seconds, the longest row's context
     at a timed step's start (their mean, as a worker's reports count it: `longest_context`), draft seconds per
-    step, prompt tokens, draft tokens a row accepted per timed step); with `spread`, the rows' contexts differ by
-    up to that many tokens (`ragged`)."""
+    step, prompt tokens, draft tokens a row accepted per timed step, the longest prompt); with `spread`, the rows'
+    contexts differ by up to that many tokens (`ragged`). The first step prefills the prompts and, on an engine
+    that drafts, runs the round whose drafter catches up on them (`catch_up_constant`)."""
     from tlt_stream.rollout.engine import GenerationEngine
 
     prompts = prompts_of(batch)
@@ -160,7 +164,8 @@ def engine_steps(
         engine.step()
         seconds += CLOCK() - started
     accepted = (engine.tokens_generated - generated) / (steps * batch) - 1.0  # beyond the target's own token
-    return seconds / steps, first, contexts / steps, drafting[0] / steps, sum(len(p) for p in prompts), accepted
+    prompt = sum(len(p) for p in prompts)
+    return seconds / steps, first, contexts / steps, drafting[0] / steps, prompt, accepted, longest
 
 
 def longest_context(engine) -> int:
@@ -389,11 +394,34 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
         "prefill_step_s": max(0.0, prefill_step_s),
         "prefill_token_s": max(0.0, prefill_token_s),
     }
+    fitted["catch_up_token_s"] = catch_up_constant(results, round_points, fitted)
     switching = {p: passes for p, passes in results.items() if p[0] == "switch"}
     if switching:
         fitted_switch, measured["switching"] = switch_constants(switching, fitted)
         fitted |= fitted_switch
     return fitted, measured
+
+
+def catch_up_constant(results: dict[tuple, list[tuple]], round_points: list[tuple], fitted: dict) -> float:
+    """`catch_up_token_s` through the round points' first steps: each prefilled its rows and ran the round whose
+    drafter caught up on every row's prompt, so the first step less a timed round and the prefill's fitted cost is
+    the catch-up, over the rows times the longest prompt (a line through the origin over every point, medians of
+    the passes; 0 where the points recorded no prompt or it comes out below zero)."""
+    xs, ys = [], []
+    for point in round_points:
+        passes = results[point]
+        if len(passes[0]) < 7 or not passes[0][6]:
+            continue
+        batch = point[2]
+        first, sec = statistics.median(r[1] for r in passes), statistics.median(r[0] for r in passes)
+        prefill = fitted["prefill_step_s"] + fitted["prefill_token_s"] * passes[0][4]
+        xs.append(batch * passes[0][6])
+        ys.append(first - sec - prefill)
+    if not xs:
+        return 0.0
+    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    log(f"catch-up: {1e6 * slope:.3f} us a row and prompt token ({len(xs)} points)")
+    return max(0.0, slope)
 
 
 def switch_constants(results: dict[tuple, list[dict]], fitted: dict) -> tuple[dict, dict]:

@@ -619,6 +619,52 @@ def test_the_simulator_charges_a_round_for_what_its_rows_accept_and_the_tuner_we
     assert dear.version_times == pytest.approx([0.0, 30.0], abs=1e-6)
 
 
+def test_the_drafter_s_catch_up_over_unseen_prompts_in_closed_form():
+    """catch_up_s: this CPU's drafter runs over every row of the round padded to the row holding most unseen
+    pairs; the GPU's over each row's own (a prefill of the drafter); nothing in the hand-computable model; scaled
+    with the engine; a negative constant refused."""
+    costs = dataclasses.replace(CPU, catch_up_token_s=2e-6)
+    assert costs.catch_up_s([0, 60, 30, 0]) == pytest.approx(2e-6 * 4 * 60)
+    assert costs.catch_up_s([0, 0]) == costs.catch_up_s([]) == 0.0
+    assert costs.engine_slower(2.0).catch_up_s([10]) == pytest.approx(2 * costs.catch_up_s([10]))
+    gpu = GpuCosts(GPUS["h100"], MODELS["7B"])
+    assert gpu.catch_up_s([0, 60, 30]) == pytest.approx(gpu.catch_up_s([90]))
+    flops = gpu.gpu.bf16_flops * gpu.flop_frac
+    assert gpu.catch_up_s([90]) == pytest.approx(90 * 2 * MODELS["7B"].drafter_params / flops)
+    assert FixedCosts().catch_up_s([60]) == 0.0
+    assert "catch_up_token_s" in (dataclasses.replace(CPU, catch_up_token_s=-1e-9)._unusable() or "")
+
+
+def test_the_first_drafter_round_after_a_prefill_or_a_reverification_pays_the_catch_up_in_closed_form():
+    """Admitted rows hold their prompts unseen by the drafter until its next round; re-verified rows their prompts
+    and kept tokens. One group of 8 (SD at 4 rows and below): its 4 long rows' prompts (32 tokens) are caught up at
+    the step's first round, after 3 plain steps: 0.01 * 4 * 32 s more, once. Partial rollouts with SD (the
+    closed-form partial case: step 0's two rows and step 1's drafts admitted together, the draft of 20 tokens held
+    4 when re-verified and the one of 3 done by it): 4 rows of an 8-token prompt at the first round, then the one
+    row left after the re-verification, its prompt and 4 tokens."""
+    setup, lengths = short_and_long(steps=1)
+    base = simulate(SD, setup, lengths, Acceptance.uniform(3.0), UNIT_STEPS)
+    costs = dataclasses.replace(UNIT_STEPS, catch_up_token_s=0.01)
+    caught = simulate(SD, setup, lengths, Acceptance.uniform(3.0), costs)
+    assert caught.rounds == base.rounds == {"plain": 3, "d4k1v4": 9}
+    assert caught.version_times[1] - base.version_times[1] == pytest.approx(0.01 * 4 * 32)
+    costs = CpuCosts(
+        step_s=0.01, row_s=0.0, round_s_fixed=0.01, learn_tokens_per_s=1000.0, optimizer_s=0.05, publish_s=0.02,
+        load_s=0.03, reverify_step_s=0.004, reverify_token_s=1e-4, cores=float("inf"),
+    )  # fmt: skip
+    partial = Setup(
+        prompts=1, group_size=2, steps=2, max_batch=4, prompt_len=8, seed=None, ahead_tokens=4, kept_share=1.0,
+        arms=("d4k1v4",), crossover=100, margin=0, train_drafter=False,
+    )  # fmt: skip
+    mode, four = Mode("g", sd=True, partial=True), Acceptance.uniform(4.0)
+    runs = [
+        simulate(mode, partial, from_lengths([10, 10, 20, 3]), four, dataclasses.replace(costs, catch_up_token_s=c))
+        for c in (0.0, 1e-3)
+    ]
+    extra = [b - a for a, b in zip(runs[0].step_times, runs[1].step_times, strict=True)]
+    assert extra == pytest.approx([1e-3 * 4 * 8, 1e-3 * 1 * (8 + 4)])
+
+
 def test_an_engine_made_slower_leaves_the_learner_publication_and_loading_as_measured():
     from tlt_stream.rollout.arms import Arm
 

@@ -35,13 +35,14 @@ TRUE = CpuCosts(
     step_s=1.1e-3, row_s=3.0e-5, ctx_s=1.5e-7, ragged_s=2.0e-4, node_frac=0.7, node_ctx_frac=0.45,
     round_s_fixed=6.0e-4, round_row_s=9.0e-5, draft_step_s=4.0e-4, draft_row_s=2.0e-5, draft_ctx_s=3.0e-8,
     prefill_step_s=2.0e-3, prefill_token_s=2.0e-5, after_round_frac=0.18, after_round_decay=0.55,
-    after_one_plain_frac=0.03, after_plain_frac=0.12, after_plain_steps=12, accept_s=7.0e-6,
+    after_one_plain_frac=0.03, after_plain_frac=0.12, after_plain_steps=12, accept_s=7.0e-6, catch_up_token_s=4.0e-7,
 )  # fmt: skip
 
 
 def points_of(model: CpuCosts, plan_fit) -> dict[tuple, list[tuple]]:
     """`measure_engine`'s points as `model` would time them: (seconds, first step's, longest context, drafting
-    per round, prompt tokens, draft tokens accepted per row and round) per pass, two passes each; the world
+    per round, prompt tokens, draft tokens accepted per row and round, the longest prompt) per pass, two passes
+    each; the world
     drafter's rounds accept more the deeper the arm, the seldom-accepted drafter's almost nothing."""
     results = {}
     for batch, skip in itertools.product(plan_fit.BATCHES, (4, plan_fit.LATE // 2, plan_fit.LATE)):
@@ -60,7 +61,10 @@ def points_of(model: CpuCosts, plan_fit) -> dict[tuple, list[tuple]]:
             model.draft_step_s + batch * arm.topk * (model.draft_row_s + model.draft_ctx_s * ctx)
         )
         sec = model.round_s(batch, arm, ctx, accepted)
-        results[(kind, label, batch, skip)] = [(sec, 0.0, ctx, draft, 0, accepted)] * 2
+        longest = 30 + batch % 4  # the first step: the prefill, and the round whose drafter catches up on the prompts
+        prompt = batch * (longest - 1)
+        first = model.prefill_s(prompt) + sec + model.catch_up_s([longest] * batch)
+        results[(kind, label, batch, skip)] = [(sec, first, ctx, draft, prompt, accepted, longest)] * 2
     for label, batch in itertools.product(plan_fit.ARMS, plan_fit.ROUND_BATCHES):
         results[("switch", label, batch)] = [switching_of(model, plan_fit, Arm.from_label(label), batch)] * 2
     return results
@@ -97,9 +101,9 @@ def test_drafting_that_grows_faster_than_its_depth_fits_no_drafter_cost_below_ze
     for point, passes in results.items():
         if point[0] in ("round", "seldom"):
             depth = Arm.from_label(point[1]).depth
-            sec, first, ctx, draft, prompt, accepted = passes[0]
+            sec, first, ctx, draft, prompt, accepted, longest = passes[0]
             extra = 1e-3 * (depth - 2) * 1.5  # every level past the second costs 1.5 ms more
-            results[point] = [(sec + extra, first, ctx, draft + extra, prompt, accepted)] * 2
+            results[point] = [(sec + extra, first + extra, ctx, draft + extra, prompt, accepted, longest)] * 2
     fitted, _ = plan_fit.engine_constants(results)
     costs = CpuCosts(**fitted)
     assert costs._unusable() is None
@@ -119,6 +123,7 @@ def test_rounds_of_a_drafter_seldom_accepted_part_the_cost_of_accepting_from_the
     }
     fitted, measured = plan_fit.engine_constants(unrecorded)
     assert fitted["accept_s"] == 0.0 and fitted["round_row_s"] == pytest.approx(TRUE.round_row_s, rel=1e-6)
+    assert fitted["catch_up_token_s"] == 0.0  # nor a catch-up without the prompts' lengths
     assert {r["accepted"] for r in measured["rounds"]} == {None}
 
 
@@ -144,8 +149,9 @@ def test_a_machine_drifting_during_the_fit_moves_rounds_and_decode_steps_alike(p
         results: dict[tuple, list[tuple]] = {}
         for i, point in enumerate(order):
             speed = 1.0 + 0.6 * i / (len(order) - 1)
-            sec, first, ctx, draft, prompt, accepted = clean[point][0]
-            results.setdefault(point, []).append((sec * speed, first * speed, ctx, draft * speed, prompt, accepted))
+            sec, first, ctx, draft, prompt, accepted, *longest = clean[point][0]
+            measured = (sec * speed, first * speed, ctx, draft * speed, prompt, accepted, *longest)
+            results.setdefault(point, []).append(measured)
         return CpuCosts(**plan_fit.engine_constants(results)[0])
 
     def ratio(model: CpuCosts) -> float:

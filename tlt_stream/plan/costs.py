@@ -10,6 +10,8 @@ Every model answers, in seconds:
 - `switch_s(b, arm, ctx, plain_run, repeat)`: what steps of `arm` cost beyond `round_s` for following steps of
   the other kind (a plain step after a round, a round after plain steps);
 - `prefill_s(tokens)`: prefilling that many prompt tokens;
+- `catch_up_s(pairs)`: the drafter's forward over what a prefill or re-verification left it, at the first drafter
+  round after it: per row of the round, the (token, state) pairs it holds unseen (0 for most);
 - `reverify_s(held, prompt_len)`: a partial rollout's re-verification under a new version of rows holding
   `held` response tokens each (beyond the plain `load_s`);
 - `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
@@ -32,6 +34,9 @@ engine attends every row over the longest, depth d, top-k w):
                 over the tokens the rows accepted since its last one, so a round of a drafter that is accepted
                 more costs more: the fit's own drafter accepts what it accepts, a run's online-trained one more)
     prefill_s = prefill_step_s + prefill_token_s * tokens
+    catch_up_s = catch_up_token_s * b * max(pairs)
+                (the engine's prefill, and a re-verification, leave every row's prompt (and held tokens) to the
+                drafter's next forward, which runs over all b rows of the round padded to the longest)
     reverify_s = reverify_step_s + reverify_token_s * rows * (prompt_len + max(held))
                 (the new policy's forward over every row's prompt and tokens, padded to the longest, the old
                 policy's over the rows it rejects, the weights swapped; without those constants,
@@ -116,6 +121,12 @@ class EngineCosts(Protocol):
         ...
 
     def prefill_s(self, tokens: int) -> float: ...
+    def catch_up_s(self, pairs: Sequence[float]) -> float:
+        """The first drafter round after a prefill or re-verification: its drafter's extra forward over the
+        (token, state) pairs the engine left it, `pairs` per row of the round (a new row's prompt, a re-verified
+        row's prompt and held tokens; 0 for a row the drafter has seen)."""
+        ...
+
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float: ...
     def learn_s(self, tokens: int, context: float) -> float: ...
     def learn_rows_s(self, lengths: Sequence[float], prompt_len: float) -> float | None:
@@ -157,6 +168,9 @@ class FixedCosts:
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill if tokens else 0.0
+
+    def catch_up_s(self, pairs: Sequence[float]) -> float:
+        return 0.0
 
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
         return self.prefill_s(int(sum(x for x in held if x > 0)))
@@ -221,6 +235,9 @@ class CpuCosts:
     after_plain_steps: int = 8
     prefill_step_s: float = 0.0
     prefill_token_s: float = 0.0
+    catch_up_token_s: float = 0.0
+    """The first drafter round after a prefill or re-verification costs this more per row of the round and
+    (token, state) pair of the row holding most the drafter has not seen (`catch_up_s`)."""
     reverify_step_s: float = 0.0
     """A re-verification's fixed cost beyond a plain load (the old weights kept aside, the passes' own work)."""
     reverify_token_s: float = 0.0
@@ -300,6 +317,9 @@ class CpuCosts:
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_step_s + self.prefill_token_s * tokens if tokens else 0.0
 
+    def catch_up_s(self, pairs: Sequence[float]) -> float:
+        return self.catch_up_token_s * len(pairs) * max(pairs, default=0.0)
+
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
         rows = [x for x in held if x > 0]
         if not rows:
@@ -370,6 +390,7 @@ class CpuCosts:
             accept_s=self.accept_s / scale,
             prefill_step_s=max(0.0, self.prefill_step_s - waited) / scale,
             prefill_token_s=self.prefill_token_s / scale,
+            catch_up_token_s=self.catch_up_token_s / scale,
             reverify_step_s=self.reverify_step_s / scale,
             reverify_token_s=self.reverify_token_s / scale,
             learn_tokens_per_s=self.learn_tokens_per_s * learner,
@@ -414,7 +435,7 @@ class CpuCosts:
             if not getattr(self, name) > 0:
                 return f"{name} is {getattr(self, name)!r}, not a positive number"
         measured = ("optimizer_s", "publish_s", "load_s", "hop_s", "finish_s", "group_s", "prefill_step_s")
-        for name in (*measured, "prefill_token_s", "reverify_step_s", "reverify_token_s"):
+        for name in (*measured, "prefill_token_s", "catch_up_token_s", "reverify_step_s", "reverify_token_s"):
             if getattr(self, name) < 0:
                 return f"{name} is {getattr(self, name)!r}, a time below zero"
         if self.accept_s < 0:

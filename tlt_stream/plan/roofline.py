@@ -173,6 +173,14 @@ class GpuCosts:
             return 0.0
         return 2 * self.model.params * tokens / (self.tp * self.gpu.bf16_flops * self.flop_frac)
 
+    def catch_up_s(self, pairs: Sequence[float]) -> float:
+        """The drafter's prefill over the pairs it has not seen, as `prefill_s` the target's: its FLOPs over
+        achieved peak (paged: each row's own pairs, no padding)."""
+        tokens = sum(pairs)
+        if not tokens:
+            return 0.0
+        return 2 * self.model.drafter_params * tokens / (self.tp * self.gpu.bf16_flops * self.flop_frac)
+
     def reverify_s(self, held: Sequence[float], prompt_len: float) -> float:
         """A prefill of the held tokens: paged, no padding, the prompts' KV kept (a prefix cache); the old
         policy's forward over a rejecting row's prefix left out, as a real update keeps ~99% of the tokens."""

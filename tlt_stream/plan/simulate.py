@@ -12,10 +12,12 @@ system's own rules.
   the SD switch (`rollout.switch.SdSwitch`, the configured crossover and margin) and, per batch bucket, the tuner's
   converged choice, the arm of highest expected tokens/s (rows x tokens per round / round cost), explored with
   probability epsilon by the tuner's weights. A round is charged for what its rows accept on average
-  (`costs.round_s`'s `accepted`: the arm's tokens a round at the bucket, less the target's own). Above the crossover
-  an arm runs only where it beats plain (`above_crossover = "measure"`) or never (`"plain"`). A step that follows
-  steps of the other kind (a plain step after a round, a round after plain steps) costs `costs.switch_s` more, and
-  the tuner judges arms by what their steps would cost now, the switch included (`Setup.judged_as_run`).
+  (`costs.round_s`'s `accepted`: the arm's tokens a round at the bucket, less the target's own). The first drafter
+  round after rows were prefilled or re-verified also pays the drafter's forward over their prompts (and held
+  tokens), `costs.catch_up_s`. Above the crossover an arm runs only where it beats plain (`above_crossover =
+  "measure"`) or never (`"plain"`). A step that follows steps of the other kind (a plain step after a round, a round
+  after plain steps) costs `costs.switch_s` more, and the tuner judges arms by what their steps would cost now, the
+  switch included (`Setup.judged_as_run`).
 - The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
   work (`costs.hop_s`), after a hop in which rows finished it publishes its rows in flight (`costs.finish_s`),
   and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
@@ -137,6 +139,8 @@ class _Row:
     draft_of: int  # the version the row needs; it is a draft while the worker's is older
     done: float = 0.0
     version: int = -1
+    unseen: float = 0.0  # (token, state) pairs the drafter has not seen: the prompt after a prefill, and the
+    # held tokens after a re-verification (`costs.catch_up_s`, at the worker's next drafter round)
 
 
 @dataclass
@@ -486,6 +490,7 @@ class _Sim:
                     kept = float(int(r.done * s.kept_share)) if self.rng is not None else r.done * s.kept_share
                     self.discarded += r.done - kept
                     r.done = kept
+                    r.unseen = s.prompt_len + kept
                 w.running += w.parked
                 w.parked = []
                 complete = [r for r in w.running if r.done >= r.length - 1e-9]
@@ -502,6 +507,7 @@ class _Sim:
                 group = self.queue.popleft()
                 for r in group:
                     r.version = w.version
+                    r.unseen = s.prompt_len
                     self.first_start.setdefault(r.step, t)
                 w.running += group
                 admitted += len(group)
@@ -530,6 +536,10 @@ class _Sim:
         accepted = self.accepted(arm, b)
         rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2, accepted)
         rounds_s += self.switched_s(w, b, arm, ctx + (repeat - 1) / 2, repeat)
+        if arm.kind not in ("plain", "ngram", "group"):  # the drafter catches up on what it has not seen
+            rounds_s += costs.catch_up_s([r.unseen for r in w.running])
+            for r in w.running:
+                r.unseen = 0.0
         if arm.kind != "plain":
             w.plain_run, w.rounded = 0, True
         else:
