@@ -14,9 +14,9 @@ streaming: fit both), wall clock, median of `--repeats`:
   (round_s_fixed, round_row_s, node_frac, node_ctx_frac), draft_step_s, draft_row_s, draft_ctx_s, and accept_s
   (per row and draft token accepted: the drafter's catch-up over them, their commit); decode and round points
   are measured alternately, pass after pass (`measure_engine`), so that the machine's drift moves both alike;
-- the drafter's catch-up: each round point's first step (the prefill, and the round whose drafter runs over every
-  row's prompt) less a timed round and the fitted prefill, over the rows times the longest prompt ->
-  catch_up_token_s;
+- the drafter's catch-up: each round point's first round (after a plain prefill step, so its drafter runs over
+  every row's prompt) less a timed round (the fitted line taking out their contexts' difference), over the rows
+  times the longest prompt -> catch_up_token_s;
 - switching: on an engine that drafts, rounds and plain steps mixed as a worker mixes them (a round after one
   plain step, `SWITCH_SPAN` plain steps, a round after them, a round back to back, one plain step), each step
   timed -> after_round_frac and after_round_decay (the j-th plain step after a round over the decode line, j = 1
@@ -127,9 +127,10 @@ def engine_steps(
 ):
     """(seconds per step over `steps` steps after `skip`, the first step's seconds, the longest row's context
     at a timed step's start (their mean, as a worker's reports count it: `longest_context`), draft seconds per
-    step, prompt tokens, draft tokens a row accepted per timed step, the longest prompt); with `spread`, the rows'
-    contexts differ by up to that many tokens (`ragged`). The first step prefills the prompts and, on an engine
-    that drafts, runs the round whose drafter catches up on them (`catch_up_constant`)."""
+    step, prompt tokens, draft tokens a row accepted per timed step, the longest prompt, the first round's seconds
+    or None); with `spread`, the rows' contexts differ by up to that many tokens (`ragged`). The first step
+    prefills the prompts and decodes plain, as a decode point's; with an arm, the next is the first round, whose
+    drafter catches up on the prompts (`catch_up_constant`), timed apart and counted among the skipped."""
     from tlt_stream.rollout.engine import GenerationEngine
 
     prompts = prompts_of(batch)
@@ -151,10 +152,16 @@ def engine_steps(
         proposer.propose = timed
     for i, p in enumerate(prompts):
         engine.add_request(p, new, 1.0, seed=i, eos_ids=())
+    engine.arm = None
     started = CLOCK()
     engine.step()
     first = CLOCK() - started
-    for _ in range(skip):
+    engine.arm, caught = arm, None
+    if arm is not None:
+        started = CLOCK()
+        engine.step()
+        caught = CLOCK() - started
+    for _ in range(skip - (caught is not None)):
         engine.step()
     drafting[0] = 0.0
     generated, seconds, contexts = engine.tokens_generated, 0.0, 0
@@ -165,7 +172,7 @@ def engine_steps(
         seconds += CLOCK() - started
     accepted = (engine.tokens_generated - generated) / (steps * batch) - 1.0  # beyond the target's own token
     prompt = sum(len(p) for p in prompts)
-    return seconds / steps, first, contexts / steps, drafting[0] / steps, prompt, accepted, longest
+    return seconds / steps, first, contexts / steps, drafting[0] / steps, prompt, accepted, longest, caught
 
 
 def longest_context(engine) -> int:
@@ -403,20 +410,28 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
 
 
 def catch_up_constant(results: dict[tuple, list[tuple]], round_points: list[tuple], fitted: dict) -> float:
-    """`catch_up_token_s` through the round points' first steps: each prefilled its rows and ran the round whose
-    drafter caught up on every row's prompt, so the first step less a timed round and the prefill's fitted cost is
-    the catch-up, over the rows times the longest prompt (a line through the origin over every point, medians of
-    the passes; 0 where the points recorded no prompt or it comes out below zero)."""
+    """`catch_up_token_s` through the round points' first rounds, each after a plain prefill step, so that its
+    drafter ran over every row's prompt: the first round less a timed round, less what the fitted line (`fitted`,
+    at the points' acceptance) puts between their contexts (the first at the longest prompt), over the rows times
+    the longest prompt; a line through the origin over every point, medians of the passes; 0 where the points
+    recorded no first round, or the line comes out below zero. (The prefill's fitted cost is no baseline: it is
+    fitted on ragged prompts and folds their padding into a per-token cost.)"""
+    from tlt_stream.plan.costs import CpuCosts
+    from tlt_stream.rollout.arms import Arm
+
+    line = CpuCosts(**fitted)
     xs, ys = [], []
     for point in round_points:
         passes = results[point]
-        if len(passes[0]) < 7 or not passes[0][6]:
+        if len(passes[0]) < 8 or passes[0][7] is None:
             continue
-        batch = point[2]
-        first, sec = statistics.median(r[1] for r in passes), statistics.median(r[0] for r in passes)
-        prefill = fitted["prefill_step_s"] + fitted["prefill_token_s"] * passes[0][4]
-        xs.append(batch * passes[0][6])
-        ys.append(first - sec - prefill)
+        _, label, batch, _ = point
+        arm, longest = Arm.from_label(label), passes[0][6]
+        caught, sec = statistics.median(r[7] for r in passes), statistics.median(r[0] for r in passes)
+        ctx, accepted = statistics.median(r[2] for r in passes), statistics.median(r[5] for r in passes)
+        apart = line.round_s(batch, arm, ctx, accepted) - line.round_s(batch, arm, longest, accepted)
+        xs.append(batch * longest)
+        ys.append(caught - sec + apart)
     if not xs:
         return 0.0
     slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)

@@ -41,8 +41,8 @@ TRUE = CpuCosts(
 
 def points_of(model: CpuCosts, plan_fit) -> dict[tuple, list[tuple]]:
     """`measure_engine`'s points as `model` would time them: (seconds, first step's, longest context, drafting
-    per round, prompt tokens, draft tokens accepted per row and round, the longest prompt) per pass, two passes
-    each; the world
+    per round, prompt tokens, draft tokens accepted per row and round, the longest prompt, the first round) per
+    pass, two passes each; the world
     drafter's rounds accept more the deeper the arm, the seldom-accepted drafter's almost nothing."""
     results = {}
     for batch, skip in itertools.product(plan_fit.BATCHES, (4, plan_fit.LATE // 2, plan_fit.LATE)):
@@ -61,10 +61,11 @@ def points_of(model: CpuCosts, plan_fit) -> dict[tuple, list[tuple]]:
             model.draft_step_s + batch * arm.topk * (model.draft_row_s + model.draft_ctx_s * ctx)
         )
         sec = model.round_s(batch, arm, ctx, accepted)
-        longest = 30 + batch % 4  # the first step: the prefill, and the round whose drafter catches up on the prompts
+        longest = 30 + batch % 4  # the first round, at the prompts' context, its drafter catching up on them
         prompt = batch * (longest - 1)
-        first = model.prefill_s(prompt) + sec + model.catch_up_s([longest] * batch)
-        results[(kind, label, batch, skip)] = [(sec, first, ctx, draft, prompt, accepted, longest)] * 2
+        first = model.prefill_s(prompt) + model.decode_s(batch, longest)
+        caught = model.round_s(batch, arm, longest, accepted) + model.catch_up_s([longest] * batch)
+        results[(kind, label, batch, skip)] = [(sec, first, ctx, draft, prompt, accepted, longest, caught)] * 2
     for label, batch in itertools.product(plan_fit.ARMS, plan_fit.ROUND_BATCHES):
         results[("switch", label, batch)] = [switching_of(model, plan_fit, Arm.from_label(label), batch)] * 2
     return results
@@ -101,9 +102,9 @@ def test_drafting_that_grows_faster_than_its_depth_fits_no_drafter_cost_below_ze
     for point, passes in results.items():
         if point[0] in ("round", "seldom"):
             depth = Arm.from_label(point[1]).depth
-            sec, first, ctx, draft, prompt, accepted, longest = passes[0]
+            sec, first, ctx, draft, prompt, accepted, longest, caught = passes[0]
             extra = 1e-3 * (depth - 2) * 1.5  # every level past the second costs 1.5 ms more
-            results[point] = [(sec + extra, first + extra, ctx, draft + extra, prompt, accepted, longest)] * 2
+            results[point] = [(sec + extra, first, ctx, draft + extra, prompt, accepted, longest, caught + extra)] * 2
     fitted, _ = plan_fit.engine_constants(results)
     costs = CpuCosts(**fitted)
     assert costs._unusable() is None
