@@ -290,7 +290,7 @@ class CpuCosts:
         verify += self.row_s * batch * (1 + self.node_frac * arm.nodes)
         verify += self.ctx_s * batch * context * (1 + self.node_ctx_frac * arm.nodes)
         width = max(arm.topk, 1)
-        if arm.kind in ("ngram", "group"):
+        if not arm.uses_drafter:  # an n-gram or group-source round: no drafter forward
             return verify
         drafting = self.draft_step_s + batch * width * (self.draft_row_s + self.draft_ctx_s * context)
         return verify + arm.depth * drafting + self.accept_s * batch * max(0.0, accepted)

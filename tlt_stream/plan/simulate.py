@@ -536,7 +536,7 @@ class _Sim:
         accepted = self.accepted(arm, b)
         rounds_s = repeat * costs.round_s(b, arm, ctx + (repeat - 1) / 2, accepted)
         rounds_s += self.switched_s(w, b, arm, ctx + (repeat - 1) / 2, repeat)
-        if arm.kind not in ("plain", "ngram", "group"):  # the drafter catches up on what it has not seen
+        if arm.uses_drafter:  # the drafter catches up on what it has not seen
             rounds_s += costs.catch_up_s([r.unseen for r in w.running])
             for r in w.running:
                 r.unseen = 0.0
