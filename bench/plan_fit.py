@@ -333,7 +333,7 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
     from tlt_stream.rollout.arms import Arm
 
     def median(point: tuple, field: int) -> float:
-        return statistics.median(r[field] for r in results[point])
+        return point_median(results, point, field)
 
     plain_rows, plain_y, prefill_rows, prefill_y, measured = [], [], [], [], {"decode": [], "rounds": []}
     for point in (p for p in results if p[0] == "decode"):
@@ -409,6 +409,11 @@ def engine_constants(results: dict[tuple, list[tuple]]) -> tuple[dict, dict]:
     return fitted, measured
 
 
+def point_median(results: dict[tuple, list[tuple]], point: tuple, field: int) -> float:
+    """A measured point's `field` (an index of `engine_steps`' tuple), the median over its passes."""
+    return statistics.median(r[field] for r in results[point])
+
+
 def catch_up_constant(results: dict[tuple, list[tuple]], round_points: list[tuple], fitted: dict) -> float:
     """`catch_up_token_s` through the round points' first rounds, each after a plain prefill step, so that its
     drafter ran over every row's prompt: the first round less a timed round, less what the fitted line (`fitted`,
@@ -422,13 +427,12 @@ def catch_up_constant(results: dict[tuple, list[tuple]], round_points: list[tupl
     line = CpuCosts(**fitted)
     xs, ys = [], []
     for point in round_points:
-        passes = results[point]
-        if len(passes[0]) < 8 or passes[0][7] is None:
+        first = results[point][0]
+        if len(first) < 8 or first[7] is None:
             continue
         _, label, batch, _ = point
-        arm, longest = Arm.from_label(label), passes[0][6]
-        caught, sec = statistics.median(r[7] for r in passes), statistics.median(r[0] for r in passes)
-        ctx, accepted = statistics.median(r[2] for r in passes), statistics.median(r[5] for r in passes)
+        arm, longest = Arm.from_label(label), first[6]
+        caught, sec, ctx, accepted = (point_median(results, point, field) for field in (7, 0, 2, 5))
         apart = line.round_s(batch, arm, ctx, accepted) - line.round_s(batch, arm, longest, accepted)
         xs.append(batch * longest)
         ys.append(caught - sec + apart)

@@ -79,6 +79,11 @@ class Acceptance:
         scale = math.log2(1 + arm.nodes) / math.log2(1 + self.ref_nodes)
         return min(1.0 + (self.ref_tokens - 1.0) * scale, float(arm.most_tokens))
 
+    def accepted(self, arm: Arm, bucket: int) -> float:
+        """The draft tokens a row accepts in a round, on average: `mean` less the one token the target adds
+        (0 for plain decoding)."""
+        return max(0.0, self.mean(arm, bucket) - 1.0)
+
     def draw(self, arm: Arm, bucket: int, rng: random.Random | None) -> float:
         """One round's emitted tokens; with no `rng`, the mean itself (the expected-value simulation)."""
         mean = self.mean(arm, bucket)

@@ -80,9 +80,8 @@ def project(
 
 
 def _rate(costs: EngineCosts, acceptance: Acceptance, arm: Arm, batch: int, context: float, edges) -> float:
-    tokens = acceptance.mean(arm, bucket_of(batch, edges))
-    accepted = max(0.0, tokens - 1.0) if arm.kind != "plain" else 0.0
-    return batch * tokens / costs.round_s(batch, arm, context, accepted)
+    bucket = bucket_of(batch, edges)
+    return batch * acceptance.mean(arm, bucket) / costs.round_s(batch, arm, context, acceptance.accepted(arm, bucket))
 
 
 def recommend(

@@ -598,12 +598,9 @@ class _Sim:
         return self.costs.switch_s(b, arm, ctx, after, repeat, self.accepted(arm, b))
 
     def accepted(self, arm: Arm, b: int) -> float:
-        """The draft tokens a row accepts in a round of `arm` at `b` rows, on average: the acceptance's tokens a
-        round less the one the target adds (`costs.round_s` charges what accepting costs; a round's own draw may
-        differ, the cost is the mean's)."""
-        if arm.kind == "plain":
-            return 0.0
-        return max(0.0, self.acc.mean(arm, bucket_of(b, self.setup.edges)) - 1.0)
+        """The draft tokens a row accepts in a round of `arm` at `b` rows, on average (`Acceptance.accepted`;
+        `costs.round_s` charges what accepting costs: a round's own draw may differ, the cost is the mean's)."""
+        return self.acc.accepted(arm, bucket_of(b, self.setup.edges))
 
     def finish_step(self, w: _Worker, t: float) -> None:
         label, _ = w.step
