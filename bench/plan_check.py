@@ -527,6 +527,7 @@ def in_situ(runs: list[dict], engines: list[tuple] | None = None, stream_engines
             ratios.append({"hops_s": round(hop, 2), "model_s": round(model, 2), "ratio": round(hop / model, 3)})
         out["a_engine_hops_vs_model"] = ratios
         out["rounds_vs_model"] = rounds_vs_model(runs, engines, stream_engines)
+        out["updates_vs_model"] = updates_vs_model(runs, engines, stream_engines)
     for name in CONFIGS:
         hop = forwards = span = 0.0
         gaps: list[float] = []
@@ -571,6 +572,41 @@ def modelled_round_s(
     context = prompt_len() + 90 if context is None else context
     step = costs.round_s(max(1, round(rows)), arm or Arm("plain"), context, accepted)
     return step * slowdown(costs, "engine", threads, u, 1 / step)
+
+
+def updates_vs_model(runs: list[dict], engines: list[tuple], stream_engines: list[tuple] | None = None) -> dict:
+    """Per config, each run's updates (its steps after the first: `metrics.jsonl`'s `update_seconds`) over what
+    the cost model charges the same update: the micro-batched forward and backward of the step's own trained rows
+    (its groups with a signal, at their recorded lengths and trained share, `replay_groups`) plus `optimizer_s`,
+    slowed by the background each run's model comes with (`engines`, as `rounds_vs_model` takes them); the median
+    over the run's updates. What the model
+    leaves out beside the learner shows here: the drafter's training while a synchronous update runs, which the
+    simulator charges nothing where the update holds every core. The synchronous configs with `engines` (2
+    threads), the streaming one with `stream_engines` (1 thread; the worker's rounds beside its updates are not
+    charged here, so its ratio carries them)."""
+    from tlt_stream.plan.costs import slowdown
+    from tlt_stream.plan.lengths import replay_groups
+    from tlt_stream.rl.records import load_metrics
+
+    out: dict = {}
+    configs = [(name, engines, 2) for name in CONFIGS if name != "c_stream_tlt"]
+    if stream_engines is not None:
+        configs.append(("c_stream_tlt", stream_engines, 1))
+    for name, models, threads in configs:
+        per_run = []
+        for run, (costs, u) in zip(runs, models, strict=True):
+            ratios = []
+            for row in load_metrics(Path(run["configs"][name]["run_dir"]))[1:]:
+                groups = replay_groups([row])
+                lengths = [x for g, share in groups if share > 0 for x in g]
+                if not lengths or not row.get("update_seconds"):
+                    continue
+                trained = sum(sum(g) * share for g, share in groups)
+                learn = costs.learn_rows_s(lengths, prompt_len()) * trained / sum(lengths) + costs.optimizer_s
+                ratios.append(row["update_seconds"] / (learn * slowdown(costs, "learner", threads, u)))
+            per_run.append(round(statistics.median(ratios), 3) if ratios else None)
+        out[name] = per_run
+    return out
 
 
 def rounds_vs_model(runs: list[dict], engines: list[tuple], stream_engines: list[tuple] | None = None) -> dict:

@@ -272,3 +272,38 @@ def test_the_streaming_configs_rounds_are_set_against_its_one_thread_model(plan_
     assert got["b_sync_tlt"] == got["g_sync_partial"] == [{"drafter": 1.0, "plain": 2.0}]
     assert got["c_stream_tlt"] == [{"drafter": 1.5, "plain": 3.0}]
     assert "c_stream_tlt" not in plan_check.rounds_vs_model(runs, [(sync, 0.0)])
+
+
+def test_a_run_s_updates_are_set_against_the_model_s_cost_of_their_own_trained_rows(plan_check, tmp_path):
+    """`updates_vs_model`: each update after the first over the model's cost of the rows it trained (its groups
+    with a signal, at the step's trained share) plus the optimizer, slowed by the run's background through the
+    learner's contention curve at 2 threads; the median over the run's updates. An update with no signal to
+    train is left out, and so is the first (its warm-up)."""
+    costs = dataclasses.replace(
+        TRUE,
+        learn_tokens_per_s=100.0,
+        learn_token_s=0.0,  # cost per token, no micro-batch padding: the closed form below
+        optimizer_s=0.04,
+        learner_curve=(((0.0, 1.0), (1.0, 2.0)), ((0.0, 1.0), (1.0, 3.0))),  # 1 and 2 threads: 2.0x at 0.5 cores
+    )
+
+    def row(version, groups, trained, seconds):
+        lens = [x for g, _ in groups for x in g]
+        rewards = [r for _, rs in groups for r in rs]
+        ids = [f"s{version:06d}-{i:04d}" for i in range(len(groups))]
+        return {"version": version, "trained_groups": ids, "response_lens": lens, "rewards": rewards,
+                "trained_tokens": trained, "update_seconds": seconds}  # fmt: skip
+
+    rows = [
+        row(1, [([10, 10], [1, 0])], 20, 99.0),  # the first update: left out
+        # 40 tokens with a signal, 36 trained: (36 / 100 + 0.04) * 2.0 = 0.8 s modelled, 1.0 measured
+        row(2, [([10, 30], [1, 0]), ([20, 20], [1, 1])], 36, 1.0),
+        row(3, [([50, 50], [0, 1])], 100, 3.12),  # (100 / 100 + 0.04) * 2.0 = 2.08 s modelled: 1.5x
+        row(4, [([5, 5], [1, 1])], 0, 0.5),  # no group with a signal: nothing to set it against
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = [{"configs": {name: {"run_dir": str(tmp_path)} for name in plan_check.CONFIGS}}]
+    got = plan_check.updates_vs_model(runs, [(costs, 0.5)])
+    assert got == {name: [pytest.approx(1.375, rel=1e-3)] for name in ("a_sync_plain", "b_sync_tlt", "g_sync_partial")}
+    streaming = plan_check.updates_vs_model(runs, [(costs, 0.5)], [(costs, 0.5)])["c_stream_tlt"]
+    assert streaming == [pytest.approx(((1.0 / 0.6) + (3.12 / 1.56)) / 2, rel=1e-3)]  # 1 thread: 1.5x at 0.5
