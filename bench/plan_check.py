@@ -579,11 +579,10 @@ def updates_vs_model(runs: list[dict], engines: list[tuple], stream_engines: lis
     the cost model charges the same update: the micro-batched forward and backward of the step's own trained rows
     (its groups with a signal, at their recorded lengths and trained share, `replay_groups`) plus `optimizer_s`,
     slowed by the background each run's model comes with (`engines`, as `rounds_vs_model` takes them); the median
-    over the run's updates. What the model
-    leaves out beside the learner shows here: the drafter's training while a synchronous update runs, which the
-    simulator charges nothing where the update holds every core. The synchronous configs with `engines` (2
-    threads), the streaming one with `stream_engines` (1 thread; the worker's rounds beside its updates are not
-    charged here, so its ratio carries them)."""
+    over the run's updates. What the model leaves out beside the learner shows here: the drafter's training while
+    a synchronous update runs, which the simulator charges nothing where the update holds every core. The
+    synchronous configs with `engines` (2 threads), the streaming one with `stream_engines` (1 thread; the
+    worker's rounds beside its updates are not charged here, so its ratio carries them)."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.plan.lengths import replay_groups
     from tlt_stream.rl.records import load_metrics
