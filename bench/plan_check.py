@@ -21,7 +21,8 @@ acceptance pooled over every run): the inputs of runs the model was not fitted o
 The check of docs/benchmarks.md: fits (`t2-pre.json`, `t1-pre.json`, ... `-post.json`) and the contention bench
 made in the same lock hold as the runs, `--calibrated DIR --contention DIR/contention.json --load load.jsonl`:
 each run predicted with the fits made around it, each fit's own background taken out and the run's own (its
-services, Redis, the broker: `bench/plan_load.py`) put back by the contention bench's measured curve. With
+services, Redis, the broker: `bench/plan_load.py`) put back by the contention bench's measured curve, and with
+`--beside DIR/beside.json` the update beside the drafter's idle training (`bench/plan_beside.py`). With
 `--probes DIR` (`bench/plan_hold.sh` makes them), each run's model is also scaled by how much slower the machine
 was beside the run than beside its fits, from a few seconds of bare decode steps (`bench/plan_probe.py`) before
 and after every fit and between the runs. With `--engine-factor in-run`, a diagnostic and not the check: each
@@ -299,6 +300,8 @@ def contention_of(args: argparse.Namespace) -> dict | None:
         raw.pop("curve", None)
     elif "curve" not in raw:
         raw["curve"] = per_kind(raw["points"], lambda _, mine: fit_curve(mine))
+    if args.beside:
+        raw["learner_beside_training"] = json.loads(Path(args.beside).read_text())["fit"]["learner_beside_training"]
     return raw
 
 
@@ -318,6 +321,7 @@ def fitted_costs(path: str, contention: dict | None):
         engine_k=(fit["engine_t1"]["k"], fit["engine_t2"]["k"]),
         engine_wait_s=(fit["engine_t1"]["wait_s"], fit["engine_t2"]["wait_s"]),
         learner_k=(fit["learner_t1"]["k"], fit["learner_t2"]["k"]),
+        learner_beside_training=contention.get("learner_beside_training", 1.0),
     )
     if curve:  # the measured slowdown, interpolated, in place of the law
         as_points = {key: tuple(tuple(p) for p in points) for key, points in curve.items()}
@@ -579,10 +583,11 @@ def updates_vs_model(runs: list[dict], engines: list[tuple], stream_engines: lis
     the cost model charges the same update: the micro-batched forward and backward of the step's own trained rows
     (its groups with a signal, at their recorded lengths and trained share, `replay_groups`) plus `optimizer_s`,
     slowed by the background each run's model comes with (`engines`, as `rounds_vs_model` takes them); the median
-    over the run's updates. What the model leaves out beside the learner shows here: the drafter's training while
-    a synchronous update runs, which the simulator charges nothing where the update holds every core. The
-    synchronous configs with `engines` (2 threads), the streaming one with `stream_engines` (1 thread; the
-    worker's rounds beside its updates are not charged here, so its ratio carries them)."""
+    over the run's updates. The synchronous configs that train the drafter, (b) and (g), pay the update beside
+    its idle training too (`learner_beside_training`, as the simulator charges an update that holds every core),
+    so what the model still leaves out beside the learner shows here. The synchronous configs with `engines`
+    (2 threads), the streaming one with `stream_engines` (1 thread; the worker's rounds beside its updates are not
+    charged here, so its ratio carries them)."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.plan.lengths import replay_groups
     from tlt_stream.rl.records import load_metrics
@@ -602,7 +607,8 @@ def updates_vs_model(runs: list[dict], engines: list[tuple], stream_engines: lis
                     continue
                 trained = sum(sum(g) * share for g, share in groups)
                 learn = costs.learn_rows_s(lengths, prompt_len()) * trained / sum(lengths) + costs.optimizer_s
-                ratios.append(row["update_seconds"] / (learn * slowdown(costs, "learner", threads, u)))
+                beside = costs.learner_beside_training if name in ("b_sync_tlt", "g_sync_partial") else 1.0
+                ratios.append(row["update_seconds"] / (learn * slowdown(costs, "learner", threads, u) * beside))
             per_run.append(round(statistics.median(ratios), 3) if ratios else None)
         out[name] = per_run
     return out
@@ -708,6 +714,11 @@ def main() -> None:
     )
     p.add_argument("--contention", help="the contention bench's output (bench/plan_contention.py)")
     p.add_argument(
+        "--beside",
+        help="with --contention: the update beside the drafter's idle training (bench/plan_beside.py), charged "
+        "where a synchronous update leaves the training no core",
+    )
+    p.add_argument(
         "--contention-law",
         action="store_true",
         help="with --contention: its fitted law (1 + k u + w u f) instead of its measured curve",
@@ -748,6 +759,8 @@ def main() -> None:
         "the real tuner measures it), or by its back-to-back cost (an ablation)",
     )
     args = p.parse_args()
+    if args.beside and not args.contention:
+        p.error("--beside needs --contention (it is a contention constant, charged with the rest)")
     if args.probes and not args.calibrated:
         p.error("--probes needs --calibrated (the fits the probes stand beside)")
     global STEP_FIGURE

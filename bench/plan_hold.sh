@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One hold of the planner's check against this machine (issue 44, point 3 i; docs/benchmarks.md "Projections"):
 # under the heavy-work lock, the CPU model fitted on microbenchmarks before and after the measured runs (2 torch
-# threads for the synchronous configs, 1 for streaming), the contention bench, then bench/e2e.py's (a), (b), (c),
-# (g) in 3 rotations, while bench/plan_load.py samples what the runs' own services keep busy; a few seconds of
-# the machine's speed (bench/plan_probe.py) before and after each fit and between the runs. Then
-# bench/plan_check.py predicts every run from its inputs and the fits around it: check.json, and with the runs'
-# inputs pooled (check-no-replay.json), each run's step figure the mean of its steps (check-mean.json), and each
-# run's model scaled by the probes beside it (check-probes.json), and as a diagnostic each run's engine as fast
-# as its own hops were (check-in-run.json). ~35 min on a quiet machine.
+# threads for the synchronous configs, 1 for streaming), the contention bench and the update beside the drafter's
+# idle training (bench/plan_beside.py), then bench/e2e.py's (a), (b), (c), (g) in 3 rotations, while
+# bench/plan_load.py samples what the runs' own services keep busy; a few seconds of the machine's speed
+# (bench/plan_probe.py) before and after each fit and between the runs. Then bench/plan_check.py predicts every
+# run from its inputs and the fits around it: check.json, and with the runs' inputs pooled (check-no-replay.json),
+# the update beside the idle training not charged (check-no-beside.json), each run's step figure the mean of its
+# steps (check-mean.json), and each run's model scaled by the probes beside it (check-probes.json), and as a
+# diagnostic each run's engine as fast as its own hops were (check-in-run.json). ~37 min on a quiet machine.
 #
 #   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations
 #
@@ -32,6 +33,7 @@ flock /tmp/tlt-heavy.lock env py="$py" out="$out" reps="$reps" sh -c '
   fit 2 pre
   fit 1 pre
   "$py" bench/plan_contention.py --out "$out/contention.json" > "$out/contention.out" 2> "$out/contention.log"
+  "$py" bench/plan_beside.py --out "$out/beside.json" > "$out/beside.out" 2> "$out/beside.log"
   TLT_LEARNER__ACCUMULATE=false "$py" bench/e2e.py --only a_sync_plain,b_sync_tlt,c_stream_tlt,g_sync_partial \
       --steps 4 --eval 0 --reps "$reps" --out "$out/e2e" --probe-dir "$out/probes" > "$out/e2e-reps.json" 2> "$out/e2e.log"
   fit 2 post
@@ -42,9 +44,10 @@ check() {
       --costs-sync "$out/t2-pre.json" --costs-stream "$out/t1-pre.json" \
       --load "$out/load.jsonl" --contention "$out/contention.json" --seeds 3 "$@"
 }
-check > "$out/check.json" 2> "$out/check.log"
-check --no-replay > "$out/check-no-replay.json" 2>> "$out/check.log"
-check --step-figure mean > "$out/check-mean.json" 2>> "$out/check.log"
-check --probes "$out/probes" > "$out/check-probes.json" 2>> "$out/check.log"
-check --engine-factor in-run > "$out/check-in-run.json" 2>> "$out/check.log"
+check --beside "$out/beside.json" > "$out/check.json" 2> "$out/check.log"
+check > "$out/check-no-beside.json" 2>> "$out/check.log"
+check --beside "$out/beside.json" --no-replay > "$out/check-no-replay.json" 2>> "$out/check.log"
+check --beside "$out/beside.json" --step-figure mean > "$out/check-mean.json" 2>> "$out/check.log"
+check --beside "$out/beside.json" --probes "$out/probes" > "$out/check-probes.json" 2>> "$out/check.log"
+check --beside "$out/beside.json" --engine-factor in-run > "$out/check-in-run.json" 2>> "$out/check.log"
 echo "$out/check.json"

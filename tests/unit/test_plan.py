@@ -685,19 +685,26 @@ def test_the_drafters_training_slows_an_update_only_where_the_learner_leaves_it_
     """One group, then the worker idle: it trains the drafter (one thread, the lowest priority) beside the
     whole update. Streaming on two cores (the learner's one thread) leaves the training a core: the update is
     slowed by the learner's law at one busy core, 1 + k_1. Synchronous (the learner's two threads take both
-    cores): the training gets none, the update runs as without it."""
+    cores): the training gets none, and the update pays `learner_beside_training` in its stead (1: nothing),
+    all of it where the update leaves no core, none of it where it leaves one."""
     costs = CpuCosts(
         step_s=0.01, row_s=0.0, learn_tokens_per_s=100.0, learner_k=(0.5, 3.0), engine_k=(0.0, 0.0), cores=2.0
     )
     lengths = from_lengths([20])
 
-    def update_s(mode: Mode, threads: int, train: bool) -> float:
+    def update_s(mode: Mode, threads: int, train: bool, beside: float = 1.0) -> float:
         setup = Setup(
             prompts=1, group_size=1, steps=1, seed=None, max_batch=1, worker_threads=threads,
             learner_threads=threads, train_drafter=train,
         )  # fmt: skip
-        return simulate(mode, setup, lengths, Acceptance(), costs).learner_s[0]
+        charged = dataclasses.replace(costs, learner_beside_training=beside)
+        return simulate(mode, setup, lengths, Acceptance(), charged).learner_s[0]
 
     stream, sync = Mode("c", sd=True, max_staleness=1), Mode("b", sd=True)
+    alone = update_s(sync, 2, train=False)
+    assert alone == pytest.approx(20 / 100.0)
     assert update_s(stream, 1, train=True) == pytest.approx(1.5 * update_s(stream, 1, train=False))
-    assert update_s(sync, 2, train=True) == pytest.approx(update_s(sync, 2, train=False))
+    assert update_s(sync, 2, train=True) == pytest.approx(alone)
+    assert update_s(sync, 2, train=True, beside=1.2) == pytest.approx(1.2 * alone)
+    assert update_s(sync, 2, train=False, beside=1.2) == pytest.approx(alone)  # nothing trains beside it
+    assert update_s(stream, 1, train=True, beside=1.2) == pytest.approx(update_s(stream, 1, train=True))

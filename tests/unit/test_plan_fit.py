@@ -9,6 +9,7 @@ import importlib.util
 import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -274,6 +275,24 @@ def test_the_streaming_configs_rounds_are_set_against_its_one_thread_model(plan_
     assert "c_stream_tlt" not in plan_check.rounds_vs_model(runs, [(sync, 0.0)])
 
 
+def test_the_check_charges_the_update_beside_the_drafter_s_training_from_the_bench_s_fit(plan_check, tmp_path):
+    """`--beside`: `bench/plan_beside.py`'s fitted factor reaches every fitted model beside the contention
+    bench's constants (and without it the update pays nothing extra)."""
+    fit = {f"{kind}_t{t}": {"k": 0.5, "wait_s": 0.0} for kind in ("engine", "learner") for t in (1, 2)}
+    curve = {key: [[0.0, 1.0], [1.0, 2.0]] for key in fit}
+    (tmp_path / "contention.json").write_text(json.dumps({"fit": fit, "curve": curve}))
+    (tmp_path / "beside.json").write_text(json.dumps({"fit": {"learner_beside_training": 1.17}}))
+    TRUE.save(tmp_path / "t2.json")
+
+    def charged(beside: str | None) -> float:
+        args = SimpleNamespace(contention=str(tmp_path / "contention.json"), contention_law=False, beside=beside)
+        costs = plan_check.fitted_costs(str(tmp_path / "t2.json"), plan_check.contention_of(args))
+        return costs.learner_beside_training
+
+    assert charged(str(tmp_path / "beside.json")) == 1.17
+    assert charged(None) == 1.0
+
+
 def test_a_run_s_updates_are_set_against_the_model_s_cost_of_their_own_trained_rows(plan_check, tmp_path):
     """`updates_vs_model`: each update after the first over the model's cost of the rows it trained (its groups
     with a signal, at the step's trained share) plus the optimizer, slowed by the run's background through the
@@ -307,3 +326,9 @@ def test_a_run_s_updates_are_set_against_the_model_s_cost_of_their_own_trained_r
     assert got == {name: [pytest.approx(1.375, rel=1e-3)] for name in ("a_sync_plain", "b_sync_tlt", "g_sync_partial")}
     streaming = plan_check.updates_vs_model(runs, [(costs, 0.5)], [(costs, 0.5)])["c_stream_tlt"]
     assert streaming == [pytest.approx(((1.0 / 0.6) + (3.12 / 1.56)) / 2, rel=1e-3)]  # 1 thread: 1.5x at 0.5
+    # The update beside the drafter's idle training: charged to the synchronous configs that train it.
+    charged = dataclasses.replace(costs, learner_beside_training=1.25)
+    got = plan_check.updates_vs_model(runs, [(charged, 0.5)], [(charged, 0.5)])
+    assert got["a_sync_plain"] == [pytest.approx(1.375, rel=1e-3)]
+    assert got["b_sync_tlt"] == got["g_sync_partial"] == [pytest.approx(1.375 / 1.25, rel=1e-3)]
+    assert got["c_stream_tlt"] == streaming

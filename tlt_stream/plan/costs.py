@@ -100,6 +100,8 @@ class EngineCosts(Protocol):
     acked (on the worker, before its next hop; the learner sees the group after it)."""
     cores: float
     """Cores the processes share (inf: each process has its own device)."""
+    learner_beside_training: float
+    """The update's slowdown beside the drafter's idle training that gets no core (`CpuCosts`; 1: none)."""
     padded: bool
     """True: a forward attends every row over the batch's longest context (the torch engine pads its rows to
     the longest one, `model/layers.py`), so `context` is the longest row's; False: each row over its own
@@ -153,6 +155,7 @@ class FixedCosts:
     finish_s: float = 0.0
     group_s: float = 0.0
     cores: float = float("inf")
+    learner_beside_training: float = 1.0
     padded: bool = False
 
     def decode_s(self, batch: int, context: float) -> float:
@@ -275,6 +278,12 @@ class CpuCosts:
     step (`bench/plan_contention.py`); takes precedence over `engine_k`."""
     learner_curve: tuple[tuple[tuple[float, float], ...], ...] = ()
     """The same for the learner's update."""
+    learner_beside_training: float = 1.0
+    """Contention: the learner's update's slowdown beside a worker's idle period spent training the drafter,
+    where the update's threads leave the training no core (`bench/plan_beside.py`: a real worker's idle
+    training, its drain of the step's hidden-state windows, lease and commits, beside the update, against the
+    update alone); the simulator scales its extra down linearly as the update leaves the training a core
+    (`Simulation.slowdown`)."""
     padded: bool = True
     """The torch engine's forward attends every row over the batch's longest context (`EngineCosts.padded`)."""
     source: str = "given"
@@ -434,6 +443,8 @@ class CpuCosts:
         for name in ("learn_tokens_per_s", "cores", "micro_batch_tokens"):
             if not getattr(self, name) > 0:
                 return f"{name} is {getattr(self, name)!r}, not a positive number"
+        if not self.learner_beside_training >= 1:
+            return f"learner_beside_training is {self.learner_beside_training!r}, below 1 (a slowdown)"
         measured = ("optimizer_s", "publish_s", "load_s", "hop_s", "finish_s", "group_s", "prefill_step_s")
         for name in (*measured, "prefill_token_s", "catch_up_token_s", "reverify_step_s", "reverify_token_s"):
             if getattr(self, name) < 0:

@@ -130,6 +130,8 @@ class GpuCosts:
     finish_s: float = 0.0
     group_s: float = 0.0
     cores: float = float("inf")
+    learner_beside_training: float = 1.0
+    """The learner has devices of its own: the drafter's training beside it costs it nothing."""
     padded: bool = False
     """A GPU engine's paged KV cache: each row reads its own context (`EngineCosts.padded`)."""
 

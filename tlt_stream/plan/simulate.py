@@ -335,18 +335,25 @@ class _Sim:
         s = self.setup
         other = s.background_cores + sum(w.busy for w in self.workers if w is not worker) * s.worker_threads
         if worker is None:
-            return slowdown(
-                self.costs, "learner", s.learner_threads, other + self.training_cores(other + s.learner_threads)
-            )
+            training = self.training_cores(other + s.learner_threads)
+            factor = slowdown(self.costs, "learner", s.learner_threads, other + training)
+            if self.training():  # what the idle training costs an update that leaves it no core
+                factor *= 1 + (self.costs.learner_beside_training - 1) * (1 - training)
+            return factor
         other += self.learner_busy * s.learner_threads
         other += self.training_cores(other + s.worker_threads)
         return slowdown(self.costs, "engine", s.worker_threads, other, forwards_per_s)
 
+    def training(self) -> bool:
+        """Whether a worker trains the drafter now (holds the lease in idle time)."""
+        return self.lease is not None and self.workers[self.lease].training_since is not None
+
     def training_cores(self, taken: float) -> float:
         """Cores the drafter's training holds beside work that keeps `taken` cores busy: it trains on one
         thread at the lowest priority, so it gets a core only where the others leave one free (streaming on
-        two cores: the learner's one thread leaves it one; synchronous: the learner's threads take them all)."""
-        if self.lease is None or self.workers[self.lease].training_since is None:
+        two cores: the learner's one thread leaves it one; synchronous: the learner's threads take them all,
+        and the update pays `learner_beside_training` instead)."""
+        if not self.training():
             return 0.0
         return min(1.0, max(0.0, self.costs.cores - taken))
 
