@@ -165,6 +165,9 @@ def fit(pairs: list[dict], warm: int) -> dict:
         # below 1 is the machine's noise: the training cannot speed the update
         "learner_beside_training": round(max(1.0, statistics.median(p["beside_s"] / p["alone_s"] for p in kept)), 4),
         "ratios": [round(p["beside_s"] / p["alone_s"], 4) for p in kept],
+        "median_over_median": round(
+            statistics.median(p["beside_s"] for p in kept) / statistics.median(p["alone_s"] for p in kept), 4
+        ),
         "step_ratio": round(statistics.median(p["beside_step_s"] / p["alone_step_s"] for p in kept), 4),
         "save_ratio": round(statistics.median(p["beside_save_s"] / p["alone_save_s"] for p in kept), 4),
         **{f"{k}_s": round(statistics.median(p[f"{k}_s"] for p in kept), 4) for k in ("alone", "beside")},
@@ -175,6 +178,8 @@ def fit(pairs: list[dict], warm: int) -> dict:
         },
         "worker_cores": round(statistics.median(p["worker_cores"] for p in kept), 3),
         "worker_cores_alone": round(statistics.median(p["worker_cores_alone"] for p in kept), 3),
+        "learner_cores": round(statistics.median(p["learner_cores"] for p in kept), 3),
+        "learner_cores_alone": round(statistics.median(p["learner_cores_alone"] for p in kept), 3),
         "servers_cores": round(statistics.median(p["servers_cores"] for p in kept), 3),
         "servers_cores_alone": round(statistics.median(p["servers_cores_alone"] for p in kept), 3),
     }
@@ -184,7 +189,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default=str(ROOT / "artifacts" / "world"))
     p.add_argument("--out", default=str(ROOT / "artifacts" / "plan" / "beside.json"))
-    p.add_argument("--pairs", type=int, default=10, help="interleaved (alone, beside) pairs")
+    p.add_argument(
+        "--pairs", type=int, default=20, help="interleaved (alone, beside) pairs (one update each varies by 1.5x here)"
+    )
     p.add_argument("--warm", type=int, default=2, help="first pairs left out of the fit")
     p.add_argument(
         "--groups", type=int, default=6, help="synthetic groups of the update (6: about as long as an e2e step's)"
@@ -245,15 +252,17 @@ def main() -> None:
                         proc.stdin.write(f"idle {i}\n")
                         proc.stdin.flush()
                         expect(proc, "started")
-                    cpu = (cpu_of(proc.pid), cpu_of(servers.pid))
+                    cpu = (cpu_of(proc.pid), cpu_of(servers.pid), cpu_of(os.getpid()))
                     step_s, save_s = update(Path(states) / "ckpt")
                     elapsed = step_s + save_s
                     worker_s, servers_s = cpu_of(proc.pid) - cpu[0], cpu_of(servers.pid) - cpu[1]
+                    learner_s = cpu_of(os.getpid()) - cpu[2]
                     trainer.wait_for_writes()
                     which = "beside" if beside else "alone"
                     suffix = "" if beside else "_alone"
                     pair |= {f"{which}_s": elapsed, f"{which}_step_s": step_s, f"{which}_save_s": save_s}
                     pair |= {f"worker_cores{suffix}": worker_s / elapsed, f"servers_cores{suffix}": servers_s / elapsed}
+                    pair[f"learner_cores{suffix}"] = learner_s / elapsed
                     if beside:
                         proc.stdin.write(f"preempt {i}\n")
                         proc.stdin.flush()
@@ -262,7 +271,8 @@ def main() -> None:
                 pairs.append(pair)
                 log(f"pair {i}: alone {pair['alone_s']:.3f} s (save {pair['alone_save_s']:.3f}), beside "
                     f"{pair['beside_s']:.3f} s (save {pair['beside_save_s']:.3f}) "
-                    f"({pair['beside_s'] / pair['alone_s']:.3f}x; worker {pair['worker_cores']:.2f} cores, "
+                    f"({pair['beside_s'] / pair['alone_s']:.3f}x; learner {pair['learner_cores_alone']:.2f} and "
+                    f"{pair['learner_cores']:.2f} cores, worker {pair['worker_cores']:.2f}, "
                     f"servers {pair['servers_cores']:.2f})")  # fmt: skip
             proc.stdin.write("quit\n")
             proc.stdin.flush()
