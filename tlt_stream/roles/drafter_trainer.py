@@ -248,26 +248,31 @@ class IdleDrafterTrainer:
         """Move up to `most` new windows from `hidden` into the buffer (or the held-out set), `batch` per
         read: a window is ~40 KB, and replies of a few hundred KB keep every Redis server (and the
         embedded one, which fails on multi-MB replies under load) responsive. The first read waits up to
-        `block_ms` for a window when none is there."""
-        from tlt_stream.drafter.buffer import window_from_message
-
+        `block_ms` for a window when none is there. The windows are decoded and checked in the low-priority
+        thread: that tensor work is most of what the event loop did in idle time, beside a learner's update."""
         taken = 0
         while taken < most:
             wait = block_ms if taken == 0 else 0
             deliveries: list[Delivery[HiddenWindow]] = await self.hidden.read(count=batch, block_ms=wait)
             if not deliveries:
                 return
-            for delivery in deliveries:
-                message = delivery.message
-                window = window_from_message(message)
-                if _held_out(message.sample_id, self.own.holdout_percent) and judgeable(window):
-                    self.holdout = [*self.holdout, window][-self.own.holdout_max :]
-                    self.added["held_out_added"].append(message.sample_id)
-                else:
-                    self.buffer.add(window, message.policy_version)
-                    self.added["windows_added"].append(message.sample_id)
+            await self._low(self._take, [d.message for d in deliveries])
             await self.hidden.ack([d.entry_id for d in deliveries])
             taken += len(deliveries)
+
+    def _take(self, messages: list[HiddenWindow]) -> None:
+        """The windows into the buffer, or the held-out set (runs in the low-priority thread, as training does,
+        so the buffer is never read and written at once)."""
+        from tlt_stream.drafter.buffer import window_from_message
+
+        for message in messages:
+            window = window_from_message(message)
+            if _held_out(message.sample_id, self.own.holdout_percent) and judgeable(window):
+                self.holdout = [*self.holdout, window][-self.own.holdout_max :]
+                self.added["held_out_added"].append(message.sample_id)
+            else:
+                self.buffer.add(window, message.policy_version)
+                self.added["windows_added"].append(message.sample_id)
 
     def _prepare(self, engine: Any, policy_version: int) -> bool:
         """A trainer bound to our policy, holding the newest committed state (runs in a worker thread);
