@@ -142,15 +142,6 @@ async def worker(spec: dict) -> None:
 # ---------------------------------------------------------------------------------------------- the learner
 
 
-def cpu_of(pid: int) -> float:
-    """CPU seconds (user + system) of process `pid`, all its threads."""
-    from plan_load import TICK
-
-    raw = Path(f"/proc/{pid}/stat").read_bytes()
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def expect(proc: subprocess.Popen, word: str) -> str:
     line = proc.stdout.readline().strip()
     if not line.startswith(word):
@@ -161,27 +152,23 @@ def expect(proc: subprocess.Popen, word: str) -> str:
 def fit(pairs: list[dict], warm: int) -> dict:
     """The median of beside / alone over the pairs after the first `warm`, and the cores beside the update."""
     kept = pairs[warm:] or pairs
+
+    def median(key: str) -> float:
+        return statistics.median(p[key] for p in kept)
+
+    def ratio(part: str) -> float:
+        return round(statistics.median(p[f"beside{part}_s"] / p[f"alone{part}_s"] for p in kept), 4)
+
+    seconds = [f"{k}{part}_s" for k in ("alone", "beside") for part in ("", "_step", "_save")]
+    cores = [f"{who}_cores{suffix}" for who in ("worker", "learner", "servers") for suffix in ("", "_alone")]
     return {
-        # below 1 is the machine's noise: the training cannot speed the update
-        "learner_beside_training": round(max(1.0, statistics.median(p["beside_s"] / p["alone_s"] for p in kept)), 4),
+        "learner_beside_training": max(1.0, ratio("")),  # below 1 is the machine's noise: it cannot speed the update
         "ratios": [round(p["beside_s"] / p["alone_s"], 4) for p in kept],
-        "median_over_median": round(
-            statistics.median(p["beside_s"] for p in kept) / statistics.median(p["alone_s"] for p in kept), 4
-        ),
-        "step_ratio": round(statistics.median(p["beside_step_s"] / p["alone_step_s"] for p in kept), 4),
-        "save_ratio": round(statistics.median(p["beside_save_s"] / p["alone_save_s"] for p in kept), 4),
-        **{f"{k}_s": round(statistics.median(p[f"{k}_s"] for p in kept), 4) for k in ("alone", "beside")},
-        **{
-            f"{k}_{part}_s": round(statistics.median(p[f"{k}_{part}_s"] for p in kept), 4)
-            for k in ("alone", "beside")
-            for part in ("step", "save")
-        },
-        "worker_cores": round(statistics.median(p["worker_cores"] for p in kept), 3),
-        "worker_cores_alone": round(statistics.median(p["worker_cores_alone"] for p in kept), 3),
-        "learner_cores": round(statistics.median(p["learner_cores"] for p in kept), 3),
-        "learner_cores_alone": round(statistics.median(p["learner_cores_alone"] for p in kept), 3),
-        "servers_cores": round(statistics.median(p["servers_cores"] for p in kept), 3),
-        "servers_cores_alone": round(statistics.median(p["servers_cores_alone"] for p in kept), 3),
+        "median_over_median": round(median("beside_s") / median("alone_s"), 4),
+        "step_ratio": ratio("_step"),
+        "save_ratio": ratio("_save"),
+        **{key: round(median(key), 4) for key in seconds},
+        **{key: round(median(key), 3) for key in cores},
     }
 
 
@@ -208,6 +195,7 @@ def main() -> None:
 
     import torch
     from plan_fit import learner_batch
+    from plan_load import cpu_of
 
     from tlt_stream.rl.learner import LearnerSettings
     from tlt_stream.rl.sharded import Trainer

@@ -590,6 +590,7 @@ def updates_vs_model(runs: list[dict], engines: list[tuple], stream_engines: lis
     charged here, so its ratio carries them)."""
     from tlt_stream.plan.costs import slowdown
     from tlt_stream.plan.lengths import replay_groups
+    from tlt_stream.plan.project import MODES
     from tlt_stream.rl.records import load_metrics
 
     out: dict = {}
@@ -607,7 +608,8 @@ def updates_vs_model(runs: list[dict], engines: list[tuple], stream_engines: lis
                     continue
                 trained = sum(sum(g) * share for g, share in groups)
                 learn = costs.learn_rows_s(lengths, prompt_len()) * trained / sum(lengths) + costs.optimizer_s
-                beside = costs.learner_beside_training if name in ("b_sync_tlt", "g_sync_partial") else 1.0
+                mode = MODES[name]  # a synchronous update beside the drafter's training (it trains where SD runs)
+                beside = costs.learner_beside_training if mode.sd and not mode.max_staleness else 1.0
                 ratios.append(row["update_seconds"] / (learn * slowdown(costs, "learner", threads, u) * beside))
             per_run.append(round(statistics.median(ratios), 3) if ratios else None)
         out[name] = per_run

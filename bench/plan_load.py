@@ -28,6 +28,13 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` now, all its threads (OSError: it is gone)."""
+    raw = Path(f"/proc/{pid}/stat").read_bytes()
+    fields = raw[raw.rfind(b")") + 2 :].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def cpu_seconds() -> dict[int, float]:
     """CPU seconds (user + system) of every process now, by pid (processes that vanish are skipped)."""
     out = {}
@@ -35,11 +42,9 @@ def cpu_seconds() -> dict[int, float]:
         if not entry.name.isdigit():
             continue
         try:
-            raw = Path(entry.path, "stat").read_bytes()
+            out[int(entry.name)] = cpu_of(int(entry.name))
         except OSError:
             continue
-        fields = raw[raw.rfind(b")") + 2 :].split()  # after the command's name, which may hold spaces
-        out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / TICK
     return out
 
 
