@@ -301,8 +301,24 @@ def contention_of(args: argparse.Namespace) -> dict | None:
     elif "curve" not in raw:
         raw["curve"] = per_kind(raw["points"], lambda _, mine: fit_curve(mine))
     if args.beside:
-        raw["learner_beside_training"] = json.loads(Path(args.beside).read_text())["fit"]["learner_beside_training"]
+        raw["learner_beside_training"] = beside_fit(args.beside)
     return raw
+
+
+def beside_fit(path: str) -> float:
+    """`bench/plan_beside.py`'s fit in `path` (`fit.learner_beside_training`, at least 1); ValueError, in one
+    line, where the file is missing, is not JSON or holds no usable fit."""
+    try:
+        value = json.loads(Path(path).read_text())["fit"]["learner_beside_training"]
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path}: not JSON (bench/plan_beside.py writes it)") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"{path}: no fit.learner_beside_training (not bench/plan_beside.py's output?)") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise ValueError(f"{path}: fit.learner_beside_training is {value!r}, not a slowdown of at least 1")
+    return float(value)
 
 
 def fitted_costs(path: str, contention: dict | None):
@@ -763,6 +779,11 @@ def main() -> None:
     args = p.parse_args()
     if args.beside and not args.contention:
         p.error("--beside needs --contention (it is a contention constant, charged with the rest)")
+    if args.beside:
+        try:
+            beside_fit(args.beside)
+        except ValueError as exc:
+            p.error(f"--beside {exc}")
     if args.probes and not args.calibrated:
         p.error("--probes needs --calibrated (the fits the probes stand beside)")
     global STEP_FIGURE

@@ -8,6 +8,8 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -291,6 +293,34 @@ def test_the_check_charges_the_update_beside_the_drafter_s_training_from_the_ben
 
     assert charged(str(tmp_path / "beside.json")) == 1.17
     assert charged(None) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "cannot read it"),
+        ("{not json", "not JSON"),
+        ('{"points": []}', "no fit.learner_beside_training"),
+        ('{"fit": {"learner_beside_training": 0.8}}', "not a slowdown of at least 1"),
+        ('{"fit": {"learner_beside_training": "fast"}}', "not a slowdown of at least 1"),
+    ],
+)
+def test_a_beside_file_that_is_not_the_bench_s_fit_is_refused_in_one_line(plan_check, tmp_path, content, says):
+    """`--beside` with a missing file, a file that is not JSON, or one without a usable fit: one line naming the
+    file and what is wrong, before any run is read (exit 2, argparse's)."""
+    path = tmp_path / "beside.json"
+    if content is not None:
+        path.write_text(content)
+    (tmp_path / "contention.json").write_text("{}")
+    run = subprocess.run(
+        [sys.executable, str(BENCH.parent / "plan_check.py"), "--e2e-json", str(tmp_path / "absent.json"),
+         "--contention", str(tmp_path / "contention.json"), "--beside", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert str(path) in last and says in last
+    assert "Traceback" not in run.stderr
 
 
 def test_a_run_s_updates_are_set_against_the_model_s_cost_of_their_own_trained_rows(plan_check, tmp_path):
