@@ -34,7 +34,8 @@ streaming: fit both), wall clock, median of `--repeats`:
   padded token of the rows' prompts and tokens);
 - the rollout worker's loop (`fit_loop`, an embedded Redis in its own process): a hop's poll for new tasks ->
   hop_s; the rows in flight published after a hop in which rows finished -> finish_s; a finished group's output
-  (decoded, scored, its samples and a report sent, the task acked) -> group_s.
+  (decoded, scored, its samples and a report sent, the task acked) -> group_s; a finished row's hidden-state
+  window built and sent to `hidden` (where the drafter trains) -> window_s.
 
     flock /tmp/tlt-heavy.lock python bench/plan_fit.py --world artifacts/world --threads 2 \
         --out artifacts/plan/cpu-t2.json
@@ -692,7 +693,9 @@ def fit_loop(world: Path) -> tuple[dict, dict]:
     the rows in flight published to the worker's registry record (`WorkerRegistry.publish`) -> finish_s; a
     finished group's output (its 8
     responses decoded and scored with the world's reward, made samples, sent to `samples` in one pipeline, the
-    task acked, a rollout report sent to `stats`) -> group_s. The responses are real ones of the world's policy."""
+    task acked, a rollout report sent to `stats`) -> group_s; a finished row's hidden-state window built in the
+    wire dtype and sent to `hidden` (`rl.samples.hidden_window`, as a worker that streams the row's states sends
+    it) -> window_s. The responses are real ones of the world's policy, generated with their hidden states."""
     import asyncio
     import subprocess
 
@@ -711,7 +714,9 @@ def fit_loop(world: Path) -> tuple[dict, dict]:
     policy = load_model(world / "policy")
     engine = GenerationEngine(policy, group_size, len(prompt) + 400)
     for i in range(group_size):
-        engine.add_request(prompt, 300, 1.0, seed=i, eos_ids=stop_token_ids(world / "policy", tokenizer))
+        engine.add_request(
+            prompt, 300, 1.0, seed=i, eos_ids=stop_token_ids(world / "policy", tokenizer), return_hidden=True
+        )
     results = []
     while engine.has_work:
         results += engine.step()
@@ -731,20 +736,21 @@ def fit_loop(world: Path) -> tuple[dict, dict]:
     )
     try:
         url = server.stdout.readline().strip()
-        polls, finishes, groups = asyncio.run(_loop_times(url, results, tokenizer, reward, hop))
+        polls, finishes, groups, windows = asyncio.run(_loop_times(url, results, tokenizer, reward, hop))
     finally:
         server.stdin.close()
         server.wait(timeout=30)
-    hop_s, finish_s, group_s = (statistics.median(x) for x in (polls, finishes, groups))
+    hop_s, finish_s, group_s, window_s = (statistics.median(x) for x in (polls, finishes, groups, windows))
     log(
         f"worker loop: {hop_s * 1e3:.2f} ms a poll, {finish_s * 1e3:.2f} ms the rows in flight published, "
-        f"{group_s * 1e3:.1f} ms a group's output"
+        f"{group_s * 1e3:.1f} ms a group's output, {window_s * 1e3:.2f} ms a row's hidden-state window"
     )
-    return {"hop_s": hop_s, "finish_s": finish_s, "group_s": group_s}, {
+    return {"hop_s": hop_s, "finish_s": finish_s, "group_s": group_s, "window_s": window_s}, {
         "loop": {
             "poll_ms": round(hop_s * 1e3, 3),
             "finish_ms": round(finish_s * 1e3, 3),
             "group_ms": round(group_s * 1e3, 2),
+            "window_ms": round(window_s * 1e3, 3),
             "rows": group_size,
         }
     }
@@ -766,14 +772,14 @@ async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[
 
     import redis.asyncio as aioredis
 
-    from tlt_stream.basics.config import BusConfig
+    from tlt_stream.basics.config import DEFAULTS, BusConfig
     from tlt_stream.basics.messages import PromptGroup, RolloutStats
     from tlt_stream.bus.consumer import StreamReader
     from tlt_stream.bus.producer import StreamProducer
     from tlt_stream.bus.registry import WorkerRegistry
     from tlt_stream.bus.streams import Keys
     from tlt_stream.rl.rewards import call_reward
-    from tlt_stream.rl.samples import make_sample
+    from tlt_stream.rl.samples import hidden_window, make_sample
 
     redis = aioredis.Redis.from_url(url)
     keys, bus = Keys(f"planfit-{uuid.uuid4().hex[:8]}"), BusConfig()
@@ -816,11 +822,19 @@ async def _loop_times(url: str, results: list, tokenizer, reward, hop) -> tuple[
                               tokens=1000, seconds=0.5, target_forwards=100)  # fmt: skip
         await producer.send("stats", [report])
         groups.append(CLOCK() - started)
-    for stream in ("prompts", "samples", "stats"):
+    windows = []
+    for i in range(LOOP_GROUPS):
+        result = results[i % len(results)]
+        hop()
+        started = CLOCK()
+        window = hidden_window(result, f"t{i}/{i % len(results)}", 1, dtype=DEFAULTS.rollout.hidden_dtype)
+        await producer.send("hidden", [window])
+        windows.append(CLOCK() - started)
+    for stream in ("prompts", "samples", "stats", "hidden"):
         await redis.delete(keys.stream(stream))
     await redis.delete(keys.worker("worker"))
     await redis.aclose()
-    return polls, finishes, groups
+    return polls, finishes, groups, windows
 
 
 def main() -> None:

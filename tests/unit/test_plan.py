@@ -51,6 +51,27 @@ def test_the_worker_loop_polls_after_each_hop_and_sends_a_finished_group_before_
     assert bare.version_times[1] == pytest.approx(0.2) and "loop" not in bare.worker_seconds(0.0, 0.2)
 
 
+def test_where_the_drafter_trains_each_streamed_row_s_hidden_state_window_costs_its_worker_before_the_group_is_sent():
+    """A group of 4 rows of 10 tokens, SD on: each finished row's window costs `window_s` times the share of rows
+    streamed (`hidden_share`), charged to the worker's loop before the group is sent, so the update starts that
+    much later. Without drafter training, or without SD, no window is sent and nothing is charged. Closed form."""
+    costs = FixedCosts(decode=0.01, round=0.01, learn_per_token=0.002, optimizer_s=0.5, publish_s=0.25)
+    windowed = dataclasses.replace(costs, window_s=0.008)
+    setup = Setup(prompts=1, group_size=4, steps=1, seed=3, max_batch=4, hidden_share=0.5)
+
+    def run(mode: Mode, c: FixedCosts, **change):
+        r = simulate(mode, dataclasses.replace(setup, **change), from_lengths([10] * 4), Acceptance(), c)
+        return r.version_times[1], r.worker_seconds(0.0, r.version_times[1]).get("loop", 0.0)
+
+    (bare, _), (charged, loop) = run(SD, costs), run(SD, windowed)
+    assert charged - bare == pytest.approx(4 * 0.008 * 0.5) and loop == pytest.approx(4 * 0.008 * 0.5)
+    assert run(SD, windowed, train_drafter=False) == pytest.approx(run(SD, costs, train_drafter=False))
+    assert run(PLAIN, windowed) == pytest.approx(run(PLAIN, costs))
+    assert run(SD, windowed, hidden_share=0.0) == pytest.approx((bare, 0.0))
+    with pytest.raises(ValueError, match="hidden_share"):
+        run(SD, windowed, hidden_share=1.5)
+
+
 def test_the_update_costs_only_the_groups_with_a_signal():
     """Groups whose rewards are all equal are left out of the update: it costs the trained share's tokens."""
     costs = FixedCosts(decode=0.01, learn_per_token=0.002, optimizer_s=0.5, publish_s=0.25)

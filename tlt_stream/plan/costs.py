@@ -16,9 +16,10 @@ Every model answers, in seconds:
   `held` response tokens each (beyond the plain `load_s`);
 - `learn_s(tokens, ctx)`: the learner's forward and backward over that many response tokens;
 - `optimizer_s`, `publish_s` (checkpoint written and announced), `load_s` (a worker verifies and loads it);
-- `hop_s`, `finish_s`, `group_s`: the rollout worker's own loop beside its engine: its poll for new tasks after
-  every hop of engine steps, the rows in flight published after a hop in which rows finished, and a finished
-  group's output (decoded, scored, its samples and a report sent, the task acked).
+- `hop_s`, `finish_s`, `group_s`, `window_s`: the rollout worker's own loop beside its engine: its poll for new
+  tasks after every hop of engine steps, the rows in flight published after a hop in which rows finished, a
+  finished group's output (decoded, scored, its samples and a report sent, the task acked), and where the drafter
+  trains, a finished row's hidden-state window built and sent (for the share of rows whose states are streamed).
 
 CPU formulas (b rows, n verified nodes, ctx tokens of context: the batch's longest row's, since the torch
 engine attends every row over the longest, depth d, top-k w):
@@ -98,6 +99,9 @@ class EngineCosts(Protocol):
     group_s: float
     """A finished group's output: its responses decoded and scored, its samples and a report sent, the task
     acked (on the worker, before its next hop; the learner sees the group after it)."""
+    window_s: float
+    """A finished row's hidden-state window built and sent to `hidden` (where the drafter trains, for the rows
+    whose states are streamed, `Setup.hidden_share` of them; on the worker, before its next hop)."""
     cores: float
     """Cores the processes share (inf: each process has its own device)."""
     learner_beside_training: float
@@ -154,6 +158,7 @@ class FixedCosts:
     hop_s: float = 0.0
     finish_s: float = 0.0
     group_s: float = 0.0
+    window_s: float = 0.0
     cores: float = float("inf")
     learner_beside_training: float = 1.0
     padded: bool = False
@@ -265,6 +270,9 @@ class CpuCosts:
     """The rows in flight published after a hop in which rows finished (`EngineCosts.finish_s`)."""
     group_s: float = 0.0
     """A finished group's output on the worker (`EngineCosts.group_s`)."""
+    window_s: float = 0.0
+    """A finished row's hidden-state window built and sent (`EngineCosts.window_s`; 0 in fits made before it was
+    measured)."""
     cores: float = 2.0
     engine_k: tuple[float, ...] = ()
     """Contention: an engine step's extra time per core busy with other work, per thread count (1, 2, ...;
@@ -445,7 +453,7 @@ class CpuCosts:
                 return f"{name} is {getattr(self, name)!r}, not a positive number"
         if not self.learner_beside_training >= 1:
             return f"learner_beside_training is {self.learner_beside_training!r}, below 1 (a slowdown)"
-        measured = ("optimizer_s", "publish_s", "load_s", "hop_s", "finish_s", "group_s", "prefill_step_s")
+        measured = ("optimizer_s", "publish_s", "load_s", "hop_s", "finish_s", "group_s", "window_s", "prefill_step_s")
         for name in (*measured, "prefill_token_s", "catch_up_token_s", "reverify_step_s", "reverify_token_s"):
             if getattr(self, name) < 0:
                 return f"{name} is {getattr(self, name)!r}, a time below zero"

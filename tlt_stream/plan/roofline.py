@@ -125,10 +125,12 @@ class GpuCosts:
     optimizer_s: float = 0.0
     load_s: float = 0.0
     hop_s: float = 0.0
-    """The worker's loop beside its engine (`EngineCosts.hop_s`, `finish_s`, `group_s`): not modelled on a GPU
-    node, where a hop of engine steps takes far longer than a poll of Redis or a group's output."""
+    """The worker's loop beside its engine (`EngineCosts.hop_s`, `finish_s`, `group_s`, `window_s`): not
+    modelled on a GPU node, where a hop of engine steps takes far longer than a poll of Redis or a group's
+    output."""
     finish_s: float = 0.0
     group_s: float = 0.0
+    window_s: float = 0.0
     cores: float = float("inf")
     learner_beside_training: float = 1.0
     """The learner has devices of its own: the drafter's training beside it costs it nothing."""

@@ -20,8 +20,9 @@ system's own rules.
   switch included (`Setup.judged_as_run`).
 - The worker's own loop: after each hop of `steps_per_hop` engine steps (fewer when a row finishes) it polls for
   work (`costs.hop_s`), after a hop in which rows finished it publishes its rows in flight (`costs.finish_s`),
-  and a group whose rows are all done is sent (`costs.group_s`) before its next hop; the
-  learner sees the group once it is sent.
+  where the drafter trains it sends each finished row's hidden-state window (`costs.window_s`, for
+  `hidden_share` of the rows), and a group whose rows are all done is sent (`costs.group_s`) before its next
+  hop; the learner sees the group once it is sent.
 - Drafter training: a worker with nothing to generate holds the training lease (one holder at a time); work
   that arrives preempts it within one training step and the slice's commit (`preempt_s`).
 - Learner: groups join its queue in order of completion; an update takes the first `prompts` groups inside
@@ -104,6 +105,9 @@ class Setup:
     """Work arriving at a worker training the drafter waits this long: the training step in progress and the
     slice's commit (an assumption: the trainer checks for work before every step)."""
     train_drafter: bool = True
+    hidden_share: float = DEFAULTS.rollout.hidden_share
+    """Share of the rows whose hidden-state windows are streamed where the drafter trains (`rollout.hidden_share`):
+    each costs its worker `costs.window_s` when it finishes."""
     colocated: bool = False
     kv_capacity_tokens: int | None = None
     worker_threads: int = 1
@@ -642,6 +646,8 @@ class _Sim:
 
     def row_finished(self, r: _Row, t: float, w: _Worker) -> None:
         self.finished += r.done
+        if self.mode.sd and self.setup.train_drafter:  # its hidden-state window, for the share streamed
+            w.owed += self.costs.window_s * self.setup.hidden_share
         self.last_finish[r.step] = t
         self.group_tokens[r.group] += r.done
         self.group_rows.setdefault(r.group, []).append(r.done)
@@ -652,7 +658,7 @@ class _Sim:
             share = self.group_share.get(r.group, self.setup.trained_share)
             rows = self.group_rows.pop(r.group)
             w.outbox.append((r.step, self.group_version[r.group], tokens, tokens * share, rows if share else []))
-            if not self.costs.group_s:
+            if not self.costs.group_s and not w.owed:  # nothing to send first (its rows' windows: sent before it)
                 self.deliver(w, t)
 
     def send(self, w: _Worker, t: float) -> None:
@@ -742,6 +748,8 @@ def simulate(mode: Mode, setup: Setup, lengths: LengthDist, acceptance: Acceptan
         raise ValueError("prompts, group size, steps, workers and max batch must be positive")
     if setup.group_size > setup.max_batch:
         raise ValueError(f"a group of {setup.group_size} rows does not fit a batch of {setup.max_batch}")
+    if not 0.0 <= setup.hidden_share <= 1.0:
+        raise ValueError(f"hidden_share {setup.hidden_share!r} is not a share in [0, 1]")
     for lens, share in setup.replay:
         if not lens or len(lens) > setup.max_batch or min(lens) < 1 or not 0.0 <= share <= 1.0:
             raise ValueError(f"a replayed group needs 1 to {setup.max_batch} lengths >= 1 and a share in [0, 1]")
