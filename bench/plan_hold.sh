@@ -10,20 +10,21 @@
 # steps (check-mean.json), and each run's model scaled by the probes beside it (check-probes.json), and as a
 # diagnostic each run's engine as fast as its own hops were (check-in-run.json). ~37 min on a quiet machine.
 #
-#   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations
+#   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations, STEPS=8 for longer runs
 #
 # Run it on a quiet machine (no tests, no CI): everything else on the cores is in the measurements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench/plan_hold.sh OUT_DIR}
 reps=${REPS:-3}
+steps=${STEPS:-4}
 py=${PYTHON:-.venv/bin/python}
 mkdir -p "$out/probes"
 export PYTHONPATH=$PWD
 "$py" bench/plan_load.py --match "$out/e2e" --out "$out/load.jsonl" &
 load=$!
 trap 'kill $load 2>/dev/null || true' EXIT
-flock /tmp/tlt-heavy.lock env py="$py" out="$out" reps="$reps" sh -c '
+flock /tmp/tlt-heavy.lock env py="$py" out="$out" reps="$reps" steps="$steps" sh -c '
   set -e
   fit() {  # fit THREADS WHEN, a probe before and after it
     "$py" bench/plan_probe.py --label "fit-t$1-$2-before" --out "$out/probes/fit-t$1-$2-before.json" > /dev/null
@@ -35,7 +36,7 @@ flock /tmp/tlt-heavy.lock env py="$py" out="$out" reps="$reps" sh -c '
   "$py" bench/plan_contention.py --out "$out/contention.json" > "$out/contention.out" 2> "$out/contention.log"
   "$py" bench/plan_beside.py --out "$out/beside.json" > "$out/beside.out" 2> "$out/beside.log"
   TLT_LEARNER__ACCUMULATE=false "$py" bench/e2e.py --only a_sync_plain,b_sync_tlt,c_stream_tlt,g_sync_partial \
-      --steps 4 --eval 0 --reps "$reps" --out "$out/e2e" --probe-dir "$out/probes" > "$out/e2e-reps.json" 2> "$out/e2e.log"
+      --steps "$steps" --eval 0 --reps "$reps" --out "$out/e2e" --probe-dir "$out/probes" > "$out/e2e-reps.json" 2> "$out/e2e.log"
   fit 2 post
   fit 1 post'
 kill $load 2>/dev/null || true
