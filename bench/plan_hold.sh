@@ -8,16 +8,18 @@
 # run from its inputs and the fits around it: check.json, and with the runs' inputs pooled (check-no-replay.json),
 # the update beside the idle training not charged (check-no-beside.json), each run's step figure the mean of its
 # steps (check-mean.json), and each run's model scaled by the probes beside it (check-probes.json), and as a
-# diagnostic each run's engine as fast as its own hops were (check-in-run.json). ~37 min on a quiet machine.
+# diagnostic each run's engine as fast as its own hops were (check-in-run.json). Each run has STEPS steps (default 8:
+# 7 steady steps, whose median a streaming run's unlike steps do not swing as 3 did; holds r11-r36 ran 4).
+# ~48 min on a quiet machine (~40 with STEPS=4).
 #
-#   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations, STEPS=8 for longer runs
+#   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations, STEPS=4 as r11-r36
 #
 # Run it on a quiet machine (no tests, no CI): everything else on the cores is in the measurements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench/plan_hold.sh OUT_DIR}
 reps=${REPS:-3}
-steps=${STEPS:-4}
+steps=${STEPS:-8}
 py=${PYTHON:-.venv/bin/python}
 mkdir -p "$out/probes"
 export PYTHONPATH=$PWD
