@@ -245,6 +245,8 @@ class Result:
 class _Sim:
     def __init__(self, mode: Mode, setup: Setup, lengths: LengthDist, acceptance: Acceptance, costs: EngineCosts):
         self.mode, self.setup, self.acc, self.costs = mode, setup, acceptance, costs
+        self.drafter_trains = mode.sd and setup.train_drafter
+        """The drafter trains online: its rows' hidden-state windows are streamed, idle workers train it."""
         self.rng = random.Random(setup.seed) if setup.seed is not None else None
         self.length_rng = random.Random(setup.seed if setup.seed is not None else 0)
         self.lengths = lengths
@@ -646,7 +648,7 @@ class _Sim:
 
     def row_finished(self, r: _Row, t: float, w: _Worker) -> None:
         self.finished += r.done
-        if self.mode.sd and self.setup.train_drafter:  # its hidden-state window, for the share streamed
+        if self.drafter_trains:  # its hidden-state window, for the share streamed
             w.owed += self.costs.window_s * self.setup.hidden_share
         self.last_finish[r.step] = t
         self.group_tokens[r.group] += r.done
@@ -678,7 +680,7 @@ class _Sim:
     def go_idle(self, w: _Worker, t: float) -> None:
         if w.idle_since is None:
             w.idle_since = t
-        trains = self.mode.sd and self.setup.train_drafter and not (self.setup.colocated and self.learner_busy)
+        trains = self.drafter_trains and not (self.setup.colocated and self.learner_busy)
         if trains and self.lease is None and w.training_since is None:
             self.lease, w.training_since = w.wid, t
 
