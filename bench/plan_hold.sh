@@ -9,7 +9,7 @@
 # the update beside the idle training not charged (check-no-beside.json), each run's step figure the mean of its
 # steps (check-mean.json), and each run's model scaled by the probes beside it (check-probes.json), and as a
 # diagnostic each run's engine as fast as its own hops were (check-in-run.json). Each run has STEPS steps (default 8:
-# 7 steady steps, whose median a streaming run's unlike steps do not swing as 3 did; holds r11-r36 ran 4).
+# 7 steady steps a run where 3 swung on a streaming run's unlike steps; holds r11-r36 ran 4, r37-r40 8).
 # ~48 min on a quiet machine (~40 with STEPS=4).
 #
 #   bash bench/plan_hold.sh artifacts/plan/r13        # REPS=5 for five rotations, STEPS=4 as r11-r36
